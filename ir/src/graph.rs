@@ -1,0 +1,401 @@
+//! The core graph model: what the rest of the project works on once a file has loaded.
+//!
+//! A [`Graph`] is immutable and valid by construction: it is only built by
+//! [`Graph::from_wire`], which validates everything SPEC §3 promises (names resolve, each value
+//! has one producer that runs before its consumers, no cycle, shapes fit in bytes, ...).
+
+use std::fmt;
+
+use crate::{
+    dag::Dag,
+    id::{EntityId, IdVec, ModelId, NodeId, ValueId},
+    ops::{CollectiveKind, OpInfo, TensorRef},
+};
+
+/// The op of a `checkpoint_record` point marker; its `name` attribute names the marker.
+pub const MARKER_OP: &str = "recompute.checkpoint_record.default";
+/// The attribute of a marker node that carries its name.
+pub const MARKER_NAME_ATTR: &str = "name";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    F64,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+    F8E4M3,
+    F8E5M2,
+    C64,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            DType::F64 | DType::I64 | DType::C64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => 1,
+        }
+    }
+
+    /// The torch spelling (`bfloat16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            DType::I64 => "int64",
+            DType::I32 => "int32",
+            DType::I16 => "int16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::Bool => "bool",
+            DType::F8E4M3 => "float8_e4m3fn",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::C64 => "complex64",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Parameter,
+    Buffer,
+    Input,
+    Tangent,
+    Activation,
+    Gradient,
+    Loss,
+}
+
+impl Role {
+    /// Graph inputs are fed from outside; every other value has exactly one producer node.
+    pub fn is_graph_input(self) -> bool {
+        matches!(
+            self,
+            Role::Parameter | Role::Buffer | Role::Input | Role::Tangent
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Parameter => "parameter",
+            Role::Buffer => "buffer",
+            Role::Input => "input",
+            Role::Tangent => "tangent",
+            Role::Activation => "activation",
+            Role::Gradient => "gradient",
+            Role::Loss => "loss",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    Forward,
+    Backward,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Value {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub role: Role,
+    /// `numel × dtype size`, checked at load.
+    pub bytes: u64,
+}
+
+impl Value {
+    pub fn tensor_ref(&self) -> TensorRef<'_> {
+        TensorRef {
+            shape: &self.shape,
+            elem_bytes: self.dtype.size_bytes(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttrValue {
+    Int(i64),
+    Float(f64),
+    Str(String),
+    Bool(bool),
+    Ints(Vec<i64>),
+    Floats(Vec<f64>),
+    Strs(Vec<String>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Attribute {
+    pub name: String,
+    pub value: AttrValue,
+}
+
+/// What an op does to its arguments: the exporter's schema facts merged with the op knowledge
+/// base (either source saying "mutates" or "random" is enough).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Effects {
+    /// Positions into [`Node::inputs`] the op writes.
+    pub mutates: Vec<usize>,
+    /// An `out=` overload: writes a caller-provided buffer.
+    pub writes_out: bool,
+    /// Position of the input the first output is a view of.
+    pub view_of: Option<usize>,
+    pub random: bool,
+    pub collective: Option<CollectiveKind>,
+}
+
+impl Effects {
+    /// A mutable schema (R5): writes an input, an out buffer, or is a mutating collective.
+    pub fn is_mutable(&self) -> bool {
+        !self.mutates.is_empty()
+            || self.writes_out
+            || self.collective == Some(CollectiveKind::Mutating)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    /// `namespace.name.overload`.
+    pub op: String,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    pub attributes: Vec<Attribute>,
+    pub phase: Phase,
+    pub model: ModelId,
+    pub layer: Option<u32>,
+    pub module_path: String,
+    /// The compiled region the op runs in; `None` when it runs in eager.
+    pub compiled_region: Option<String>,
+    pub micro_batch: u32,
+    pub effects: Effects,
+    /// What the op knowledge base knows of `op`.
+    pub info: OpInfo,
+    /// The marker name when this node is a `checkpoint_record` point marker.
+    pub marker: Option<String>,
+    pub stack_trace: Vec<String>,
+}
+
+impl Node {
+    pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
+        self.attributes
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| &a.value)
+    }
+}
+
+/// One recompute unit of a model and the half-open marker intervals it resolves to (R1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    pub name: String,
+    pub intervals: Vec<MarkerInterval>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarkerInterval {
+    pub begin: String,
+    pub end: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Model {
+    pub name: String,
+    /// The enclosing model of a nested one (an MTP block).
+    pub parent: Option<ModelId>,
+    pub num_layers: u32,
+    pub units: Vec<Unit>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Metadata {
+    pub exporter_version: String,
+    pub torch_version: String,
+    pub world_size: u32,
+    pub rank: u32,
+}
+
+/// A validated training graph of one rank. Nodes are in execution order, which is also a
+/// topological order of the data dependencies.
+#[derive(Debug)]
+pub struct Graph {
+    pub(crate) name: String,
+    pub(crate) nodes: IdVec<NodeId, Node>,
+    pub(crate) values: IdVec<ValueId, Value>,
+    pub(crate) models: IdVec<ModelId, Model>,
+    pub(crate) outputs: Vec<ValueId>,
+    pub(crate) metadata: Metadata,
+    pub(crate) producers: IdVec<ValueId, Option<NodeId>>,
+    pub(crate) consumers: Consumers,
+    pub(crate) dag: Dag,
+}
+
+impl Graph {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Nodes in execution order.
+    pub fn nodes(&self) -> &IdVec<NodeId, Node> {
+        &self.nodes
+    }
+
+    pub fn values(&self) -> &IdVec<ValueId, Value> {
+        &self.values
+    }
+
+    pub fn models(&self) -> &IdVec<ModelId, Model> {
+        &self.models
+    }
+
+    pub fn outputs(&self) -> &[ValueId] {
+        &self.outputs
+    }
+
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id]
+    }
+
+    pub fn value(&self, id: ValueId) -> &Value {
+        &self.values[id]
+    }
+
+    pub fn model(&self, id: ModelId) -> &Model {
+        &self.models[id]
+    }
+
+    /// The node that produces `value`; `None` for graph inputs.
+    pub fn producer(&self, value: ValueId) -> Option<NodeId> {
+        self.producers[value]
+    }
+
+    /// The nodes that read `value`, in execution order.
+    pub fn consumers(&self, value: ValueId) -> &[NodeId] {
+        self.consumers.of(value)
+    }
+
+    /// Nodes whose outputs `node` reads (each once), in execution order.
+    pub fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
+        self.dag.predecessors(node)
+    }
+
+    /// Nodes that read an output of `node` (each once), in execution order.
+    pub fn successors(&self, node: NodeId) -> Vec<NodeId> {
+        self.dag.successors(node)
+    }
+
+    pub fn model_by_name(&self, name: &str) -> Option<ModelId> {
+        self.models
+            .iter()
+            .find(|(_, m)| m.name == name)
+            .map(|(id, _)| id)
+    }
+
+    /// Whether `model` is `ancestor` or nested (at any depth) inside it.
+    pub fn is_within(&self, model: ModelId, ancestor: ModelId) -> bool {
+        let mut current = Some(model);
+        while let Some(m) = current {
+            if m == ancestor {
+                return true;
+            }
+            current = self.models[m].parent;
+        }
+        false
+    }
+
+    /// The cost of one execution of `node`, from the op knowledge base.
+    pub fn node_cost(&self, node: NodeId) -> crate::ops::Cost {
+        let node = &self.nodes[node];
+        let refs = |ids: &[ValueId]| -> Vec<TensorRef<'_>> {
+            ids.iter().map(|&v| self.values[v].tensor_ref()).collect()
+        };
+        node.info.cost(&refs(&node.inputs), &refs(&node.outputs))
+    }
+}
+
+/// Consumers of every value in one flat array (compressed rows), in execution order.
+#[derive(Debug, Default)]
+pub(crate) struct Consumers {
+    offsets: Vec<usize>,
+    flat: Vec<NodeId>,
+}
+
+impl Consumers {
+    pub(crate) fn build(num_values: usize, nodes: &IdVec<NodeId, Node>) -> Self {
+        let mut counts = vec![0usize; num_values + 1];
+        for node in nodes.values() {
+            for v in &node.inputs {
+                counts[v.index() + 1] += 1;
+            }
+        }
+        for i in 1..counts.len() {
+            counts[i] += counts[i - 1];
+        }
+        let mut cursor = counts.clone();
+        let mut flat = vec![NodeId::from_index(0); counts[num_values]];
+        for (id, node) in nodes.iter() {
+            for v in &node.inputs {
+                let slot = &mut cursor[v.index()];
+                flat[*slot] = id;
+                *slot += 1;
+            }
+        }
+        let mut consumers = Self {
+            offsets: counts,
+            flat,
+        };
+        consumers.dedup_rows();
+        consumers
+    }
+
+    /// A node reading the same value twice (`mul(x, x)`) is listed once.
+    fn dedup_rows(&mut self) {
+        let mut flat = Vec::with_capacity(self.flat.len());
+        let mut offsets = Vec::with_capacity(self.offsets.len());
+        offsets.push(0);
+        for w in self.offsets.windows(2) {
+            let row = &self.flat[w[0]..w[1]];
+            for (i, &n) in row.iter().enumerate() {
+                if i == 0 || row[i - 1] != n {
+                    flat.push(n);
+                }
+            }
+            offsets.push(flat.len());
+        }
+        self.flat = flat;
+        self.offsets = offsets;
+    }
+
+    fn of(&self, value: ValueId) -> &[NodeId] {
+        let i = value.index();
+        &self.flat[self.offsets[i]..self.offsets[i + 1]]
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,20 @@
+//! The graph IR of the recompute planner (SPEC §3): wire format, validated loading into a
+//! typed core model, the data-dependency DAG and the op knowledge base.
+//!
+//! **Architecture invariant:** this crate never links libtorch; it knows graphs, not tensors.
+
+mod dag;
+pub mod error;
+pub mod graph;
+pub mod id;
+pub mod io;
+pub mod ops;
+mod validate;
+pub mod wire;
+
+pub use error::{LoadError, ValidationError};
+pub use graph::{
+    AttrValue, Attribute, DType, Effects, Graph, MarkerInterval, Metadata, Model, Node, Phase,
+    Role, Unit, Value, MARKER_NAME_ATTR, MARKER_OP,
+};
+pub use id::{EntityId, IdVec, ModelId, NodeId, ValueId};

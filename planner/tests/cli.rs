@@ -1,0 +1,264 @@
+//! The `planner` binary end to end: `inspect` and `convert` on the shipped fixture, and every
+//! kind of malformed file exits 1 with one `error: ...` line naming the problem, never a panic.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+const FIXTURE: &str = "two_layer_moe";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn fixture(ext: &str) -> PathBuf {
+    repo_root().join(format!("tests/fixtures/{FIXTURE}.{ext}"))
+}
+
+fn planner(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_planner"))
+        .args(args.iter().map(|a| a.as_ref()))
+        .output()
+        .expect("the planner binary runs")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Compares `actual` with the golden file, or rewrites it when `UPDATE_GOLDEN=1`.
+fn check_golden(name: &str, actual: &str) {
+    let path = repo_root().join("tests/golden/inspect").join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        expected == actual,
+        "{} differs from the output (re-bless with UPDATE_GOLDEN=1 after checking the change):\n{}",
+        path.display(),
+        line_diff(&expected, actual)
+    );
+}
+
+fn line_diff(expected: &str, actual: &str) -> String {
+    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
+    let mut diff = String::new();
+    for i in 0..e.len().max(a.len()) {
+        match (e.get(i), a.get(i)) {
+            (Some(x), Some(y)) if x == y => {}
+            (x, y) => {
+                diff += &format!(
+                    "line {}:\n- {}\n+ {}\n",
+                    i + 1,
+                    x.unwrap_or(&""),
+                    y.unwrap_or(&"")
+                );
+            }
+        }
+    }
+    diff
+}
+
+/// A scratch file that is removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str, contents: &[u8]) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("planner-cli-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        fs::write(&path, contents).unwrap();
+        Scratch(path)
+    }
+
+    fn empty_path(name: &str) -> Scratch {
+        let s = Scratch::new(name, b"");
+        fs::remove_file(&s.0).unwrap();
+        s
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+/// Exit 1, a single `error: ` first line naming every culprit, and no panic.
+fn assert_clean_error(out: &Output, culprits: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert!(err.starts_with("error: "), "stderr: {err}");
+    assert!(!err.contains("panicked"), "stderr: {err}");
+    for culprit in culprits {
+        assert!(
+            err.contains(culprit),
+            "`{err}` does not mention `{culprit}`"
+        );
+    }
+}
+
+#[test]
+fn inspect_summarises_the_fixture() {
+    let out = planner(&[&"inspect", &fixture("pb")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    check_golden(&format!("{FIXTURE}.txt"), &stdout(&out));
+}
+
+#[test]
+fn inspect_reads_pb_and_json_alike() {
+    let pb = planner(&[&"inspect", &fixture("pb"), &"--format", &"json"]);
+    let json = planner(&[&"inspect", &fixture("json"), &"--format", &"json"]);
+    assert!(pb.status.success() && json.status.success());
+    assert_eq!(stdout(&pb), stdout(&json));
+    let summary: serde_json::Value = serde_json::from_slice(&pb.stdout).expect("JSON summary");
+    assert_eq!(summary["models"][0]["num_layers"], 2);
+    assert!(summary["compiled_regions"]
+        .as_array()
+        .is_some_and(|r| !r.is_empty()));
+    assert!(summary["collectives"]
+        .as_array()
+        .is_some_and(|c| !c.is_empty()));
+}
+
+#[test]
+fn pb_to_json_to_pb_is_byte_identical() {
+    let json = Scratch::empty_path("roundtrip.json");
+    let pb = Scratch::empty_path("roundtrip.pb");
+    assert!(planner(&[&"convert", &fixture("pb"), &json.0])
+        .status
+        .success());
+    assert!(planner(&[&"convert", &json.0, &pb.0]).status.success());
+    assert_eq!(fs::read(fixture("pb")).unwrap(), fs::read(&pb.0).unwrap());
+}
+
+#[test]
+fn the_committed_json_is_the_canonical_form_of_the_committed_pb() {
+    let json = Scratch::empty_path("canonical.json");
+    assert!(planner(&[&"convert", &fixture("pb"), &json.0])
+        .status
+        .success());
+    assert_eq!(
+        fs::read_to_string(fixture("json")).unwrap(),
+        fs::read_to_string(&json.0).unwrap()
+    );
+}
+
+#[test]
+fn an_empty_file_is_an_error() {
+    for name in ["empty.pb", "empty.json"] {
+        let file = Scratch::new(name, b"");
+        assert_clean_error(&planner(&[&"inspect", &file.0]), &[name, "empty"]);
+    }
+}
+
+#[test]
+fn random_bytes_are_an_error() {
+    // A fixed xorshift stream: arbitrary bytes, the same on every run.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..4096)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let file = Scratch::new("random.pb", &bytes);
+    assert_clean_error(&planner(&[&"inspect", &file.0]), &["random.pb", "protobuf"]);
+}
+
+#[test]
+fn a_truncated_protobuf_is_an_error() {
+    let bytes = fs::read(fixture("pb")).unwrap();
+    let file = Scratch::new("truncated.pb", &bytes[..bytes.len() / 2]);
+    assert_clean_error(
+        &planner(&[&"inspect", &file.0]),
+        &["truncated.pb", "protobuf"],
+    );
+}
+
+#[test]
+fn json_of_the_wrong_shape_is_an_error() {
+    let cases: [(&str, &[u8], &str); 4] = [
+        (
+            "list.json",
+            b"[1, 2, 3]",
+            "expected struct recompute.ir.v1.Graph",
+        ),
+        ("field.json", br#"{"nodez": []}"#, "unknown field `nodez`"),
+        ("type.json", br#"{"nodes": 5}"#, "line 1"),
+        ("unclosed.json", b"{\"name\": \"g\", \"nodes\": [", "EOF"),
+    ];
+    for (name, contents, why) in cases {
+        let file = Scratch::new(name, contents);
+        assert_clean_error(&planner(&[&"inspect", &file.0]), &[name, "JSON", why]);
+    }
+}
+
+#[test]
+fn json_in_a_pb_file_gets_a_hint() {
+    let file = Scratch::new("mislabelled.pb", &fs::read(fixture("json")).unwrap());
+    assert_clean_error(&planner(&[&"inspect", &file.0]), &["looks like JSON"]);
+}
+
+#[test]
+fn an_unknown_extension_is_an_error() {
+    let file = Scratch::new("graph.onnx", b"whatever");
+    assert_clean_error(
+        &planner(&[&"inspect", &file.0]),
+        &["graph.onnx", ".pb", ".json"],
+    );
+}
+
+#[test]
+fn a_missing_file_is_an_error() {
+    let file = Scratch::empty_path("missing.pb");
+    assert_clean_error(
+        &planner(&[&"inspect", &file.0]),
+        &["missing.pb", "cannot read"],
+    );
+}
+
+#[test]
+fn an_invalid_graph_is_an_error_naming_the_file_and_the_culprit() {
+    let text = fs::read_to_string(fixture("json")).unwrap();
+    let mut graph: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let first = graph["nodes"][0]["name"].as_str().unwrap().to_owned();
+    graph["nodes"][1]["name"] = first.clone().into();
+    let file = Scratch::new("dup.json", graph.to_string().as_bytes());
+    let culprit = format!("duplicate node name `{first}`");
+    assert_clean_error(&planner(&[&"inspect", &file.0]), &["dup.json", &culprit]);
+    let out = Scratch::empty_path("dup.pb");
+    assert_clean_error(&planner(&[&"convert", &file.0, &out.0]), &[&culprit]);
+    assert!(!out.0.exists(), "an invalid graph must not be written");
+}
+
+#[test]
+fn convert_no_validate_turns_a_broken_graph_into_json() {
+    let text = fs::read_to_string(fixture("json")).unwrap();
+    let mut graph: serde_json::Value = serde_json::from_str(&text).unwrap();
+    graph["nodes"][0]["model"] = "nowhere".into();
+    let broken = Scratch::new("broken.json", graph.to_string().as_bytes());
+    let pb = Scratch::empty_path("broken.pb");
+    let out = planner(&[&"convert", &broken.0, &pb.0, &"--no-validate"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_clean_error(&planner(&[&"inspect", &pb.0]), &["`nowhere`"]);
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let out = planner(&[&"inspect"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = planner(&[&"frobnicate"]);
+    assert_eq!(out.status.code(), Some(2));
+}
