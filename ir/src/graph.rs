@@ -194,7 +194,17 @@ pub struct Node {
     pub stack_trace: Vec<String>,
 }
 
+/// The op of a copy that may cross devices.
+const TO_COPY_OP: &str = "aten._to_copy.default";
+
 impl Node {
+    /// A copy to the host (`_to_copy` with device `cpu`): on a GPU run it synchronises the
+    /// stream, as the routing-count copy of expert-parallel dispatch does (the second seed).
+    pub fn is_device_to_host_copy(&self) -> bool {
+        self.op == TO_COPY_OP
+            && matches!(self.attribute("device"), Some(AttrValue::Str(d)) if d == "cpu" || d.starts_with("cpu:"))
+    }
+
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()
@@ -238,6 +248,7 @@ pub struct Metadata {
 #[derive(Debug)]
 pub struct Graph {
     pub(crate) name: String,
+    pub(crate) fingerprint: String,
     pub(crate) nodes: IdVec<NodeId, Node>,
     pub(crate) values: IdVec<ValueId, Value>,
     pub(crate) models: IdVec<ModelId, Model>,
@@ -251,6 +262,12 @@ pub struct Graph {
 impl Graph {
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// A stable hash of the graph's canonical encoding (32 hex digits): the same graph has the
+    /// same fingerprint whether it was read from `.pb` or `.json` (R11).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// Nodes in execution order.

@@ -2,6 +2,9 @@
 
 use std::collections::{hash_map::Entry, HashMap};
 
+use prost::Message;
+use xxhash_rust::xxh3::xxh3_128;
+
 use crate::{
     dag::Dag,
     error::ValidationError as E,
@@ -21,6 +24,7 @@ impl Graph {
     /// Validates a decoded wire graph and converts it into the core model.
     pub fn from_wire(wire: pb::Graph) -> Result<Graph, E> {
         check_counts(&wire)?;
+        let fingerprint = fingerprint(&wire);
         let models = convert_models(wire.models)?;
         let values = convert_values(wire.values)?;
         let value_ids = index_by_name(&values, |v| &v.name, |name| E::DuplicateValue { name })?;
@@ -46,6 +50,7 @@ impl Graph {
         let consumers = Consumers::build(values.len(), &nodes);
         Ok(Graph {
             name: wire.name,
+            fingerprint,
             nodes,
             values,
             models,
@@ -56,6 +61,11 @@ impl Graph {
             dag,
         })
     }
+}
+
+/// xxh3-128 of prost's canonical encoding, so `.pb` and `.json` of one graph agree.
+fn fingerprint(wire: &pb::Graph) -> String {
+    format!("{:032x}", xxh3_128(&wire.encode_to_vec()))
 }
 
 fn check_counts(wire: &pb::Graph) -> Result<(), E> {

@@ -3,6 +3,13 @@
 //!
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
+pub mod config;
 pub mod convert;
+pub mod diagnostics;
+pub mod diff;
 pub mod inspect;
+pub mod partition;
+pub mod plan;
+pub mod policy;
+pub mod render;
 pub mod units;

@@ -1,10 +1,16 @@
-//! The `planner` command line (SPEC §8). Exit codes: 0 success, 1 bad input or configuration
-//! (`error: ...` on stderr), 2 usage.
+//! The `planner` command line (SPEC §8). Exit codes: 0 success (warnings allowed), 1 bad input
+//! or configuration (`error: ...` on stderr) or, for `diff`, plans that differ, 2 usage, 3
+//! `--deny-warnings` with warnings present.
 
-use std::{io::Write, path::PathBuf, process::ExitCode};
+use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use planner::{convert, inspect};
+use planner::{
+    config::{self, Collectives, Keep, PlanConfig},
+    convert, diff, inspect,
+    plan::{self, Plan},
+    render,
+};
 
 #[derive(Parser)]
 #[command(
@@ -19,6 +25,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Plan selective checkpointing: per-op decisions, saved set, replay, diagnostics
+    Plan(PlanArgs),
+    /// Per-node decision changes between two plans (`.json` or `.pb`); exits 1 if any
+    Diff { old: PathBuf, new: PathBuf },
     /// Summarise a graph: models, layers, markers, units, compiled regions, ops
     Inspect {
         /// Graph file (`.pb` or `.json`)
@@ -42,19 +52,74 @@ enum Format {
     Json,
 }
 
+#[derive(clap::Args)]
+struct PlanArgs {
+    /// Graph file (`.pb` or `.json`)
+    graph: PathBuf,
+    /// Units to keep: `none` (default: whole-layer recompute), `all`, or names such as
+    /// `save_attn,save_dsa_indexer` (case-insensitive; repeatable)
+    #[arg(long, value_name = "UNITS")]
+    keep: Vec<String>,
+    /// Checkpoint layers with index < floor(RATIO × layers) of each model
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0)]
+    recompute_ratio: f64,
+    /// Whether functional collectives and device-to-host syncs re-run in replay or are saved
+    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
+    collectives: CollectivesArg,
+    #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
+    format: PlanFormat,
+    /// Write the plan to FILE instead of stdout
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    output: Option<PathBuf>,
+    /// Exit 3 when the plan has warnings
+    #[arg(long)]
+    deny_warnings: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CollectivesArg {
+    Recompute,
+    Save,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PlanFormat {
+    Text,
+    Json,
+    Pb,
+    Dot,
+}
+
+/// How a command ended, when not in plain success.
+enum Failure {
+    /// Exit 1 with `error: ...` on stderr.
+    Error(String),
+    /// Exit with this status; what needed saying was said.
+    Status(u8),
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Error(message)
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        Err(Failure::Error(message)) => {
             eprintln!("error: {message}");
             ExitCode::from(1)
         }
+        Err(Failure::Status(code)) => ExitCode::from(code),
     }
 }
 
-fn run(command: Command) -> Result<(), String> {
+fn run(command: Command) -> Result<(), Failure> {
     match command {
+        Command::Plan(args) => run_plan(args),
+        Command::Diff { old, new } => run_diff(&old, &new),
         Command::Inspect { graph, format } => {
             let graph = ir::io::load(&graph).map_err(|e| e.to_string())?;
             let summary = inspect::summarize(&graph);
@@ -67,19 +132,86 @@ fn run(command: Command) -> Result<(), String> {
                     json
                 }
             };
-            write_stdout(&text)
+            Ok(write_stdout(text.as_bytes())?)
         }
         Command::Convert {
             input,
             output,
             no_validate,
-        } => convert::convert(&input, &output, !no_validate).map_err(|e| e.to_string()),
+        } => Ok(convert::convert(&input, &output, !no_validate).map_err(|e| e.to_string())?),
+    }
+}
+
+fn run_plan(args: PlanArgs) -> Result<(), Failure> {
+    // Configuration errors come before any other work (R2).
+    let keep = Keep::parse(&args.keep).map_err(|e| e.to_string())?;
+    let recompute_ratio = config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?;
+    let config = PlanConfig {
+        keep,
+        recompute_ratio,
+        collectives: match args.collectives {
+            CollectivesArg::Recompute => Collectives::Recompute,
+            CollectivesArg::Save => Collectives::Save,
+        },
+    };
+    let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
+    let plan = plan::plan(&graph, &config).map_err(|e| e.to_string())?;
+    if plan.has_errors() {
+        report_errors(&plan);
+        return Err(Failure::Status(1));
+    }
+    let bytes = match args.format {
+        PlanFormat::Text => render::text(&plan).into_bytes(),
+        PlanFormat::Json => render::json(&plan).into_bytes(),
+        PlanFormat::Pb => render::protobuf(&plan),
+        PlanFormat::Dot => render::dot(&graph, &plan).into_bytes(),
+    };
+    match &args.output {
+        Some(path) => {
+            fs::write(path, &bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?
+        }
+        None => write_stdout(&bytes)?,
+    }
+    if args.format != PlanFormat::Text || args.output.is_some() {
+        report_warnings(&plan);
+    }
+    if args.deny_warnings && plan.has_warnings() {
+        eprintln!("error: the plan has warnings and --deny-warnings is set");
+        return Err(Failure::Status(3));
+    }
+    Ok(())
+}
+
+/// An error diagnostic rejects the configuration: say so on stderr, one block per error.
+fn report_errors(plan: &Plan) {
+    for d in plan.diagnostics.iter().filter(|d| d.level == "error") {
+        eprintln!("error: {}: {}", d.code, d.message);
+        eprintln!("  hint: {}", d.hint);
+    }
+}
+
+/// When the plan goes to a file or a machine format, warnings still reach the human.
+fn report_warnings(plan: &Plan) {
+    for d in plan.diagnostics.iter().filter(|d| d.level != "error") {
+        eprintln!("{}[{}]: {}", d.level, d.code, d.message);
+    }
+}
+
+fn run_diff(old: &std::path::Path, new: &std::path::Path) -> Result<(), Failure> {
+    let old = diff::read_plan(old)?;
+    let new = diff::read_plan(new)?;
+    let changes = diff::diff(&old, &new);
+    write_stdout(diff::report(&old, &new, &changes).as_bytes())?;
+    if changes.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::Status(1))
     }
 }
 
 /// Writes to stdout; a closed pipe (`planner inspect g.pb | head`) is not an error.
-fn write_stdout(text: &str) -> Result<(), String> {
-    match std::io::stdout().lock().write_all(text.as_bytes()) {
+fn write_stdout(bytes: &[u8]) -> Result<(), String> {
+    match std::io::stdout().lock().write_all(bytes) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         Err(e) => Err(format!("cannot write to stdout: {e}")),

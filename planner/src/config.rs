@@ -1,0 +1,258 @@
+//! What the user asked for (R1–R3, R5), resolved against the graph's models before any
+//! planning work.
+
+use std::fmt;
+
+use ir::{Graph, IdVec, ModelId};
+use thiserror::Error;
+
+/// `--keep`: tri-state (R2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keep {
+    /// No `--keep`, or `--keep none`: keep nothing anywhere, nested models included; this is
+    /// whole-layer recompute.
+    Nothing,
+    /// `--keep all`: every unit each model declares.
+    All,
+    /// Exactly these units (upper-case, deduplicated, in the order given).
+    Units(Vec<String>),
+}
+
+impl Keep {
+    /// Parses the `--keep` values: `none`, `all`, or unit names (case-insensitive, R1). An
+    /// empty list is `none`.
+    pub fn parse(values: &[String]) -> Result<Keep, ConfigError> {
+        let names: Vec<String> = values
+            .iter()
+            .flat_map(|v| v.split(','))
+            .map(|v| v.trim().to_ascii_uppercase())
+            .filter(|v| !v.is_empty())
+            .collect();
+        match names.as_slice() {
+            [] => Ok(Keep::Nothing),
+            [one] if one == "NONE" => Ok(Keep::Nothing),
+            [one] if one == "ALL" => Ok(Keep::All),
+            _ if names.iter().any(|n| n == "NONE" || n == "ALL") => {
+                Err(ConfigError::MixedKeep { values: names })
+            }
+            _ => {
+                let mut units: Vec<String> = Vec::with_capacity(names.len());
+                for name in names {
+                    if !units.contains(&name) {
+                        units.push(name);
+                    }
+                }
+                Ok(Keep::Units(units))
+            }
+        }
+    }
+
+    /// The names as the plan records them: `[]` for nothing, `["ALL"]` for all.
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Keep::Nothing => Vec::new(),
+            Keep::All => vec!["ALL".to_owned()],
+            Keep::Units(units) => units.clone(),
+        }
+    }
+}
+
+/// `--collectives` (R5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Collectives {
+    /// Every collective re-runs in replay (default).
+    #[default]
+    Recompute,
+    /// Functional collectives and device-to-host syncs of routing counts are saved in
+    /// checkpointed layers, as the second seed's op-list policy does. Mutating collectives are
+    /// never saved.
+    Save,
+}
+
+impl fmt::Display for Collectives {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Collectives::Recompute => "recompute",
+            Collectives::Save => "save",
+        })
+    }
+}
+
+/// Everything that shapes a plan besides the graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanConfig {
+    pub keep: Keep,
+    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed (R3).
+    pub recompute_ratio: f64,
+    pub collectives: Collectives,
+}
+
+impl Default for PlanConfig {
+    fn default() -> Self {
+        PlanConfig {
+            keep: Keep::Nothing,
+            recompute_ratio: 1.0,
+            collectives: Collectives::Recompute,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ConfigError {
+    #[error(
+        "unknown unit {}; this graph's models declare: {}",
+        quoted(unknown),
+        list_or_none(valid)
+    )]
+    UnknownUnit {
+        unknown: Vec<String>,
+        valid: Vec<String>,
+    },
+    #[error("--keep takes `none`, `all` or a list of units, not a mix: {}", values.join(","))]
+    MixedKeep { values: Vec<String> },
+    #[error("--recompute-ratio must be between 0 and 1, got {ratio}")]
+    Ratio { ratio: String },
+}
+
+fn quoted(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "no units".to_owned()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Checks `--recompute-ratio`.
+pub fn check_ratio(ratio: f64) -> Result<f64, ConfigError> {
+    if (0.0..=1.0).contains(&ratio) {
+        Ok(ratio)
+    } else {
+        Err(ConfigError::Ratio {
+            ratio: ratio.to_string(),
+        })
+    }
+}
+
+/// The configuration resolved per model: which of its units are kept and which of its layers
+/// are checkpointed.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// Per model, the indices (into `Model::units`) of the kept units.
+    pub kept_units: IdVec<ModelId, Vec<usize>>,
+    /// Per model, layers `< checkpointed_layers` are checkpointed.
+    pub checkpointed_layers: IdVec<ModelId, u32>,
+}
+
+impl Resolved {
+    pub fn is_checkpointed(&self, model: ModelId, layer: Option<u32>) -> bool {
+        layer.is_some_and(|l| l < self.checkpointed_layers[model])
+    }
+}
+
+/// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones (R2).
+pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigError> {
+    if let Keep::Units(requested) = &config.keep {
+        let valid = declared_units(graph);
+        let unknown: Vec<String> = requested
+            .iter()
+            .filter(|u| !valid.contains(u))
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Err(ConfigError::UnknownUnit { unknown, valid });
+        }
+    }
+    let kept_units = IdVec::from_vec(
+        graph
+            .models()
+            .values()
+            .map(|model| {
+                model
+                    .units
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, unit)| match &config.keep {
+                        Keep::Nothing => false,
+                        Keep::All => true,
+                        Keep::Units(units) => units.contains(&unit.name.to_ascii_uppercase()),
+                    })
+                    .map(|(i, _)| i)
+                    .collect()
+            })
+            .collect(),
+    );
+    let checkpointed_layers = IdVec::from_vec(
+        graph
+            .models()
+            .values()
+            .map(|m| checkpointed_layer_count(config.recompute_ratio, m.num_layers))
+            .collect(),
+    );
+    Ok(Resolved {
+        kept_units,
+        checkpointed_layers,
+    })
+}
+
+/// `floor(ratio × num_layers)`, as the first seed's framework computes it.
+pub fn checkpointed_layer_count(ratio: f64, num_layers: u32) -> u32 {
+    // ratio is in [0, 1], so the product is in [0, num_layers].
+    (ratio * f64::from(num_layers)).floor() as u32
+}
+
+/// Upper-case unit names declared by any model of the graph, sorted.
+pub fn declared_units(graph: &Graph) -> Vec<String> {
+    let mut units: Vec<String> = graph
+        .models()
+        .values()
+        .flat_map(|m| m.units.iter().map(|u| u.name.to_ascii_uppercase()))
+        .collect();
+    units.sort();
+    units.dedup();
+    units
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keep(values: &[&str]) -> Result<Keep, ConfigError> {
+        Keep::parse(&values.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn r2_keep_is_tri_state_and_case_insensitive() {
+        assert_eq!(keep(&[]), Ok(Keep::Nothing));
+        assert_eq!(keep(&["none"]), Ok(Keep::Nothing));
+        assert_eq!(keep(&["All"]), Ok(Keep::All));
+        assert_eq!(
+            keep(&["save_dsa_indexer,SAVE_attn", "save_attn"]),
+            Ok(Keep::Units(vec![
+                "SAVE_DSA_INDEXER".into(),
+                "SAVE_ATTN".into()
+            ]))
+        );
+        assert!(matches!(
+            keep(&["all", "save_attn"]),
+            Err(ConfigError::MixedKeep { .. })
+        ));
+    }
+
+    #[test]
+    fn r3_ratio_selects_the_floor_of_ratio_times_layers() {
+        assert_eq!(checkpointed_layer_count(1.0, 61), 61);
+        assert_eq!(checkpointed_layer_count(0.5, 61), 30);
+        assert_eq!(checkpointed_layer_count(0.0, 61), 0);
+        assert_eq!(checkpointed_layer_count(0.99, 2), 1);
+        assert!(check_ratio(1.5).is_err());
+        assert!(check_ratio(f64::NAN).is_err());
+    }
+}

@@ -1,0 +1,351 @@
+//! Partition of a joint graph into forward / replay / backward (R8, R9), and the verifier that
+//! proves it closed.
+//!
+//! Saved = exactly the forward values backward needs, directly or through replay, that are
+//! available without re-running anything: kept outputs, checkpointed layers' inputs, outputs of
+//! ops outside checkpointed layers, parameters and graph inputs. Every other value backward
+//! needs is produced by a replay subgraph of its layer, scheduled just before the first backward
+//! node that reads what the replay produces.
+
+use std::collections::BTreeMap;
+
+use ir::{EntityId, Graph, ModelId, NodeId, Phase, ValueId};
+use thiserror::Error;
+
+use crate::policy::{Decision, Policy, Reason};
+
+/// Why a forward value is resident when backward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum SavedKind {
+    /// Output of an op the policy kept.
+    Kept,
+    /// Input of a checkpointed layer (what whole-layer recompute saves).
+    LayerInput,
+    /// Output of an op outside checkpointed layers (plain autograd saving).
+    NotCheckpointed,
+    /// Output of a recomputed op that writes a resident tensor in place: replaying it would
+    /// corrupt that tensor, so its output is saved instead.
+    WritesResident,
+    Parameter,
+    /// A graph input other than a parameter (data, buffers, tangents).
+    GraphInput,
+}
+
+impl SavedKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SavedKind::Kept => "kept",
+            SavedKind::LayerInput => "layer-input",
+            SavedKind::NotCheckpointed => "not-checkpointed",
+            SavedKind::WritesResident => "writes-resident",
+            SavedKind::Parameter => "parameter",
+            SavedKind::GraphInput => "graph-input",
+        }
+    }
+
+    /// Activation memory (as opposed to parameters and inputs, which are resident anyway).
+    pub fn is_activation(self) -> bool {
+        matches!(
+            self,
+            SavedKind::Kept
+                | SavedKind::LayerInput
+                | SavedKind::NotCheckpointed
+                | SavedKind::WritesResident
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Saved {
+    pub value: ValueId,
+    pub kind: SavedKind,
+}
+
+/// The forward nodes one checkpointed layer re-executes in backward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replay {
+    pub model: ModelId,
+    pub layer: u32,
+    /// Forward nodes in execution order.
+    pub nodes: Vec<NodeId>,
+    /// The first backward node that reads a value this replay produces; it runs just before.
+    pub before: NodeId,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partition {
+    /// In value order.
+    pub saved: Vec<Saved>,
+    /// In schedule order (by `before`, then model and layer).
+    pub replays: Vec<Replay>,
+}
+
+/// The partition is not closed: a bug in the planner, never a user error.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PartitionError {
+    #[error("backward node `{node}` reads `{value}`, which is neither saved, a graph input, produced by a replay scheduled before it, nor produced earlier in backward")]
+    Unavailable { node: String, value: String },
+    #[error("replay node `{node}` reads `{value}`, which is neither saved, a graph input, nor produced earlier in the same replay")]
+    ReplayInputUnavailable { node: String, value: String },
+    #[error("replay holds `{node}`, which the policy decided to {decision}")]
+    ReplaysNonRecompute {
+        node: String,
+        decision: &'static str,
+    },
+    #[error("replay node `{node}` mutates `{value}`, which that replay does not produce")]
+    ReplayMutatesOutside { node: String, value: String },
+}
+
+/// Whether the graph has a backward phase to partition.
+pub fn is_joint(graph: &Graph) -> bool {
+    graph.nodes().values().any(|n| n.phase == Phase::Backward)
+}
+
+/// Partitions a joint graph under `policy`.
+pub fn partition(graph: &Graph, policy: &Policy) -> Partition {
+    let mut state = Builder::new(graph, policy);
+    for (id, node) in graph.nodes().iter() {
+        if node.phase == Phase::Backward {
+            for &v in &node.inputs {
+                state.need(v, id);
+            }
+        }
+    }
+    state.finish()
+}
+
+/// How a forward value reaches backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Unvisited,
+    /// Resident: saved (or a graph input).
+    Saved(SavedKind),
+    /// Produced by the replay of its producer's layer.
+    Replayed,
+    /// Produced in backward.
+    Backward,
+}
+
+struct Builder<'a> {
+    graph: &'a Graph,
+    policy: &'a Policy,
+    source: Vec<Source>,
+    in_replay: Vec<bool>,
+    /// Per (model, layer): the first backward node needing that layer's replay.
+    first_use: BTreeMap<(ModelId, u32), NodeId>,
+}
+
+impl<'a> Builder<'a> {
+    fn new(graph: &'a Graph, policy: &'a Policy) -> Self {
+        Builder {
+            graph,
+            policy,
+            source: vec![Source::Unvisited; graph.values().len()],
+            in_replay: vec![false; graph.nodes().len()],
+            first_use: BTreeMap::new(),
+        }
+    }
+
+    /// Makes `value` available to backward node `user`: saved if it can be, else replayed.
+    fn need(&mut self, value: ValueId, user: NodeId) {
+        let mut stack = vec![value];
+        while let Some(v) = stack.pop() {
+            if self.source[v.index()] == Source::Replayed {
+                self.note_use(v, user);
+                continue;
+            }
+            if self.source[v.index()] != Source::Unvisited {
+                continue;
+            }
+            let source = self.classify(v);
+            self.source[v.index()] = source;
+            if source != Source::Replayed {
+                continue;
+            }
+            self.note_use(v, user);
+            let producer = self
+                .graph
+                .producer(v)
+                .expect("replayed values have a producer");
+            if !self.in_replay[producer.index()] {
+                self.in_replay[producer.index()] = true;
+                stack.extend(self.graph.node(producer).inputs.iter().copied());
+            }
+        }
+    }
+
+    /// Where `value` comes from, without replay if possible.
+    fn classify(&self, value: ValueId) -> Source {
+        let graph = self.graph;
+        let Some(producer) = graph.producer(value) else {
+            return Source::Saved(match graph.value(value).role {
+                ir::Role::Parameter => SavedKind::Parameter,
+                _ => SavedKind::GraphInput,
+            });
+        };
+        let node = graph.node(producer);
+        if node.phase == Phase::Backward {
+            return Source::Backward;
+        }
+        match self.policy.decision(producer) {
+            Some(Decision::Save) => Source::Saved(SavedKind::Kept),
+            Some(Decision::NoCheckpoint) | None => Source::Saved(SavedKind::NotCheckpointed),
+            Some(Decision::Recompute) if self.leaves_its_layer(value, producer) => {
+                Source::Saved(SavedKind::LayerInput)
+            }
+            Some(Decision::Recompute) if self.writes_resident(producer) => {
+                Source::Saved(SavedKind::WritesResident)
+            }
+            Some(Decision::Recompute) => Source::Replayed,
+        }
+    }
+
+    /// A recomputed value read by a forward node of another layer is that layer's input, which
+    /// whole-layer checkpointing saves (R9).
+    fn leaves_its_layer(&self, value: ValueId, producer: NodeId) -> bool {
+        let p = self.graph.node(producer);
+        self.graph.consumers(value).iter().any(|&c| {
+            let c = self.graph.node(c);
+            c.phase == Phase::Forward && (c.model, c.layer) != (p.model, p.layer)
+        })
+    }
+
+    /// Whether `node` writes in place a tensor that is resident rather than replayed.
+    fn writes_resident(&self, node: NodeId) -> bool {
+        let node = self.graph.node(node);
+        node.effects
+            .mutates
+            .iter()
+            .any(|&p| matches!(self.classify(node.inputs[p]), Source::Saved(_)))
+    }
+
+    /// The first backward use of a value produced by replay schedules its layer's replay.
+    fn note_use(&mut self, value: ValueId, user: NodeId) {
+        let Some(producer) = self.graph.producer(value) else {
+            return;
+        };
+        let node = self.graph.node(producer);
+        let Some(layer) = node.layer else { return };
+        let first = self.first_use.entry((node.model, layer)).or_insert(user);
+        if user < *first {
+            *first = user;
+        }
+    }
+
+    fn finish(self) -> Partition {
+        let saved = self
+            .source
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Source::Saved(kind) => Some(Saved {
+                    value: ValueId::from_index(i),
+                    kind: *kind,
+                }),
+                _ => None,
+            })
+            .collect();
+        let mut by_layer: BTreeMap<(ModelId, u32), Vec<NodeId>> = BTreeMap::new();
+        for (id, node) in self.graph.nodes().iter() {
+            if self.in_replay[id.index()] {
+                // Replayed nodes are recomputed ones, which only exist in layers.
+                let layer = node.layer.unwrap_or_default();
+                by_layer.entry((node.model, layer)).or_default().push(id);
+            }
+        }
+        let mut replays: Vec<Replay> = by_layer
+            .into_iter()
+            .map(|((model, layer), nodes)| Replay {
+                model,
+                layer,
+                before: self.first_use[&(model, layer)],
+                nodes,
+            })
+            .collect();
+        replays.sort_by_key(|r| (r.before, r.model, r.layer));
+        Partition { saved, replays }
+    }
+}
+
+/// Proves the partition closed (R8): every value a backward node reads is saved, a graph input,
+/// produced by a replay scheduled before it or produced earlier in backward; every replay input
+/// is saved, a graph input or produced earlier in the same replay; replay holds only recomputed
+/// ops, and a mutable op in replay writes only what that replay produced.
+pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(), PartitionError> {
+    let mut resident = vec![false; graph.values().len()];
+    for s in &partition.saved {
+        resident[s.value.index()] = true;
+    }
+    for (id, value) in graph.values().iter() {
+        if graph.producer(id).is_none() {
+            resident[id.index()] = value.role.is_graph_input();
+        }
+    }
+    let mut replays = partition.replays.iter().peekable();
+    for (id, node) in graph.nodes().iter() {
+        if node.phase != Phase::Backward {
+            continue;
+        }
+        while let Some(replay) = replays.next_if(|r| r.before <= id) {
+            verify_replay(graph, policy, replay, &mut resident)?;
+        }
+        for &v in &node.inputs {
+            if !resident[v.index()] {
+                return Err(PartitionError::Unavailable {
+                    node: node.name.clone(),
+                    value: graph.value(v).name.clone(),
+                });
+            }
+        }
+        for &v in &node.outputs {
+            resident[v.index()] = true;
+        }
+    }
+    Ok(())
+}
+
+fn verify_replay(
+    graph: &Graph,
+    policy: &Policy,
+    replay: &Replay,
+    resident: &mut [bool],
+) -> Result<(), PartitionError> {
+    let mut produced_here = vec![false; graph.values().len()];
+    for &id in &replay.nodes {
+        let node = graph.node(id);
+        match policy.nodes[id] {
+            Some(p) if p.decision == Decision::Recompute && p.reason != Reason::SavedCollective => {
+            }
+            other => {
+                return Err(PartitionError::ReplaysNonRecompute {
+                    node: node.name.clone(),
+                    decision: other.map_or("leave undecided", |p| p.decision.name()),
+                })
+            }
+        }
+        for &v in &node.inputs {
+            if !resident[v.index()] && !produced_here[v.index()] {
+                return Err(PartitionError::ReplayInputUnavailable {
+                    node: node.name.clone(),
+                    value: graph.value(v).name.clone(),
+                });
+            }
+        }
+        for &p in &node.effects.mutates {
+            let written = node.inputs[p];
+            if !produced_here[written.index()] {
+                return Err(PartitionError::ReplayMutatesOutside {
+                    node: node.name.clone(),
+                    value: graph.value(written).name.clone(),
+                });
+            }
+        }
+        for &v in &node.outputs {
+            produced_here[v.index()] = true;
+        }
+    }
+    for (i, produced) in produced_here.into_iter().enumerate() {
+        resident[i] |= produced;
+    }
+    Ok(())
+}

@@ -1,0 +1,316 @@
+//! `planner plan`: config -> policy -> partition -> diagnostics, assembled into a [`Plan`], the
+//! document every output format renders (JSON keys are SPEC §8's and stable).
+
+use std::collections::BTreeMap;
+
+use ir::{Graph, NodeId};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::{
+    config::{self, ConfigError, PlanConfig},
+    diagnostics::{self, Diagnostic, Level},
+    partition::{self, Partition, PartitionError},
+    policy::{self, Decision, Policy},
+};
+
+pub const PLANNER_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub planner_version: String,
+    pub graph: GraphRef,
+    pub config: ConfigDoc,
+    /// False for a forward-only graph, which gets decisions and diagnostics but no partition.
+    pub joint: bool,
+    pub nodes: Vec<NodeDoc>,
+    pub saved: Vec<SavedDoc>,
+    pub replay: Vec<ReplayDoc>,
+    pub units: Vec<UnitDoc>,
+    pub memory: MemoryDoc,
+    pub diagnostics: Vec<DiagnosticDoc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphRef {
+    pub name: String,
+    pub fingerprint: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigDoc {
+    pub keep: Vec<String>,
+    pub recompute_ratio: f64,
+    pub collectives: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeDoc {
+    pub name: String,
+    pub op: String,
+    pub model: String,
+    pub layer: Option<u32>,
+    pub decision: String,
+    pub reason: String,
+    pub unit: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedDoc {
+    pub value: String,
+    pub bytes: u64,
+    pub layer: Option<u32>,
+    pub kind: String,
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayDoc {
+    pub model: String,
+    pub layer: u32,
+    pub nodes: Vec<String>,
+    pub before: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitDoc {
+    pub model: String,
+    pub unit: String,
+    pub kept_ops: u64,
+    pub saved_bytes: u64,
+    pub layers: Vec<UnitLayerDoc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitLayerDoc {
+    pub layer: u32,
+    pub kept_ops: u64,
+    pub saved_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryDoc {
+    /// Activation bytes saved for backward (parameters and graph inputs excluded).
+    pub saved_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiagnosticDoc {
+    pub level: String,
+    pub code: String,
+    pub model: String,
+    pub unit: Option<String>,
+    pub message: String,
+    pub hint: String,
+}
+
+#[derive(Debug, Error)]
+pub enum PlanError {
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    #[error("internal error, please report it: the partition is not closed: {0}")]
+    Partition(#[from] PartitionError),
+}
+
+impl Plan {
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics
+            .iter()
+            .any(|d| d.level == Level::Error.name())
+    }
+
+    pub fn has_warnings(&self) -> bool {
+        self.diagnostics
+            .iter()
+            .any(|d| d.level == Level::Warning.name())
+    }
+}
+
+/// Plans `graph` under `config` (SPEC §4).
+pub fn plan(graph: &Graph, config: &PlanConfig) -> Result<Plan, PlanError> {
+    let resolved = config::resolve(graph, config)?;
+    let policy = policy::apply(graph, config, &resolved);
+    let partition = if partition::is_joint(graph) {
+        let partition = partition::partition(graph, &policy);
+        partition::verify(graph, &policy, &partition)?;
+        Some(partition)
+    } else {
+        None
+    };
+    let diagnostics = diagnostics::diagnose(
+        graph,
+        config,
+        &resolved,
+        &policy.findings,
+        partition.as_ref(),
+    );
+    Ok(assemble(
+        graph,
+        config,
+        &policy,
+        partition.as_ref(),
+        diagnostics,
+    ))
+}
+
+fn assemble(
+    graph: &Graph,
+    config: &PlanConfig,
+    policy: &Policy,
+    partition: Option<&Partition>,
+    diagnostics: Vec<Diagnostic>,
+) -> Plan {
+    let saved = partition.map_or_else(Vec::new, |p| saved_docs(graph, p));
+    Plan {
+        planner_version: PLANNER_VERSION.to_owned(),
+        graph: GraphRef {
+            name: graph.name().to_owned(),
+            fingerprint: graph.fingerprint().to_owned(),
+        },
+        config: ConfigDoc {
+            keep: config.keep.names(),
+            recompute_ratio: config.recompute_ratio,
+            collectives: config.collectives.to_string(),
+        },
+        joint: partition.is_some(),
+        nodes: node_docs(graph, policy),
+        replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p)),
+        units: unit_docs(graph, policy, partition),
+        memory: MemoryDoc {
+            saved_bytes: partition.map_or(0, |p| saved_activation_bytes(graph, p)),
+        },
+        saved,
+        diagnostics: diagnostics.into_iter().map(diagnostic_doc).collect(),
+    }
+}
+
+fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
+    partition
+        .saved
+        .iter()
+        .filter(|s| s.kind.is_activation())
+        .fold(0u64, |acc, s| {
+            acc.saturating_add(graph.value(s.value).bytes)
+        })
+}
+
+fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
+    graph
+        .nodes()
+        .iter()
+        .filter_map(|(id, node)| {
+            let p = policy.nodes[id]?;
+            let model = graph.model(node.model);
+            Some(NodeDoc {
+                name: node.name.clone(),
+                op: node.op.clone(),
+                model: model.name.clone(),
+                layer: node.layer,
+                decision: p.decision.name().to_owned(),
+                reason: p.reason.name().to_owned(),
+                unit: p
+                    .unit
+                    .filter(|_| p.decision == Decision::Save)
+                    .map(|u| model.units[u].name.clone()),
+            })
+        })
+        .collect()
+}
+
+fn saved_docs(graph: &Graph, partition: &Partition) -> Vec<SavedDoc> {
+    partition
+        .saved
+        .iter()
+        .map(|s| {
+            let producer = graph.producer(s.value).map(|p| graph.node(p));
+            SavedDoc {
+                value: graph.value(s.value).name.clone(),
+                bytes: graph.value(s.value).bytes,
+                layer: producer.and_then(|p| p.layer),
+                kind: s.kind.name().to_owned(),
+                model: producer.map(|p| graph.model(p.model).name.clone()),
+            }
+        })
+        .collect()
+}
+
+fn replay_docs(graph: &Graph, partition: &Partition) -> Vec<ReplayDoc> {
+    partition
+        .replays
+        .iter()
+        .map(|r| ReplayDoc {
+            model: graph.model(r.model).name.clone(),
+            layer: r.layer,
+            nodes: r
+                .nodes
+                .iter()
+                .map(|&n| graph.node(n).name.clone())
+                .collect(),
+            before: graph.node(r.before).name.clone(),
+        })
+        .collect()
+}
+
+/// Per kept unit: ops kept and bytes of their outputs that backward needs, per layer.
+fn unit_docs(graph: &Graph, policy: &Policy, partition: Option<&Partition>) -> Vec<UnitDoc> {
+    let mut saved = vec![false; graph.values().len()];
+    for s in partition.map(|p| p.saved.as_slice()).unwrap_or_default() {
+        saved[ir::EntityId::index(s.value)] = true;
+    }
+    let mut per: BTreeMap<(ir::ModelId, usize), BTreeMap<u32, (u64, u64)>> = BTreeMap::new();
+    for (id, node) in graph.nodes().iter() {
+        let Some(p) = policy.nodes[id].filter(|p| p.decision == Decision::Save) else {
+            continue;
+        };
+        let Some(unit) = p.unit else { continue };
+        let layer = per
+            .entry((node.model, unit))
+            .or_default()
+            .entry(node.layer.unwrap_or_default())
+            .or_default();
+        layer.0 += 1;
+        layer.1 = layer.1.saturating_add(saved_bytes_of(graph, id, &saved));
+    }
+    per.into_iter()
+        .map(|((model, unit), layers)| {
+            let declared = graph.model(model);
+            let layers: Vec<UnitLayerDoc> = layers
+                .into_iter()
+                .map(|(layer, (ops, bytes))| UnitLayerDoc {
+                    layer,
+                    kept_ops: ops,
+                    saved_bytes: bytes,
+                })
+                .collect();
+            UnitDoc {
+                model: declared.name.clone(),
+                unit: declared.units[unit].name.clone(),
+                kept_ops: layers.iter().map(|l| l.kept_ops).sum(),
+                saved_bytes: layers
+                    .iter()
+                    .fold(0u64, |acc, l| acc.saturating_add(l.saved_bytes)),
+                layers,
+            }
+        })
+        .collect()
+}
+
+fn saved_bytes_of(graph: &Graph, node: NodeId, saved: &[bool]) -> u64 {
+    graph
+        .node(node)
+        .outputs
+        .iter()
+        .filter(|&&v| saved[ir::EntityId::index(v)])
+        .fold(0u64, |acc, &v| acc.saturating_add(graph.value(v).bytes))
+}
+
+fn diagnostic_doc(d: Diagnostic) -> DiagnosticDoc {
+    DiagnosticDoc {
+        level: d.level.name().to_owned(),
+        code: d.code.name().to_owned(),
+        model: d.model,
+        unit: d.unit,
+        message: d.message,
+        hint: d.hint,
+    }
+}

@@ -1,0 +1,442 @@
+//! The output formats of a [`Plan`]: human text, JSON (SPEC §8 keys), protobuf (`plan.proto`)
+//! and DOT. Every one is deterministic: same plan, same bytes (R11).
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use ir::{wire::plan as pb, EntityId, Graph, Phase};
+use prost::Message;
+
+use crate::{
+    plan::{
+        ConfigDoc, DiagnosticDoc, GraphRef, MemoryDoc, NodeDoc, Plan, ReplayDoc, SavedDoc, UnitDoc,
+        UnitLayerDoc,
+    },
+    units::format_bytes,
+};
+
+/// The human form: config, per-unit kept ops and bytes, saved set, replay, diagnostics.
+pub fn text(plan: &Plan) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(
+        w,
+        "plan for {}  (fingerprint {}, planner {})",
+        plan.graph.name, plan.graph.fingerprint, plan.planner_version
+    );
+    let keep = match plan.config.keep.as_slice() {
+        [] => "nothing (whole-layer recompute)".to_owned(),
+        units => units.join(", "),
+    };
+    let _ = writeln!(
+        w,
+        "config: keep {keep}; recompute-ratio {}; collectives {}",
+        plan.config.recompute_ratio, plan.config.collectives
+    );
+    text_decisions(w, &plan.nodes);
+    text_units(w, plan);
+    if plan.joint {
+        text_saved(w, &plan.saved, plan.memory.saved_bytes);
+        text_replay(w, plan);
+    } else {
+        let _ = writeln!(
+            w,
+            "partition: needs a joint forward+backward graph; this one has no backward nodes"
+        );
+    }
+    text_diagnostics(w, &plan.diagnostics);
+    out
+}
+
+fn text_decisions(w: &mut String, nodes: &[NodeDoc]) {
+    let mut counts: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    for n in nodes {
+        *counts.entry((&n.decision, &n.reason)).or_default() += 1;
+    }
+    let _ = writeln!(w, "forward nodes: {}", nodes.len());
+    for ((decision, reason), n) in counts {
+        let _ = writeln!(w, "  {decision:<13} {reason:<22} {n}");
+    }
+}
+
+fn text_units(w: &mut String, plan: &Plan) {
+    if plan.units.is_empty() {
+        let _ = writeln!(w, "kept units: none");
+        return;
+    }
+    let _ = writeln!(w, "kept units:");
+    for u in &plan.units {
+        let _ = writeln!(
+            w,
+            "  {} / {}: {} ops kept, {} saved",
+            u.model,
+            u.unit,
+            u.kept_ops,
+            format_bytes(u.saved_bytes)
+        );
+        for l in &u.layers {
+            let ops = op_histogram(plan.nodes.iter().filter(|n| {
+                n.model == u.model && n.layer == Some(l.layer) && n.unit.as_deref() == Some(&u.unit)
+            }));
+            let _ = writeln!(
+                w,
+                "    layer {}: {} ops, {}: {ops}",
+                l.layer,
+                l.kept_ops,
+                format_bytes(l.saved_bytes)
+            );
+        }
+    }
+}
+
+/// `aten.mm.default ×3, aten.silu.default` in name order.
+fn op_histogram<'a>(nodes: impl Iterator<Item = &'a NodeDoc>) -> String {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in nodes {
+        *counts.entry(&n.op).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .map(|(op, n)| match n {
+            1 => op.to_owned(),
+            n => format!("{op} ×{n}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn text_saved(w: &mut String, saved: &[SavedDoc], activation_bytes: u64) {
+    let mut by_kind: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
+    for s in saved {
+        let entry = by_kind.entry(&s.kind).or_default();
+        entry.0 += 1;
+        entry.1 = entry.1.saturating_add(s.bytes);
+    }
+    let _ = writeln!(
+        w,
+        "saved for backward: {} values, {} of activations",
+        saved.len(),
+        format_bytes(activation_bytes)
+    );
+    for (kind, (n, bytes)) in by_kind {
+        let _ = writeln!(w, "  {kind:<17} {n:>5} values  {}", format_bytes(bytes));
+    }
+}
+
+fn text_replay(w: &mut String, plan: &Plan) {
+    if plan.replay.is_empty() {
+        let _ = writeln!(w, "replay: nothing re-runs in backward");
+        return;
+    }
+    let ops: BTreeMap<&str, &NodeDoc> = plan.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let total: usize = plan.replay.iter().map(|r| r.nodes.len()).sum();
+    let _ = writeln!(w, "replay: {total} ops in {} subgraphs", plan.replay.len());
+    for r in &plan.replay {
+        let _ = writeln!(
+            w,
+            "  {} layer {}: {} ops, before `{}`",
+            r.model,
+            r.layer,
+            r.nodes.len(),
+            r.before
+        );
+    }
+    let replayed = plan
+        .replay
+        .iter()
+        .flat_map(|r| r.nodes.iter())
+        .filter_map(|n| ops.get(n.as_str()).copied());
+    let _ = writeln!(w, "  replayed ops: {}", op_histogram(replayed));
+}
+
+fn text_diagnostics(w: &mut String, diagnostics: &[DiagnosticDoc]) {
+    if diagnostics.is_empty() {
+        let _ = writeln!(w, "diagnostics: none");
+        return;
+    }
+    let _ = writeln!(w, "diagnostics:");
+    for d in diagnostics {
+        let _ = writeln!(w, "{}[{}]: {}", d.level, d.code, d.message);
+        let _ = writeln!(w, "  hint: {}", d.hint);
+    }
+}
+
+/// Pretty JSON with a final newline.
+pub fn json(plan: &Plan) -> String {
+    let mut text = serde_json::to_string_pretty(plan).expect("a plan serialises to JSON");
+    text.push('\n');
+    text
+}
+
+/// The `plan.proto` encoding.
+pub fn protobuf(plan: &Plan) -> Vec<u8> {
+    to_wire(plan).encode_to_vec()
+}
+
+fn to_wire(plan: &Plan) -> pb::Plan {
+    pb::Plan {
+        planner_version: plan.planner_version.clone(),
+        graph: Some(pb::GraphRef {
+            name: plan.graph.name.clone(),
+            fingerprint: plan.graph.fingerprint.clone(),
+        }),
+        config: Some(pb::Config {
+            keep: plan.config.keep.clone(),
+            recompute_ratio: plan.config.recompute_ratio,
+            collectives: plan.config.collectives.clone(),
+        }),
+        nodes: plan
+            .nodes
+            .iter()
+            .map(|n| pb::NodeDecision {
+                name: n.name.clone(),
+                op: n.op.clone(),
+                model: n.model.clone(),
+                layer: n.layer,
+                decision: decision_to_wire(&n.decision) as i32,
+                reason: n.reason.clone(),
+                unit: n.unit.clone().unwrap_or_default(),
+            })
+            .collect(),
+        saved: plan
+            .saved
+            .iter()
+            .map(|s| pb::SavedValue {
+                value: s.value.clone(),
+                bytes: s.bytes,
+                layer: s.layer,
+                kind: s.kind.clone(),
+                model: s.model.clone().unwrap_or_default(),
+            })
+            .collect(),
+        replay: plan
+            .replay
+            .iter()
+            .map(|r| pb::Replay {
+                model: r.model.clone(),
+                layer: r.layer,
+                nodes: r.nodes.clone(),
+                before: r.before.clone(),
+            })
+            .collect(),
+        units: plan
+            .units
+            .iter()
+            .map(|u| pb::UnitSummary {
+                model: u.model.clone(),
+                unit: u.unit.clone(),
+                kept_ops: u.kept_ops,
+                saved_bytes: u.saved_bytes,
+                layers: u
+                    .layers
+                    .iter()
+                    .map(|l| pb::UnitLayer {
+                        layer: l.layer,
+                        kept_ops: l.kept_ops,
+                        saved_bytes: l.saved_bytes,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        memory: Some(pb::Memory {
+            saved_bytes: plan.memory.saved_bytes,
+            ..Default::default()
+        }),
+        cost: None,
+        diagnostics: plan
+            .diagnostics
+            .iter()
+            .map(|d| pb::Diagnostic {
+                level: level_to_wire(&d.level) as i32,
+                code: d.code.clone(),
+                model: d.model.clone(),
+                unit: d.unit.clone().unwrap_or_default(),
+                message: d.message.clone(),
+                hint: d.hint.clone(),
+            })
+            .collect(),
+        joint: plan.joint,
+    }
+}
+
+/// Reads a plan back from its protobuf encoding.
+pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
+    let wire = pb::Plan::decode(bytes).map_err(|e| format!("not a valid protobuf plan ({e})"))?;
+    let graph = wire.graph.unwrap_or_default();
+    let config = wire.config.unwrap_or_default();
+    Ok(Plan {
+        planner_version: wire.planner_version,
+        graph: GraphRef {
+            name: graph.name,
+            fingerprint: graph.fingerprint,
+        },
+        config: ConfigDoc {
+            keep: config.keep,
+            recompute_ratio: config.recompute_ratio,
+            collectives: config.collectives,
+        },
+        joint: wire.joint,
+        nodes: wire
+            .nodes
+            .into_iter()
+            .map(|n| {
+                Ok(NodeDoc {
+                    decision: decision_from_wire(n.decision)?.to_owned(),
+                    name: n.name,
+                    op: n.op,
+                    model: n.model,
+                    layer: n.layer,
+                    reason: n.reason,
+                    unit: Some(n.unit).filter(|u| !u.is_empty()),
+                })
+            })
+            .collect::<Result<_, String>>()?,
+        saved: wire
+            .saved
+            .into_iter()
+            .map(|s| SavedDoc {
+                value: s.value,
+                bytes: s.bytes,
+                layer: s.layer,
+                kind: s.kind,
+                model: Some(s.model).filter(|m| !m.is_empty()),
+            })
+            .collect(),
+        replay: wire
+            .replay
+            .into_iter()
+            .map(|r| ReplayDoc {
+                model: r.model,
+                layer: r.layer,
+                nodes: r.nodes,
+                before: r.before,
+            })
+            .collect(),
+        units: wire
+            .units
+            .into_iter()
+            .map(|u| UnitDoc {
+                model: u.model,
+                unit: u.unit,
+                kept_ops: u.kept_ops,
+                saved_bytes: u.saved_bytes,
+                layers: u
+                    .layers
+                    .into_iter()
+                    .map(|l| UnitLayerDoc {
+                        layer: l.layer,
+                        kept_ops: l.kept_ops,
+                        saved_bytes: l.saved_bytes,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        memory: MemoryDoc {
+            saved_bytes: wire.memory.unwrap_or_default().saved_bytes,
+        },
+        diagnostics: wire
+            .diagnostics
+            .into_iter()
+            .map(|d| {
+                Ok(DiagnosticDoc {
+                    level: level_from_wire(d.level)?.to_owned(),
+                    code: d.code,
+                    model: d.model,
+                    unit: Some(d.unit).filter(|u| !u.is_empty()),
+                    message: d.message,
+                    hint: d.hint,
+                })
+            })
+            .collect::<Result<_, String>>()?,
+    })
+}
+
+const DECISIONS: [(&str, pb::Decision); 3] = [
+    ("save", pb::Decision::Save),
+    ("recompute", pb::Decision::Recompute),
+    ("no-checkpoint", pb::Decision::NoCheckpoint),
+];
+
+const LEVELS: [(&str, pb::Level); 3] = [
+    ("error", pb::Level::Error),
+    ("warning", pb::Level::Warning),
+    ("info", pb::Level::Info),
+];
+
+fn decision_to_wire(name: &str) -> pb::Decision {
+    DECISIONS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(pb::Decision::Unspecified, |(_, d)| *d)
+}
+
+fn decision_from_wire(code: i32) -> Result<&'static str, String> {
+    DECISIONS
+        .iter()
+        .find(|(_, d)| *d as i32 == code)
+        .map(|(n, _)| *n)
+        .ok_or_else(|| format!("unknown decision code {code}"))
+}
+
+fn level_to_wire(name: &str) -> pb::Level {
+    LEVELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(pb::Level::Unspecified, |(_, l)| *l)
+}
+
+fn level_from_wire(code: i32) -> Result<&'static str, String> {
+    LEVELS
+        .iter()
+        .find(|(_, l)| *l as i32 == code)
+        .map(|(n, _)| *n)
+        .ok_or_else(|| format!("unknown diagnostic level code {code}"))
+}
+
+/// Graphviz: forward nodes coloured by decision, replayed nodes outlined in red, backward grey.
+pub fn dot(graph: &Graph, plan: &Plan) -> String {
+    let decisions: BTreeMap<&str, &NodeDoc> =
+        plan.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let replayed: std::collections::BTreeSet<&str> = plan
+        .replay
+        .iter()
+        .flat_map(|r| r.nodes.iter().map(String::as_str))
+        .collect();
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(w, "digraph \"{}\" {{", escape(&plan.graph.name));
+    let _ = writeln!(
+        w,
+        "  node [shape=box, style=filled, fontname=\"monospace\"];"
+    );
+    for (id, node) in graph.nodes().iter() {
+        let fill = match (node.phase, decisions.get(node.name.as_str())) {
+            (Phase::Backward, _) => "#dddddd",
+            (_, Some(d)) if d.decision == "save" => "#8fd18f",
+            (_, Some(d)) if d.decision == "recompute" => "#f5c27a",
+            _ => "#ffffff",
+        };
+        let outline = if replayed.contains(node.name.as_str()) {
+            ", color=\"#d62728\", penwidth=3"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            w,
+            "  n{} [label=\"{}\\n{}\", fillcolor=\"{fill}\"{outline}];",
+            id.index(),
+            escape(&node.name),
+            escape(&node.op)
+        );
+    }
+    for (id, _) in graph.nodes().iter() {
+        for succ in graph.successors(id) {
+            let _ = writeln!(w, "  n{} -> n{};", id.index(), succ.index());
+        }
+    }
+    let _ = writeln!(w, "}}");
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}

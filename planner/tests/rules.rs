@@ -1,0 +1,540 @@
+//! One test per SPEC rule (R1–R11) on small hand-built joint graphs. Each names the rule it
+//! proves and fails if that behaviour breaks.
+
+mod support;
+
+use planner::{
+    config::{Collectives, Keep, PlanConfig},
+    plan::{plan, Plan, PlanError},
+};
+use support::Builder;
+
+const ATTN: (&str, &[(&str, &str)]) = ("SAVE_ATTN", &[("attn.begin", "attn.end")]);
+const MLP: (&str, &[(&str, &str)]) = ("SAVE_MLP", &[("mlp.begin", "mlp.end")]);
+
+fn config(keep: &[&str]) -> PlanConfig {
+    PlanConfig {
+        keep: Keep::parse(&keep.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap(),
+        ..PlanConfig::default()
+    }
+}
+
+fn run(b: &Builder, config: &PlanConfig) -> Plan {
+    plan(&b.build(), config).expect("plans")
+}
+
+fn decision<'p>(plan: &'p Plan, node: &str) -> (&'p str, &'p str, Option<&'p str>) {
+    let n = plan
+        .nodes
+        .iter()
+        .find(|n| n.name == node)
+        .unwrap_or_else(|| panic!("no decision for {node}"));
+    (n.decision.as_str(), n.reason.as_str(), n.unit.as_deref())
+}
+
+fn saved(plan: &Plan) -> Vec<(&str, &str)> {
+    plan.saved
+        .iter()
+        .map(|s| (s.value.as_str(), s.kind.as_str()))
+        .collect()
+}
+
+fn codes(plan: &Plan) -> Vec<(&str, Option<&str>)> {
+    plan.diagnostics
+        .iter()
+        .map(|d| (d.code.as_str(), d.unit.as_deref()))
+        .collect()
+}
+
+/// Backward reads every value in `reads` (plus the tangent), one node each.
+fn backward(b: &mut Builder, reads: &[&str]) {
+    let t = b.tangent("tangent");
+    b.backward();
+    let mut grad = t;
+    for r in reads {
+        grad = b.node("aten.mul.Tensor", &[r, &grad]).1;
+    }
+    b.output(&grad);
+}
+
+/// Layer `l`: x -> sin -> [attn.begin] -> sin(a) -> cos(b) -> [attn.end] -> sin(c) = out.
+/// Returns (a, b, c, out) value names; node names are `n<k>` in order.
+fn attn_layer(b: &mut Builder, l: u32, x: &str) -> [String; 4] {
+    b.layer(Some(l));
+    let a = b.op(x);
+    let m = b.marker("attn.begin", &a);
+    let bb = b.op(&m);
+    let c = b.node("aten.cos.default", &[&bb]).1;
+    let m2 = b.marker("attn.end", &c);
+    let out = b.op(&m2);
+    b.layer(None);
+    [a, bb, c, out]
+}
+
+fn two_layers() -> (Builder, [String; 4], [String; 4]) {
+    let mut b = Builder::new(2, &[ATTN, MLP]);
+    let x = b.input("x");
+    let l0 = attn_layer(&mut b, 0, &x);
+    let l1 = attn_layer(&mut b, 1, &l0[3]);
+    let reads: Vec<&str> = l0.iter().chain(l1.iter()).map(String::as_str).collect();
+    backward(&mut b, &reads);
+    (b, l0, l1)
+}
+
+#[test]
+fn r1_units_resolve_to_marker_intervals_case_insensitively() {
+    let (b, l0, _) = two_layers();
+    let p = run(&b, &config(&["save_attn"]));
+    // n3 = sin(attn.begin) is inside [attn.begin, attn.end) of layer 0.
+    assert_eq!(
+        decision(&p, "n3"),
+        ("save", "kept-interval", Some("SAVE_ATTN"))
+    );
+    assert!(saved(&p).contains(&(l0[1].as_str(), "kept")));
+}
+
+#[test]
+fn r2_and_r9_keeping_nothing_saves_only_layer_inputs() {
+    let (b, l0, _) = two_layers();
+    for keep in [&[][..], &["none"][..], &["NONE"][..]] {
+        let p = run(&b, &config(keep));
+        assert!(p.nodes.iter().all(|n| n.decision != "save"), "{keep:?}");
+        // x (graph input) feeds layer 0; layer 0's output is layer 1's input.
+        assert_eq!(
+            saved(&p),
+            vec![
+                ("x", "graph-input"),
+                (l0[3].as_str(), "layer-input"),
+                ("tangent", "graph-input")
+            ]
+        );
+        assert!(p.units.is_empty());
+    }
+}
+
+#[test]
+fn r2_unknown_unit_is_an_error_naming_the_valid_units() {
+    let (b, _, _) = two_layers();
+    let err = plan(&b.build(), &config(&["save_atn"])).expect_err("unknown unit");
+    assert!(matches!(err, PlanError::Config(_)));
+    let message = err.to_string();
+    assert!(message.contains("`SAVE_ATN`"), "{message}");
+    assert!(message.contains("SAVE_ATTN, SAVE_MLP"), "{message}");
+}
+
+#[test]
+fn r2_keep_all_warns_for_a_model_without_units() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let l0 = attn_layer(&mut b, 0, &x);
+    b.model("mtp", "main", &[]);
+    b.layer(Some(0));
+    let y = b.op(&l0[3]);
+    b.layer(None);
+    backward(&mut b, &[&y]);
+    let p = run(&b, &config(&["all"]));
+    assert_eq!(codes(&p), vec![("no-units-declared", None)]);
+    assert_eq!(p.diagnostics[0].model, "mtp");
+    assert_eq!(decision(&p, "n3").0, "save", "main still keeps its units");
+}
+
+#[test]
+fn r3_recompute_ratio_checkpoints_only_the_first_layers() {
+    let (b, _, l1) = two_layers();
+    let p = run(
+        &b,
+        &PlanConfig {
+            recompute_ratio: 0.5,
+            ..config(&["save_attn"])
+        },
+    );
+    // Layer 0 (index < floor(0.5 × 2) = 1) is checkpointed; layer 1 is not.
+    assert_eq!(decision(&p, "n3").0, "save");
+    assert_eq!(
+        decision(&p, "n9"),
+        ("no-checkpoint", "layer-not-checkpointed", None)
+    );
+    assert!(saved(&p).contains(&(l1[0].as_str(), "not-checkpointed")));
+    assert!(p.replay.iter().all(|r| r.layer == 0));
+}
+
+#[test]
+fn r4_only_ops_inside_an_open_kept_interval_are_kept() {
+    let (b, _, _) = two_layers();
+    let p = run(&b, &config(&["save_attn"]));
+    assert_eq!(
+        decision(&p, "n1"),
+        ("recompute", "outside-kept-interval", None)
+    );
+    assert_eq!(decision(&p, "n2"), ("recompute", "marker", None));
+    assert_eq!(decision(&p, "n4").0, "save");
+    assert_eq!(
+        decision(&p, "n6"),
+        ("recompute", "outside-kept-interval", None)
+    );
+}
+
+#[test]
+fn r4_unbalanced_markers_are_safe_and_reported() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let e = b.marker("attn.end", &x); // n1: an end without a begin: ignored
+    let a = b.op(&e); // n2: outside
+    let m = b.marker("attn.begin", &a); // n3
+    let c = b.op(&m); // n4: kept until the layer's end
+    b.layer(None);
+    backward(&mut b, &[&a, &c]);
+    let p = run(&b, &config(&["save_attn"]));
+    assert_eq!(decision(&p, "n2").1, "outside-kept-interval");
+    assert_eq!(decision(&p, "n4").0, "save");
+    let d = &p.diagnostics[0];
+    assert_eq!(
+        (d.code.as_str(), d.unit.as_deref()),
+        ("interval-unbalanced", Some("SAVE_ATTN"))
+    );
+    assert!(
+        d.message.contains("`attn.end`: end without a begin"),
+        "{}",
+        d.message
+    );
+    assert!(
+        d.message.contains("`attn.begin`: begin without an end"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn r4_overlapping_intervals_keep_if_any_is_open_and_are_reported() {
+    let mut b = Builder::new(1, &[ATTN, MLP]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m1 = b.marker("attn.begin", &x); // n1
+    let a = b.op(&m1); // n2: attn
+    let m2 = b.marker("mlp.begin", &a); // n3
+    let c = b.op(&m2); // n4: both open
+    let m3 = b.marker("attn.end", &c); // n5
+    let d = b.op(&m3); // n6: mlp only
+    let m4 = b.marker("mlp.end", &d); // n7
+    b.layer(None);
+    backward(&mut b, &[&a, &c, &d, &m4]);
+    let p = run(&b, &config(&["all"]));
+    assert_eq!(
+        decision(&p, "n4"),
+        ("save", "kept-interval", Some("SAVE_ATTN"))
+    );
+    assert_eq!(
+        decision(&p, "n6"),
+        ("save", "kept-interval", Some("SAVE_MLP"))
+    );
+    assert_eq!(codes(&p), vec![("interval-overlap", Some("SAVE_ATTN"))]);
+}
+
+#[test]
+fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x);
+    let zeros = b.node("aten.zeros_like.default", &[&m]).1; // n2: kept
+    let other = b.op(&m); // n3: kept
+    let _ = b.node_with(
+        "aten.add_.Tensor", // n4: writes a fresh, non-kept buffer... of a kept op: see below
+        &[&other, &m],
+        None,
+    );
+    let a2a = b
+        .node("_c10d_functional.all_to_all_single.default", &[&zeros])
+        .1; // n5
+    let w = b.node("_c10d_functional.wait_tensor.default", &[&a2a]).1; // n6
+    let alltoall = b.node("c10d.alltoall_base_.default", &[&w]).1; // n7
+    let end = b.marker("attn.end", &alltoall);
+    b.layer(None);
+    backward(&mut b, &[&w, &end]);
+    let graph = b.build();
+    let p = plan(&graph, &config(&["save_attn"])).unwrap();
+    assert_eq!(decision(&p, "n4"), ("recompute", "mutable", None));
+    assert_eq!(decision(&p, "n5"), ("recompute", "collective", None));
+    assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
+    assert_eq!(decision(&p, "n7"), ("recompute", "mutable", None));
+    // n4 writes `other`, the output of a kept op: rejected (R5).
+    assert!(p.has_errors());
+    let d = &p.diagnostics[0];
+    assert_eq!(d.code, "inplace-in-kept-interval");
+    assert!(
+        d.message.contains("`n4` (aten.add_.Tensor) writes `v3`"),
+        "{}",
+        d.message
+    );
+
+    let save = PlanConfig {
+        collectives: Collectives::Save,
+        ..config(&["save_attn"])
+    };
+    let p = plan(&graph, &save).unwrap();
+    assert_eq!(
+        decision(&p, "n5"),
+        ("save", "saved-collective", Some("SAVE_ATTN"))
+    );
+    assert_eq!(decision(&p, "n6").0, "save");
+    assert_eq!(
+        decision(&p, "n7"),
+        ("recompute", "mutable", None),
+        "mutating: never"
+    );
+}
+
+#[test]
+fn r5_collectives_save_keeps_functional_collectives_and_host_copies_outside_intervals() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a2a = b
+        .node("_c10d_functional.all_to_all_single.default", &[&x])
+        .1; // n1
+    let (_, counts) = b.node("aten._to_copy.default", &[&a2a]); // n2
+    b.layer(None);
+    let mut wire = b.wire();
+    wire.nodes[1].attributes.push(ir::wire::graph::Attribute {
+        name: "device".into(),
+        value: Some(ir::wire::graph::attribute::Value::Str("cpu".into())),
+    });
+    let mut b2 = b;
+    backward(&mut b2, &[&counts]);
+    let mut wire2 = b2.wire();
+    wire2.nodes[1] = wire.nodes[1].clone();
+    let graph = ir::Graph::from_wire(wire2).unwrap();
+    let recompute = plan(&graph, &config(&[])).unwrap();
+    assert_eq!(
+        decision(&recompute, "n2"),
+        ("recompute", "outside-kept-interval", None)
+    );
+    let save = plan(
+        &graph,
+        &PlanConfig {
+            collectives: Collectives::Save,
+            ..config(&[])
+        },
+    )
+    .unwrap();
+    assert_eq!(decision(&save, "n1"), ("save", "saved-collective", None));
+    assert_eq!(decision(&save, "n2"), ("save", "saved-collective", None));
+    assert!(save.replay.is_empty(), "{:?}", save.replay);
+}
+
+#[test]
+fn r6_compiled_contents_are_never_kept_and_the_unit_is_reported_inert() {
+    let mut b = Builder::new(1, &[MLP]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("mlp.begin", &x); // eager markers...
+    b.region("layers.0.shared_experts");
+    let a = b.op(&m); // ...around compiled contents
+    b.region("");
+    let e = b.marker("mlp.end", &a);
+    b.layer(None);
+    backward(&mut b, &[&a, &e]);
+    let p = run(&b, &config(&["save_mlp"]));
+    assert_eq!(decision(&p, "n2"), ("recompute", "compiled", None));
+    let d = &p.diagnostics[0];
+    assert_eq!(
+        (d.code.as_str(), d.unit.as_deref()),
+        ("interval-inert", Some("SAVE_MLP"))
+    );
+    assert!(
+        d.message
+            .contains("its contents run in compiled region `layers.0.shared_experts`"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn r6_markers_inside_a_compiled_region_never_fire() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    b.region("layers.0");
+    let m = b.marker("attn.begin", &x);
+    let a = b.op(&m);
+    let e = b.marker("attn.end", &a);
+    b.region("");
+    b.layer(None);
+    backward(&mut b, &[&a, &e]);
+    let p = run(&b, &config(&["save_attn"]));
+    assert!(p.nodes.iter().all(|n| n.decision != "save"));
+    let found = codes(&p);
+    assert!(
+        found.contains(&("interval-inert", Some("SAVE_ATTN"))),
+        "{found:?}"
+    );
+    assert!(
+        found.contains(&("layer-compiled-as-one-region", None)),
+        "{found:?}"
+    );
+    let inert = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "interval-inert")
+        .unwrap();
+    assert!(
+        inert.message.contains("markers never fire"),
+        "{}",
+        inert.message
+    );
+}
+
+#[test]
+fn r7_diagnostics_are_per_model_and_deduplicated_per_diagnosis() {
+    let mut b = Builder::new(2, &[MLP]);
+    let x = b.input("x");
+    let mut h = x.clone();
+    let mut reads = Vec::new();
+    for (model, layers) in [("main", [0, 1]), ("mtp", [0, 1])] {
+        if model == "mtp" {
+            b.model("mtp", "main", &[MLP]);
+        }
+        for l in layers {
+            b.layer(Some(l));
+            let m = b.marker("mlp.begin", &h);
+            b.region("compiled");
+            h = b.op(&m);
+            b.region("");
+            h = b.marker("mlp.end", &h);
+            reads.push(h.clone());
+        }
+    }
+    b.layer(None);
+    let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+    backward(&mut b, &reads);
+    let p = run(&b, &config(&["save_mlp"]));
+    let inert: Vec<&str> = p
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == "interval-inert")
+        .map(|d| d.model.as_str())
+        .collect();
+    // One per model (two layers each), not one per layer, and the second model is not silenced.
+    assert_eq!(inert, vec!["main", "mtp"]);
+    assert!(p.diagnostics[0].message.contains("layers 0, 1"));
+}
+
+#[test]
+fn r7_a_marker_missing_from_the_model_is_reported() {
+    let (b, _, _) = two_layers();
+    let p = run(&b, &config(&["save_mlp"]));
+    let d = &p.diagnostics[0];
+    assert_eq!(
+        (d.code.as_str(), d.unit.as_deref()),
+        ("marker-missing", Some("SAVE_MLP"))
+    );
+    assert!(
+        d.message.contains("`mlp.begin`, `mlp.end`"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn r7_replaying_a_topk_is_reported_with_the_unit_that_would_save_it() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x);
+    let t = b.node("aten.topk.default", &[&m]).1;
+    let e = b.marker("attn.end", &t);
+    b.layer(None);
+    backward(&mut b, &[&t, &e]);
+    let p = run(&b, &config(&[]));
+    let d = &p.diagnostics[0];
+    assert_eq!(d.code, "nondeterministic-replay");
+    assert_eq!(d.unit.as_deref(), Some("SAVE_ATTN"));
+    assert!(d.hint.contains("keep unit SAVE_ATTN"));
+    let kept = run(&b, &config(&["save_attn"]));
+    assert!(kept.diagnostics.is_empty(), "{:?}", kept.diagnostics);
+    assert!(kept
+        .replay
+        .iter()
+        .all(|r| !r.nodes.contains(&"n2".to_owned())));
+}
+
+#[test]
+fn r8_views_are_replayed_from_their_saved_base_and_replay_runs_before_first_use() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x);
+    let a = b.op(&m); // n2: kept
+    let v = b.node("aten.view.default", &[&a]).1; // n3: a view of a kept value
+    let e = b.marker("attn.end", &v);
+    let c = b.op(&e); // n5: outside
+    b.layer(None);
+    let t = b.tangent("tangent");
+    b.backward();
+    let g1 = b.node("aten.mul.Tensor", &[&t, &t]).1; // n6: reads nothing of forward
+    let g2 = b.node("aten.mul.Tensor", &[&v, &g1]).1; // n7: first use of the view
+    let g3 = b.node("aten.mul.Tensor", &[&c, &g2]).1; // n8
+    b.output(&g3);
+    let p = run(&b, &config(&["save_attn"]));
+    assert_eq!(decision(&p, "n3"), ("recompute", "view", None));
+    let saved = saved(&p);
+    assert!(saved.contains(&(a.as_str(), "kept")), "{saved:?}");
+    assert!(
+        !saved.iter().any(|(value, _)| *value == v),
+        "a view is never saved: {saved:?}"
+    );
+    assert_eq!(p.replay.len(), 1);
+    assert_eq!(p.replay[0].before, "n7");
+    assert_eq!(p.replay[0].nodes, vec!["n3", "n4", "n5"]);
+}
+
+#[test]
+fn r10_each_micro_batch_runs_its_own_marker_session() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let mut reads = Vec::new();
+    b.layer(Some(0));
+    for mb in 0..2 {
+        b.micro_batch(mb);
+        let m = b.marker("attn.begin", &x);
+        let a = b.op(&m);
+        let e = b.marker("attn.end", &a);
+        reads.extend([a, e]);
+    }
+    b.micro_batch(0).layer(None);
+    let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+    backward(&mut b, &reads);
+    let p = run(&b, &config(&["save_attn"]));
+    assert_eq!(decision(&p, "n2").0, "save");
+    assert_eq!(decision(&p, "n5").0, "save");
+    assert_eq!(p.units[0].kept_ops, 2);
+    assert!(p.diagnostics.is_empty(), "{:?}", p.diagnostics);
+}
+
+#[test]
+fn r11_output_is_deterministic_and_fingerprinted() {
+    let (b, _, _) = two_layers();
+    let graph = b.build();
+    let one = planner::render::json(&plan(&graph, &config(&["all"])).unwrap());
+    let two = planner::render::json(&plan(&b.build(), &config(&["all"])).unwrap());
+    assert_eq!(one, two);
+    assert!(one.contains(&format!("\"fingerprint\": \"{}\"", graph.fingerprint())));
+    assert_eq!(graph.fingerprint().len(), 32);
+    let (mut other, _, _) = two_layers();
+    other.output("x");
+    assert_ne!(other.build().fingerprint(), graph.fingerprint());
+}
+
+#[test]
+fn forward_only_graphs_get_decisions_but_no_partition() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let l0 = attn_layer(&mut b, 0, &x);
+    b.output(&l0[3]);
+    let p = run(&b, &config(&["save_attn"]));
+    assert!(!p.joint);
+    assert_eq!(decision(&p, "n3").0, "save");
+    assert!(p.saved.is_empty() && p.replay.is_empty());
+    assert!(planner::render::text(&p).contains("needs a joint forward+backward graph"));
+}

@@ -1,0 +1,181 @@
+//! A small builder of valid joint graphs for rule tests and property tests.
+#![allow(dead_code)]
+
+use ir::{
+    wire::graph::{self as pb, attribute::Value as AttrValue},
+    Graph,
+};
+
+pub const MODEL: &str = "main";
+
+/// Builds a wire graph op by op; every op produces one fresh `[4, 4]` float32 value.
+pub struct Builder {
+    graph: pb::Graph,
+    model: String,
+    counter: usize,
+    layer: Option<u32>,
+    micro_batch: u32,
+    region: String,
+    phase: pb::Phase,
+}
+
+impl Builder {
+    /// A model `main` with `num_layers` layers and the given units (`unit -> [(begin, end)]`).
+    pub fn new(num_layers: u32, units: &[(&str, &[(&str, &str)])]) -> Builder {
+        let graph = pb::Graph {
+            name: "built".to_owned(),
+            models: vec![pb::Model {
+                name: MODEL.to_owned(),
+                parent: String::new(),
+                num_layers,
+                units: units
+                    .iter()
+                    .map(|(unit, intervals)| pb::UnitIntervals {
+                        unit: unit.to_string(),
+                        intervals: intervals
+                            .iter()
+                            .map(|(b, e)| pb::MarkerInterval {
+                                begin: b.to_string(),
+                                end: e.to_string(),
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            }],
+            ..Default::default()
+        };
+        Builder {
+            graph,
+            model: MODEL.to_owned(),
+            counter: 0,
+            layer: None,
+            micro_batch: 0,
+            region: String::new(),
+            phase: pb::Phase::Forward,
+        }
+    }
+
+    fn declare(&mut self, name: String, role: pb::Role) -> String {
+        self.graph.values.push(pb::Value {
+            name: name.clone(),
+            dtype: pb::Dtype::Float32 as i32,
+            shape: vec![4, 4],
+            role: role as i32,
+        });
+        name
+    }
+
+    pub fn input(&mut self, name: &str) -> String {
+        self.declare(name.to_owned(), pb::Role::Input)
+    }
+
+    pub fn param(&mut self, name: &str) -> String {
+        self.declare(name.to_owned(), pb::Role::Parameter)
+    }
+
+    pub fn tangent(&mut self, name: &str) -> String {
+        self.declare(name.to_owned(), pb::Role::Tangent)
+    }
+
+    /// Declares another model (nested in `parent` if given) and makes it current.
+    pub fn model(
+        &mut self,
+        name: &str,
+        parent: &str,
+        units: &[(&str, &[(&str, &str)])],
+    ) -> &mut Self {
+        let template = self.graph.models[0].clone();
+        self.graph.models.push(pb::Model {
+            name: name.to_owned(),
+            parent: parent.to_owned(),
+            units: Builder::new(0, units).graph.models.remove(0).units,
+            ..template
+        });
+        self.model = name.to_owned();
+        self
+    }
+
+    pub fn layer(&mut self, layer: Option<u32>) -> &mut Self {
+        self.layer = layer;
+        self
+    }
+
+    pub fn micro_batch(&mut self, micro_batch: u32) -> &mut Self {
+        self.micro_batch = micro_batch;
+        self
+    }
+
+    /// Ops added next run in this compiled region (`""` for eager).
+    pub fn region(&mut self, region: &str) -> &mut Self {
+        self.region = region.to_owned();
+        self
+    }
+
+    pub fn backward(&mut self) -> &mut Self {
+        self.phase = pb::Phase::Backward;
+        self.layer = None;
+        self.region.clear();
+        self
+    }
+
+    /// Appends `op` reading `inputs`; returns (node name, output value).
+    pub fn node(&mut self, op: &str, inputs: &[&str]) -> (String, String) {
+        self.node_with(op, inputs, None)
+    }
+
+    pub fn node_with(
+        &mut self,
+        op: &str,
+        inputs: &[&str],
+        schema: Option<pb::SchemaFacts>,
+    ) -> (String, String) {
+        self.counter += 1;
+        let name = format!("n{}", self.counter);
+        let role = match self.phase {
+            pb::Phase::Backward => pb::Role::Gradient,
+            _ => pb::Role::Activation,
+        };
+        let out = self.declare(format!("v{}", self.counter), role);
+        self.graph.nodes.push(pb::Node {
+            name: name.clone(),
+            op: op.to_owned(),
+            inputs: inputs.iter().map(|s| s.to_string()).collect(),
+            outputs: vec![out.clone()],
+            phase: self.phase as i32,
+            model: self.model.clone(),
+            layer: self.layer,
+            compiled_region: self.region.clone(),
+            micro_batch: self.micro_batch,
+            schema,
+            ..Default::default()
+        });
+        (name, out)
+    }
+
+    /// `mm(x, w)` and friends: a compute op.
+    pub fn op(&mut self, x: &str) -> String {
+        self.node("aten.sin.default", &[x]).1
+    }
+
+    pub fn marker(&mut self, marker: &str, x: &str) -> String {
+        let (_, out) = self.node(ir::MARKER_OP, &[x]);
+        let node = self.graph.nodes.last_mut().expect("just pushed");
+        node.attributes.push(pb::Attribute {
+            name: "name".to_owned(),
+            value: Some(AttrValue::Str(marker.to_owned())),
+        });
+        out
+    }
+
+    pub fn output(&mut self, value: &str) {
+        self.graph.outputs.push(value.to_owned());
+    }
+
+    pub fn wire(&self) -> pb::Graph {
+        self.graph.clone()
+    }
+
+    pub fn build(&self) -> Graph {
+        Graph::from_wire(self.graph.clone()).expect("the builder makes valid graphs")
+    }
+}
