@@ -409,7 +409,11 @@ const FUNCTIONAL_REDUCE_SCATTER: OpInfo = functional(CostModel::ReduceScatter);
 const FUNCTIONAL_ALL_REDUCE: OpInfo = functional(CostModel::AllReduce);
 const FUNCTIONAL_BROADCAST: OpInfo = functional(CostModel::Broadcast);
 /// `wait_tensor`: completes a functional collective; the transfer is charged to its issuer.
-const WAIT: OpInfo = functional(CostModel::Free);
+/// It returns its input (the collective's buffer), so its output aliases input 0.
+const WAIT: OpInfo = OpInfo {
+    view_of: Some(0),
+    ..functional(CostModel::Free)
+};
 /// `all_gather_into_tensor_out`: an out-parameter collective.
 const ALL_GATHER_INTO_OUT: OpInfo = OpInfo {
     writes_out: true,

@@ -5,9 +5,11 @@
 
 pub mod config;
 pub mod convert;
+pub mod cost;
 pub mod diagnostics;
 pub mod diff;
 pub mod inspect;
+pub mod memory;
 pub mod partition;
 pub mod plan;
 pub mod policy;

@@ -7,7 +7,9 @@ use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand, ValueEnum};
 use planner::{
     config::{self, Collectives, Keep, PlanConfig},
-    convert, diff, inspect,
+    convert,
+    cost::HwProfile,
+    diff, inspect,
     plan::{self, Plan},
     render,
 };
@@ -74,6 +76,9 @@ struct PlanArgs {
     /// Exit 3 when the plan has warnings
     #[arg(long)]
     deny_warnings: bool,
+    /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
+    #[arg(long, value_name = "FILE.json")]
+    hw: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -154,8 +159,12 @@ fn run_plan(args: PlanArgs) -> Result<(), Failure> {
             CollectivesArg::Save => Collectives::Save,
         },
     };
+    let hw = match &args.hw {
+        Some(path) => HwProfile::from_file(path)?,
+        None => HwProfile::default(),
+    };
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
-    let plan = plan::plan(&graph, &config).map_err(|e| e.to_string())?;
+    let plan = plan::plan(&graph, &config, &hw).map_err(|e| e.to_string())?;
     if plan.has_errors() {
         report_errors(&plan);
         return Err(Failure::Status(1));

@@ -8,8 +8,10 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::{
-    config::{self, ConfigError, PlanConfig},
+    config::{self, Collectives, ConfigError, Keep, PlanConfig},
+    cost::{HwProfile, Work},
     diagnostics::{self, Diagnostic, Level},
+    memory::{self, Simulation},
     partition::{self, Partition, PartitionError},
     policy::{self, Decision, Policy},
 };
@@ -28,6 +30,7 @@ pub struct Plan {
     pub replay: Vec<ReplayDoc>,
     pub units: Vec<UnitDoc>,
     pub memory: MemoryDoc,
+    pub cost: CostDoc,
     pub diagnostics: Vec<DiagnosticDoc>,
 }
 
@@ -72,12 +75,14 @@ pub struct ReplayDoc {
     pub before: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitDoc {
     pub model: String,
     pub unit: String,
     pub kept_ops: u64,
     pub saved_bytes: u64,
+    /// Estimated replay time whole-layer recompute would spend on the ops this unit keeps.
+    pub replay_time_avoided_s: f64,
     pub layers: Vec<UnitLayerDoc>,
 }
 
@@ -88,10 +93,34 @@ pub struct UnitLayerDoc {
     pub saved_bytes: u64,
 }
 
+/// Peaks need a joint graph; they are `null` for a forward-only one.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryDoc {
+    /// Peak live bytes of the step under this plan (parameters excluded, see below).
+    pub peak_bytes: Option<u64>,
     /// Activation bytes saved for backward (parameters and graph inputs excluded).
     pub saved_bytes: u64,
+    pub no_checkpoint_peak_bytes: Option<u64>,
+    pub full_recompute_peak_bytes: Option<u64>,
+    /// Where the plan's peak is: `forward`, `replay` or `backward`, and the node running.
+    pub peak_stage: Option<String>,
+    pub peak_node: Option<String>,
+    /// Resident for the whole step, not part of the peaks.
+    pub parameter_bytes: u64,
+    /// Gradients the step outputs (part of the peaks when the peak is at the end).
+    pub gradient_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CostDoc {
+    pub replay_flops: u64,
+    pub replay_bytes: u64,
+    pub replay_comm_bytes: u64,
+    pub replay_time_s: f64,
+    /// Replay time of whole-layer recompute, for comparison.
+    pub full_recompute_replay_time_s: f64,
+    /// The hardware profile the times assume.
+    pub hw: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,14 +155,12 @@ impl Plan {
     }
 }
 
-/// Plans `graph` under `config` (SPEC §4).
-pub fn plan(graph: &Graph, config: &PlanConfig) -> Result<Plan, PlanError> {
+/// Plans `graph` under `config` (SPEC §4), with costs estimated for `hw` (SPEC §5).
+pub fn plan(graph: &Graph, config: &PlanConfig, hw: &HwProfile) -> Result<Plan, PlanError> {
     let resolved = config::resolve(graph, config)?;
     let policy = policy::apply(graph, config, &resolved);
-    let partition = if partition::is_joint(graph) {
-        let partition = partition::partition(graph, &policy);
-        partition::verify(graph, &policy, &partition)?;
-        Some(partition)
+    let joint = if partition::is_joint(graph) {
+        Some(Joint::analyse(graph, &policy)?)
     } else {
         None
     };
@@ -142,24 +169,64 @@ pub fn plan(graph: &Graph, config: &PlanConfig) -> Result<Plan, PlanError> {
         config,
         &resolved,
         &policy.findings,
-        partition.as_ref(),
+        joint.as_ref().map(|j| &j.partition),
     );
     Ok(assemble(
         graph,
         config,
         &policy,
-        partition.as_ref(),
+        joint.as_ref(),
+        hw,
         diagnostics,
     ))
+}
+
+/// The partition of a joint graph, its memory simulation, and the two baselines: no
+/// checkpointing and whole-layer recompute (M1).
+struct Joint {
+    partition: Partition,
+    memory: Simulation,
+    no_checkpoint: Simulation,
+    full_recompute: Partition,
+    full_recompute_memory: Simulation,
+}
+
+impl Joint {
+    fn analyse(graph: &Graph, policy: &Policy) -> Result<Joint, PlanError> {
+        let partition = checked_partition(graph, policy)?;
+        let whole_layer = PlanConfig {
+            keep: Keep::Nothing,
+            recompute_ratio: 1.0,
+            collectives: Collectives::Recompute,
+        };
+        let resolved = config::resolve(graph, &whole_layer)?;
+        let baseline_policy = policy::apply(graph, &whole_layer, &resolved);
+        let full_recompute = checked_partition(graph, &baseline_policy)?;
+        Ok(Joint {
+            memory: memory::simulate(graph, &partition.replays),
+            no_checkpoint: memory::simulate(graph, &[]),
+            full_recompute_memory: memory::simulate(graph, &full_recompute.replays),
+            partition,
+            full_recompute,
+        })
+    }
+}
+
+fn checked_partition(graph: &Graph, policy: &Policy) -> Result<Partition, PlanError> {
+    let partition = partition::partition(graph, policy);
+    partition::verify(graph, policy, &partition)?;
+    Ok(partition)
 }
 
 fn assemble(
     graph: &Graph,
     config: &PlanConfig,
     policy: &Policy,
-    partition: Option<&Partition>,
+    joint: Option<&Joint>,
+    hw: &HwProfile,
     diagnostics: Vec<Diagnostic>,
 ) -> Plan {
+    let partition = joint.map(|j| &j.partition);
     let saved = partition.map_or_else(Vec::new, |p| saved_docs(graph, p));
     Plan {
         planner_version: PLANNER_VERSION.to_owned(),
@@ -175,12 +242,64 @@ fn assemble(
         joint: partition.is_some(),
         nodes: node_docs(graph, policy),
         replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p)),
-        units: unit_docs(graph, policy, partition),
-        memory: MemoryDoc {
-            saved_bytes: partition.map_or(0, |p| saved_activation_bytes(graph, p)),
-        },
+        units: unit_docs(graph, policy, joint, hw),
+        memory: memory_doc(graph, joint),
+        cost: cost_doc(graph, joint, hw),
         saved,
         diagnostics: diagnostics.into_iter().map(diagnostic_doc).collect(),
+    }
+}
+
+fn memory_doc(graph: &Graph, joint: Option<&Joint>) -> MemoryDoc {
+    let parameter_bytes = graph
+        .values()
+        .values()
+        .filter(|v| v.role == ir::Role::Parameter)
+        .fold(0u64, |acc, v| acc.saturating_add(v.bytes));
+    let Some(j) = joint else {
+        return MemoryDoc {
+            peak_bytes: None,
+            saved_bytes: 0,
+            no_checkpoint_peak_bytes: None,
+            full_recompute_peak_bytes: None,
+            peak_stage: None,
+            peak_node: None,
+            parameter_bytes,
+            gradient_bytes: 0,
+        };
+    };
+    MemoryDoc {
+        peak_bytes: Some(j.memory.peak_bytes),
+        saved_bytes: saved_activation_bytes(graph, &j.partition),
+        no_checkpoint_peak_bytes: Some(j.no_checkpoint.peak_bytes),
+        full_recompute_peak_bytes: Some(j.full_recompute_memory.peak_bytes),
+        peak_stage: j.memory.peak_at.map(|(stage, _)| stage.name().to_owned()),
+        peak_node: j.memory.peak_at.map(|(_, n)| graph.node(n).name.clone()),
+        parameter_bytes,
+        gradient_bytes: j.memory.gradient_bytes,
+    }
+}
+
+fn cost_doc(graph: &Graph, joint: Option<&Joint>, hw: &HwProfile) -> CostDoc {
+    let replayed = |p: &Partition| -> Vec<NodeId> {
+        p.replays
+            .iter()
+            .flat_map(|r| r.nodes.iter().copied())
+            .collect()
+    };
+    let work = joint.map_or_else(Work::default, |j| {
+        Work::of(graph, hw, replayed(&j.partition))
+    });
+    let baseline = joint.map_or_else(Work::default, |j| {
+        Work::of(graph, hw, replayed(&j.full_recompute))
+    });
+    CostDoc {
+        replay_flops: work.flops,
+        replay_bytes: work.bytes,
+        replay_comm_bytes: work.comm_bytes,
+        replay_time_s: work.seconds,
+        full_recompute_replay_time_s: baseline.seconds,
+        hw: hw.name.clone(),
     }
 }
 
@@ -251,18 +370,40 @@ fn replay_docs(graph: &Graph, partition: &Partition) -> Vec<ReplayDoc> {
         .collect()
 }
 
-/// Per kept unit: ops kept and bytes of their outputs that backward needs, per layer.
-fn unit_docs(graph: &Graph, policy: &Policy, partition: Option<&Partition>) -> Vec<UnitDoc> {
+/// Per kept unit: ops kept and bytes of their outputs that backward needs, per layer, and the
+/// replay time whole-layer recompute would spend on those ops.
+fn unit_docs(
+    graph: &Graph,
+    policy: &Policy,
+    joint: Option<&Joint>,
+    hw: &HwProfile,
+) -> Vec<UnitDoc> {
     let mut saved = vec![false; graph.values().len()];
-    for s in partition.map(|p| p.saved.as_slice()).unwrap_or_default() {
+    for s in joint
+        .map(|j| j.partition.saved.as_slice())
+        .unwrap_or_default()
+    {
         saved[ir::EntityId::index(s.value)] = true;
     }
+    let mut replayed_by_baseline = vec![false; graph.nodes().len()];
+    for r in joint
+        .map(|j| j.full_recompute.replays.as_slice())
+        .unwrap_or_default()
+    {
+        for &n in &r.nodes {
+            replayed_by_baseline[ir::EntityId::index(n)] = true;
+        }
+    }
+    let mut avoided: BTreeMap<(ir::ModelId, usize), f64> = BTreeMap::new();
     let mut per: BTreeMap<(ir::ModelId, usize), BTreeMap<u32, (u64, u64)>> = BTreeMap::new();
     for (id, node) in graph.nodes().iter() {
         let Some(p) = policy.nodes[id].filter(|p| p.decision == Decision::Save) else {
             continue;
         };
         let Some(unit) = p.unit else { continue };
+        if replayed_by_baseline[ir::EntityId::index(id)] {
+            *avoided.entry((node.model, unit)).or_default() += hw.node_seconds(graph, id);
+        }
         let layer = per
             .entry((node.model, unit))
             .or_default()
@@ -285,6 +426,7 @@ fn unit_docs(graph: &Graph, policy: &Policy, partition: Option<&Partition>) -> V
             UnitDoc {
                 model: declared.name.clone(),
                 unit: declared.units[unit].name.clone(),
+                replay_time_avoided_s: avoided.get(&(model, unit)).copied().unwrap_or(0.0),
                 kept_ops: layers.iter().map(|l| l.kept_ops).sum(),
                 saved_bytes: layers
                     .iter()

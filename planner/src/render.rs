@@ -8,10 +8,10 @@ use prost::Message;
 
 use crate::{
     plan::{
-        ConfigDoc, DiagnosticDoc, GraphRef, MemoryDoc, NodeDoc, Plan, ReplayDoc, SavedDoc, UnitDoc,
-        UnitLayerDoc,
+        ConfigDoc, CostDoc, DiagnosticDoc, GraphRef, MemoryDoc, NodeDoc, Plan, ReplayDoc, SavedDoc,
+        UnitDoc, UnitLayerDoc,
     },
-    units::format_bytes,
+    units::{format_bytes, format_seconds},
 };
 
 /// The human form: config, per-unit kept ops and bytes, saved set, replay, diagnostics.
@@ -37,6 +37,7 @@ pub fn text(plan: &Plan) -> String {
     if plan.joint {
         text_saved(w, &plan.saved, plan.memory.saved_bytes);
         text_replay(w, plan);
+        text_memory(w, plan);
     } else {
         let _ = writeln!(
             w,
@@ -67,11 +68,12 @@ fn text_units(w: &mut String, plan: &Plan) {
     for u in &plan.units {
         let _ = writeln!(
             w,
-            "  {} / {}: {} ops kept, {} saved",
+            "  {} / {}: {} ops kept, {} saved, {} of replay avoided",
             u.model,
             u.unit,
             u.kept_ops,
-            format_bytes(u.saved_bytes)
+            format_bytes(u.saved_bytes),
+            format_seconds(u.replay_time_avoided_s)
         );
         for l in &u.layers {
             let ops = op_histogram(plan.nodes.iter().filter(|n| {
@@ -146,6 +148,42 @@ fn text_replay(w: &mut String, plan: &Plan) {
         .flat_map(|r| r.nodes.iter())
         .filter_map(|n| ops.get(n.as_str()).copied());
     let _ = writeln!(w, "  replayed ops: {}", op_histogram(replayed));
+}
+
+fn text_memory(w: &mut String, plan: &Plan) {
+    let m = &plan.memory;
+    let c = &plan.cost;
+    let peak = |p: Option<u64>| p.map_or_else(|| "-".to_owned(), format_bytes);
+    let at = match (&m.peak_stage, &m.peak_node) {
+        (Some(stage), Some(node)) => format!(" (in {stage}, at `{node}`)"),
+        _ => String::new(),
+    };
+    let _ = writeln!(
+        w,
+        "memory (parameters apart: {}):",
+        format_bytes(m.parameter_bytes)
+    );
+    let _ = writeln!(w, "  peak, this plan            {}{at}", peak(m.peak_bytes));
+    let _ = writeln!(
+        w,
+        "  peak, no checkpointing     {}",
+        peak(m.no_checkpoint_peak_bytes)
+    );
+    let _ = writeln!(
+        w,
+        "  peak, whole-layer recompute {}",
+        peak(m.full_recompute_peak_bytes)
+    );
+    let _ = writeln!(
+        w,
+        "cost ({}): replay {} FLOPs, {} moved, {} re-communicated, {} (whole-layer recompute: {})",
+        c.hw,
+        c.replay_flops,
+        format_bytes(c.replay_bytes),
+        format_bytes(c.replay_comm_bytes),
+        format_seconds(c.replay_time_s),
+        format_seconds(c.full_recompute_replay_time_s)
+    );
 }
 
 fn text_diagnostics(w: &mut String, diagnostics: &[DiagnosticDoc]) {
@@ -226,6 +264,7 @@ fn to_wire(plan: &Plan) -> pb::Plan {
                 unit: u.unit.clone(),
                 kept_ops: u.kept_ops,
                 saved_bytes: u.saved_bytes,
+                replay_time_avoided_s: u.replay_time_avoided_s,
                 layers: u
                     .layers
                     .iter()
@@ -237,11 +276,15 @@ fn to_wire(plan: &Plan) -> pb::Plan {
                     .collect(),
             })
             .collect(),
-        memory: Some(pb::Memory {
-            saved_bytes: plan.memory.saved_bytes,
-            ..Default::default()
+        memory: Some(memory_to_wire(&plan.memory)),
+        cost: Some(pb::Cost {
+            replay_flops: plan.cost.replay_flops,
+            replay_comm_bytes: plan.cost.replay_comm_bytes,
+            replay_time_s: plan.cost.replay_time_s,
+            replay_bytes: plan.cost.replay_bytes,
+            full_recompute_replay_time_s: plan.cost.full_recompute_replay_time_s,
+            hw: plan.cost.hw.clone(),
         }),
-        cost: None,
         diagnostics: plan
             .diagnostics
             .iter()
@@ -255,6 +298,32 @@ fn to_wire(plan: &Plan) -> pb::Plan {
             })
             .collect(),
         joint: plan.joint,
+    }
+}
+
+fn memory_to_wire(m: &MemoryDoc) -> pb::Memory {
+    pb::Memory {
+        peak_bytes: m.peak_bytes,
+        saved_bytes: m.saved_bytes,
+        no_checkpoint_peak_bytes: m.no_checkpoint_peak_bytes,
+        full_recompute_peak_bytes: m.full_recompute_peak_bytes,
+        peak_stage: m.peak_stage.clone().unwrap_or_default(),
+        peak_node: m.peak_node.clone().unwrap_or_default(),
+        parameter_bytes: m.parameter_bytes,
+        gradient_bytes: m.gradient_bytes,
+    }
+}
+
+fn memory_from_wire(m: pb::Memory) -> MemoryDoc {
+    MemoryDoc {
+        peak_bytes: m.peak_bytes,
+        saved_bytes: m.saved_bytes,
+        no_checkpoint_peak_bytes: m.no_checkpoint_peak_bytes,
+        full_recompute_peak_bytes: m.full_recompute_peak_bytes,
+        peak_stage: Some(m.peak_stage).filter(|s| !s.is_empty()),
+        peak_node: Some(m.peak_node).filter(|s| !s.is_empty()),
+        parameter_bytes: m.parameter_bytes,
+        gradient_bytes: m.gradient_bytes,
     }
 }
 
@@ -319,6 +388,7 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
                 unit: u.unit,
                 kept_ops: u.kept_ops,
                 saved_bytes: u.saved_bytes,
+                replay_time_avoided_s: u.replay_time_avoided_s,
                 layers: u
                     .layers
                     .into_iter()
@@ -330,8 +400,17 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
                     .collect(),
             })
             .collect(),
-        memory: MemoryDoc {
-            saved_bytes: wire.memory.unwrap_or_default().saved_bytes,
+        memory: memory_from_wire(wire.memory.unwrap_or_default()),
+        cost: {
+            let c = wire.cost.unwrap_or_default();
+            CostDoc {
+                replay_flops: c.replay_flops,
+                replay_bytes: c.replay_bytes,
+                replay_comm_bytes: c.replay_comm_bytes,
+                replay_time_s: c.replay_time_s,
+                full_recompute_replay_time_s: c.full_recompute_replay_time_s,
+                hw: c.hw,
+            }
         },
         diagnostics: wire
             .diagnostics

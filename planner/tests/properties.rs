@@ -6,6 +6,7 @@ mod support;
 
 use planner::{
     config::{Collectives, Keep, PlanConfig},
+    cost::HwProfile,
     plan::plan,
     render,
 };
@@ -165,14 +166,14 @@ proptest! {
     #[test]
     fn the_partition_always_verifies(case in case()) {
         let graph = build(&case);
-        let result = plan(&graph, &config(&case));
+        let result = plan(&graph, &config(&case), &HwProfile::default());
         prop_assert!(result.is_ok(), "{}", result.err().map(|e| e.to_string()).unwrap_or_default());
     }
 
     #[test]
     fn every_kept_op_is_eager_and_not_mutable(case in case()) {
         let graph = build(&case);
-        let p = plan(&graph, &config(&case)).unwrap();
+        let p = plan(&graph, &config(&case), &HwProfile::default()).unwrap();
         for doc in p.nodes.iter().filter(|n| n.decision == "save") {
             let node = graph.nodes().values().find(|n| n.name == doc.name).unwrap();
             prop_assert!(node.compiled_region.is_none(), "{} kept in a compiled region", doc.name);
@@ -188,7 +189,7 @@ proptest! {
     #[test]
     fn replay_holds_only_recomputed_ops(case in case()) {
         let graph = build(&case);
-        let p = plan(&graph, &config(&case)).unwrap();
+        let p = plan(&graph, &config(&case), &HwProfile::default()).unwrap();
         for replay in &p.replay {
             for name in &replay.nodes {
                 let doc = p.nodes.iter().find(|n| &n.name == name).unwrap();
@@ -199,8 +200,8 @@ proptest! {
 
     #[test]
     fn output_is_deterministic(case in case()) {
-        let one = plan(&build(&case), &config(&case)).unwrap();
-        let two = plan(&build(&case), &config(&case)).unwrap();
+        let one = plan(&build(&case), &config(&case), &HwProfile::default()).unwrap();
+        let two = plan(&build(&case), &config(&case), &HwProfile::default()).unwrap();
         prop_assert_eq!(render::json(&one), render::json(&two));
         prop_assert_eq!(render::protobuf(&one), render::protobuf(&two));
         prop_assert_eq!(render::text(&one), render::text(&two));

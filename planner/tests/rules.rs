@@ -5,6 +5,7 @@ mod support;
 
 use planner::{
     config::{Collectives, Keep, PlanConfig},
+    cost::HwProfile,
     plan::{plan, Plan, PlanError},
 };
 use support::Builder;
@@ -20,7 +21,7 @@ fn config(keep: &[&str]) -> PlanConfig {
 }
 
 fn run(b: &Builder, config: &PlanConfig) -> Plan {
-    plan(&b.build(), config).expect("plans")
+    plan(&b.build(), config, &HwProfile::default()).expect("plans")
 }
 
 fn decision<'p>(plan: &'p Plan, node: &str) -> (&'p str, &'p str, Option<&'p str>) {
@@ -115,7 +116,8 @@ fn r2_and_r9_keeping_nothing_saves_only_layer_inputs() {
 #[test]
 fn r2_unknown_unit_is_an_error_naming_the_valid_units() {
     let (b, _, _) = two_layers();
-    let err = plan(&b.build(), &config(&["save_atn"])).expect_err("unknown unit");
+    let err =
+        plan(&b.build(), &config(&["save_atn"]), &HwProfile::default()).expect_err("unknown unit");
     assert!(matches!(err, PlanError::Config(_)));
     let message = err.to_string();
     assert!(message.contains("`SAVE_ATN`"), "{message}");
@@ -253,7 +255,7 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
     b.layer(None);
     backward(&mut b, &[&w, &end]);
     let graph = b.build();
-    let p = plan(&graph, &config(&["save_attn"])).unwrap();
+    let p = plan(&graph, &config(&["save_attn"]), &HwProfile::default()).unwrap();
     assert_eq!(decision(&p, "n4"), ("recompute", "mutable", None));
     assert_eq!(decision(&p, "n5"), ("recompute", "collective", None));
     assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
@@ -272,7 +274,7 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
         collectives: Collectives::Save,
         ..config(&["save_attn"])
     };
-    let p = plan(&graph, &save).unwrap();
+    let p = plan(&graph, &save, &HwProfile::default()).unwrap();
     assert_eq!(
         decision(&p, "n5"),
         ("save", "saved-collective", Some("SAVE_ATTN"))
@@ -305,7 +307,7 @@ fn r5_collectives_save_keeps_functional_collectives_and_host_copies_outside_inte
     let mut wire2 = b2.wire();
     wire2.nodes[1] = wire.nodes[1].clone();
     let graph = ir::Graph::from_wire(wire2).unwrap();
-    let recompute = plan(&graph, &config(&[])).unwrap();
+    let recompute = plan(&graph, &config(&[]), &HwProfile::default()).unwrap();
     assert_eq!(
         decision(&recompute, "n2"),
         ("recompute", "outside-kept-interval", None)
@@ -316,6 +318,7 @@ fn r5_collectives_save_keeps_functional_collectives_and_host_copies_outside_inte
             collectives: Collectives::Save,
             ..config(&[])
         },
+        &HwProfile::default(),
     )
     .unwrap();
     assert_eq!(decision(&save, "n1"), ("save", "saved-collective", None));
@@ -516,8 +519,9 @@ fn r10_each_micro_batch_runs_its_own_marker_session() {
 fn r11_output_is_deterministic_and_fingerprinted() {
     let (b, _, _) = two_layers();
     let graph = b.build();
-    let one = planner::render::json(&plan(&graph, &config(&["all"])).unwrap());
-    let two = planner::render::json(&plan(&b.build(), &config(&["all"])).unwrap());
+    let hw = HwProfile::default();
+    let one = planner::render::json(&plan(&graph, &config(&["all"]), &hw).unwrap());
+    let two = planner::render::json(&plan(&b.build(), &config(&["all"]), &hw).unwrap());
     assert_eq!(one, two);
     assert!(one.contains(&format!("\"fingerprint\": \"{}\"", graph.fingerprint())));
     assert_eq!(graph.fingerprint().len(), 32);

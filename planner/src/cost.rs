@@ -1,0 +1,101 @@
+//! Recompute cost (M2): FLOPs, bytes and bytes re-communicated by replay, and an estimated time
+//! from a hardware profile.
+//!
+//! Each op is timed with a roofline, `max(flops / rate, bytes / hbm)`, where the rate is the
+//! matmul rate for compute-intensive ops (matmuls, attention) and the vector rate otherwise;
+//! its communication adds `comm_bytes / link`. Ops are summed: replay runs them in sequence.
+
+use std::{fs, path::Path};
+
+use ir::{Graph, NodeId};
+use serde::{Deserialize, Serialize};
+
+/// Throughputs of one accelerator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HwProfile {
+    pub name: String,
+    /// Dense bf16 matmul, FLOP/s (measured, not the datasheet peak).
+    pub matmul_flops_per_s: f64,
+    /// Everything else (elementwise, reductions, softmax), FLOP/s.
+    pub vector_flops_per_s: f64,
+    /// Device memory bandwidth, bytes/s.
+    pub hbm_bytes_per_s: f64,
+    /// Interconnect bandwidth per direction (NVLink), bytes/s.
+    pub link_bytes_per_s: f64,
+}
+
+impl Default for HwProfile {
+    /// H200: about 790 TFLOP/s measured bf16 matmul, 67 TFLOP/s FP32 vector, 4.8 TB/s HBM3e,
+    /// NVLink 4 at 450 GB/s per direction.
+    fn default() -> Self {
+        HwProfile {
+            name: "H200".to_owned(),
+            matmul_flops_per_s: 790e12,
+            vector_flops_per_s: 67e12,
+            hbm_bytes_per_s: 4.8e12,
+            link_bytes_per_s: 450e9,
+        }
+    }
+}
+
+impl HwProfile {
+    /// Reads a JSON profile; fields it leaves out keep the H200 defaults.
+    pub fn from_file(path: &Path) -> Result<HwProfile, String> {
+        let text = fs::read_to_string(path)
+            .map_err(|e| format!("cannot read hardware profile {}: {e}", path.display()))?;
+        let profile: HwProfile = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not a valid hardware profile: {e}", path.display()))?;
+        for (field, value) in [
+            ("matmul_flops_per_s", profile.matmul_flops_per_s),
+            ("vector_flops_per_s", profile.vector_flops_per_s),
+            ("hbm_bytes_per_s", profile.hbm_bytes_per_s),
+            ("link_bytes_per_s", profile.link_bytes_per_s),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!(
+                    "{}: `{field}` must be a positive number, got {value}",
+                    path.display()
+                ));
+            }
+        }
+        Ok(profile)
+    }
+
+    /// Estimated seconds for one execution of `node`.
+    pub fn node_seconds(&self, graph: &Graph, node: NodeId) -> f64 {
+        let cost = graph.node_cost(node);
+        let rate = if graph.node(node).info.compute_intensive {
+            self.matmul_flops_per_s
+        } else {
+            self.vector_flops_per_s
+        };
+        let compute = cost.flops as f64 / rate;
+        let memory = cost.bytes as f64 / self.hbm_bytes_per_s;
+        compute.max(memory) + cost.comm_bytes as f64 / self.link_bytes_per_s
+    }
+}
+
+/// What re-executing some nodes costs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Work {
+    pub flops: u64,
+    pub bytes: u64,
+    pub comm_bytes: u64,
+    pub seconds: f64,
+}
+
+impl Work {
+    /// The summed cost of `nodes`.
+    pub fn of(graph: &Graph, hw: &HwProfile, nodes: impl IntoIterator<Item = NodeId>) -> Work {
+        let mut work = Work::default();
+        for id in nodes {
+            let cost = graph.node_cost(id);
+            work.flops = work.flops.saturating_add(cost.flops);
+            work.bytes = work.bytes.saturating_add(cost.bytes);
+            work.comm_bytes = work.comm_bytes.saturating_add(cost.comm_bytes);
+            work.seconds += hw.node_seconds(graph, id);
+        }
+        work
+    }
+}

@@ -1,0 +1,225 @@
+//! Peak memory from a liveness simulation (M1).
+//!
+//! The step runs forward in execution order, then backward in order with each replay subgraph
+//! materialised just before the backward node it is scheduled for. Every op output is a new
+//! storage, except an alias (a view, `wait_tensor`, an in-place op's result), which shares the
+//! storage of the input it aliases, so views cost nothing and extend their base's life. A
+//! storage lives from the step that makes it to the last step that reads it (or any alias of
+//! it); graph outputs (loss, gradients) live to the end. What is *saved* needs no bookkeeping:
+//! a forward value that backward or replay reads simply stays alive until that read, and
+//! everything else dies after its last forward use.
+//!
+//! Parameters are resident throughout and reported apart; so are the gradients among the graph
+//! outputs. Collective buffers are ordinary op outputs and count like any other.
+
+use ir::{EntityId, Graph, Node, NodeId, Phase, ValueId};
+
+use crate::partition::Replay;
+
+/// What the simulation found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Simulation {
+    /// Largest sum of live bytes (everything but parameters) at any step.
+    pub peak_bytes: u64,
+    /// Where the peak happens.
+    pub peak_at: Option<(Stage, NodeId)>,
+    pub parameter_bytes: u64,
+    /// Bytes of the gradients the graph outputs, alive at the end of the step.
+    pub gradient_bytes: u64,
+}
+
+/// Which pass a step belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Forward,
+    Replay,
+    Backward,
+}
+
+impl Stage {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Forward => "forward",
+            Stage::Replay => "replay",
+            Stage::Backward => "backward",
+        }
+    }
+}
+
+/// One storage (a tensor's memory) and its lifetime in steps.
+#[derive(Debug, Clone, Copy)]
+struct Storage {
+    bytes: u64,
+    alloc: usize,
+    last: usize,
+}
+
+/// Storage ids per value, per copy: the forward one, the replayed one, the backward one.
+struct Instances {
+    forward: Vec<Option<u32>>,
+    replayed: Vec<Option<u32>>,
+    backward: Vec<Option<u32>>,
+}
+
+struct Simulator<'g> {
+    graph: &'g Graph,
+    storages: Vec<Storage>,
+    inst: Instances,
+    schedule: Vec<(Stage, NodeId)>,
+}
+
+/// Simulates one training step under the given replays (none: no checkpointing at all).
+pub fn simulate(graph: &Graph, replays: &[Replay]) -> Simulation {
+    let n = graph.values().len();
+    let mut sim = Simulator {
+        graph,
+        storages: Vec::new(),
+        inst: Instances {
+            forward: vec![None; n],
+            replayed: vec![None; n],
+            backward: vec![None; n],
+        },
+        schedule: Vec::with_capacity(graph.nodes().len()),
+    };
+    sim.place_graph_inputs();
+    for (id, node) in graph.nodes().iter() {
+        if node.phase == Phase::Forward {
+            sim.run(Stage::Forward, id);
+        }
+    }
+    let mut pending = replays.iter().peekable();
+    for (id, node) in graph.nodes().iter() {
+        if node.phase != Phase::Backward {
+            continue;
+        }
+        while let Some(replay) = pending.next_if(|r| r.before <= id) {
+            for &r in &replay.nodes {
+                sim.run(Stage::Replay, r);
+            }
+        }
+        sim.run(Stage::Backward, id);
+    }
+    sim.finish()
+}
+
+impl Simulator<'_> {
+    /// Data inputs and tangents are alive from the start; parameters are counted apart.
+    fn place_graph_inputs(&mut self) {
+        for (id, value) in self.graph.values().iter() {
+            if self.graph.producer(id).is_none() && value.role != ir::Role::Parameter {
+                let storage = self.new_storage(value.bytes, 0);
+                self.inst.forward[id.index()] = Some(storage);
+            }
+        }
+    }
+
+    fn new_storage(&mut self, bytes: u64, step: usize) -> u32 {
+        self.storages.push(Storage {
+            bytes,
+            alloc: step,
+            last: step,
+        });
+        (self.storages.len() - 1) as u32
+    }
+
+    /// The storage a read of `value` at `stage` sees.
+    fn read(&self, stage: Stage, value: ValueId) -> Option<u32> {
+        let i = value.index();
+        match stage {
+            Stage::Forward => self.inst.forward[i],
+            Stage::Replay => self.inst.replayed[i].or(self.inst.forward[i]),
+            Stage::Backward => self.inst.backward[i]
+                .or(self.inst.replayed[i])
+                .or(self.inst.forward[i]),
+        }
+    }
+
+    fn run(&mut self, stage: Stage, id: NodeId) {
+        let step = self.schedule.len();
+        self.schedule.push((stage, id));
+        let node = self.graph.node(id);
+        for &v in &node.inputs {
+            if let Some(s) = self.read(stage, v) {
+                self.storages[s as usize].last = step;
+            }
+        }
+        let alias = alias_input(node).and_then(|p| self.read(stage, node.inputs[p]));
+        for (k, &v) in node.outputs.iter().enumerate() {
+            let storage = match alias.filter(|_| k == 0) {
+                Some(s) => s,
+                None => self.new_storage(self.graph.value(v).bytes, step),
+            };
+            let slot = match stage {
+                Stage::Forward => &mut self.inst.forward,
+                Stage::Replay => &mut self.inst.replayed,
+                Stage::Backward => &mut self.inst.backward,
+            };
+            slot[v.index()] = Some(storage);
+        }
+    }
+
+    fn finish(mut self) -> Simulation {
+        let end = self.schedule.len().saturating_sub(1);
+        let mut gradient_bytes = 0u64;
+        for &v in self.graph.outputs() {
+            if let Some(s) = self.read(Stage::Backward, v) {
+                self.storages[s as usize].last = end;
+            }
+            if self.graph.value(v).role == ir::Role::Gradient {
+                gradient_bytes = gradient_bytes.saturating_add(self.graph.value(v).bytes);
+            }
+        }
+        let (peak_bytes, peak_step) = peak(&self.storages, self.schedule.len());
+        Simulation {
+            peak_bytes,
+            peak_at: peak_step.map(|s| self.schedule[s]),
+            parameter_bytes: self
+                .graph
+                .values()
+                .values()
+                .filter(|v| v.role == ir::Role::Parameter)
+                .fold(0u64, |acc, v| acc.saturating_add(v.bytes)),
+            gradient_bytes,
+        }
+    }
+}
+
+/// The input an op's first output aliases: a view's base, or the tensor an in-place op writes.
+fn alias_input(node: &Node) -> Option<usize> {
+    node.effects
+        .view_of
+        .or_else(|| node.effects.mutates.first().copied())
+}
+
+/// The largest sum of live bytes over steps, and the first step where it is reached.
+fn peak(storages: &[Storage], steps: usize) -> (u64, Option<usize>) {
+    let mut delta = vec![0i128; steps + 1];
+    for s in storages {
+        delta[s.alloc] += i128::from(s.bytes);
+        delta[s.last + 1] -= i128::from(s.bytes);
+    }
+    let (mut live, mut best, mut at) = (0i128, 0i128, None);
+    for (step, d) in delta.iter().take(steps).enumerate() {
+        live += d;
+        if live > best {
+            best = live;
+            at = Some(step);
+        }
+    }
+    (u64::try_from(best).unwrap_or(u64::MAX), at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::peak;
+    use super::Storage;
+
+    #[test]
+    fn peak_counts_overlapping_lifetimes_once_each() {
+        let s = |bytes, alloc, last| Storage { bytes, alloc, last };
+        // 10 lives 0..=1, 20 lives 1..=2, 5 lives 3..=3: the peak is 30 at step 1.
+        let storages = [s(10, 0, 1), s(20, 1, 2), s(5, 3, 3)];
+        assert_eq!(peak(&storages, 4), (30, Some(1)));
+        assert_eq!(peak(&[], 0), (0, None));
+    }
+}
