@@ -1,7 +1,7 @@
 //! What the user asked for (R1–R3, R5), resolved against the graph's models before any
 //! planning work.
 
-use std::fmt;
+use std::{collections::BTreeMap, fmt};
 
 use ir::{Graph, IdVec, ModelId};
 use thiserror::Error;
@@ -145,8 +145,10 @@ pub fn check_ratio(ratio: f64) -> Result<f64, ConfigError> {
 /// are checkpointed.
 #[derive(Debug, Clone)]
 pub struct Resolved {
-    /// Per model, the indices (into `Model::units`) of the kept units.
+    /// Per model, the indices (into `Model::units`) of the units `--keep` keeps in its layers.
     pub kept_units: IdVec<ModelId, Vec<usize>>,
+    /// Per-layer choices (the budget solver's) that replace the model's kept units there.
+    pub layer_units: BTreeMap<(ModelId, u32), Vec<usize>>,
     /// Per model, layers `< checkpointed_layers` are checkpointed.
     pub checkpointed_layers: IdVec<ModelId, u32>,
 }
@@ -154,6 +156,30 @@ pub struct Resolved {
 impl Resolved {
     pub fn is_checkpointed(&self, model: ModelId, layer: Option<u32>) -> bool {
         layer.is_some_and(|l| l < self.checkpointed_layers[model])
+    }
+
+    /// The units kept in `layer` of `model`.
+    pub fn kept_at(&self, model: ModelId, layer: u32) -> &[usize] {
+        self.layer_units
+            .get(&(model, layer))
+            .unwrap_or(&self.kept_units[model])
+    }
+
+    /// Replaces the kept units of single layers.
+    pub fn with_layer_units(mut self, layer_units: BTreeMap<(ModelId, u32), Vec<usize>>) -> Self {
+        self.layer_units = layer_units;
+        self
+    }
+
+    /// The units of `model` kept in at least one of its layers, sorted.
+    pub fn kept_anywhere(&self, model: ModelId) -> Vec<usize> {
+        let mut units = self.kept_units[model].clone();
+        for (_, layer_units) in self.layer_units.range((model, 0)..=(model, u32::MAX)) {
+            units.extend(layer_units);
+        }
+        units.sort_unstable();
+        units.dedup();
+        units
     }
 }
 
@@ -198,6 +224,7 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
     );
     Ok(Resolved {
         kept_units,
+        layer_units: BTreeMap::new(),
         checkpointed_layers,
     })
 }

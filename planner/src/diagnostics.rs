@@ -173,9 +173,9 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
         }
     }
     let none = BTreeSet::new();
-    for (model, kept) in resolved.kept_units.iter() {
+    for model in graph.models().ids() {
         let seen = present.get(&model).unwrap_or(&none);
-        for &unit in kept {
+        for unit in resolved.kept_anywhere(model) {
             let missing: Vec<String> = graph.model(model).units[unit]
                 .intervals
                 .iter()
@@ -206,8 +206,8 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
 }
 
 fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: &mut Collector) {
-    for (model, kept) in resolved.kept_units.iter() {
-        for &unit in kept {
+    for model in graph.models().ids() {
+        for unit in resolved.kept_anywhere(model) {
             let key = (model, unit);
             let enclosed = findings.enclosed.get(&key);
             let inert: BTreeMap<u32, &Enclosed> = enclosed

@@ -3,6 +3,7 @@
 //!
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
+pub mod budget;
 pub mod config;
 pub mod convert;
 pub mod cost;
@@ -10,6 +11,7 @@ pub mod diagnostics;
 pub mod diff;
 pub mod inspect;
 pub mod memory;
+pub mod pareto;
 pub mod partition;
 pub mod plan;
 pub mod policy;

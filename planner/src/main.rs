@@ -6,12 +6,13 @@ use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
 use planner::{
+    budget,
     config::{self, Collectives, Keep, PlanConfig},
     convert,
     cost::HwProfile,
-    diff, inspect,
+    diff, inspect, pareto,
     plan::{self, Plan},
-    render,
+    render, units,
 };
 
 #[derive(Parser)]
@@ -31,6 +32,8 @@ enum Command {
     Plan(PlanArgs),
     /// Per-node decision changes between two plans (`.json` or `.pb`); exits 1 if any
     Diff { old: PathBuf, new: PathBuf },
+    /// The peak-memory / replay-time trade-off of every configuration on the frontier
+    Pareto(ParetoArgs),
     /// Summarise a graph: models, layers, markers, units, compiled regions, ops
     Inspect {
         /// Graph file (`.pb` or `.json`)
@@ -79,6 +82,37 @@ struct PlanArgs {
     /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
     #[arg(long, value_name = "FILE.json")]
     hw: Option<PathBuf>,
+    /// Choose the units per layer that minimise replay time with the peak within SIZE
+    /// (e.g. `40GiB`); replaces --keep
+    #[arg(long, value_name = "SIZE", conflicts_with = "keep")]
+    budget: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct ParetoArgs {
+    /// Graph file (`.pb` or `.json`)
+    graph: PathBuf,
+    #[arg(long, value_name = "RATIO", default_value_t = 1.0)]
+    recompute_ratio: f64,
+    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
+    collectives: CollectivesArg,
+    #[arg(long, value_name = "FILE.json")]
+    hw: Option<PathBuf>,
+    /// Budgets tried between keeping nothing and keeping everything
+    #[arg(long, default_value_t = 32)]
+    steps: u64,
+    #[arg(long, value_enum, default_value_t = ParetoFormat::Text)]
+    format: ParetoFormat,
+    /// Write to FILE instead of stdout
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    output: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ParetoFormat {
+    Text,
+    Json,
+    Svg,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -125,6 +159,7 @@ fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Plan(args) => run_plan(args),
         Command::Diff { old, new } => run_diff(&old, &new),
+        Command::Pareto(args) => run_pareto(args),
         Command::Inspect { graph, format } => {
             let graph = ir::io::load(&graph).map_err(|e| e.to_string())?;
             let summary = inspect::summarize(&graph);
@@ -151,20 +186,23 @@ fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     // Configuration errors come before any other work (R2).
     let keep = Keep::parse(&args.keep).map_err(|e| e.to_string())?;
     let recompute_ratio = config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?;
+    let budget = args.budget.as_deref().map(units::parse_bytes).transpose()?;
     let config = PlanConfig {
         keep,
         recompute_ratio,
-        collectives: match args.collectives {
-            CollectivesArg::Recompute => Collectives::Recompute,
-            CollectivesArg::Save => Collectives::Save,
-        },
+        collectives: args.collectives.into(),
     };
-    let hw = match &args.hw {
-        Some(path) => HwProfile::from_file(path)?,
-        None => HwProfile::default(),
-    };
+    let hw = load_hw(args.hw.as_deref())?;
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
-    let plan = plan::plan(&graph, &config, &hw).map_err(|e| e.to_string())?;
+    let plan = match budget {
+        Some(bytes) => {
+            let mut plan =
+                budget::plan_within(&graph, &config, &hw, bytes).map_err(|e| e.to_string())?;
+            plan.config.budget_bytes = Some(bytes);
+            plan
+        }
+        None => plan::plan(&graph, &config, &hw).map_err(|e| e.to_string())?,
+    };
     if plan.has_errors() {
         report_errors(&plan);
         return Err(Failure::Status(1));
@@ -203,6 +241,53 @@ fn report_errors(plan: &Plan) {
 fn report_warnings(plan: &Plan) {
     for d in plan.diagnostics.iter().filter(|d| d.level != "error") {
         eprintln!("{}[{}]: {}", d.level, d.code, d.message);
+    }
+}
+
+fn run_pareto(args: ParetoArgs) -> Result<(), Failure> {
+    let config = PlanConfig {
+        keep: Keep::Nothing,
+        recompute_ratio: config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?,
+        collectives: args.collectives.into(),
+    };
+    let hw = load_hw(args.hw.as_deref())?;
+    let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
+    let search = budget::Search::new(&graph, &config, &hw).map_err(|e| e.to_string())?;
+    let points = pareto::frontier(&search, args.steps).map_err(|e| e.to_string())?;
+    let text = match args.format {
+        ParetoFormat::Text => pareto::table(graph.name(), &hw.name, &points),
+        ParetoFormat::Json => {
+            let mut json = serde_json::to_string_pretty(&points)
+                .map_err(|e| format!("cannot serialise the frontier: {e}"))?;
+            json.push('\n');
+            json
+        }
+        ParetoFormat::Svg => pareto::svg(graph.name(), &points),
+    };
+    emit(args.output.as_deref(), text.as_bytes())
+}
+
+/// Writes to `path`, or to stdout without one.
+fn emit(path: Option<&std::path::Path>, bytes: &[u8]) -> Result<(), Failure> {
+    match path {
+        Some(path) => {
+            Ok(fs::write(path, bytes)
+                .map_err(|e| format!("cannot write {}: {e}", path.display()))?)
+        }
+        None => Ok(write_stdout(bytes)?),
+    }
+}
+
+fn load_hw(path: Option<&std::path::Path>) -> Result<HwProfile, String> {
+    path.map_or_else(|| Ok(HwProfile::default()), HwProfile::from_file)
+}
+
+impl From<CollectivesArg> for Collectives {
+    fn from(arg: CollectivesArg) -> Self {
+        match arg {
+            CollectivesArg::Recompute => Collectives::Recompute,
+            CollectivesArg::Save => Collectives::Save,
+        }
     }
 }
 

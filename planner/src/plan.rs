@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::{
-    config::{self, Collectives, ConfigError, Keep, PlanConfig},
+    config::{self, Collectives, ConfigError, Keep, PlanConfig, Resolved},
     cost::{HwProfile, Work},
     diagnostics::{self, Diagnostic, Level},
     memory::{self, Simulation},
@@ -45,6 +45,17 @@ pub struct ConfigDoc {
     pub keep: Vec<String>,
     pub recompute_ratio: f64,
     pub collectives: String,
+    /// `--budget` in bytes, when the units were chosen per layer to fit it.
+    pub budget_bytes: Option<u64>,
+    /// Per-layer unit choices (the budget solver's); empty when `keep` applies everywhere.
+    pub layer_keep: Vec<LayerKeepDoc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerKeepDoc {
+    pub model: String,
+    pub layer: u32,
+    pub keep: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,12 +78,14 @@ pub struct SavedDoc {
     pub model: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReplayDoc {
     pub model: String,
     pub layer: u32,
     pub nodes: Vec<String>,
     pub before: String,
+    /// Estimated seconds of this replay.
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -158,6 +171,16 @@ impl Plan {
 /// Plans `graph` under `config` (SPEC §4), with costs estimated for `hw` (SPEC §5).
 pub fn plan(graph: &Graph, config: &PlanConfig, hw: &HwProfile) -> Result<Plan, PlanError> {
     let resolved = config::resolve(graph, config)?;
+    plan_resolved(graph, config, resolved, hw)
+}
+
+/// Plans with an already resolved configuration (per-layer unit choices included).
+pub fn plan_resolved(
+    graph: &Graph,
+    config: &PlanConfig,
+    resolved: Resolved,
+    hw: &HwProfile,
+) -> Result<Plan, PlanError> {
     let policy = policy::apply(graph, config, &resolved);
     let joint = if partition::is_joint(graph) {
         Some(Joint::analyse(graph, &policy)?)
@@ -174,6 +197,7 @@ pub fn plan(graph: &Graph, config: &PlanConfig, hw: &HwProfile) -> Result<Plan, 
     Ok(assemble(
         graph,
         config,
+        &resolved,
         &policy,
         joint.as_ref(),
         hw,
@@ -221,6 +245,7 @@ fn checked_partition(graph: &Graph, policy: &Policy) -> Result<Partition, PlanEr
 fn assemble(
     graph: &Graph,
     config: &PlanConfig,
+    resolved: &Resolved,
     policy: &Policy,
     joint: Option<&Joint>,
     hw: &HwProfile,
@@ -238,10 +263,12 @@ fn assemble(
             keep: config.keep.names(),
             recompute_ratio: config.recompute_ratio,
             collectives: config.collectives.to_string(),
+            budget_bytes: None,
+            layer_keep: layer_keep_docs(graph, resolved),
         },
         joint: partition.is_some(),
         nodes: node_docs(graph, policy),
-        replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p)),
+        replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p, hw)),
         units: unit_docs(graph, policy, joint, hw),
         memory: memory_doc(graph, joint),
         cost: cost_doc(graph, joint, hw),
@@ -353,7 +380,7 @@ fn saved_docs(graph: &Graph, partition: &Partition) -> Vec<SavedDoc> {
         .collect()
 }
 
-fn replay_docs(graph: &Graph, partition: &Partition) -> Vec<ReplayDoc> {
+fn replay_docs(graph: &Graph, partition: &Partition, hw: &HwProfile) -> Vec<ReplayDoc> {
     partition
         .replays
         .iter()
@@ -366,6 +393,25 @@ fn replay_docs(graph: &Graph, partition: &Partition) -> Vec<ReplayDoc> {
                 .map(|&n| graph.node(n).name.clone())
                 .collect(),
             before: graph.node(r.before).name.clone(),
+            seconds: Work::of(graph, hw, r.nodes.iter().copied()).seconds,
+        })
+        .collect()
+}
+
+fn layer_keep_docs(graph: &Graph, resolved: &Resolved) -> Vec<LayerKeepDoc> {
+    resolved
+        .layer_units
+        .iter()
+        .map(|(&(model, layer), units)| {
+            let declared = graph.model(model);
+            LayerKeepDoc {
+                model: declared.name.clone(),
+                layer,
+                keep: units
+                    .iter()
+                    .map(|&u| declared.units[u].name.clone())
+                    .collect(),
+            }
         })
         .collect()
 }

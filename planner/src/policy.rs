@@ -213,7 +213,8 @@ impl<'a, 'g> Session<'a, 'g> {
         findings: &'a mut Findings,
     ) -> Self {
         let model = graph.model(site.0);
-        let intervals: Vec<Interval<'g>> = resolved.kept_units[site.0]
+        let intervals: Vec<Interval<'g>> = resolved
+            .kept_at(site.0, site.1)
             .iter()
             .flat_map(|&unit| {
                 model.units[unit].intervals.iter().map(move |i| Interval {
@@ -307,11 +308,14 @@ impl<'a, 'g> Session<'a, 'g> {
 
     /// R5: with `--collectives save`, eager functional collectives and device-to-host syncs
     /// are saved in every checkpointed layer, kept interval or not (the second seed's op-list
-    /// policy); mutating ones never.
+    /// policy); mutating ones never. `wait_tensor` returns the collective's own buffer (an
+    /// alias): saving the collective covers it, and its replay is a no-op, as the second seed
+    /// settled.
     fn saves_as_collective(&self, node: &Node) -> bool {
         self.config.collectives == Collectives::Save
             && is_sync(node)
             && node.compiled_region.is_none()
+            && node.effects.view_of.is_none()
             && !node.effects.is_mutable()
     }
 
@@ -456,7 +460,7 @@ fn find_layers_compiled_whole(
 ) {
     let mut regions: BTreeMap<(ModelId, u32), Option<BTreeSet<&str>>> = BTreeMap::new();
     for (&(model, layer, _), members) in sessions {
-        if resolved.kept_units[model].is_empty() {
+        if resolved.kept_at(model, layer).is_empty() {
             continue;
         }
         let seen = regions

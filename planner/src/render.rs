@@ -8,8 +8,8 @@ use prost::Message;
 
 use crate::{
     plan::{
-        ConfigDoc, CostDoc, DiagnosticDoc, GraphRef, MemoryDoc, NodeDoc, Plan, ReplayDoc, SavedDoc,
-        UnitDoc, UnitLayerDoc,
+        ConfigDoc, CostDoc, DiagnosticDoc, GraphRef, LayerKeepDoc, MemoryDoc, NodeDoc, Plan,
+        ReplayDoc, SavedDoc, UnitDoc, UnitLayerDoc,
     },
     units::{format_bytes, format_seconds},
 };
@@ -24,6 +24,7 @@ pub fn text(plan: &Plan) -> String {
         plan.graph.name, plan.graph.fingerprint, plan.planner_version
     );
     let keep = match plan.config.keep.as_slice() {
+        _ if plan.config.budget_bytes.is_some() => "per layer, for the budget".to_owned(),
         [] => "nothing (whole-layer recompute)".to_owned(),
         units => units.join(", "),
     };
@@ -32,6 +33,7 @@ pub fn text(plan: &Plan) -> String {
         "config: keep {keep}; recompute-ratio {}; collectives {}",
         plan.config.recompute_ratio, plan.config.collectives
     );
+    text_budget(w, plan);
     text_decisions(w, &plan.nodes);
     text_units(w, plan);
     if plan.joint {
@@ -46,6 +48,18 @@ pub fn text(plan: &Plan) -> String {
     }
     text_diagnostics(w, &plan.diagnostics);
     out
+}
+
+/// The budget solver's per-layer choices, runs of equal choices folded.
+fn text_budget(w: &mut String, plan: &Plan) {
+    if let Some(budget) = plan.config.budget_bytes {
+        let _ = writeln!(
+            w,
+            "budget {}: keeps {}",
+            format_bytes(budget),
+            crate::pareto::describe(&plan.config.layer_keep)
+        );
+    }
 }
 
 fn text_decisions(w: &mut String, nodes: &[NodeDoc]) {
@@ -221,6 +235,17 @@ fn to_wire(plan: &Plan) -> pb::Plan {
             keep: plan.config.keep.clone(),
             recompute_ratio: plan.config.recompute_ratio,
             collectives: plan.config.collectives.clone(),
+            budget_bytes: plan.config.budget_bytes,
+            layer_keep: plan
+                .config
+                .layer_keep
+                .iter()
+                .map(|l| pb::LayerKeep {
+                    model: l.model.clone(),
+                    layer: l.layer,
+                    keep: l.keep.clone(),
+                })
+                .collect(),
         }),
         nodes: plan
             .nodes
@@ -254,6 +279,7 @@ fn to_wire(plan: &Plan) -> pb::Plan {
                 layer: r.layer,
                 nodes: r.nodes.clone(),
                 before: r.before.clone(),
+                seconds: r.seconds,
             })
             .collect(),
         units: plan
@@ -342,6 +368,16 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
             keep: config.keep,
             recompute_ratio: config.recompute_ratio,
             collectives: config.collectives,
+            budget_bytes: config.budget_bytes,
+            layer_keep: config
+                .layer_keep
+                .into_iter()
+                .map(|l| LayerKeepDoc {
+                    model: l.model,
+                    layer: l.layer,
+                    keep: l.keep,
+                })
+                .collect(),
         },
         joint: wire.joint,
         nodes: wire
@@ -378,6 +414,7 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
                 layer: r.layer,
                 nodes: r.nodes,
                 before: r.before,
+                seconds: r.seconds,
             })
             .collect(),
         units: wire

@@ -29,9 +29,55 @@ pub fn format_seconds(seconds: f64) -> String {
     format!("{:.3} {unit}", seconds / scale)
 }
 
+/// Parses a size: `40GiB`, `512 MiB`, `1.5GB`, `4096` (bytes). Binary (`KiB`..`TiB`) and
+/// decimal (`KB`..`TB`) units, case-insensitive.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a size (try `40GiB`)"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` in `{text}` (try `GiB`)"
+            ))
+        }
+    };
+    let bytes = (number * scale).round();
+    if bytes.is_finite() && bytes < u64::MAX as f64 {
+        Ok(bytes as u64)
+    } else {
+        Err(format!("`{text}` is too large"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{format_bytes, format_seconds};
+    use super::{format_bytes, format_seconds, parse_bytes};
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("40GiB"), Ok(40 << 30));
+        assert_eq!(parse_bytes("1.5 KiB"), Ok(1536));
+        assert_eq!(parse_bytes("2gb"), Ok(2_000_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("GiB").is_err());
+        assert!(parse_bytes("12 parsecs").is_err());
+        assert!(parse_bytes("1e300").is_err());
+    }
 
     #[test]
     fn seconds_use_the_largest_unit_below_them() {

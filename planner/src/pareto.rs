@@ -1,0 +1,237 @@
+//! `planner pareto`: the whole memory / recompute trade-off (M3). Candidates are every per-layer
+//! combination when there are few (exact), else the budget solver's choices for evenly spaced
+//! headrooms from "keep nothing" to "keep every unit that saves anything"; each is simulated
+//! exactly, and the points no other point beats on both peak and replay time form the frontier.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::{
+    budget::{BudgetError, Search, EXHAUSTIVE_LIMIT},
+    plan::{LayerKeepDoc, Plan},
+    units::{format_bytes, format_seconds},
+};
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Point {
+    pub peak_bytes: u64,
+    pub replay_time_s: f64,
+    /// Activation bytes saved for backward.
+    pub saved_bytes: u64,
+    /// Per-layer units kept; empty keeps nothing.
+    pub layer_keep: Vec<LayerKeepDoc>,
+}
+
+impl Point {
+    fn of(plan: &Plan) -> Point {
+        Point {
+            peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
+            replay_time_s: plan.cost.replay_time_s,
+            saved_bytes: plan.memory.saved_bytes,
+            layer_keep: plan.config.layer_keep.clone(),
+        }
+    }
+
+    /// At least as good on both axes and better on one.
+    fn dominates(&self, other: &Point) -> bool {
+        self.peak_bytes <= other.peak_bytes
+            && self.replay_time_s <= other.replay_time_s
+            && (self.peak_bytes < other.peak_bytes || self.replay_time_s < other.replay_time_s)
+    }
+}
+
+/// The frontier by increasing peak: exact (every combination simulated) up to
+/// [`EXHAUSTIVE_LIMIT`] combinations, else from the budget solver at `steps + 1` evenly spaced
+/// headrooms.
+pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
+    let mut points: Vec<Point> = Vec::new();
+    if search.combinations() <= EXHAUSTIVE_LIMIT {
+        for plan in search.every_combination() {
+            points.push(Point::of(&plan?));
+        }
+    } else {
+        let max = search.max_headroom();
+        let steps = steps.max(1);
+        for k in 0..=steps {
+            let headroom =
+                u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps)).unwrap_or(max);
+            let point = Point::of(&search.plan_for(headroom)?);
+            if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
+                points.push(point);
+            }
+        }
+    }
+    let mut front: Vec<Point> = points
+        .iter()
+        .filter(|p| !points.iter().any(|q| q.dominates(p)))
+        .cloned()
+        .collect();
+    front.sort_by(|a, b| {
+        a.peak_bytes
+            .cmp(&b.peak_bytes)
+            .then(a.replay_time_s.total_cmp(&b.replay_time_s))
+    });
+    front.dedup_by(|a, b| a.peak_bytes == b.peak_bytes && a.replay_time_s == b.replay_time_s);
+    Ok(front)
+}
+
+/// `main layers 0-3: SAVE_ATTN; main layer 4: ...`, or `nothing`.
+pub fn describe(layer_keep: &[LayerKeepDoc]) -> String {
+    let mut runs: Vec<(&str, u32, u32, String)> = Vec::new();
+    if layer_keep.iter().all(|l| l.keep.is_empty()) {
+        return "nothing (whole-layer recompute)".to_owned();
+    }
+    for l in layer_keep {
+        let keep = match l.keep.as_slice() {
+            [] => "none".to_owned(),
+            units => units.join("+"),
+        };
+        match runs.last_mut() {
+            Some((model, _, last, k))
+                if *model == l.model && *last + 1 == l.layer && *k == keep =>
+            {
+                *last = l.layer;
+            }
+            _ => runs.push((&l.model, l.layer, l.layer, keep)),
+        }
+    }
+    runs.into_iter()
+        .map(|(model, first, last, keep)| match first == last {
+            true => format!("{model} layer {first}: {keep}"),
+            false => format!("{model} layers {first}-{last}: {keep}"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The frontier as a table.
+pub fn table(graph: &str, hw: &str, points: &[Point]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "pareto frontier for {graph} ({hw}): {} configurations",
+        points.len()
+    );
+    let _ = writeln!(out, "{:>24}  {:>12}  keeps", "peak", "replay time");
+    for p in points {
+        let _ = writeln!(
+            out,
+            "{:>24}  {:>12}  {}",
+            format_bytes(p.peak_bytes),
+            format_seconds(p.replay_time_s),
+            describe(&p.layer_keep)
+        );
+    }
+    out
+}
+
+/// The frontier as an SVG plot: peak (x) against replay time (y), points joined by steps.
+pub fn svg(graph: &str, points: &[Point]) -> String {
+    const W: f64 = 640.0;
+    const H: f64 = 400.0;
+    const M: f64 = 60.0;
+    let (x0, x1) = bounds(points.iter().map(|p| p.peak_bytes as f64));
+    let (y0, y1) = bounds(points.iter().map(|p| p.replay_time_s));
+    let x = |v: f64| M + (v - x0) / (x1 - x0) * (W - 2.0 * M);
+    let y = |v: f64| H - M - (v - y0) / (y1 - y0) * (H - 2.0 * M);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+    let _ = writeln!(
+        out,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="14">{}: peak memory vs replay time</text>"#,
+        W / 2.0,
+        escape(graph)
+    );
+    let _ = writeln!(
+        out,
+        r#"<path d="M{M} {} H{} M{M} {} V{M}" stroke="black" fill="none"/>"#,
+        H - M,
+        W - M,
+        H - M
+    );
+    for (v, anchor) in [(x0, "start"), (x1, "end")] {
+        let _ = writeln!(
+            out,
+            r#"<text x="{:.1}" y="{}" text-anchor="{anchor}">{}</text>"#,
+            x(v),
+            H - M + 18.0,
+            escape(&format_bytes(v as u64))
+        );
+    }
+    for v in [y0, y1] {
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            M - 6.0,
+            y(v) + 4.0,
+            escape(&format_seconds(v))
+        );
+    }
+    let _ = writeln!(
+        out,
+        r#"<text x="{}" y="{}" text-anchor="middle">predicted peak</text>"#,
+        W / 2.0,
+        H - 16.0
+    );
+    let _ = writeln!(
+        out,
+        r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">predicted replay time</text>"#,
+        H / 2.0,
+        H / 2.0
+    );
+    let path: Vec<String> = points
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (px, py) = (x(p.peak_bytes as f64), y(p.replay_time_s));
+            match i {
+                0 => format!("M{px:.1} {py:.1}"),
+                _ => format!("H{px:.1} V{py:.1}"),
+            }
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        r##"<path d="{}" stroke="#1f77b4" fill="none"/>"##,
+        path.join(" ")
+    );
+    for p in points {
+        let _ = writeln!(
+            out,
+            r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#1f77b4"><title>{}, {}: {}</title></circle>"##,
+            x(p.peak_bytes as f64),
+            y(p.replay_time_s),
+            escape(&format_bytes(p.peak_bytes)),
+            escape(&format_seconds(p.replay_time_s)),
+            escape(&describe(&p.layer_keep))
+        );
+    }
+    let _ = writeln!(out, "</svg>");
+    out
+}
+
+/// Min and max, widened so a single point still has a range.
+fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    if hi - lo <= f64::EPSILON * hi.abs().max(1.0) {
+        let pad = lo.abs().max(1.0) * 0.05;
+        return (lo - pad, hi + pad);
+    }
+    (lo, hi)
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

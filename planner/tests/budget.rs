@@ -1,0 +1,175 @@
+//! The budget solver and the Pareto frontier (M3), checked against brute force on small graphs.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use ir::Graph;
+use planner::{
+    budget::{plan_within, BudgetError, Search},
+    config::{self, PlanConfig},
+    cost::HwProfile,
+    pareto,
+    plan::plan_resolved,
+};
+use support::Builder;
+
+const UNITS: [(&str, &[(&str, &str)]); 2] = [
+    ("SAVE_ATTN", &[("attn.begin", "attn.end")]),
+    ("SAVE_MLP", &[("mlp.begin", "mlp.end")]),
+];
+
+/// Three layers of two kept regions; backward reads every forward value, last layer first, so
+/// activations (not gradients) make the peak.
+fn deep() -> Graph {
+    let mut b = Builder::new(3, &UNITS);
+    let x = b.input("x");
+    let mut h = x;
+    let mut reads = Vec::new();
+    for l in 0..3 {
+        b.layer(Some(l));
+        for (begin, end) in [("attn.begin", "attn.end"), ("mlp.begin", "mlp.end")] {
+            let m = b.marker(begin, &h);
+            let a = b.node("aten.mm.default", &[&m, &m]).1;
+            let c = b.op(&a);
+            let e = b.marker(end, &c);
+            h = b.op(&e);
+            reads.extend([a, c, h.clone()]);
+        }
+    }
+    b.layer(None);
+    let t = b.tangent("t");
+    b.backward();
+    let mut g = t;
+    for r in reads.iter().rev() {
+        g = b.node("aten.mul.Tensor", &[r, &g]).1;
+    }
+    b.output(&g);
+    b.build()
+}
+
+/// Every per-layer choice of unit subsets: (peak, replay seconds).
+fn brute_force(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
+    let config = PlanConfig::default();
+    let resolved = config::resolve(graph, &config).unwrap();
+    let model = graph.model_by_name("main").unwrap();
+    let mut outcomes = Vec::new();
+    for choice in 0..(4u32.pow(3)) {
+        let layer_units: BTreeMap<_, _> = (0..3)
+            .map(|l| {
+                let o = (choice / 4u32.pow(l)) % 4;
+                let units = (0..2).filter(|u| o >> u & 1 == 1).collect();
+                ((model, l), units)
+            })
+            .collect();
+        let plan = plan_resolved(
+            graph,
+            &config,
+            resolved.clone().with_layer_units(layer_units),
+            hw,
+        )
+        .unwrap();
+        outcomes.push((plan.memory.peak_bytes.unwrap(), plan.cost.replay_time_s));
+    }
+    outcomes
+}
+
+#[test]
+fn m3_the_budget_plan_fits_and_matches_brute_force() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let outcomes = brute_force(&graph, &hw);
+    let floor = outcomes.iter().map(|o| o.0).min().unwrap();
+    let ceiling = outcomes.iter().map(|o| o.0).max().unwrap();
+    assert!(floor < ceiling, "the graph must offer a trade-off");
+    for budget in [floor, (floor + ceiling) / 2, ceiling - 64, ceiling] {
+        let plan = plan_within(&graph, &PlanConfig::default(), &hw, budget).unwrap();
+        let peak = plan.memory.peak_bytes.unwrap();
+        assert!(peak <= budget, "peak {peak} over budget {budget}");
+        let optimum = outcomes
+            .iter()
+            .filter(|o| o.0 <= budget)
+            .map(|o| o.1)
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            plan.cost.replay_time_s <= optimum * (1.0 + 1e-9),
+            "budget {budget}: solver {} s, brute force {optimum} s",
+            plan.cost.replay_time_s
+        );
+    }
+}
+
+#[test]
+fn m3_an_infeasible_budget_states_the_smallest_peak() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let floor = brute_force(&graph, &hw).iter().map(|o| o.0).min().unwrap();
+    match plan_within(&graph, &PlanConfig::default(), &hw, floor - 1) {
+        Err(e @ BudgetError::Infeasible { .. }) => {
+            assert!(e.to_string().contains(&format!("{floor} B")), "{e}");
+        }
+        other => panic!("expected infeasible, got {:?}", other.map(|p| p.memory)),
+    }
+}
+
+#[test]
+fn m3_identical_layers_share_one_option_table() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    assert_eq!(search.classes(), 1, "three identical layers are one class");
+}
+
+#[test]
+fn m3_the_pareto_frontier_is_the_brute_force_frontier() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let outcomes = brute_force(&graph, &hw);
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    let front = pareto::frontier(&search, 64).unwrap();
+    // No frontier point is beaten by any configuration on both axes.
+    for p in &front {
+        assert!(!outcomes
+            .iter()
+            .any(|o| o.0 < p.peak_bytes && o.1 < p.replay_time_s * (1.0 - 1e-9)));
+    }
+    // Its ends are keeping nothing and the fastest configuration.
+    assert_eq!(
+        front[0].peak_bytes,
+        outcomes.iter().map(|o| o.0).min().unwrap()
+    );
+    let fastest = outcomes.iter().map(|o| o.1).fold(f64::INFINITY, f64::min);
+    assert!((front.last().unwrap().replay_time_s - fastest).abs() <= fastest * 1e-9);
+    assert!(front
+        .windows(2)
+        .all(|w| w[0].peak_bytes < w[1].peak_bytes && w[0].replay_time_s > w[1].replay_time_s));
+    let svg = pareto::svg("deep", &front);
+    assert_eq!(svg.matches("<circle").count(), front.len());
+}
+
+#[test]
+fn m3_the_heuristic_for_large_searches_fits_and_never_loses_to_keeping_nothing() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let outcomes = brute_force(&graph, &hw);
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    let (floor, ceiling) = (search.floor(), outcomes.iter().map(|o| o.0).max().unwrap());
+    let mut worst_gap = 0.0f64;
+    for step in 0..=16 {
+        let budget = floor + (ceiling - floor) * step / 16;
+        let plan = search.heuristic_within(budget).unwrap();
+        assert!(plan.memory.peak_bytes.unwrap() <= budget);
+        assert!(plan.cost.replay_time_s <= search.nothing.cost.replay_time_s);
+        let optimum = outcomes
+            .iter()
+            .filter(|o| o.0 <= budget)
+            .map(|o| o.1)
+            .fold(f64::INFINITY, f64::min);
+        worst_gap = worst_gap.max(plan.cost.replay_time_s / optimum - 1.0);
+    }
+    println!(
+        "heuristic worst gap over 17 budgets: {:.1}%",
+        worst_gap * 100.0
+    );
+    assert!(worst_gap < 0.1, "gap {worst_gap}");
+}
