@@ -6,7 +6,7 @@ set -euo pipefail
 
 TORCH_VERSION=2.13.0  # keep in sync with scripts/env.sh and tch in Cargo.toml
 VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$TORCH_VERSION}"
-PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=5,<7" "pytest>=8" "safetensors>=0.4" "numpy>=1.26")
+PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "grpcio-tools>=1.74" "pytest>=8" "safetensors>=0.4" "numpy>=1.26")
 STAMP="$VENV/.planner-setup-ok"
 
 want_stamp() { printf '%s\n' "${PY_DEPS[@]}"; }

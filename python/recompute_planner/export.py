@@ -1,0 +1,976 @@
+"""Exporter: one training step of a PyTorch module as the project's IR (SPEC §3, §7 E2).
+
+``export_joint`` captures the joint forward+backward graph AOTAutograd builds
+(``functorch.compile.aot_module``; the ``partition_fn`` hook receives the joint graph, which is
+all we need, so it stops compilation there). ``export_forward`` captures the forward graph of the
+same step traced without autograd. Both map the FX graph to ``recompute.ir.v1.Graph`` and return
+the step's weights, inputs and, for the joint graph, the eager PyTorch reference loss and
+gradients from the same process.
+
+Capture runs with functionalization disabled, so in-place ops (``add_``, ``index_add_``, buffer
+updates, ``c10d.*_`` collectives) stay in the graph as eager runs them: the planner must see them
+to refuse keeping mutable ops (R5). The IR is SSA-like nevertheless: an in-place op's output is a
+new value (the mutated tensor after the write) and later readers use it.
+
+IR mapping (the contract the Rust loader and planner rely on):
+
+- one IR node per ``call_function`` node except ``operator.getitem``: a multi-output op's IR
+  outputs are the tensor leaves of its result in order (nested lists flattened), named after the
+  ``getitem`` node that reads them, else ``<node>.out<i>``; undefined (``None``) results, e.g.
+  the gradients an ``output_mask`` turns off, and non-tensor results (a ``c10d`` ``Work``) get no
+  output slot;
+- inputs are the tensor arguments in schema order (tensor lists flattened, ``None`` skipped);
+  when a tensor argument (passed or defaulted) or tensor-list slot is ``None`` the node carries
+  the string-list attribute ``absent_tensor_args`` naming them (``weight``, ``indices.0``), so
+  a consumer can rebind inputs to schema arguments; every non-tensor argument the node passes
+  is an attribute by schema name (defaults are left to the schema; bool lists as 0/1 ints;
+  dtypes, devices, layouts, memory formats and TorchBind objects as strings; ``None``
+  omitted);
+- phase: forward iff the node is (an ancestor of) a forward output of the joint graph, the
+  partitioner's notion; nodes keep the joint graph's order, which is eager execution order;
+- ``node.meta["custom"]`` (``markers.layer_scope`` / ``compiled_region``) gives model, layer,
+  micro-batch and compiled region; module forward hooks installed during capture record each
+  op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from functorch.compile import aot_module
+from google.protobuf import json_format
+from torch._functorch._aot_autograd.descriptors import (
+    GradAOTOutput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
+
+from . import __version__, markers
+from .proto import graph_pb2
+
+EXPORTER_VERSION = __version__
+
+# Namespaces of collectives that return fresh tensors; `c10d` ops write caller buffers.
+_FUNCTIONAL_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+_MUTATING_COLLECTIVE_NAMESPACES = ("c10d",)
+# Name of the string-list attribute listing tensor arguments that were None.
+ABSENT_TENSOR_ARGS = "absent_tensor_args"
+# Frames of a node's stack trace kept in the IR (innermost last).
+STACK_TRACE_FRAMES = 3
+
+_DTYPES = {
+    torch.float32: graph_pb2.DTYPE_FLOAT32,
+    torch.float16: graph_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: graph_pb2.DTYPE_BFLOAT16,
+    torch.float64: graph_pb2.DTYPE_FLOAT64,
+    torch.int64: graph_pb2.DTYPE_INT64,
+    torch.int32: graph_pb2.DTYPE_INT32,
+    torch.int16: graph_pb2.DTYPE_INT16,
+    torch.int8: graph_pb2.DTYPE_INT8,
+    torch.uint8: graph_pb2.DTYPE_UINT8,
+    torch.bool: graph_pb2.DTYPE_BOOL,
+    torch.float8_e4m3fn: graph_pb2.DTYPE_FLOAT8_E4M3FN,
+    torch.float8_e5m2: graph_pb2.DTYPE_FLOAT8_E5M2,
+    torch.complex64: graph_pb2.DTYPE_COMPLEX64,
+}
+
+
+@dataclass(frozen=True)
+class ModelDecl:
+    """A model the graph holds: its layer count and recompute units (SPEC §3 metadata)."""
+
+    name: str  # model name used in layer_scope(...)
+    num_layers: int
+    units: dict[str, list[tuple[str, str]]]  # unit -> [(begin_marker, end_marker)], in order
+    parent: str | None = None  # enclosing model for a nested one (MTP)
+
+
+@dataclass
+class ExportResult:
+    """The IR of one step plus the tensors a runtime needs to replay and check it."""
+
+    graph: graph_pb2.Graph
+    params: dict[str, torch.Tensor]  # IR value name -> tensor (parameters and buffers)
+    inputs: dict[str, torch.Tensor]  # IR value name -> tensor (data inputs)
+    tangents: dict[str, torch.Tensor] = field(default_factory=dict)  # joint only
+    loss: torch.Tensor | None = None  # eager reference loss (joint only)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradient value -> tensor
+
+
+@dataclass(frozen=True)
+class _FlatInput:
+    """One entry of AOTAutograd's flat input list (parameters, buffers, then arguments)."""
+
+    name: str
+    role: int
+    tensor: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+
+
+def export_joint(
+    module: torch.nn.Module,
+    args: tuple,
+    *,
+    name: str,
+    models: list[ModelDecl],
+    world_size: int = 1,
+    rank: int = 0,
+    exporter_version: str = EXPORTER_VERSION,
+    seed: int = 0,
+) -> ExportResult:
+    """Exports the joint forward+backward graph of ``module(*args)`` (the scalar loss).
+
+    The eager reference step runs with the CPU generator seeded with ``seed`` inside a forked
+    RNG state, and the module's tensors are restored afterwards, so exporting is free of side
+    effects and exporting twice gives the same files.
+    """
+    flat = _flat_inputs(module, args)
+    joint, num_forward_outputs = _capture(module, args, joint=True)
+    snapshot = [f.tensor.detach().clone() for f in flat]
+    loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
+    _restore(flat, snapshot)
+    built = _build_graph(
+        joint,
+        num_forward_outputs,
+        flat,
+        name=name,
+        models=models,
+        metadata=_metadata(exporter_version, world_size, rank),
+    )
+    return ExportResult(
+        graph=built.graph,
+        params=_params(flat, snapshot, built),
+        inputs=_tensors_by_role(flat, snapshot, graph_pb2.ROLE_INPUT),
+        tangents={_tangent_name(joint): torch.ones_like(loss)},
+        loss=loss,
+        grads={value: grads_by_input[index] for value, index in built.grad_sources.items()},
+    )
+
+
+def export_forward(
+    module: torch.nn.Module,
+    args: tuple,
+    *,
+    name: str,
+    models: list[ModelDecl],
+    world_size: int = 1,
+    rank: int = 0,
+    exporter_version: str = EXPORTER_VERSION,
+) -> ExportResult:
+    """Exports the forward graph of ``module(*args)`` traced without autograd.
+
+    Every node is forward; the graph's only output is the loss; no tangents or gradients.
+    """
+    flat = _flat_inputs(module, args)
+    forward, num_outputs = _capture(module, args, joint=False)
+    built = _build_graph(
+        forward,
+        num_outputs,
+        flat,
+        name=name,
+        models=models,
+        metadata=_metadata(exporter_version, world_size, rank),
+    )
+    snapshot = [f.tensor.detach().clone() for f in flat]
+    return ExportResult(
+        graph=built.graph,
+        params=_params(flat, snapshot, built),
+        inputs=_tensors_by_role(flat, snapshot, graph_pb2.ROLE_INPUT),
+    )
+
+
+def write_graph(graph: graph_pb2.Graph, path: str | Path) -> None:
+    """Writes ``graph`` as binary protobuf (``.pb``) or canonical proto3 JSON (``.json``)."""
+    path = Path(path)
+    if path.suffix == ".pb":
+        path.write_bytes(graph.SerializeToString(deterministic=True))
+    elif path.suffix == ".json":
+        path.write_text(json_format.MessageToJson(graph, indent=2) + "\n")
+    else:
+        raise ValueError(f"cannot tell the graph format of {path}: use .pb or .json")
+
+
+def write_reference(result: ExportResult, path: str | Path) -> None:
+    """Writes weights, inputs, tangents and the reference loss and gradients as safetensors.
+
+    Keys: ``param/<name>``, ``input/<name>``, ``tangent/<name>``, ``ref/loss``,
+    ``ref/grad/<gradient value name>``; every tensor is a contiguous CPU copy.
+    """
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, table in (
+        ("param", result.params),
+        ("input", result.inputs),
+        ("tangent", result.tangents),
+        ("ref/grad", result.grads),
+    ):
+        for key, tensor in table.items():
+            tensors[f"{prefix}/{key}"] = tensor
+    if result.loss is not None:
+        tensors["ref/loss"] = result.loss
+    # Clones: safetensors refuses tensors that share storage (views, tied storage).
+    contiguous = {
+        key: t.detach().cpu().clone(memory_format=torch.contiguous_format)
+        for key, t in tensors.items()
+    }
+    save_file(contiguous, str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# Capture
+
+
+class _GraphCaptured(Exception):
+    """Raised from an AOTAutograd hook to hand the traced graph over and stop compiling."""
+
+    def __init__(self, graph_module: fx.GraphModule, num_forward_outputs: int, joint: bool):
+        super().__init__("graph captured")
+        self.graph_module = graph_module
+        self.num_forward_outputs = num_forward_outputs
+        self.joint = joint
+
+
+def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.GraphModule, int]:
+    """Traces ``module(*args)`` with AOTAutograd (fake tensors, CPU) and returns its graph.
+
+    ``joint`` traces with autograd enabled and returns the joint graph handed to the partitioner
+    with its number of forward outputs; otherwise the step is traced under ``no_grad`` and the
+    inference graph (all of whose outputs are forward outputs) is returned.
+    """
+
+    def partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_):
+        raise _GraphCaptured(joint_module, num_fwd_outputs, joint=True)
+
+    def forward_compiler(graph_module, _inputs):
+        raise _GraphCaptured(graph_module, len(_output_args(graph_module)), joint=False)
+
+    compiled = aot_module(
+        module,
+        fw_compiler=forward_compiler,
+        partition_fn=partition,
+        disable_functionalization=True,
+    )
+    grad_mode = torch.enable_grad() if joint else torch.no_grad()
+    try:
+        # AOTAutograd keeps node meta for joint traces only; the inference trace needs it on
+        # for the scope annotations to reach the nodes.
+        with grad_mode, fx_traceback.preserve_node_meta(), _module_path_scopes(module):
+            compiled(*args)
+    except _GraphCaptured as captured:
+        if joint and not captured.joint:
+            raise ValueError(
+                "export_joint: nothing in the step requires grad, so there is no backward; "
+                "use export_forward"
+            ) from None
+        return captured.graph_module, captured.num_forward_outputs
+    raise RuntimeError("AOTAutograd finished without handing over a graph")
+
+
+@contextlib.contextmanager
+def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
+    """Annotates ops traced inside each submodule's forward with its path (``layers.0.attn``).
+
+    Forward pre-hooks enter a ``fx.traceback.annotate`` scope and forward hooks leave it; as the
+    annotations merge, the innermost module wins, and backward nodes inherit their forward
+    node's annotation like the layer tags do.
+    """
+    scopes: list[contextlib.ExitStack] = []
+
+    def enter(path: str) -> Callable[..., None]:
+        def hook(_module, _args) -> None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(fx_traceback.annotate({markers.MODULE_PATH_KEY: path}))
+            scopes.append(stack)
+
+        return hook
+
+    def leave(_module, _args, _output) -> None:
+        scopes.pop().close()
+
+    handles = []
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        if path:
+            handles.append(submodule.register_forward_pre_hook(enter(path)))
+            handles.append(submodule.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while scopes:
+            scopes.pop().close()
+
+
+def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
+    """AOTAutograd's flat inputs of ``aot_module(module)(*args)``, named as IR values.
+
+    Parameters and buffers keep their fully qualified names; data arguments are ``input.<i>``.
+    """
+    if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
+        raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
+    named_params = list(module.named_parameters(remove_duplicate=False))
+    named_buffers = list(module.named_buffers(remove_duplicate=False))
+    _reject_tied(named_params + named_buffers)
+    flat = [_FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in named_params]
+    flat += [_FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in named_buffers]
+    flat += [_FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
+    return flat
+
+
+def _reject_tied(named: list[tuple[str, torch.Tensor]]) -> None:
+    """``aot_module`` cannot lift a tensor registered under two names: say so up front."""
+    first_name: dict[int, str] = {}
+    for name, tensor in named:
+        if id(tensor) in first_name:
+            raise ValueError(
+                f"tied tensors `{first_name[id(tensor)]}` and `{name}` are not supported: "
+                "aot_module lifts each name as its own input"
+            )
+        first_name[id(tensor)] = name
+
+
+def _eager_reference(
+    module: torch.nn.Module, args: tuple, flat: list[_FlatInput], *, seed: int
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
+
+    ``torch.autograd.grad`` leaves ``.grad`` of the module's parameters untouched; unused
+    inputs get zero gradients, as the joint graph would compute them.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss = module(*args)
+    _check_loss(loss)
+    wanted = [i for i, f in enumerate(flat) if f.tensor.requires_grad]
+    grads = torch.autograd.grad(
+        loss, [flat[i].tensor for i in wanted], allow_unused=True, materialize_grads=True
+    )
+    return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads)}
+
+
+def _check_loss(loss: object) -> None:
+    """The eager step's result must be the scalar loss (backward seeds it with 1)."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError("the module must return the scalar loss (a 0-dim tensor)")
+
+
+def _restore(flat: list[_FlatInput], snapshot: list[torch.Tensor]) -> None:
+    """Undoes in-place updates the eager step made (buffer statistics, mutated inputs)."""
+    with torch.no_grad():
+        for f, saved in zip(flat, snapshot):
+            f.tensor.copy_(saved)
+
+
+def _params(
+    flat: list[_FlatInput], snapshot: list[torch.Tensor], built: _Built
+) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and the graph's tensor constants, by IR value name."""
+    params = _tensors_by_role(flat, snapshot, graph_pb2.ROLE_PARAMETER, graph_pb2.ROLE_BUFFER)
+    params.update((node.name, tensor.detach().clone()) for node, tensor in built.constants.items())
+    return params
+
+
+def _tensors_by_role(
+    flat: list[_FlatInput], tensors: list[torch.Tensor], *roles: int
+) -> dict[str, torch.Tensor]:
+    return {f.name: t for f, t in zip(flat, tensors) if f.role in roles}
+
+
+# --------------------------------------------------------------------------------------------
+# Graph structure
+
+
+def _output_args(graph_module: fx.GraphModule) -> list[Any]:
+    """The flat list of the graph's outputs (FX nodes, or None for absent gradients)."""
+    output = graph_module.graph.output_node()
+    return list(output.args[0])
+
+
+def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
+    """AOTAutograd's descriptor per output: mutated input, user output or gradient of input."""
+    descs = graph_module.graph.output_node().meta.get("desc")
+    if descs is None:
+        raise RuntimeError("AOTAutograd recorded no output descriptors on the graph")
+    return list(descs)
+
+
+def _loss_node(graph_module: fx.GraphModule) -> fx.Node:
+    """The user output (``PlainAOTOutput``): the loss. Mutated inputs come before it."""
+    plain = [
+        out
+        for out, desc in zip(_output_args(graph_module), _output_descs(graph_module))
+        if isinstance(desc, PlainAOTOutput)
+    ]
+    if len(plain) != 1:
+        raise ValueError(f"the module must return the loss alone, it returned {len(plain)} outputs")
+    loss = plain[0]
+    val = loss.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        raise ValueError(f"the module must return the scalar loss, `{loss.name}` is not 0-dim")
+    return loss
+
+
+def _plain_input_index(desc: object) -> int:
+    """The flat-input index a ``PlainAOTInput`` descriptor names."""
+    if not isinstance(desc, PlainAOTInput):
+        raise RuntimeError(f"unexpected AOTAutograd input descriptor {desc!r}")
+    return desc.idx
+
+
+def _tangent_name(graph_module: fx.GraphModule) -> str:
+    """The joint graph's one tangent placeholder: the incoming gradient of the loss."""
+    tangents = [
+        n.name
+        for n in graph_module.graph.find_nodes(op="placeholder")
+        if isinstance(n.meta.get("desc"), TangentAOTInput)
+    ]
+    if len(tangents) != 1:
+        raise RuntimeError(f"expected one tangent (of the loss), found {tangents}")
+    return tangents[0]
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    """``roots`` and every node they transitively read."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+# --------------------------------------------------------------------------------------------
+# Value names
+
+
+class _ValueNames:
+    """Maps FX nodes to IR value names; folds ``getitem`` chains into their op's outputs."""
+
+    def __init__(self, inputs: dict[fx.Node, str]):
+        self._names: dict[fx.Node, list[str]] = {node: [name] for node, name in inputs.items()}
+
+    def add_op(self, node: fx.Node) -> list[tuple[str, torch.Tensor]]:
+        """Names ``node``'s output slots; returns (name, fake tensor) per slot, in order.
+
+        A ``getitem`` reading a list inside the result (``c10d`` ops return ``(Tensor[],
+        Work)``) stands for the slots under its index path.
+        """
+        readers = _getitem_paths(node)
+        slots = []  # (index path into the result, value name, fake tensor)
+        for index, (path, val) in enumerate(_tensor_leaves(node.meta.get("val"))):
+            reader = readers.get(path)
+            name = reader.name if reader is not None else _unread_output_name(node, path, index)
+            slots.append((path, name, val))
+        self._names[node] = [name for _, name, _ in slots]
+        for reader, prefix in _all_getitems(node):
+            self._names[reader] = [n for p, n, _ in slots if p[: len(prefix)] == prefix]
+        return [(name, val) for _, name, val in slots]
+
+    def of(self, node: fx.Node) -> list[str]:
+        """The value names an argument node stands for (several for a list of tensors)."""
+        if node not in self._names:
+            raise ValueError(
+                f"`{node.name}` ({node.op} {node.target}) is read before it is produced"
+            )
+        return self._names[node]
+
+
+def _unread_output_name(node: fx.Node, path: tuple[int, ...], index: int) -> str:
+    return node.name if path == () else f"{node.name}.out{index}"
+
+
+def _tensor_leaves(
+    val: object, path: tuple[int, ...] = ()
+) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
+    """Tensor leaves of an op result with their index paths; None and non-tensors skipped."""
+    if isinstance(val, torch.Tensor):
+        yield path, val
+    elif isinstance(val, (tuple, list)):
+        for i, item in enumerate(val):
+            yield from _tensor_leaves(item, path + (i,))
+
+
+def _all_getitems(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[int, ...]]]:
+    """Every ``getitem`` node reading (transitively) from ``node``, with its index path."""
+    for user in node.users:
+        if _is_getitem(user):
+            yield user, (user.args[1],)
+            for inner, path in _all_getitems(user):
+                yield inner, (user.args[1],) + path
+
+
+def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
+    """For each index path read by a ``getitem`` chain, the first node reading it."""
+    readers: dict[tuple[int, ...], fx.Node] = {}
+    for reader, path in _all_getitems(node):
+        readers.setdefault(path, reader)
+    return readers
+
+
+# --------------------------------------------------------------------------------------------
+# Graph building
+
+
+def _build_graph(
+    graph_module: fx.GraphModule,
+    num_forward_outputs: int,
+    flat: list[_FlatInput],
+    *,
+    name: str,
+    models: list[ModelDecl],
+    metadata: graph_pb2.Metadata,
+) -> _Built:
+    """Maps the captured FX graph to a ``graph_pb2.Graph`` (see the module docstring)."""
+    _check_models(models)
+    graph = graph_pb2.Graph(name=name, metadata=metadata)
+    graph.models.extend(_model_proto(m) for m in models)
+    inputs = _declare_inputs(graph, graph_module, flat)
+    constants = _declare_constants(graph, graph_module)
+    names = _ValueNames({**inputs, **{node: node.name for node in constants}})
+    forward = _ancestors([a for a in _output_args(graph_module)[:num_forward_outputs] if a])
+    models_by_name = {m.name: m for m in models}
+    # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
+    # mutating ops), so every op node is emitted, in the graph's (execution) order.
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or _is_getitem(node):
+            continue
+        is_forward = node in forward
+        produced = names.add_op(node)
+        graph.nodes.append(
+            _node_proto(node, names, is_forward, models_by_name, default_model=models[0].name)
+        )
+        role = graph_pb2.ROLE_ACTIVATION if is_forward else graph_pb2.ROLE_GRADIENT
+        graph.values.extend(_value_proto(value, val, role, node) for value, val in produced)
+    _mark_loss(graph, names.of(_loss_node(graph_module)))
+    outputs = _graph_outputs(graph_module, names)
+    graph.outputs.extend(value for value, _ in outputs)
+    _check_unique_value_names(graph)
+    return _Built(
+        graph=graph,
+        grad_sources={value: index for value, index in outputs if index is not None},
+        constants=constants,
+    )
+
+
+@dataclass
+class _Built:
+    """A built graph and what the export result needs besides it."""
+
+    graph: graph_pb2.Graph
+    grad_sources: dict[str, int]  # gradient output value -> index of its flat input
+    constants: dict[fx.Node, torch.Tensor]  # tensor constants, declared as buffers
+
+
+def _check_models(models: list[ModelDecl]) -> None:
+    if not models:
+        raise ValueError("declare at least one model (ModelDecl); unannotated ops belong to it")
+    seen = set()
+    for m in models:
+        if m.name in seen:
+            raise ValueError(f"model `{m.name}` is declared twice")
+        seen.add(m.name)
+
+
+def _model_proto(model: ModelDecl) -> graph_pb2.Model:
+    proto = graph_pb2.Model(name=model.name, parent=model.parent or "", num_layers=model.num_layers)
+    for unit, intervals in model.units.items():
+        proto.units.append(
+            graph_pb2.UnitIntervals(
+                unit=unit,
+                intervals=[graph_pb2.MarkerInterval(begin=b, end=e) for b, e in intervals],
+            )
+        )
+    return proto
+
+
+def _metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Metadata:
+    return graph_pb2.Metadata(
+        exporter_version=exporter_version,
+        torch_version=torch.__version__.split("+")[0],
+        world_size=world_size,
+        rank=rank,
+    )
+
+
+def _declare_inputs(
+    graph: graph_pb2.Graph, graph_module: fx.GraphModule, flat: list[_FlatInput]
+) -> dict[fx.Node, str]:
+    """Declares a value per placeholder (parameter, buffer, input or tangent)."""
+    inputs: dict[fx.Node, str] = {}
+    for node in graph_module.graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("desc")
+        if isinstance(desc, TangentAOTInput):
+            name, role = node.name, graph_pb2.ROLE_TANGENT
+        else:
+            entry = flat[_plain_input_index(desc)]
+            name, role = entry.name, entry.role
+        inputs[node] = name
+        graph.values.append(_value_proto(name, node.meta.get("val"), role, node))
+    return inputs
+
+
+def _declare_constants(
+    graph: graph_pb2.Graph, graph_module: fx.GraphModule
+) -> dict[fx.Node, torch.Tensor]:
+    """Declares tensor constants the trace lifted (``torch.tensor([...])`` in forward).
+
+    They are buffers named after their attribute (``_tensor_constant0``): read-only inputs
+    whose values travel with the parameters.
+    """
+    constants: dict[fx.Node, torch.Tensor] = {}
+    for node in graph_module.graph.find_nodes(op="get_attr"):
+        tensor = getattr(graph_module, node.target)
+        if isinstance(tensor, torch.Tensor):
+            constants[node] = tensor
+            graph.values.append(_value_proto(node.name, tensor, graph_pb2.ROLE_BUFFER, node))
+    return constants
+
+
+def _mark_loss(graph: graph_pb2.Graph, loss_names: list[str]) -> None:
+    """Gives the loss value its role (it was declared as an activation when produced)."""
+    for value in graph.values:
+        if value.name in loss_names:
+            value.role = graph_pb2.ROLE_LOSS
+
+
+def _graph_outputs(
+    graph_module: fx.GraphModule, names: _ValueNames
+) -> list[tuple[str, int | None]]:
+    """The loss, then every gradient in the joint graph's output order (absent ones skipped).
+
+    Each comes with the index of the flat input a gradient belongs to (None for the loss).
+    """
+    outputs: list[tuple[str, int | None]] = [(n, None) for n in names.of(_loss_node(graph_module))]
+    for out, desc in zip(_output_args(graph_module), _output_descs(graph_module)):
+        if out is not None and isinstance(desc, GradAOTOutput):
+            index = _plain_input_index(desc.grad_of)
+            outputs.extend((n, index) for n in names.of(out))
+    return outputs
+
+
+def _check_unique_value_names(graph: graph_pb2.Graph) -> None:
+    seen: set[str] = set()
+    for value in graph.values:
+        if value.name in seen:
+            raise ValueError(
+                f"two IR values are named `{value.name}` "
+                "(a parameter or buffer name clashes with a graph node name)"
+            )
+        seen.add(value.name)
+
+
+def _value_proto(name: str, val: object, role: int, node: fx.Node) -> graph_pb2.Value:
+    """A value with dtype and static shape from the fake tensor ``val`` of ``node``."""
+    if not isinstance(val, torch.Tensor):
+        raise TypeError(
+            f"node `{node.name}` ({node.target}): value `{name}` is not a tensor "
+            f"({type(val).__name__})"
+        )
+    if val.dtype not in _DTYPES:
+        raise ValueError(
+            f"node `{node.name}` ({node.target}): dtype {val.dtype} of `{name}` has no IR dtype"
+        )
+    shape = []
+    for size in val.shape:
+        if not isinstance(size, int):
+            raise ValueError(
+                f"node `{node.name}` ({node.target}): `{name}` has symbolic shape "
+                f"{tuple(val.shape)}; export with static shapes"
+            )
+        shape.append(size)
+    return graph_pb2.Value(name=name, dtype=_DTYPES[val.dtype], shape=shape, role=role)
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes
+
+
+def _node_proto(
+    node: fx.Node,
+    names: _ValueNames,
+    is_forward: bool,
+    models: dict[str, ModelDecl],
+    *,
+    default_model: str,
+) -> graph_pb2.Node:
+    op = _op_overload(node)
+    inputs, positions, attributes = _inputs_and_attributes(node, op, names)
+    proto = graph_pb2.Node(
+        name=node.name,
+        op=str(op),
+        inputs=inputs,
+        outputs=names.of(node),
+        attributes=attributes,
+        phase=graph_pb2.PHASE_FORWARD if is_forward else graph_pb2.PHASE_BACKWARD,
+        schema=schema_facts(op, positions),
+        stack_trace=_stack_trace(node),
+    )
+    _annotate(proto, node, models, default_model)
+    return proto
+
+
+def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
+    if not isinstance(node.target, torch._ops.OpOverload):
+        raise TypeError(
+            f"node `{node.name}` calls {node.target!r}, which is not an operator overload "
+            "(higher-order ops and Python callables have no IR form)"
+        )
+    return node.target
+
+
+def _bound_arguments(node: fx.Node, op: torch._ops.OpOverload) -> Iterator[tuple[Any, Any]]:
+    """(schema argument, value) for every schema argument the node passes, in schema order.
+
+    Arguments left at their default are skipped (None for tensors): FX records only what the
+    caller passed, and Python sees enum defaults (``ScalarType dtype=long``) as bare ints.
+    """
+    for index, arg in enumerate(op._schema.arguments):
+        if index < len(node.args) and not arg.kwarg_only:
+            yield arg, node.args[index]
+        elif arg.name in node.kwargs:
+            yield arg, node.kwargs[arg.name]
+        elif _is_tensor_type(arg.type):
+            yield arg, None
+        elif not arg.has_default_value():
+            raise ValueError(f"node `{node.name}` ({op}): argument `{arg.name}` is missing")
+
+
+def _is_tensor_type(schema_type: Any) -> bool:
+    """``Tensor``, ``Tensor?``, ``Tensor[]`` or ``Tensor?[]``."""
+    if isinstance(schema_type, torch.OptionalType):
+        return _is_tensor_type(schema_type.getElementType())
+    if isinstance(schema_type, torch.ListType):
+        return _is_tensor_type(schema_type.getElementType())
+    return isinstance(schema_type, torch.TensorType)
+
+
+def _inputs_and_attributes(
+    node: fx.Node, op: torch._ops.OpOverload, names: _ValueNames
+) -> tuple[list[str], dict[str, list[int]], list[graph_pb2.Attribute]]:
+    """Splits the arguments into IR inputs (tensors) and attributes (the rest).
+
+    A Python number passed for a tensor argument (``add.Tensor(x, 1)``: a wrapped scalar) is
+    an attribute. Also returns each tensor argument's positions in the input list, for the
+    schema facts.
+    """
+    inputs: list[str] = []
+    positions: dict[str, list[int]] = {}
+    attributes: list[graph_pb2.Attribute] = []
+    absent: list[str] = []
+    for arg, value in _bound_arguments(node, op):
+        if _is_tensor_type(arg.type) and not isinstance(value, (bool, int, float)):
+            start = len(inputs)
+            for slot, item in _tensor_argument_items(node, arg.name, value):
+                if item is None:
+                    absent.append(arg.name if slot is None else f"{arg.name}.{slot}")
+                else:
+                    inputs.extend(names.of(item))
+            positions[arg.name] = list(range(start, len(inputs)))
+        elif value is not None:
+            attributes.append(_attribute(node, arg.name, value))
+    if absent:
+        attributes.append(
+            graph_pb2.Attribute(name=ABSENT_TENSOR_ARGS, strs=graph_pb2.StringList(values=absent))
+        )
+    return inputs, positions, attributes
+
+
+def _tensor_argument_items(
+    node: fx.Node, arg_name: str, value: Any
+) -> Iterator[tuple[int | None, fx.Node | None]]:
+    """(list slot or None for a single tensor, FX node or None) for a tensor argument."""
+    items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+    for slot, item in items:
+        if item is not None and not isinstance(item, fx.Node):
+            raise TypeError(
+                f"node `{node.name}` ({node.target}): tensor argument `{arg_name}` holds a "
+                f"constant {type(item).__name__}"
+            )
+        yield slot, item
+
+
+def _attribute(node: fx.Node, name: str, value: Any) -> graph_pb2.Attribute:
+    """A non-tensor argument as an IR attribute; unsupported kinds are errors naming the node."""
+    attribute = graph_pb2.Attribute(name=name)
+    if isinstance(value, bool):
+        attribute.bool = value
+    elif isinstance(value, int):
+        attribute.int = value
+    elif isinstance(value, float):
+        attribute.float = value
+    elif isinstance(value, str):
+        attribute.str = value
+    elif isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        attribute.str = str(value)
+    elif isinstance(value, fx.Node) and value.op == "get_attr":
+        attribute.str = _script_object_type(node, value)
+    elif isinstance(value, (list, tuple)):
+        _set_list_attribute(attribute, node, name, value)
+    else:
+        raise TypeError(
+            f"node `{node.name}` ({node.target}): argument `{name}` = {value!r} "
+            f"({type(value).__name__}) has no IR attribute form"
+        )
+    return attribute
+
+
+def _set_list_attribute(
+    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list | tuple
+) -> None:
+    """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints."""
+    kinds = {type(v) for v in values}
+    if kinds <= {bool, int}:
+        attribute.ints.values.extend(int(v) for v in values)
+        attribute.ints.SetInParent()
+    elif kinds <= {int, float}:
+        attribute.floats.values.extend(float(v) for v in values)
+    elif kinds == {str}:
+        attribute.strs.values.extend(values)
+    else:
+        raise TypeError(
+            f"node `{node.name}` ({node.target}): list argument `{name}` = {list(values)!r} "
+            "has no IR attribute form (symbolic sizes are not supported)"
+        )
+
+
+def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
+    """A TorchBind argument (process group, reduce op) as its qualified type name."""
+    obj = getattr(attr.graph.owning_module, attr.target)
+    if not isinstance(obj, torch.ScriptObject):
+        raise TypeError(
+            f"node `{node.name}` ({node.target}) reads graph attribute `{attr.target}`, "
+            "which is not a TorchBind object"
+        )
+    return obj._type().qualified_name()
+
+
+# --------------------------------------------------------------------------------------------
+# Schema facts
+
+
+def schema_facts(
+    op: torch._ops.OpOverload, positions: dict[str, list[int]]
+) -> graph_pb2.SchemaFacts:
+    """Mutation, view, randomness and collective kind of ``op`` (SPEC §3 schema facts).
+
+    ``positions`` maps each tensor argument name to its positions in the node's IR inputs.
+    """
+    facts = graph_pb2.SchemaFacts(
+        mutates=sorted(
+            p
+            for arg in op._schema.arguments
+            if arg.alias_info is not None and arg.alias_info.is_write
+            for p in positions.get(arg.name, [])
+        ),
+        random=is_random(op),
+        collective=_collective_kind(op),
+    )
+    view_of = _view_base(op)
+    if view_of is not None and positions.get(view_of):
+        facts.view_of = positions[view_of][0]
+    return facts
+
+
+def _view_base(op: torch._ops.OpOverload) -> str | None:
+    """The argument the first output is a (non-writing) alias of, if any.
+
+    ``Tensor(a)`` returns share an alias set with their base argument. List returns
+    (``Tensor(a)[]``: ``unbind``, ``split``) expose empty alias sets to Python; their base is
+    the argument annotated ``(a -> *)``.
+    """
+    returns = op._schema.returns
+    if not returns or returns[0].alias_info is None or returns[0].alias_info.is_write:
+        return None
+    out = returns[0].alias_info
+    for arg in op._schema.arguments:
+        info = arg.alias_info
+        if info is None or info.is_write:
+            continue
+        if out.before_set & info.before_set or (not out.before_set and "*" in info.after_set):
+            return arg.name
+    return None
+
+
+def is_random(op: torch._ops.OpOverload) -> bool:
+    """Random ops: every aten sampler carries the ``nondeterministic_seeded`` tag."""
+    return torch.Tag.nondeterministic_seeded in op.tags
+
+
+def _collective_kind(op: torch._ops.OpOverload) -> int:
+    return collective_kind(op.namespace, op._opname)
+
+
+def collective_kind(namespace: str, name: str) -> int:
+    """FUNCTIONAL for ``_c10d_functional`` ops (MUTATING if the name ends in ``_``); MUTATING
+    for the ``c10d`` namespace, whose in-place ops do not always carry ``(a!)``."""
+    if namespace in _FUNCTIONAL_COLLECTIVE_NAMESPACES:
+        if name.endswith("_"):
+            return graph_pb2.COLLECTIVE_KIND_MUTATING
+        return graph_pb2.COLLECTIVE_KIND_FUNCTIONAL
+    if namespace in _MUTATING_COLLECTIVE_NAMESPACES:
+        return graph_pb2.COLLECTIVE_KIND_MUTATING
+    return graph_pb2.COLLECTIVE_KIND_NONE
+
+
+# --------------------------------------------------------------------------------------------
+# Annotations
+
+
+def _annotate(
+    proto: graph_pb2.Node, node: fx.Node, models: dict[str, ModelDecl], default_model: str
+) -> None:
+    """Model, layer, micro-batch, compiled region and module path from ``meta["custom"]``."""
+    custom = node.meta.get("custom") or {}
+    model = custom.get(markers.MODEL_KEY, default_model)
+    if model not in models:
+        raise ValueError(
+            f"node `{node.name}` ({node.target}) belongs to undeclared model `{model}`"
+        )
+    proto.model = model
+    layer = custom.get(markers.LAYER_KEY)
+    if layer is not None:
+        if not 0 <= layer < models[model].num_layers:
+            raise ValueError(
+                f"node `{node.name}` ({node.target}) is in layer {layer} of model `{model}`, "
+                f"which declares {models[model].num_layers} layers"
+            )
+        proto.layer = layer
+    proto.micro_batch = custom.get(markers.MICRO_BATCH_KEY, 0)
+    proto.compiled_region = custom.get(markers.COMPILED_REGION_KEY, "")
+    proto.module_path = custom.get(markers.MODULE_PATH_KEY, "")
+
+
+def _stack_trace(node: fx.Node) -> list[str]:
+    """The lines of the last ``STACK_TRACE_FRAMES`` frames of the node's stack trace.
+
+    ``aot_module`` in torch 2.13 records none (only Dynamo-traced graphs carry them), so this
+    is usually empty.
+    """
+    return trim_stack_trace(node.meta.get("stack_trace") or "")
+
+
+def trim_stack_trace(trace: str, frames: int = STACK_TRACE_FRAMES) -> list[str]:
+    """Keeps the lines of the innermost ``frames`` frames (a frame starts at ``File "...``)."""
+    lines = [line.strip() for line in trace.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith('File "')]
+    if len(starts) <= frames:
+        return lines[starts[0]:] if starts else lines
+    return lines[starts[-frames]:]

@@ -1,0 +1,80 @@
+"""Model-side annotations the exporter reads (SPEC §7 E1).
+
+- ``checkpoint_record(name, x)``: a point marker. An identity custom op
+  (``recompute::checkpoint_record``, exported as ``recompute.checkpoint_record.default`` with the
+  marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
+  passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
+  constant-folds the check, so it never enters a compiled graph), as the first seed's marker
+  does. Its output must be used: the caller continues with the returned tensor.
+- ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded
+  on each node as ``compiled_region``; empty means eager).
+- ``layer_scope(model, layer, micro_batch=0)``: ops traced inside belong to ``model`` (a name
+  the export declares), decoder layer ``layer`` (``None`` outside layers, also inside an
+  enclosing layer scope) and intra-layer micro-batch ``micro_batch``.
+
+The scopes are ``torch.fx.traceback.annotate`` contexts: the keys land in ``node.meta["custom"]``
+of forward and backward nodes alike, and nested scopes merge (innermost wins per key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.fx.traceback as fx_traceback
+
+MARKER_OP = "recompute.checkpoint_record.default"
+
+# Keys of node.meta["custom"] the exporter reads.
+MODEL_KEY = "recompute.model"
+LAYER_KEY = "recompute.layer"
+MICRO_BATCH_KEY = "recompute.micro_batch"
+COMPILED_REGION_KEY = "recompute.compiled_region"
+# Set by the exporter itself (module forward hooks), not by model code.
+MODULE_PATH_KEY = "recompute.module_path"
+
+
+@torch.library.custom_op("recompute::checkpoint_record", mutates_args=())
+def _checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_checkpoint_record.register_fake
+def _(x: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    return grad, None
+
+
+_checkpoint_record.register_autograd(_backward)
+
+
+def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Records the point marker ``name`` on the data path of ``x``; returns ``x``'s identity."""
+    if not name:
+        raise ValueError("a checkpoint_record marker needs a non-empty name")
+    if torch.compiler.is_compiling():
+        return x
+    return _checkpoint_record(x, name)
+
+
+@contextlib.contextmanager
+def compiled_region(name: str) -> Iterator[None]:
+    """Marks every op traced inside as running in compiled region ``name``."""
+    if not name:
+        raise ValueError("a compiled region needs a non-empty name")
+    with fx_traceback.annotate({COMPILED_REGION_KEY: name}):
+        yield
+
+
+@contextlib.contextmanager
+def layer_scope(model: str, layer: int | None, micro_batch: int = 0) -> Iterator[None]:
+    """Attributes every op traced inside to ``model``, ``layer`` and ``micro_batch``."""
+    # The layer is always set, None included: annotations merge, so leaving the key out would
+    # let an enclosing scope's layer leak into a nested model's non-layer ops.
+    tags = {MODEL_KEY: model, LAYER_KEY: layer, MICRO_BATCH_KEY: micro_batch}
+    with fx_traceback.annotate(tags):
+        yield

@@ -1,0 +1,20 @@
+"""The model zoo (SPEC §7 E1): tiny models mirroring the seeds, each declaring its units.
+
+- `catalog`: the named models (`ENTRIES`), their declared units and seeded inputs;
+- `model`, `decoder`, `moe`, `dsa`, `layers`: the modules they are built from;
+- `distributed`: the fake process group for export and real gloo ranks for reference data;
+- `goldens`: exporting rank 0 of each model as `tests/golden/NAME.pb` + `NAME.safetensors`.
+"""
+
+from .catalog import ENTRIES, ZooEntry, declared_units, entry, make_inputs, model_decls
+from .config import ZooConfig
+
+__all__ = [
+    "ENTRIES",
+    "ZooConfig",
+    "ZooEntry",
+    "declared_units",
+    "entry",
+    "make_inputs",
+    "model_decls",
+]

@@ -1,0 +1,182 @@
+"""Decoder layers: dense (attention + SwiGLU MLP) and MoE (attention + router + experts).
+
+Markers follow the first seed: explicit `.begin` / `.end` pairs around attention
+(`attn`), the router (`moe.gate`), the dispatch and combine permutation work (`moe.dispatch`,
+`moe.combine`) and the MLP or shared experts (`mlp`); DSA attention adds `dsa.indexer` inside.
+
+The MoE layer runs as a fixed sequence of stages. With one micro-batch that is the plain layer;
+with several (the "domino" path) every stage runs for each micro-batch in turn, inside
+`layer_scope(model, layer, micro_batch)`, so each micro-batch records its own markers around
+exactly the operations the single-batch path encloses (SPEC R10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+from torch import nn
+
+from ..markers import compiled_region, layer_scope
+from .config import ZooConfig
+from .dsa import DSAAttention
+from .layers import Attention, Mark, RMSNorm, SequenceContext, SwiGLU
+from .moe import Dispatcher, Experts, Router
+
+
+def build_attention(
+    gen: torch.Generator, cfg: ZooConfig, region_prefix: str
+) -> Attention | DSAAttention:
+    """DSA sparse attention when the config has an indexer, dense sdpa attention otherwise."""
+    if cfg.uses_dsa:
+        return DSAAttention(gen, cfg, f"{region_prefix}.self_attn")
+    return Attention(gen, cfg.hidden, cfg.heads, cfg.head_dim)
+
+
+def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> ContextManager[None]:
+    """The non-EP compile config compiles the whole layer body as one region."""
+    return compiled_region(region_prefix) if cfg.compile == "layer" else contextlib.nullcontext()
+
+
+class DenseDecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention and a SwiGLU MLP, each with a residual."""
+
+    def __init__(self, gen: torch.Generator, cfg: ZooConfig, region_prefix: str):
+        super().__init__()
+        self.cfg, self.region_prefix = cfg, region_prefix
+        self.input_layernorm = RMSNorm(gen, cfg.hidden, cfg.rms_eps)
+        self.self_attn = build_attention(gen, cfg, region_prefix)
+        self.post_attention_layernorm = RMSNorm(gen, cfg.hidden, cfg.rms_eps)
+        self.mlp = SwiGLU(gen, cfg.hidden, cfg.ffn)
+
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, mark: Mark
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden states, the attention's auxiliary loss or None)."""
+        with whole_layer_region(self.cfg, self.region_prefix):
+            h = mark("attn.begin", self.input_layernorm(x))
+            h, aux = self.self_attn(h, ctx, mark)
+            x = x + mark("attn.end", h)
+            h = mark("mlp.begin", self.post_attention_layernorm(x))
+            x = x + mark("mlp.end", self.mlp(h))
+        return x, aux
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's activations as they move through the MoE layer's stages."""
+
+    hidden: torch.Tensor  # [b, S, D]: layer input, then layer output
+    residual: torch.Tensor | None = None
+    normed: torch.Tensor | None = None  # [b * S, D]: post-attention norm, the MoE input
+    aux: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    experts: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
+    combined: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+
+
+class MoEDecoderLayer(nn.Module):
+    """Decoder layer with a routed-expert MoE block and shared experts, optionally domino."""
+
+    def __init__(
+        self, gen: torch.Generator, cfg: ZooConfig, model: str, layer: int, region_prefix: str
+    ):
+        super().__init__()
+        self.cfg, self.model, self.layer, self.region_prefix = cfg, model, layer, region_prefix
+        self.input_layernorm = RMSNorm(gen, cfg.hidden, cfg.rms_eps)
+        self.self_attn = build_attention(gen, cfg, region_prefix)
+        self.post_attention_layernorm = RMSNorm(gen, cfg.hidden, cfg.rms_eps)
+        self.gate = Router(gen, cfg)
+        self.experts = Experts(gen, cfg)
+        self.shared_experts = SwiGLU(gen, cfg.hidden, cfg.shared_ffn)
+        self.dispatcher = Dispatcher(cfg)
+
+    def forward(
+        self, x: torch.Tensor, ctx: SequenceContext, mark: Mark
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden states, the attention's auxiliary loss averaged over micro-batches)."""
+        stages = (
+            self._pre_moe_stage,
+            self._dispatch_stage,
+            self._experts_stage,
+            self._combine_stage,
+            self._shared_experts_stage,
+            self._post_moe_stage,
+        )
+        with whole_layer_region(self.cfg, self.region_prefix):
+            chunks = x.chunk(self.cfg.micro_batches) if self.cfg.micro_batches > 1 else [x]
+            micro_batches = [_MicroBatch(hidden=chunk) for chunk in chunks]
+            for stage in stages:
+                for index, mb in enumerate(micro_batches):
+                    with layer_scope(self.model, self.layer, micro_batch=index):
+                        stage(mb, ctx, mark)
+            return self._join(micro_batches)
+
+    def _join(self, micro_batches: list[_MicroBatch]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Concatenates the micro-batches' outputs and averages their auxiliary losses."""
+        if len(micro_batches) == 1:
+            return micro_batches[0].hidden, micro_batches[0].aux
+        hidden = torch.cat([mb.hidden for mb in micro_batches])
+        if micro_batches[0].aux is None:
+            return hidden, None
+        return hidden, torch.stack([mb.aux for mb in micro_batches]).mean()
+
+    def _ep_region(self, method: str) -> ContextManager[None]:
+        """The EP compile config compiles the layer's methods the first seed names."""
+        if self.cfg.compile != "ep":
+            return contextlib.nullcontext()
+        return compiled_region(f"{self.region_prefix}.{method}")
+
+    def _pre_moe_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """`_pre_moe_forward`: attention, residual, post-attention norm and the router.
+
+        DSA attention stays outside the compiled region: its top-k must run in eager, and it
+        compiles its own indexer and sparse-attention pieces.
+        """
+        attention_region = (
+            contextlib.nullcontext() if self.cfg.uses_dsa else self._ep_region("_pre_moe_forward")
+        )
+        with attention_region:
+            h = mark("attn.begin", self.input_layernorm(mb.hidden))
+            h, mb.aux = self.self_attn(h, ctx, mark)
+            h = mark("attn.end", h)
+        with self._ep_region("_pre_moe_forward"):
+            mb.residual = mb.hidden + h
+            mb.normed = self.post_attention_layernorm(mb.residual).flatten(0, 1)
+            weights, mb.experts = self.gate(mark("moe.gate.begin", mb.normed))
+            mb.weights = mark("moe.gate.end", weights)
+
+    def _dispatch_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """The dispatcher's permutation, padding and all-to-all: eager in every config."""
+        mb.routed, mb.slots = self.dispatcher.dispatch(mb.normed, mb.experts, mark)
+
+    def _experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """The MoE block: this rank's routed experts over the rows it received."""
+        with self._ep_region("experts"):
+            mb.routed = self.experts(mb.routed)
+
+    def _combine_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """The reverse all-to-all and the router-weighted sum: eager in every config."""
+        mb.combined = self.dispatcher.combine(mb.routed, mb.slots, mb.weights, mark)
+
+    def _shared_experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """Shared experts between `mlp` markers that sit in the (uncompiled) layer body.
+
+        Under the EP config the markers fire but everything between them is compiled, so
+        SAVE_MLP keeps nothing there (first seed: contents, not endpoints, must be eager).
+        """
+        h = mark("mlp.begin", mb.normed)
+        with self._ep_region("_shared_experts_forward"):
+            h = self.shared_experts(h)
+        mb.shared = mark("mlp.end", h)
+
+    def _post_moe_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
+        """`_post_moe_forward`: routed plus shared output back onto the residual stream."""
+        with self._ep_region("_post_moe_forward"):
+            moe_out = (mb.combined + mb.shared).view_as(mb.residual)
+            mb.hidden = mb.residual + moe_out

@@ -1,0 +1,102 @@
+"""Process groups for the zoo: a fake one for export, real gloo ranks for reference data.
+
+The exported graph of an expert-parallel model is one rank's, traced in a single process with
+torch's fake process group (functional collectives trace, but exchange no real data). The
+reference loss and gradients the runtime checks against come from the same eager step run on
+real ranks: one process per rank over gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+
+
+def world_group() -> dist.ProcessGroup:
+    """The group every zoo collective runs over: the whole world (EP and SP share it)."""
+    return dist.group.WORLD
+
+
+def all_to_all(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Differentiable functional all-to-all of `chunks` equal slices of `x`'s dim 0.
+
+    Traces as `_c10d_functional.all_to_all_single.default` + `wait_tensor.default`; backward
+    runs the reverse all-to-all.
+    """
+    splits = [x.shape[0] // chunks] * chunks
+    return funcol.all_to_all_single(x, splits, splits, world_group())
+
+
+def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Differentiable functional all-gather along `dim` (backward: reduce-scatter)."""
+    return funcol.all_gather_single(x, dim, world_group())
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """Device-to-host copy of routing counts, as the explicit `aten._to_copy` with a device.
+
+    `x.to("cpu")` on a CPU tensor returns `x` itself and records nothing; the explicit op keeps
+    the copy in the graph on CPU exactly as it appears on GPU (second seed).
+    """
+    return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
+    """Initializes torch's fake process group as `rank` of `world_size` for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str):
+    """Body of one spawned rank: joins the gloo group, runs `fn`, saves its result."""
+    torch.set_num_threads(1)  # ranks share the machine's cores; one thread each is enough
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(world_size, rank, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Runs `fn(world_size, rank, *args)` on `world_size` real gloo ranks; returns each result.
+
+    `fn` must be a module-level function (it is pickled into spawned processes) and its result
+    must be `torch.save`-able. A failing rank raises here with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(
+            _rank_main,
+            args=(world_size, _free_port(), fn, args, out_dir),
+            nprocs=world_size,
+            join=True,
+        )
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

@@ -1,0 +1,117 @@
+"""The golden graphs: rank 0 of every zoo model as `NAME.pb` plus `NAME.safetensors`.
+
+Graphs are traced in this process; an expert-parallel model is traced as rank 0 of a fake
+process group, which exchanges no real data. The reference tensors (weights, inputs, tangents,
+PyTorch's loss and gradients) must be real, so for a multi-rank model the whole export runs on
+real gloo ranks, one process per rank, each exporting its own rank's step; rank 0's reference is
+kept, and its graph must be byte-identical to the fake-group trace (checked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ContextManager
+
+from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
+from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
+from .distributed import fake_process_group, run_on_ranks
+
+
+@dataclass(frozen=True)
+class Golden:
+    """One golden graph: a zoo model exported jointly (forward+backward) or forward-only."""
+
+    name: str
+    entry: ZooEntry
+    joint: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.entry.config.world_size
+
+    @property
+    def summary(self) -> str:
+        return self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
+
+
+GOLDENS: tuple[Golden, ...] = tuple(Golden(e.name, e) for e in ENTRIES) + (
+    Golden("dense_forward", entry("dense"), joint=False),
+)
+
+
+def golden(name: str) -> Golden:
+    """The golden called `name`; the error lists the valid names."""
+    for candidate in GOLDENS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"no golden {name!r}; known: {', '.join(g.name for g in GOLDENS)}")
+
+
+def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
+    """Exports `rank`'s step of `gold` under whatever process group is current."""
+    cfg = gold.entry.config.for_rank(gold.world_size, rank)
+    exporter = export_joint if gold.joint else export_forward
+    return exporter(
+        gold.entry.build(rank=rank),
+        make_inputs(cfg),
+        name=gold.name,
+        models=model_decls(cfg),
+        world_size=cfg.world_size,
+        rank=rank,
+    )
+
+
+def traced_group(world_size: int) -> ContextManager[None]:
+    """The process group to trace rank 0 of a `world_size` model in this process."""
+    return fake_process_group(world_size, 0) if world_size > 1 else contextlib.nullcontext()
+
+
+def trace_graph_bytes(gold: Golden) -> bytes:
+    """The `.pb` bytes of rank 0's graph, traced in this process (fake group if multi-rank)."""
+    with traced_group(gold.world_size):
+        return export_rank(gold).graph.SerializeToString(deterministic=True)
+
+
+def write_golden(result: ExportResult, out_dir: Path) -> None:
+    """Writes `NAME.pb` and `NAME.safetensors` for an export result."""
+    write_graph(result.graph, out_dir / f"{result.graph.name}.pb")
+    write_reference(result, out_dir / f"{result.graph.name}.safetensors")
+
+
+def _export_on_rank(world_size: int, rank: int, names: list[str], out_dir: str) -> None:
+    """Body of one real rank: exports each golden's step; rank 0 writes the files."""
+    for name in names:
+        result = export_rank(golden(name), rank)
+        if rank == 0:
+            write_golden(result, Path(out_dir))
+
+
+def export_goldens(names: list[str], out_dir: Path) -> None:
+    """Writes the named goldens into `out_dir`, multi-rank ones through real gloo ranks.
+
+    Raises if a real rank 0's graph differs from the in-process fake-group trace, since the
+    tests regenerate graphs that way.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_world: dict[int, list[str]] = {}
+    for name in names:
+        by_world.setdefault(golden(name).world_size, []).append(name)
+    for world_size, group in sorted(by_world.items()):
+        if world_size == 1:
+            for name in group:
+                write_golden(export_rank(golden(name)), out_dir)
+        else:
+            run_on_ranks(world_size, _export_on_rank, group, str(out_dir))
+            for name in group:
+                _check_fake_trace_matches(golden(name), out_dir)
+
+
+def _check_fake_trace_matches(gold: Golden, out_dir: Path) -> None:
+    """Fails when the fake-group trace of rank 0 differs from the real rank's graph."""
+    if trace_graph_bytes(gold) != (out_dir / f"{gold.name}.pb").read_bytes():
+        raise RuntimeError(
+            f"{gold.name}: rank 0's graph traced on real gloo ranks differs from its trace "
+            "under the fake process group"
+        )

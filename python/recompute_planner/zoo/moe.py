@@ -1,0 +1,128 @@
+"""Mixture of experts: softmax top-k router, routed experts, expert-parallel dispatcher.
+
+Dispatch uses a FIXED capacity per (expert, source rank), so every shape is static and traces:
+each (token, choice) gets a slot `expert * capacity + position`, choices past the capacity go to
+one extra "dropped" row, and the buffer is filled with `index_add` (boolean-mask indexing would
+need `nonzero`, whose output shape depends on data). The all-to-all then moves equal splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ZooConfig
+from .distributed import all_to_all, to_host
+from .layers import Mark, seeded_param, seeded_tensor
+
+
+class Router(nn.Module):
+    """Softmax gate choosing `top_k` experts per token; returns normalized weights and ids."""
+
+    def __init__(self, gen: torch.Generator, cfg: ZooConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.weight = seeded_param(gen, cfg.num_experts, cfg.hidden, std=cfg.hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+class Experts(nn.Module):
+    """The routed experts this rank holds, as one grouped SwiGLU GEMM (batched matmuls).
+
+    Weights are drawn for all experts and sliced to the local ones, so every rank agrees on
+    every expert's weights whatever the world size.
+    """
+
+    def __init__(self, gen: torch.Generator, cfg: ZooConfig):
+        super().__init__()
+        first = cfg.rank * cfg.local_experts
+        local = slice(first, first + cfg.local_experts)
+        dim, ffn, experts = cfg.hidden, cfg.moe_ffn, cfg.num_experts
+
+        def local_param(*shape: int, std: float) -> nn.Parameter:
+            return nn.Parameter(seeded_tensor(gen, experts, *shape, std=std)[local].clone())
+
+        self.gate_proj = local_param(dim, ffn, std=dim**-0.5)
+        self.up_proj = local_param(dim, ffn, std=dim**-0.5)
+        self.down_proj = local_param(ffn, dim, std=ffn**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`: [local experts, rows, hidden] -> same shape."""
+        hidden = F.silu(torch.bmm(x, self.gate_proj)) * torch.bmm(x, self.up_proj)
+        return torch.bmm(hidden, self.down_proj)
+
+
+class Dispatcher:
+    """Moves routed tokens to the ranks holding their experts and back (expert parallelism).
+
+    `dispatch` and `combine` are the permutation and padding work around the all-to-all; they
+    record the two intervals of SAVE_MOE_DISPATCH and always run in eager.
+    """
+
+    def __init__(self, cfg: ZooConfig):
+        self.cfg = cfg
+
+    def dispatch(
+        self, x: torch.Tensor, experts: torch.Tensor, mark: Mark
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `x` [T, D] routed to `experts` [T, k] -> (expert input, slots).
+
+        The expert input is [local experts, world * capacity, D]: for each local expert, the
+        rows every source rank sent it, padding zeroed. `slots` [T * k] says where each
+        (token, choice) went, the last row (`E * capacity`) meaning dropped.
+        """
+        cfg = self.cfg
+        num_slots = cfg.num_experts * cfg.capacity
+        x = mark("moe.dispatch.begin", x)
+        flat = experts.reshape(-1)
+        hits = flat.unsqueeze(-1) == torch.arange(cfg.num_experts)
+        position = (hits.cumsum(dim=0) * hits).sum(dim=-1) - 1
+        slots = torch.where(position < cfg.capacity, flat * cfg.capacity + position, num_slots)
+        tokens = x.repeat_interleave(cfg.top_k, dim=0)
+        buffer = x.new_zeros(num_slots + 1, x.shape[-1])
+        if cfg.inplace_dispatch:
+            buffer.index_add_(0, slots, tokens)
+        else:
+            buffer = buffer.index_add(0, slots, tokens)
+        counts = hits.sum(dim=0)
+        send = buffer[:num_slots]
+        if cfg.world_size > 1:
+            counts = all_to_all(counts, cfg.world_size)
+        host_counts = to_host(counts)
+        if cfg.world_size > 1:
+            send = all_to_all(send, cfg.world_size)
+        received = self._mask_padding(send, host_counts)
+        received = received.transpose(0, 1).reshape(cfg.local_experts, -1, x.shape[-1])
+        return mark("moe.dispatch.end", received), slots
+
+    def _mask_padding(self, received: torch.Tensor, host_counts: torch.Tensor) -> torch.Tensor:
+        """Zeroes the rows past each (source rank, local expert)'s routed count.
+
+        `host_counts` is the host copy of the routing counts; using it keeps the device-to-host
+        `_to_copy` in the graph the way the count-derived splits do in the second seed.
+        """
+        cfg = self.cfg
+        rows = received.view(cfg.world_size, cfg.local_experts, cfg.capacity, -1)
+        filled = host_counts.clamp(max=cfg.capacity).view(cfg.world_size, cfg.local_experts, 1)
+        valid = torch.arange(cfg.capacity) < filled
+        return rows * valid.unsqueeze(-1)
+
+    def combine(
+        self, y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, mark: Mark
+    ) -> torch.Tensor:
+        """Expert outputs `y` back to their tokens, weighted by the router: -> [T, D]."""
+        cfg = self.cfg
+        y = mark("moe.combine.begin", y)
+        y = y.view(cfg.local_experts, cfg.world_size, cfg.capacity, -1).transpose(0, 1)
+        y = y.reshape(cfg.num_experts * cfg.capacity, -1)
+        if cfg.world_size > 1:
+            y = all_to_all(y, cfg.world_size)
+        y = torch.cat([y, y.new_zeros(1, y.shape[-1])])
+        picked = y.index_select(0, slots).view(-1, cfg.top_k, y.shape[-1])
+        out = (picked * weights.unsqueeze(-1)).sum(dim=1)
+        return mark("moe.combine.end", out)

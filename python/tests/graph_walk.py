@@ -1,0 +1,103 @@
+"""Reading exported graphs in tests: markers, per-layer node sequences, unit intervals."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from recompute_planner.markers import MARKER_OP
+from recompute_planner.proto import graph_pb2
+
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+
+# (model, layer, micro-batch): one run of a decoder layer's forward on one micro-batch.
+LayerRun = tuple[str, int, int]
+
+
+def load_graph(path: Path) -> graph_pb2.Graph:
+    """A graph from a binary `.pb` file."""
+    graph = graph_pb2.Graph()
+    graph.ParseFromString(path.read_bytes())
+    return graph
+
+
+def marker_name(node: graph_pb2.Node) -> str | None:
+    """The marker name of a `checkpoint_record` node, None for any other node."""
+    if node.op != MARKER_OP:
+        return None
+    names = [a.str for a in node.attributes if a.name == "name"]
+    assert len(names) == 1, f"marker node {node.name} has no single `name` attribute"
+    return names[0]
+
+
+def layer_runs(graph: graph_pb2.Graph) -> dict[LayerRun, list[graph_pb2.Node]]:
+    """Forward nodes inside decoder layers, in execution order, per (model, layer, mb)."""
+    runs: dict[LayerRun, list[graph_pb2.Node]] = {}
+    for node in graph.nodes:
+        if node.phase == graph_pb2.PHASE_FORWARD and node.HasField("layer"):
+            runs.setdefault((node.model, node.layer, node.micro_batch), []).append(node)
+    return runs
+
+
+def markers_by_run(graph: graph_pb2.Graph) -> dict[LayerRun, list[str]]:
+    """The marker names each layer run records, in order."""
+    return {
+        run: [m for m in map(marker_name, nodes) if m is not None]
+        for run, nodes in layer_runs(graph).items()
+    }
+
+
+def declared_intervals(graph: graph_pb2.Graph, model: str) -> dict[str, str]:
+    """begin marker -> end marker for every interval `model` declares."""
+    (decl,) = [m for m in graph.models if m.name == model]
+    return {i.begin: i.end for unit in decl.units for i in unit.intervals}
+
+
+def interval_contents(graph: graph_pb2.Graph) -> dict[tuple[LayerRun, str], list[graph_pb2.Node]]:
+    """The nodes each interval encloses, per layer run, keyed by its begin marker.
+
+    Walks each run in execution order: an interval opens at its begin marker and closes at its
+    end marker (SPEC R4); every non-marker node while it is open belongs to it.
+    """
+    enclosed: dict[tuple[LayerRun, str], list[graph_pb2.Node]] = {}
+    for run, nodes in layer_runs(graph).items():
+        intervals = declared_intervals(graph, run[0])
+        end_to_begin = {end: begin for begin, end in intervals.items()}
+        open_now: set[str] = set()
+        for node in nodes:
+            name = marker_name(node)
+            if name in intervals:
+                open_now.add(name)
+                enclosed.setdefault((run, name), [])
+            elif name in end_to_begin:
+                open_now.discard(end_to_begin[name])
+            elif name is None:
+                for begin in open_now:
+                    enclosed[(run, begin)].append(node)
+    return enclosed
+
+
+def interval_ops(graph: graph_pb2.Graph) -> dict[tuple[LayerRun, str], Counter]:
+    """The multiset of ops each interval encloses, per layer run, keyed by its begin marker."""
+    return {key: Counter(n.op for n in nodes) for key, nodes in interval_contents(graph).items()}
+
+
+def micro_batch_mismatches(single: graph_pb2.Graph, domino: graph_pb2.Graph) -> list[str]:
+    """Where the domino graph's intervals enclose other ops than the single-batch graph's.
+
+    Every micro-batch of every layer must enclose, per interval, exactly the multiset of ops
+    the same layer's interval encloses in the single-batch path (SPEC R10).
+    """
+    reference = {(run[0], run[1], begin): ops for (run, begin), ops in interval_ops(single).items()}
+    seen = set()
+    problems = []
+    for (run, begin), ops in sorted(interval_ops(domino).items()):
+        key = (run[0], run[1], begin)
+        seen.add(key)
+        expected = reference.get(key, Counter())
+        if ops != expected:
+            diff = {op: ops[op] - expected[op] for op in sorted(ops | expected)}
+            changed = {op: n for op, n in diff.items() if n}
+            problems.append(f"{run} {begin}: domino minus single-batch ops = {changed}")
+    problems += [f"{key}: absent from the domino path" for key in sorted(reference.keys() - seen)]
+    return problems

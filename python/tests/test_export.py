@@ -1,0 +1,281 @@
+"""export_joint / export_forward: roles, outputs, phases, reference tensors, files.
+
+SPEC §3 (the IR) and §7 E2 (export with weights, inputs and PyTorch's reference).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from export_support import (
+    MAIN,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    UNITS,
+    Lambda,
+    only_node,
+    run_planner,
+    tiny_decoder,
+    values_by_name,
+)
+from safetensors.torch import load_file
+
+from recompute_planner import __version__
+from recompute_planner.export import (
+    ABSENT_TENSOR_ARGS,
+    export_forward,
+    export_joint,
+    trim_stack_trace,
+    write_graph,
+    write_reference,
+)
+from recompute_planner.proto import graph_pb2
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model, args, models = tiny_decoder()
+    result = export_joint(model, args, name="tiny", models=models, world_size=4, rank=1)
+    return model, args, models, result
+
+
+def test_values_carry_roles_and_names(decoder):
+    model, _, _, result = decoder
+    values = values_by_name(result.graph)
+    for name, param in model.named_parameters():
+        assert values[name].role == graph_pb2.ROLE_PARAMETER
+        assert list(values[name].shape) == list(param.shape)
+        assert values[name].dtype == graph_pb2.DTYPE_FLOAT32
+    assert values["input.0"].role == values["input.1"].role == graph_pb2.ROLE_INPUT
+    assert values["input.0"].dtype == graph_pb2.DTYPE_INT64
+    assert values["tangents_1"].role == graph_pb2.ROLE_TANGENT
+    produced = {o: n.phase for n in result.graph.nodes for o in n.outputs}
+    for name, phase in produced.items():
+        expected = graph_pb2.ROLE_ACTIVATION if phase == PHASE_FORWARD else graph_pb2.ROLE_GRADIENT
+        if name != result.graph.outputs[0]:
+            assert values[name].role == expected, name
+    loss = values[result.graph.outputs[0]]
+    assert loss.role == graph_pb2.ROLE_LOSS and list(loss.shape) == []
+
+
+def test_buffers_are_buffer_values_named_by_fqn():
+    torch.manual_seed(0)
+    module = Lambda(lambda self, x: self.norm(self.lin(x)).sum())
+    module.norm = nn.BatchNorm1d(4)
+    result = export_joint(module, (torch.randn(3, 4),), name="bn", models=MAIN)
+    values = values_by_name(result.graph)
+    for name in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
+        assert values[name].role == graph_pb2.ROLE_BUFFER
+        assert torch.equal(result.params[name], module.get_buffer(name))
+    # The running statistics are updated in place during forward.
+    legit = only_node(result.graph, "aten._native_batch_norm_legit.default")
+    mutated = [legit.inputs[i] for i in legit.schema.mutates]
+    assert mutated == ["norm.running_mean", "norm.running_var"]
+
+
+def test_outputs_are_the_loss_then_gradients_matching_eager(decoder):
+    model, args, _, result = decoder
+    graph = result.graph
+    assert list(graph.outputs[1:]) == list(result.grads)
+    values = values_by_name(graph)
+    assert all(values[g].role == graph_pb2.ROLE_GRADIENT for g in result.grads)
+    eager_loss = model(*args)
+    params = [p for _, p in model.named_parameters()]
+    eager = torch.autograd.grad(eager_loss, params)
+    assert torch.equal(result.loss, eager_loss.detach())
+    # One gradient per parameter, in parameter order, equal to eager autograd's.
+    assert len(result.grads) == len(params)
+    for (value, grad), param, expected in zip(result.grads.items(), params, eager):
+        assert list(values[value].shape) == list(param.shape)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    assert list(result.tangents) == ["tangents_1"] and result.tangents["tangents_1"].item() == 1.0
+
+
+def test_metadata_and_models(decoder):
+    _, _, _, result = decoder
+    meta = result.graph.metadata
+    assert (meta.exporter_version, meta.world_size, meta.rank) == (__version__, 4, 1)
+    assert meta.torch_version == torch.__version__.split("+")[0]
+    (model,) = result.graph.models
+    assert (model.name, model.num_layers, model.parent) == ("main", 2, "")
+    assert [(u.unit, [(i.begin, i.end) for i in u.intervals]) for u in model.units] == [
+        (unit, intervals) for unit, intervals in UNITS.items()
+    ]
+
+
+def test_phase_is_forward_iff_the_loss_depends_on_the_node(decoder):
+    graph = decoder[3].graph
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    feeds_loss = set()
+    stack = [graph.outputs[0]]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and node.name not in feeds_loss:
+            feeds_loss.add(node.name)
+            stack.extend(node.inputs)
+    for node in graph.nodes:
+        # The model mutates no input, so the loss is the only forward output.
+        assert (node.phase == PHASE_FORWARD) == (node.name in feeds_loss), node.name
+    assert {n.phase for n in graph.nodes} == {PHASE_FORWARD, PHASE_BACKWARD}
+
+
+def test_no_dead_nodes(decoder):
+    graph = decoder[3].graph
+    read = {v for n in graph.nodes for v in n.inputs} | set(graph.outputs)
+    for node in graph.nodes:
+        assert any(o in read for o in node.outputs) or node.schema.mutates, node.name
+
+
+def test_dead_computation_is_dropped():
+    def step(self, x):
+        _unused = torch.exp(self.lin(x))
+        return self.lin(x).sum()
+
+    graph = export_joint(Lambda(step), (torch.randn(2, 4),), name="dce", models=MAIN).graph
+    assert not [n for n in graph.nodes if n.op == "aten.exp.default"]
+
+
+def test_module_state_and_grads_are_untouched_by_export():
+    torch.manual_seed(0)
+    module = Lambda(lambda self, x: self.norm(self.lin(x)).sum())
+    module.norm = nn.BatchNorm1d(4)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    export_joint(module, (torch.randn(3, 4),), name="pure", models=MAIN)
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_absent_tensor_arguments_and_constants():
+    def step(self, x):
+        h = self.norm(self.lin(x))
+        return h[:, torch.tensor([0, 2])].sum()  # index.Tensor with indices [None, constant]
+
+    module = Lambda(step)
+    module.norm = nn.LayerNorm(4, bias=False)
+    result = export_joint(module, (torch.randn(3, 4),), name="absent", models=MAIN)
+    graph = result.graph
+
+    def absent(node):
+        return [list(a.strs.values) for a in node.attributes if a.name == ABSENT_TENSOR_ARGS]
+
+    layer_norm = only_node(graph, "aten.native_layer_norm.default")
+    assert len(layer_norm.inputs) == 2 and absent(layer_norm) == [["bias"]]
+    index = only_node(graph, "aten.index.Tensor")
+    assert len(index.inputs) == 2 and absent(index) == [["indices.0"]]
+    assert absent(only_node(graph, "aten.addmm.default")) == []
+    constant = values_by_name(graph)["_tensor_constant0"]
+    assert constant.role == graph_pb2.ROLE_BUFFER
+    assert torch.equal(result.params["_tensor_constant0"], torch.tensor([0, 2]))
+
+
+def test_export_forward_has_only_forward_nodes_matching_the_joint_forward(decoder):
+    model, args, models, joint = decoder
+    result = export_forward(model, args, name="tiny-fwd", models=models)
+    graph = result.graph
+    assert graph.nodes and all(n.phase == PHASE_FORWARD for n in graph.nodes)
+    roles = {v.role for v in graph.values}
+    assert graph_pb2.ROLE_TANGENT not in roles and graph_pb2.ROLE_GRADIENT not in roles
+    assert list(graph.outputs) == [joint.graph.outputs[0]]
+    assert values_by_name(graph)[graph.outputs[0]].role == graph_pb2.ROLE_LOSS
+    assert (result.tangents, result.grads, result.loss) == ({}, {}, None)
+    assert set(result.params) == set(joint.params) and set(result.inputs) == set(joint.inputs)
+    # Same ops, annotations (scopes reach the nodes without autograd too) and attributes.
+    def summary(node):
+        layer = node.layer if node.HasField("layer") else None
+        scope = (node.model, layer, node.micro_batch, node.compiled_region, node.module_path)
+        return node.op, scope, [a.SerializeToString() for a in node.attributes]
+
+    joint_forward = [summary(n) for n in joint.graph.nodes if n.phase == PHASE_FORWARD]
+    assert [summary(n) for n in graph.nodes] == joint_forward
+    assert {n.layer for n in graph.nodes if n.HasField("layer")} == {0, 1}
+
+
+def test_planner_loads_the_exported_graph(decoder, tmp_path):
+    graph = decoder[3].graph
+    write_graph(graph, tmp_path / "tiny.pb")
+    inspect = run_planner("inspect", "--format", "json", str(tmp_path / "tiny.pb"))
+    assert inspect.returncode == 0, inspect.stderr
+    summary = json.loads(inspect.stdout)
+    forward = sum(n.phase == PHASE_FORWARD for n in graph.nodes)
+    assert (summary["nodes"], summary["forward_nodes"]) == (len(graph.nodes), forward)
+    # The JSON form is the same message: the Rust converter turns it into identical bytes.
+    write_graph(graph, tmp_path / "tiny.json")
+    convert = run_planner("convert", str(tmp_path / "tiny.json"), str(tmp_path / "converted.pb"))
+    assert convert.returncode == 0, convert.stderr
+    assert (tmp_path / "converted.pb").read_bytes() == (tmp_path / "tiny.pb").read_bytes()
+
+
+def test_export_is_deterministic(tmp_path):
+    """Same step, same bytes: graph files and reference tensors, random ops included (the
+    eager reference runs under a fixed seed in a forked RNG state)."""
+    torch.manual_seed(0)
+    dropout = Lambda(lambda self, x: nn.functional.dropout(self.lin(x), 0.5).sum())
+    dropout_args = (torch.randn(8, 4),)
+    files = []
+    for attempt in range(2):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        model, args, models = tiny_decoder()
+        torch.manual_seed(attempt + 1)  # the caller's RNG state must not matter
+        steps = {"tiny": (model, args), "drop": (dropout, dropout_args)}
+        for stem, (module, inputs) in steps.items():
+            result = export_joint(module, inputs, name=stem, models=models)
+            write_graph(result.graph, out / f"{stem}.pb")
+            write_graph(result.graph, out / f"{stem}.json")
+            write_reference(result, out / f"{stem}.safetensors")
+        files.append({p.name: p.read_bytes() for p in out.iterdir()})
+    kinds = ("pb", "json", "safetensors")
+    assert sorted(files[0]) == sorted(f"{s}.{e}" for s in ("tiny", "drop") for e in kinds)
+    assert files[0] == files[1]
+
+
+def test_reference_file_layout(decoder, tmp_path):
+    result = decoder[3]
+    write_reference(result, tmp_path / "ref.safetensors")
+    tensors = load_file(str(tmp_path / "ref.safetensors"))
+    expected = {f"param/{k}" for k in result.params} | {f"input/{k}" for k in result.inputs}
+    expected |= {f"ref/grad/{k}" for k in result.grads} | {"tangent/tangents_1", "ref/loss"}
+    assert set(tensors) == expected
+    assert torch.equal(tensors["ref/loss"], result.loss)
+    assert torch.equal(tensors["input/input.0"], result.inputs["input.0"])
+
+
+def test_write_graph_rejects_unknown_extensions(decoder, tmp_path):
+    with pytest.raises(ValueError, match=r"\.pb or \.json"):
+        write_graph(decoder[3].graph, tmp_path / "graph.txt")
+
+
+def test_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="scalar loss"):
+        not_scalar = Lambda(lambda self, x: self.lin(x))
+        export_joint(not_scalar, (torch.randn(2, 4),), name="e", models=MAIN)
+    with pytest.raises(ValueError, match="nothing in the step requires grad"):
+        frozen = Lambda(lambda self, x: self.lin(x).sum()).requires_grad_(False)
+        export_joint(frozen, (torch.randn(2, 4),), name="e", models=MAIN)
+    with pytest.raises(ValueError, match=r"node `_to_copy` .*complex128"):
+        to_complex = Lambda(lambda self, x: self.lin(x).to(torch.complex128).abs().sum())
+        export_forward(to_complex, (torch.randn(2, 4),), name="e", models=MAIN)
+    tied = Lambda(lambda self, x: self.lin(x).sum())
+    tied.other = nn.Linear(4, 4)
+    tied.other.weight = tied.lin.weight
+    with pytest.raises(ValueError, match="tied tensors `lin.weight` and `other.weight`"):
+        export_joint(tied, (torch.randn(2, 4),), name="e", models=MAIN)
+    with pytest.raises(ValueError, match="declare at least one model"):
+        no_models = Lambda(lambda self, x: self.lin(x).sum())
+        export_joint(no_models, (torch.randn(2, 4),), name="e", models=[])
+
+
+def test_stack_traces_keep_the_innermost_three_frames():
+    trace = "\n".join(
+        f'  File "m.py", line {i}, in f{i}\n    call_{i}()' for i in range(5)
+    )
+    assert trim_stack_trace(trace) == [
+        'File "m.py", line 2, in f2', "call_2()",
+        'File "m.py", line 3, in f3', "call_3()",
+        'File "m.py", line 4, in f4', "call_4()",
+    ]
+    assert trim_stack_trace("") == []

@@ -1,0 +1,325 @@
+"""The committed golden graphs (tests/golden/NAME.pb + NAME.safetensors): fresh, small, loadable,
+and shaped the way the seeds' configurations are (markers, compiled regions, collectives).
+
+Regenerate them with `python python/export_goldens.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from graph_walk import (
+    GOLDEN_DIR,
+    declared_intervals,
+    interval_contents,
+    layer_runs,
+    load_graph,
+    marker_name,
+    markers_by_run,
+    micro_batch_mismatches,
+)
+from recompute_planner.export import write_graph, write_reference
+from recompute_planner.proto import graph_pb2
+from recompute_planner.zoo import make_inputs
+from recompute_planner.zoo.goldens import GOLDENS, export_rank, golden, trace_graph_bytes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_GOLDEN_BYTES = 300_000
+UNBALANCED = "moe_ep2_unbalanced"
+A2A = "_c10d_functional.all_to_all_single.default"
+ALL_GATHER = "_c10d_functional.all_gather_into_tensor.default"
+
+
+def graph_of(name: str) -> graph_pb2.Graph:
+    return load_graph(GOLDEN_DIR / f"{name}.pb")
+
+
+def by_name(names):
+    return pytest.mark.parametrize("name", names)
+
+
+ALL = [g.name for g in GOLDENS]
+JOINT = [g.name for g in GOLDENS if g.joint]
+MOE = [g.name for g in GOLDENS if g.entry.config.num_experts]
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+@by_name(ALL)
+def test_golden_files_exist_and_are_small(name):
+    pb, reference = GOLDEN_DIR / f"{name}.pb", GOLDEN_DIR / f"{name}.safetensors"
+    assert pb.is_file() and reference.is_file(), "run python python/export_goldens.py"
+    assert pb.stat().st_size < MAX_GOLDEN_BYTES
+
+
+@by_name(ALL)
+def test_golden_graph_is_up_to_date(name):
+    """A fresh trace of rank 0 gives the committed bytes (and proves export is deterministic)."""
+    fresh = trace_graph_bytes(golden(name))
+    assert fresh == (GOLDEN_DIR / f"{name}.pb").read_bytes(), (
+        f"{name}.pb is stale: run python python/export_goldens.py {name}"
+    )
+
+
+@by_name([g.name for g in GOLDENS if g.world_size == 1])
+def test_single_rank_reference_is_up_to_date(name, tmp_path):
+    """Single-rank goldens re-export byte for byte, reference tensors included."""
+    result = export_rank(golden(name))
+    write_graph(result.graph, tmp_path / "graph.pb")
+    write_reference(result, tmp_path / "reference.safetensors")
+    assert (tmp_path / "graph.pb").read_bytes() == (GOLDEN_DIR / f"{name}.pb").read_bytes()
+    assert (tmp_path / "reference.safetensors").read_bytes() == (
+        GOLDEN_DIR / f"{name}.safetensors"
+    ).read_bytes()
+
+
+@by_name([g.name for g in GOLDENS if g.world_size > 1])
+def test_multi_rank_reference_holds_rank0_weights_and_inputs(name):
+    """Weights and inputs of rank 0 are current (the gradients need real ranks to recompute)."""
+    gold = golden(name)
+    reference = load_file(GOLDEN_DIR / f"{name}.safetensors")
+    model = gold.entry.build()
+    for param_name, param in model.named_parameters():
+        assert torch.equal(reference[f"param/{param_name}"], param.detach()), param_name
+    for index, tensor in enumerate(make_inputs(gold.entry.config)):
+        assert torch.equal(reference[f"input/input.{index}"], tensor)
+    grads = [key for key in reference if key.startswith("ref/grad/")]
+    assert len(grads) == len(list(model.parameters()))
+    assert all(torch.isfinite(reference[key]).all() for key in grads)
+
+
+@pytest.fixture(scope="session")
+def planner_bin() -> str:
+    """The planner CLI: $PLANNER_BIN, else a fresh `cargo build -q -p planner`."""
+    if os.environ.get("PLANNER_BIN"):
+        return os.environ["PLANNER_BIN"]
+    subprocess.run(["cargo", "build", "-q", "-p", "planner"], cwd=REPO_ROOT, check=True)
+    return str(REPO_ROOT / "target" / "debug" / "planner")
+
+
+@by_name(ALL)
+def test_golden_loads_with_the_rust_cli(name, planner_bin):
+    done = subprocess.run(
+        [planner_bin, "inspect", f"tests/golden/{name}.pb"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"graph {name}" in done.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Markers and layers
+
+
+def expected_markers(graph: graph_pb2.Graph, run: tuple[str, int, int]) -> list[str]:
+    """The declared markers a layer run records: both ends of every interval it opens."""
+    recorded = set(markers_by_run(graph)[run])
+    return sorted(
+        marker
+        for begin, end in declared_intervals(graph, run[0]).items()
+        if begin in recorded or end in recorded
+        for marker in (begin, end)
+    )
+
+
+@by_name([n for n in ALL if n != UNBALANCED])
+def test_markers_come_in_balanced_pairs_per_layer(name):
+    """Every layer run records each of its intervals' begin once, then its end once."""
+    graph = graph_of(name)
+    for run, markers in markers_by_run(graph).items():
+        assert sorted(markers) == expected_markers(graph, run), run
+        intervals = declared_intervals(graph, run[0])
+        for begin, end in intervals.items():
+            if begin in markers:
+                assert markers.index(begin) < markers.index(end), (run, begin)
+
+
+@by_name(ALL)
+def test_every_declared_marker_is_recorded_somewhere(name):
+    """No `marker-missing`: each model's intervals are recorded by at least one of its layers."""
+    graph = graph_of(name)
+    for model in graph.models:
+        recorded = {
+            m for run, ms in markers_by_run(graph).items() if run[0] == model.name for m in ms
+        }
+        for begin, end in declared_intervals(graph, model.name).items():
+            assert {begin, end} & recorded, f"{model.name}: {begin} never recorded"
+
+
+def test_unbalanced_variant_misses_exactly_two_markers():
+    """Layer 0 opens `moe.dispatch` without closing it, layer 1 closes `moe.combine` unopened."""
+    graph = graph_of(UNBALANCED)
+    balanced = graph_of("moe_ep2")
+    for layer, missing in ((0, "moe.dispatch.end"), (1, "moe.combine.begin")):
+        run = ("main", layer, 0)
+        expected = [m for m in markers_by_run(balanced)[run] if m != missing]
+        assert markers_by_run(graph)[run] == expected
+
+
+@by_name(JOINT)
+def test_every_layer_has_forward_and_backward_nodes(name):
+    graph = graph_of(name)
+    for model in graph.models:
+        for layer in range(model.num_layers):
+            phases = {
+                n.phase for n in graph.nodes if n.model == model.name and n.layer == layer
+                and n.HasField("layer")
+            }
+            assert phases == {graph_pb2.PHASE_FORWARD, graph_pb2.PHASE_BACKWARD}, (model, layer)
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: dispatch, combine, routing counts
+
+
+def d2h_copies(nodes) -> list[graph_pb2.Node]:
+    """`aten._to_copy` nodes carrying a `device` attribute of "cpu"."""
+    return [
+        n
+        for n in nodes
+        if n.op == "aten._to_copy.default"
+        and any(a.name == "device" and a.str == "cpu" for a in n.attributes)
+    ]
+
+
+@by_name([n for n in MOE if n != UNBALANCED])
+def test_dispatch_holds_the_all_to_all_and_the_routing_count_copy(name):
+    """Each MoE layer run's dispatch interval exchanges counts and tokens and copies the counts
+    to host; combine sends the tokens back (second seed)."""
+    graph = graph_of(name)
+    contents = interval_contents(graph)
+    world = graph.metadata.world_size
+    moe_runs = [key for key in contents if key[1] == "moe.gate.begin"]
+    assert moe_runs
+    for run, _ in moe_runs:
+        dispatch = contents[(run, "moe.dispatch.begin")]
+        ops = Counter(n.op for n in dispatch)
+        assert len(d2h_copies(dispatch)) == 1, run
+        assert ops[A2A] == (2 if world > 1 else 0), run
+    combine = [ops for (run, begin), ops in contents.items() if begin == "moe.combine.begin"]
+    assert all(Counter(n.op for n in ops)[A2A] == (1 if world > 1 else 0) for ops in combine)
+
+
+def test_inplace_variant_writes_a_tensor_made_in_the_same_interval():
+    graph = graph_of("moe_ep2_inplace")
+    for (run, begin), nodes in interval_contents(graph).items():
+        if begin != "moe.dispatch.begin":
+            continue
+        produced = {out for n in nodes for out in n.outputs}
+        writes = [n for n in nodes if n.schema.mutates]
+        assert [n.op for n in writes] == ["aten.index_add_.default"], run
+        assert writes[0].inputs[writes[0].schema.mutates[0]] in produced, run
+    assert not any(n.schema.mutates for n in graph_of("moe_ep2").nodes)
+
+
+# --------------------------------------------------------------------------------------------
+# Compile configs
+
+
+def regions_of(nodes) -> set[str]:
+    return {n.compiled_region for n in nodes}
+
+
+@by_name(["dense", "moe_ep2", "moe_ep4", "moe_domino", "moe_ep2_inplace", UNBALANCED])
+def test_uncompiled_configs_run_everything_in_eager(name):
+    assert regions_of(graph_of(name).nodes) == {""}
+
+
+def test_ep_compile_config_compiles_the_seeds_methods():
+    """`_pre_moe_forward`, the experts, `_shared_experts_forward` and `_post_moe_forward` are
+    compiled; the dispatcher and the layer body that places the markers are not."""
+    graph = graph_of("moe_ep2_compiled")
+    methods = ("_pre_moe_forward", "experts", "_shared_experts_forward", "_post_moe_forward")
+    expected = {""} | {f"layers.{i}.{m}" for i in range(2) for m in methods}
+    assert regions_of(graph.nodes) == expected
+    contents = interval_contents(graph)
+    markers = [n for nodes in layer_runs(graph).values() for n in nodes if marker_name(n)]
+    for marker in markers:
+        inside = marker_name(marker).startswith(("attn.", "moe.gate."))
+        assert (marker.compiled_region != "") == inside, marker_name(marker)
+    for (run, begin), nodes in contents.items():
+        if begin in ("moe.dispatch.begin", "moe.combine.begin"):
+            assert regions_of(nodes) == {""}, (run, begin)
+        if begin == "mlp.begin":  # markers fire in eager, everything between them is compiled
+            assert regions_of(nodes) == {f"layers.{run[1]}._shared_experts_forward"}, run
+
+
+def test_layer_compile_config_compiles_each_layer_as_one_region():
+    graph = graph_of("moe_layer_compiled")
+    for (model, layer, _), nodes in layer_runs(graph).items():
+        assert regions_of(nodes) == {f"layers.{layer}"}, layer
+    outside = [n for n in graph.nodes if not n.HasField("layer")]
+    assert regions_of(outside) == {""}
+
+
+@by_name(["glm_dsa_ep2", "glm_dsa_ep2_compiled"])
+def test_dsa_topk_runs_eager_between_compiled_indexer_and_sparse_attention(name):
+    """First seed's DSA layout, in every layer of both models (main and the nested MTP)."""
+    graph = graph_of(name)
+    contents = interval_contents(graph)
+    indexer_runs = [run for run, begin in contents if begin == "dsa.indexer.begin"]
+    assert sorted(indexer_runs) == [("main", 0, 0), ("main", 1, 0), ("mtp", 0, 0)]
+    for run in indexer_runs:
+        selection = contents[(run, "dsa.indexer.begin")]
+        assert regions_of(selection) == {""}, run
+        assert Counter(n.op for n in selection)["aten.topk.default"] == 1, run
+        prefix = "layers" if run[0] == "main" else "mtp.layers"
+        attn = f"{prefix}.{run[1]}.self_attn"
+        by_region: dict[str, Counter] = {}
+        for node in layer_runs(graph)[run]:
+            by_region.setdefault(node.compiled_region, Counter())[node.op] += 1
+        assert by_region[f"{attn}.indexer"]["aten.mm.default"] == 1, run
+        assert by_region[f"{attn}.sp_gather"][ALL_GATHER] == 1, run
+        assert by_region[f"{attn}.sparse_attention"][ALL_GATHER] == 1, run
+        assert by_region[f"{attn}.sparse_attention"]["aten._softmax.default"] == 1, run
+
+
+def test_glm_declares_mtp_as_a_nested_model():
+    graph = graph_of("glm_dsa_ep2")
+    models = {m.name: (m.parent, m.num_layers) for m in graph.models}
+    assert models == {"main": ("", 2), "mtp": ("main", 1)}
+    units = [u.unit for u in graph.models[1].units]
+    assert "SAVE_DSA_INDEXER" in units and "SAVE_MOE_DISPATCH" in units
+
+
+# --------------------------------------------------------------------------------------------
+# Domino (SPEC R10)
+
+
+def test_domino_runs_two_micro_batches_per_layer():
+    runs = markers_by_run(graph_of("moe_domino"))
+    assert sorted(runs) == [("main", layer, mb) for layer in range(2) for mb in range(2)]
+
+
+def test_domino_units_enclose_the_single_batch_operations():
+    """R10: per layer and micro-batch, each interval encloses exactly the single-batch ops."""
+    assert micro_batch_mismatches(graph_of("moe_ep2"), graph_of("moe_domino")) == []
+
+
+def test_domino_check_catches_a_moved_marker():
+    """R10 check verified by mutation: `moe.dispatch.end` of one micro-batch moved past the
+    routed experts' GEMMs makes the comparison fail."""
+    domino = graph_of("moe_domino")
+    nodes = list(domino.nodes)
+    mutated = graph_pb2.Graph()
+    mutated.CopyFrom(domino)
+    run = [i for i, n in enumerate(nodes) if (n.layer, n.micro_batch) == (1, 1)
+           and n.HasField("layer") and n.phase == graph_pb2.PHASE_FORWARD]
+    end = next(i for i in run if marker_name(nodes[i]) == "moe.dispatch.end")
+    past_bmm = next(i for i in run if i > end and nodes[i].op == "aten.bmm.default")
+    nodes.insert(past_bmm, nodes.pop(end))
+    del mutated.nodes[:]
+    mutated.nodes.extend(nodes)
+    problems = micro_batch_mismatches(graph_of("moe_ep2"), mutated)
+    assert problems and all("('main', 1, 1)" in p for p in problems), problems
