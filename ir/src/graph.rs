@@ -256,6 +256,8 @@ pub struct Graph {
     pub(crate) metadata: Metadata,
     pub(crate) producers: IdVec<ValueId, Option<NodeId>>,
     pub(crate) consumers: Consumers,
+    /// Nodes that write a value in place, in execution order (sparse: few values are written).
+    pub(crate) mutators: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
     pub(crate) dag: Dag,
 }
 
@@ -311,6 +313,13 @@ impl Graph {
     /// The nodes that read `value`, in execution order.
     pub fn consumers(&self, value: ValueId) -> &[NodeId] {
         self.consumers.of(value)
+    }
+
+    /// The nodes that write `value` in place (its schema says `mutates`), in execution order.
+    /// Functionalization is off in the exporter, so a later node may read the written tensor
+    /// under its old name: data flow alone does not show that it depends on these writes.
+    pub fn mutators(&self, value: ValueId) -> &[NodeId] {
+        self.mutators.get(&value).map_or(&[], Vec::as_slice)
     }
 
     /// Nodes whose outputs `node` reads (each once), in execution order.

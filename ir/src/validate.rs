@@ -1,6 +1,8 @@
 //! Wire graph -> validated core [`Graph`]. The only way a `Graph` comes to be.
 
-use std::collections::{hash_map::Entry, HashMap};
+use std::collections::hash_map::Entry;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use prost::Message;
 use xxhash_rust::xxh3::xxh3_128;
@@ -23,8 +25,15 @@ const MAX_ENTITIES: usize = u32::MAX as usize;
 impl Graph {
     /// Validates a decoded wire graph and converts it into the core model.
     pub fn from_wire(wire: pb::Graph) -> Result<Graph, E> {
+        let fingerprint = fingerprint(&wire.encode_to_vec());
+        Graph::from_wire_encoded(wire, fingerprint)
+    }
+
+    /// [`Graph::from_wire`] for a graph whose canonical encoding was already hashed with
+    /// [`fingerprint`] (a `.pb` file as written by prost or by Python's deterministic
+    /// serialiser, which are canonical).
+    pub fn from_wire_encoded(wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
         check_counts(&wire)?;
-        let fingerprint = fingerprint(&wire);
         let models = convert_models(wire.models)?;
         let values = convert_values(wire.values)?;
         let value_ids = index_by_name(&values, |v| &v.name, |name| E::DuplicateValue { name })?;
@@ -48,6 +57,7 @@ impl Graph {
         }
         check_execution_order(&nodes, &values, &producers)?;
         let consumers = Consumers::build(values.len(), &nodes);
+        let mutators = mutators(&nodes);
         Ok(Graph {
             name: wire.name,
             fingerprint,
@@ -58,14 +68,16 @@ impl Graph {
             metadata: convert_metadata(wire.metadata.unwrap_or_default()),
             producers,
             consumers,
+            mutators,
             dag,
         })
     }
 }
 
-/// xxh3-128 of prost's canonical encoding, so `.pb` and `.json` of one graph agree.
-fn fingerprint(wire: &pb::Graph) -> String {
-    format!("{:032x}", xxh3_128(&wire.encode_to_vec()))
+/// The fingerprint of a graph: xxh3-128 of its canonical protobuf encoding, so `.pb` and
+/// `.json` of one graph agree (R11).
+pub fn fingerprint(canonical_encoding: &[u8]) -> String {
+    format!("{:032x}", xxh3_128(canonical_encoding))
 }
 
 fn check_counts(wire: &pb::Graph) -> Result<(), E> {
@@ -94,7 +106,7 @@ fn index_by_name<'a, I: EntityId, T>(
     name: impl Fn(&'a T) -> &'a String,
     duplicate: impl Fn(String) -> E,
 ) -> Result<HashMap<&'a str, I>, E> {
-    let mut ids = HashMap::with_capacity(table.len());
+    let mut ids = HashMap::with_capacity_and_hasher(table.len(), Default::default());
     for (id, item) in table.iter() {
         match ids.entry(name(item).as_str()) {
             Entry::Occupied(_) => return Err(duplicate(name(item).clone())),
@@ -556,6 +568,17 @@ fn check_execution_order(
         }
     }
     Ok(())
+}
+
+/// Per written value, the nodes that write it, in execution order.
+fn mutators(nodes: &IdVec<NodeId, Node>) -> HashMap<ValueId, Vec<NodeId>> {
+    let mut mutators: HashMap<ValueId, Vec<NodeId>> = HashMap::default();
+    for (id, node) in nodes.iter() {
+        for &p in &node.effects.mutates {
+            mutators.entry(node.inputs[p]).or_default().push(id);
+        }
+    }
+    mutators
 }
 
 fn convert_metadata(m: pb::Metadata) -> Metadata {

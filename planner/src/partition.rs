@@ -94,6 +94,12 @@ pub enum PartitionError {
     },
     #[error("replay node `{node}` mutates `{value}`, which that replay does not produce")]
     ReplayMutatesOutside { node: String, value: String },
+    #[error("replay node `{node}` reads `{value}`, which `{writer}` writes in place before it in forward, but the replay does not re-run `{writer}`")]
+    ReplayMissesWrite {
+        node: String,
+        value: String,
+        writer: String,
+    },
 }
 
 /// Whether the graph has a backward phase to partition.
@@ -167,9 +173,13 @@ impl<'a> Builder<'a> {
                 .graph
                 .producer(v)
                 .expect("replayed values have a producer");
-            if !self.in_replay[producer.index()] {
-                self.in_replay[producer.index()] = true;
-                stack.extend(self.graph.node(producer).inputs.iter().copied());
+            // A replayed tensor must also be written by the in-place ops that wrote it in
+            // forward, or later readers of its old name would see it unwritten.
+            for n in std::iter::once(producer).chain(self.in_place_writers(v)) {
+                if !self.in_replay[n.index()] {
+                    self.in_replay[n.index()] = true;
+                    stack.extend(self.graph.node(n).inputs.iter().copied());
+                }
             }
         }
     }
@@ -208,6 +218,25 @@ impl<'a> Builder<'a> {
             let c = self.graph.node(c);
             c.phase == Phase::Forward && (c.model, c.layer) != (p.model, p.layer)
         })
+    }
+
+    /// Recomputed forward ops of `value`'s layer that write it in place.
+    fn in_place_writers(&self, value: ValueId) -> Vec<NodeId> {
+        let Some(producer) = self.graph.producer(value) else {
+            return Vec::new();
+        };
+        let p = self.graph.node(producer);
+        self.graph
+            .mutators(value)
+            .iter()
+            .copied()
+            .filter(|&m| {
+                let n = self.graph.node(m);
+                n.phase == Phase::Forward
+                    && (n.model, n.layer) == (p.model, p.layer)
+                    && self.policy.decision(m) == Some(Decision::Recompute)
+            })
+            .collect()
     }
 
     /// Whether `node` writes in place a tensor that is resident rather than replayed.
@@ -304,6 +333,31 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
     Ok(())
 }
 
+/// A replayed value read at `reader` must have been written, in this replay, by every forward
+/// op of its layer that wrote it in place before `reader` ran in forward.
+fn check_writes_replayed(
+    graph: &Graph,
+    replay: &Replay,
+    reader: NodeId,
+    value: ValueId,
+) -> Result<(), PartitionError> {
+    let producer = graph.producer(value).map(|p| graph.node(p));
+    for &m in graph.mutators(value) {
+        let writer = graph.node(m);
+        let same_layer =
+            producer.is_some_and(|p| (p.model, p.layer) == (writer.model, writer.layer));
+        if m < reader && writer.phase == Phase::Forward && same_layer && !replay.nodes.contains(&m)
+        {
+            return Err(PartitionError::ReplayMissesWrite {
+                node: graph.node(reader).name.clone(),
+                value: graph.value(value).name.clone(),
+                writer: writer.name.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn verify_replay(
     graph: &Graph,
     policy: &Policy,
@@ -329,6 +383,9 @@ fn verify_replay(
                     node: node.name.clone(),
                     value: graph.value(v).name.clone(),
                 });
+            }
+            if produced_here[v.index()] {
+                check_writes_replayed(graph, replay, id, v)?;
             }
         }
         for &p in &node.effects.mutates {

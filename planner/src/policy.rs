@@ -250,7 +250,12 @@ impl<'a, 'g> Session<'a, 'g> {
         }
         let unit = self.open_unit();
         if unit.is_none() && !self.saves_as_collective(node) {
-            return recompute(Reason::OutsideKeptInterval, None);
+            // A compiled op is out of the policy's reach, interval or not (R6).
+            let reason = match node.compiled_region {
+                Some(_) => Reason::Compiled,
+                None => Reason::OutsideKeptInterval,
+            };
+            return recompute(reason, None);
         }
         let policy = self.classify(node, unit);
         if policy.decision == Decision::Save {

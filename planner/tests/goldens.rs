@@ -1,0 +1,287 @@
+//! The rules on the exporter's golden graphs (real PyTorch joint graphs, `tests/golden/`).
+//! Each test names the behaviour it pins; the full text plans are in `tests/golden/plans/`.
+
+use std::{collections::BTreeMap, path::Path};
+
+use ir::Graph;
+use planner::{
+    config::{Collectives, Keep, PlanConfig},
+    cost::HwProfile,
+    plan::{plan, Plan},
+};
+
+fn golden(name: &str) -> Graph {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/golden")
+        .join(format!("{name}.pb"));
+    ir::io::load(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn keep(units: &[&str]) -> PlanConfig {
+    PlanConfig {
+        keep: Keep::parse(&units.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap(),
+        ..PlanConfig::default()
+    }
+}
+
+fn run(graph: &Graph, config: &PlanConfig) -> Plan {
+    plan(graph, config, &HwProfile::default()).unwrap()
+}
+
+fn replayed_ops(p: &Plan) -> Vec<&str> {
+    let ops: BTreeMap<&str, &str> = p
+        .nodes
+        .iter()
+        .map(|n| (n.name.as_str(), n.op.as_str()))
+        .collect();
+    p.replay
+        .iter()
+        .flat_map(|r| r.nodes.iter().map(|n| ops[n.as_str()]))
+        .collect()
+}
+
+fn diagnostic<'p>(p: &'p Plan, code: &str, unit: &str) -> Option<&'p planner::plan::DiagnosticDoc> {
+    p.diagnostics
+        .iter()
+        .find(|d| d.code == code && d.unit.as_deref() == Some(unit))
+}
+
+const JOINT: [&str; 8] = [
+    "dense",
+    "moe_ep2",
+    "moe_ep2_compiled",
+    "moe_ep4",
+    "glm_dsa_ep2",
+    "glm_dsa_ep2_compiled",
+    "moe_domino",
+    "moe_ep2_unbalanced",
+];
+
+#[test]
+fn r6_save_dsa_indexer_keeps_the_eager_topk_and_replay_never_runs_it() {
+    let g = golden("glm_dsa_ep2_compiled");
+    let p = run(&g, &keep(&["save_dsa_indexer"]));
+    let topk: Vec<_> = p
+        .nodes
+        .iter()
+        .filter(|n| n.op == "aten.topk.default" && n.unit.as_deref() == Some("SAVE_DSA_INDEXER"))
+        .collect();
+    assert!(!topk.is_empty(), "the indexer's top-k is kept");
+    assert!(topk.iter().all(|n| n.decision == "save"));
+    // Replay dispatches no eager aten.topk; the MoE router's top-k runs inside the compiled
+    // `_pre_moe_forward` region, a fused kernel that never dispatches aten ops one by one.
+    let compiled: BTreeMap<&str, bool> = g
+        .nodes()
+        .values()
+        .map(|n| (n.name.as_str(), n.compiled_region.is_some()))
+        .collect();
+    let eager_topk: Vec<&String> = p
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .filter(|n| !compiled[n.as_str()])
+        .filter(|n| {
+            p.nodes
+                .iter()
+                .any(|d| &d.name == *n && d.op == "aten.topk.default")
+        })
+        .collect();
+    assert!(
+        eager_topk.is_empty(),
+        "replay runs eager aten.topk: {eager_topk:?}"
+    );
+    let without = run(&g, &keep(&[]));
+    let replayed_topk = replayed_ops(&without)
+        .iter()
+        .filter(|o| **o == "aten.topk.default")
+        .count();
+    assert!(
+        replayed_topk > 2,
+        "without the unit the indexer's top-k replays"
+    );
+    assert!(diagnostic(&p, "interval-inert", "SAVE_DSA_INDEXER").is_none());
+    assert!(diagnostic(&p, "marker-missing", "SAVE_DSA_INDEXER").is_none());
+}
+
+#[test]
+fn r6_under_the_ep_compile_config_only_dispatch_keeps_ops() {
+    let p = run(&golden("moe_ep2_compiled"), &keep(&["all"]));
+    let dispatch = p
+        .units
+        .iter()
+        .find(|u| u.unit == "SAVE_MOE_DISPATCH")
+        .unwrap();
+    assert!(dispatch.kept_ops > 0);
+    assert!(diagnostic(&p, "interval-inert", "SAVE_MOE_DISPATCH").is_none());
+    for unit in ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"] {
+        let d = diagnostic(&p, "interval-inert", unit)
+            .unwrap_or_else(|| panic!("{unit} must be reported inert: {:?}", p.diagnostics));
+        assert!(d.message.contains("compiled region"), "{}", d.message);
+        assert!(
+            p.units.iter().all(|u| u.unit != unit),
+            "{unit} keeps nothing"
+        );
+    }
+    // SAVE_MLP's markers fire in eager; what it encloses is the compiled shared experts.
+    let mlp = diagnostic(&p, "interval-inert", "SAVE_MLP").unwrap();
+    assert!(mlp.message.contains("opened in"), "{}", mlp.message);
+    assert!(
+        mlp.message.contains("its contents run in compiled region"),
+        "{}",
+        mlp.message
+    );
+    assert!(
+        mlp.message.contains("_shared_experts_forward"),
+        "{}",
+        mlp.message
+    );
+}
+
+#[test]
+fn r9_keeping_nothing_saves_only_layer_inputs_parameters_and_graph_inputs() {
+    for name in JOINT {
+        let g = golden(name);
+        let p = run(&g, &keep(&[]));
+        assert!(p.nodes.iter().all(|n| n.decision != "save"), "{name}");
+        for s in &p.saved {
+            assert!(
+                matches!(
+                    s.kind.as_str(),
+                    "layer-input" | "not-checkpointed" | "parameter" | "graph-input"
+                ),
+                "{name}: {} saved as {}",
+                s.value,
+                s.kind
+            );
+            if s.kind == "not-checkpointed" {
+                assert_eq!(
+                    s.layer, None,
+                    "{name}: {} is inside a checkpointed layer",
+                    s.value
+                );
+            }
+        }
+        assert!(p.saved.iter().any(|s| s.kind == "layer-input"), "{name}");
+    }
+}
+
+#[test]
+fn r5_collectives_re_run_by_default_and_functional_ones_are_saved_on_request() {
+    let g = golden("moe_ep2");
+    let default = run(&g, &keep(&[]));
+    let is_sync = |n: &&planner::plan::NodeDoc| {
+        n.op.starts_with("_c10d_functional.")
+            || n.op.starts_with("c10d.")
+            || n.op == "aten._to_copy.default"
+    };
+    assert!(default
+        .nodes
+        .iter()
+        .filter(is_sync)
+        .filter(|n| n.op != "aten._to_copy.default")
+        .all(|n| n.decision != "save"));
+    assert!(replayed_ops(&default).contains(&"_c10d_functional.all_to_all_single.default"));
+    let save = run(
+        &g,
+        &PlanConfig {
+            collectives: Collectives::Save,
+            ..keep(&[])
+        },
+    );
+    let saved_ops: Vec<&str> = save
+        .nodes
+        .iter()
+        .filter(|n| n.reason == "saved-collective")
+        .map(|n| n.op.as_str())
+        .collect();
+    assert!(
+        saved_ops.contains(&"_c10d_functional.all_to_all_single.default"),
+        "{saved_ops:?}"
+    );
+    assert!(
+        saved_ops.contains(&"aten._to_copy.default"),
+        "{saved_ops:?}"
+    );
+    assert!(!replayed_ops(&save).contains(&"_c10d_functional.all_to_all_single.default"));
+}
+
+#[test]
+fn r5_an_in_place_write_of_a_kept_tensor_is_an_error_naming_the_op() {
+    let p = run(&golden("moe_ep2_inplace"), &keep(&["all"]));
+    assert!(p.has_errors());
+    let d = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "inplace-in-kept-interval")
+        .expect("rejected");
+    assert!(d.message.contains("aten.index_add_"), "{}", d.message);
+    // Without keeping the unit there is nothing to corrupt.
+    assert!(!run(&golden("moe_ep2_inplace"), &keep(&["save_attn"])).has_errors());
+}
+
+#[test]
+fn r4_unbalanced_markers_plan_with_a_warning() {
+    let p = run(&golden("moe_ep2_unbalanced"), &keep(&["all"]));
+    assert!(!p.has_errors());
+    assert!(p
+        .diagnostics
+        .iter()
+        .any(|d| d.code == "interval-unbalanced"));
+}
+
+/// Per unit and layer: the sorted ops each micro-batch keeps.
+fn kept_per_micro_batch(g: &Graph, p: &Plan) -> BTreeMap<(String, u32, u32), Vec<String>> {
+    let micro_batch: BTreeMap<&str, u32> = g
+        .nodes()
+        .values()
+        .map(|n| (n.name.as_str(), n.micro_batch))
+        .collect();
+    let mut kept: BTreeMap<(String, u32, u32), Vec<String>> = BTreeMap::new();
+    for n in p.nodes.iter().filter(|n| n.decision == "save") {
+        if let (Some(unit), Some(layer)) = (&n.unit, n.layer) {
+            kept.entry((unit.clone(), layer, micro_batch[n.name.as_str()]))
+                .or_default()
+                .push(n.op.clone());
+        }
+    }
+    for ops in kept.values_mut() {
+        ops.sort();
+    }
+    kept
+}
+
+#[test]
+fn r10_the_domino_path_keeps_the_same_ops_per_unit_as_the_single_batch_path() {
+    let (single, domino) = (golden("moe_ep2"), golden("moe_domino"));
+    let config = keep(&["all"]);
+    let one = kept_per_micro_batch(&single, &run(&single, &config));
+    let two = kept_per_micro_batch(&domino, &run(&domino, &config));
+    assert!(!one.is_empty());
+    let micro_batches: Vec<u32> = two.keys().map(|k| k.2).collect();
+    assert!(
+        micro_batches.contains(&1),
+        "the domino golden runs two micro-batches"
+    );
+    for ((unit, layer, mb), ops) in &two {
+        assert_eq!(
+            Some(ops),
+            one.get(&(unit.clone(), *layer, 0)),
+            "{unit} layer {layer} micro-batch {mb}"
+        );
+    }
+    for (unit, layer, _) in one.keys() {
+        assert!(
+            two.contains_key(&(unit.clone(), *layer, 1)),
+            "{unit} layer {layer}"
+        );
+    }
+}
+
+#[test]
+fn r11_pb_and_json_of_a_golden_share_a_fingerprint_and_a_plan_is_deterministic() {
+    let g = golden("glm_dsa_ep2");
+    let config = keep(&["all"]);
+    let a = planner::render::protobuf(&run(&g, &config));
+    let b = planner::render::protobuf(&run(&golden("glm_dsa_ep2"), &config));
+    assert_eq!(a, b);
+}
