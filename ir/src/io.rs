@@ -29,10 +29,17 @@ impl Format {
     }
 }
 
-/// Reads, decodes and validates a graph file.
+/// Reads, decodes and validates a graph file. A `.pb` is fingerprinted as read (it is the
+/// canonical encoding when prost or Python's deterministic serialiser wrote it); a `.json` is
+/// re-encoded first.
 pub fn load(path: &Path) -> Result<Graph, LoadError> {
-    let wire = read_wire(path)?;
-    Graph::from_wire(wire).map_err(|error| LoadError::Invalid {
+    let (bytes, format) = read_bytes(path)?;
+    let wire = decode(&bytes, format, path)?;
+    let graph = match format {
+        Format::Protobuf => Graph::from_wire_encoded(wire, crate::fingerprint(&bytes)),
+        Format::Json => Graph::from_wire(wire),
+    };
+    graph.map_err(|error| LoadError::Invalid {
         path: path.to_owned(),
         error,
     })
@@ -40,12 +47,17 @@ pub fn load(path: &Path) -> Result<Graph, LoadError> {
 
 /// Reads and decodes a graph file without validating it.
 pub fn read_wire(path: &Path) -> Result<pb::Graph, LoadError> {
+    let (bytes, format) = read_bytes(path)?;
+    decode(&bytes, format, path)
+}
+
+fn read_bytes(path: &Path) -> Result<(Vec<u8>, Format), LoadError> {
     let format = Format::from_path(path)?;
     let bytes = fs::read(path).map_err(|source| LoadError::Io {
         path: path.to_owned(),
         source,
     })?;
-    decode(&bytes, format, path)
+    Ok((bytes, format))
 }
 
 /// Decodes the bytes of a graph file; `path` only names it in errors.

@@ -4,6 +4,7 @@
 //! **Architecture invariant:** this crate never links libtorch; it knows graphs, not tensors.
 
 mod dag;
+pub mod deepen;
 pub mod error;
 pub mod graph;
 pub mod id;
@@ -18,3 +19,4 @@ pub use graph::{
     Role, Unit, Value, MARKER_NAME_ATTR, MARKER_OP,
 };
 pub use id::{EntityId, IdVec, ModelId, NodeId, ValueId};
+pub use validate::fingerprint;

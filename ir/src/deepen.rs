@@ -1,0 +1,287 @@
+//! Deep graphs from shallow ones: repeats a golden graph's decoder layer N times, forward and
+//! backward, so planning can be measured at DeepSeek-V3 depth (61 layers) and far beyond.
+//!
+//! The input needs two structurally identical adjacent layers `a` and `a + 1` of one model
+//! (same ops in the same order, forward and backward). Layer `a` is the template; layer `a + 1`
+//! shows how one layer hands over to the next: wherever the template's slot reads a value made
+//! by the layer before (or by the next layer's backward), the copy reads the neighbouring copy's
+//! value at the same position. Per-layer parameters are duplicated per copy, values shared by
+//! both layers (positions, masks) stay shared, and every other node keeps its place around the
+//! run of copies.
+
+use std::collections::{HashMap, HashSet};
+
+use thiserror::Error;
+
+use crate::wire::graph as pb;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum DeepenError {
+    #[error("model `{0}` is not declared")]
+    UnknownModel(String),
+    #[error(
+        "layers {a} and {b} of model `{model}` differ ({why}): they must be identical to repeat"
+    )]
+    NotIdentical {
+        model: String,
+        a: u32,
+        b: u32,
+        why: String,
+    },
+    #[error("value `{0}` is read but never declared")]
+    Undeclared(String),
+}
+
+/// Where one value of the template layer comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    /// Output `j` of the template's `k`-th node.
+    Template(usize, usize),
+}
+
+/// `graph` with layer `a` of `model` repeated `layers` times in place of layers `a` and `a + 1`.
+pub fn deepen(
+    graph: &pb::Graph,
+    model: &str,
+    a: u32,
+    layers: u32,
+) -> Result<pb::Graph, DeepenError> {
+    let declared = graph
+        .models
+        .iter()
+        .position(|m| m.name == model)
+        .ok_or_else(|| DeepenError::UnknownModel(model.to_owned()))?;
+    let in_layer = |n: &pb::Node, l: u32| n.model == model && n.layer == Some(l);
+    let ta: Vec<usize> = (0..graph.nodes.len())
+        .filter(|&i| in_layer(&graph.nodes[i], a))
+        .collect();
+    let tb: Vec<usize> = (0..graph.nodes.len())
+        .filter(|&i| in_layer(&graph.nodes[i], a + 1))
+        .collect();
+    check_identical(graph, model, a, &ta, &tb)?;
+    let values: HashMap<&str, &pb::Value> =
+        graph.values.iter().map(|v| (v.name.as_str(), v)).collect();
+    let producer_of = |nodes: &[usize]| -> HashMap<&str, Slot> {
+        nodes
+            .iter()
+            .enumerate()
+            .flat_map(|(k, &i)| {
+                graph.nodes[i]
+                    .outputs
+                    .iter()
+                    .enumerate()
+                    .map(move |(j, v)| (v.as_str(), Slot::Template(k, j)))
+            })
+            .collect()
+    };
+    let (made_by_a, made_by_b) = (producer_of(&ta), producer_of(&tb));
+    let mut out = Builder {
+        values: &values,
+        nodes: Vec::new(),
+        declared: Vec::new(),
+        seen: HashSet::new(),
+    };
+    let first_a = ta[0];
+    let copies = layers.max(1);
+    let name_of = |k: usize, j: usize, c: u32| copy_name(&graph.nodes[ta[k]].outputs[j], c);
+    // The template's input at (node k, input s) in copy c.
+    let input_of = |k: usize, s: usize, c: u32| -> String {
+        let va = &graph.nodes[ta[k]].inputs[s];
+        let vb = &graph.nodes[tb[k]].inputs[s];
+        if let Some(&Slot::Template(k2, j)) = made_by_a.get(va.as_str()) {
+            return name_of(k2, j, c);
+        }
+        if let Some(&Slot::Template(k2, j)) = made_by_b.get(va.as_str()) {
+            // Backward reads the next layer's gradient: the next copy's, or what the last
+            // layer reads from outside.
+            return if c + 1 < copies {
+                name_of(k2, j, c + 1)
+            } else {
+                vb.clone()
+            };
+        }
+        if va == vb {
+            return va.clone(); // shared by every layer
+        }
+        if let Some(&Slot::Template(k2, j)) = made_by_a.get(vb.as_str()) {
+            // The layer's input: the previous copy's output, or what layer a reads.
+            return if c == 0 {
+                va.clone()
+            } else {
+                name_of(k2, j, c - 1)
+            };
+        }
+        copy_name(va, c) // a per-layer parameter
+    };
+    // Everything outside the two layers that reads them reads the first or last copy.
+    let outside = |v: &str| -> String {
+        if let Some(&Slot::Template(k, j)) = made_by_b.get(v) {
+            return name_of(k, j, copies - 1);
+        }
+        if let Some(&Slot::Template(k, j)) = made_by_a.get(v) {
+            return name_of(k, j, 0);
+        }
+        v.to_owned()
+    };
+    let forward = |i: usize| graph.nodes[i].phase == pb::Phase::Forward as i32;
+    let layer_nodes: HashSet<usize> = ta.iter().chain(&tb).copied().collect();
+    let emit_copies = |out: &mut Builder<'_>, phase_forward: bool| -> Result<(), DeepenError> {
+        let order: Vec<u32> = if phase_forward {
+            (0..copies).collect()
+        } else {
+            (0..copies).rev().collect()
+        };
+        for c in order {
+            for (k, &i) in ta.iter().enumerate() {
+                if forward(i) != phase_forward {
+                    continue;
+                }
+                let n = &graph.nodes[i];
+                let inputs: Vec<String> = (0..n.inputs.len()).map(|s| input_of(k, s, c)).collect();
+                let outputs: Vec<String> = (0..n.outputs.len()).map(|j| name_of(k, j, c)).collect();
+                out.node(n, copy_name(&n.name, c), inputs, outputs, Some(c + a))?;
+            }
+        }
+        Ok(())
+    };
+    let mut forward_done = false;
+    let mut backward_done = false;
+    for (i, n) in graph.nodes.iter().enumerate() {
+        if layer_nodes.contains(&i) {
+            if i >= first_a && forward(i) && !forward_done {
+                emit_copies(&mut out, true)?;
+                forward_done = true;
+            }
+            if !forward(i) && !backward_done {
+                emit_copies(&mut out, false)?;
+                backward_done = true;
+            }
+            continue;
+        }
+        let inputs = n.inputs.iter().map(|v| outside(v)).collect();
+        let outputs = n.outputs.clone();
+        let layer = n.layer.map(|l| {
+            if l > a + 1 && n.model == model {
+                l + copies - 2
+            } else {
+                l
+            }
+        });
+        out.node(n, n.name.clone(), inputs, outputs, layer)?;
+    }
+    let mut result = graph.clone();
+    result.name = format!("{}_x{copies}", graph.name);
+    result.nodes = out.nodes;
+    result.values = out.declared;
+    result.outputs = deepen_outputs(graph, &ta, &tb, copies, &out.seen);
+    result.models[declared].num_layers = (graph.models[declared].num_layers - 2) + copies;
+    Ok(result)
+}
+
+fn copy_name(name: &str, c: u32) -> String {
+    format!("{name}@{c}")
+}
+
+fn check_identical(
+    graph: &pb::Graph,
+    model: &str,
+    a: u32,
+    ta: &[usize],
+    tb: &[usize],
+) -> Result<(), DeepenError> {
+    let differ = |why: String| DeepenError::NotIdentical {
+        model: model.to_owned(),
+        a,
+        b: a + 1,
+        why,
+    };
+    if ta.is_empty() || ta.len() != tb.len() {
+        return Err(differ(format!("{} vs {} nodes", ta.len(), tb.len())));
+    }
+    for (&i, &j) in ta.iter().zip(tb) {
+        let (x, y) = (&graph.nodes[i], &graph.nodes[j]);
+        if x.op != y.op || x.inputs.len() != y.inputs.len() || x.outputs.len() != y.outputs.len() {
+            return Err(differ(format!(
+                "`{}` ({}) vs `{}` ({})",
+                x.name, x.op, y.name, y.op
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Graph outputs: the template's gradients once per copy, the second layer's dropped.
+fn deepen_outputs(
+    graph: &pb::Graph,
+    ta: &[usize],
+    tb: &[usize],
+    copies: u32,
+    seen: &HashSet<String>,
+) -> Vec<String> {
+    let made = |nodes: &[usize]| -> HashMap<&str, ()> {
+        nodes
+            .iter()
+            .flat_map(|&i| graph.nodes[i].outputs.iter().map(|v| (v.as_str(), ())))
+            .collect()
+    };
+    let (by_a, by_b) = (made(ta), made(tb));
+    let mut outputs = Vec::new();
+    for v in &graph.outputs {
+        if by_b.contains_key(v.as_str()) {
+            continue;
+        }
+        if by_a.contains_key(v.as_str()) {
+            outputs.extend(
+                (0..copies)
+                    .map(|c| copy_name(v, c))
+                    .filter(|n| seen.contains(n)),
+            );
+        } else {
+            outputs.push(v.clone());
+        }
+    }
+    outputs
+}
+
+/// Collects the new node list and declares each value once, on first sight; a copy `v@c` is
+/// declared like its template `v` (dtype, shape, role).
+struct Builder<'g> {
+    values: &'g HashMap<&'g str, &'g pb::Value>,
+    nodes: Vec<pb::Node>,
+    declared: Vec<pb::Value>,
+    seen: HashSet<String>,
+}
+
+impl Builder<'_> {
+    fn node(
+        &mut self,
+        template: &pb::Node,
+        name: String,
+        inputs: Vec<String>,
+        outputs: Vec<String>,
+        layer: Option<u32>,
+    ) -> Result<(), DeepenError> {
+        for v in inputs.iter().chain(&outputs) {
+            if self.seen.contains(v) {
+                continue;
+            }
+            let base = v.rsplit_once('@').map_or(v.as_str(), |(base, _)| base);
+            let mut value = (*self
+                .values
+                .get(base)
+                .ok_or_else(|| DeepenError::Undeclared(v.clone()))?)
+            .clone();
+            value.name = v.clone();
+            self.declared.push(value);
+            self.seen.insert(v.clone());
+        }
+        self.nodes.push(pb::Node {
+            name,
+            inputs,
+            outputs,
+            layer,
+            ..template.clone()
+        });
+        Ok(())
+    }
+}
