@@ -51,12 +51,11 @@ pub fn deepen(
         .iter()
         .position(|m| m.name == model)
         .ok_or_else(|| DeepenError::UnknownModel(model.to_owned()))?;
-    let in_layer = |n: &pb::Node, l: u32| n.model == model && n.layer == Some(l);
-    let ta: Vec<usize> = (0..graph.nodes.len())
-        .filter(|&i| in_layer(&graph.nodes[i], a))
-        .collect();
+    let layer_of = effective_layers(graph, model);
+    let in_layer = |i: usize, l: u32| layer_of[i] == Some(l);
+    let ta: Vec<usize> = (0..graph.nodes.len()).filter(|&i| in_layer(i, a)).collect();
     let tb: Vec<usize> = (0..graph.nodes.len())
-        .filter(|&i| in_layer(&graph.nodes[i], a + 1))
+        .filter(|&i| in_layer(i, a + 1))
         .collect();
     check_identical(graph, model, a, &ta, &tb)?;
     let values: HashMap<&str, &pb::Value> =
@@ -123,23 +122,31 @@ pub fn deepen(
         }
         v.to_owned()
     };
-    let forward = |i: usize| graph.nodes[i].phase == pb::Phase::Forward as i32;
+    // The forward pass ends at the last forward node: what runs before it (AOTAutograd's
+    // backward-phase `detach` of saved outputs included) repeats with the forward copies.
+    let backward_starts = graph
+        .nodes
+        .iter()
+        .rposition(|n| n.phase == pb::Phase::Forward as i32)
+        .map_or(0, |i| i + 1);
+    let early = |i: usize| i < backward_starts;
     let layer_nodes: HashSet<usize> = ta.iter().chain(&tb).copied().collect();
-    let emit_copies = |out: &mut Builder<'_>, phase_forward: bool| -> Result<(), DeepenError> {
-        let order: Vec<u32> = if phase_forward {
+    let emit_copies = |out: &mut Builder<'_>, forward_pass: bool| -> Result<(), DeepenError> {
+        let order: Vec<u32> = if forward_pass {
             (0..copies).collect()
         } else {
             (0..copies).rev().collect()
         };
         for c in order {
             for (k, &i) in ta.iter().enumerate() {
-                if forward(i) != phase_forward {
+                if early(i) != forward_pass {
                     continue;
                 }
                 let n = &graph.nodes[i];
                 let inputs: Vec<String> = (0..n.inputs.len()).map(|s| input_of(k, s, c)).collect();
                 let outputs: Vec<String> = (0..n.outputs.len()).map(|j| name_of(k, j, c)).collect();
-                out.node(n, copy_name(&n.name, c), inputs, outputs, Some(c + a))?;
+                let layer = n.layer.map(|_| c + a);
+                out.node(n, copy_name(&n.name, c), inputs, outputs, layer)?;
             }
         }
         Ok(())
@@ -148,11 +155,11 @@ pub fn deepen(
     let mut backward_done = false;
     for (i, n) in graph.nodes.iter().enumerate() {
         if layer_nodes.contains(&i) {
-            if i >= first_a && forward(i) && !forward_done {
+            if i >= first_a && early(i) && !forward_done {
                 emit_copies(&mut out, true)?;
                 forward_done = true;
             }
-            if !forward(i) && !backward_done {
+            if !early(i) && !backward_done {
                 emit_copies(&mut out, false)?;
                 backward_done = true;
             }
@@ -176,6 +183,39 @@ pub fn deepen(
     result.outputs = deepen_outputs(graph, &ta, &tb, copies, &out.seen);
     result.models[declared].num_layers = (graph.models[declared].num_layers - 2) + copies;
     Ok(result)
+}
+
+/// The op autograd inserts to sum the gradients of a tensor used twice.
+const ACCUMULATE_OP: &str = "aten.add.Tensor";
+
+/// Each node's layer of `model`, where backward nodes without one (the gradient-accumulation
+/// adds autograd inserts outside any module scope) take the lowest layer among the gradients
+/// they read: summing the gradient that reaches layer `l` from above with the one from inside
+/// `l` is part of `l`'s backward. Forward activations they read do not count.
+fn effective_layers(graph: &pb::Graph, model: &str) -> Vec<Option<u32>> {
+    // Layer of each gradient made in backward.
+    let mut made_in: HashMap<&str, Option<u32>> = HashMap::new();
+    let mut layers = Vec::with_capacity(graph.nodes.len());
+    for n in &graph.nodes {
+        let backward = n.phase == pb::Phase::Backward as i32;
+        let layer = if n.model != model {
+            None
+        } else if n.layer.is_some() || !backward || n.op != ACCUMULATE_OP {
+            n.layer
+        } else {
+            n.inputs
+                .iter()
+                .filter_map(|v| made_in.get(v.as_str()).copied().flatten())
+                .min()
+        };
+        if backward {
+            for v in &n.outputs {
+                made_in.insert(v, layer);
+            }
+        }
+        layers.push(layer);
+    }
+    layers
 }
 
 fn copy_name(name: &str, c: u32) -> String {

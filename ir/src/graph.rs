@@ -315,6 +315,56 @@ impl Graph {
         self.consumers.of(value)
     }
 
+    /// Backward nodes in the order to run them: in graph order, except that backward nodes
+    /// placed before the end of forward (AOTAutograd's `detach` of saved outputs) run just
+    /// before the first later backward node that needs them, or first if none does.
+    pub fn backward_order(&self) -> Vec<NodeId> {
+        let last_forward = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.phase == Phase::Forward)
+            .map(|(id, _)| id)
+            .last();
+        let early = |id: NodeId| last_forward.is_some_and(|f| id < f);
+        // For each early backward node, the first late backward node that needs it.
+        let mut due: Vec<Option<NodeId>> = vec![None; self.nodes.len()];
+        for (id, node) in self.nodes.iter().rev() {
+            if node.phase != Phase::Backward || !early(id) {
+                continue;
+            }
+            due[id.index()] = self
+                .successors(id)
+                .into_iter()
+                .filter(|&c| self.nodes[c].phase == Phase::Backward)
+                .filter_map(|c| if early(c) { due[c.index()] } else { Some(c) })
+                .min();
+        }
+        let mut waiting: Vec<(NodeId, NodeId)> = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| n.phase == Phase::Backward && early(*id))
+            .filter_map(|(id, _)| due[id.index()].map(|d| (d, id)))
+            .collect();
+        waiting.sort_unstable();
+        let mut order: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|(id, n)| n.phase == Phase::Backward && early(*id) && due[id.index()].is_none())
+            .map(|(id, _)| id)
+            .collect();
+        let mut pending = waiting.into_iter().peekable();
+        for (id, node) in self.nodes.iter() {
+            if node.phase != Phase::Backward || early(id) {
+                continue;
+            }
+            while let Some((_, e)) = pending.next_if(|&(d, _)| d == id) {
+                order.push(e);
+            }
+            order.push(id);
+        }
+        order
+    }
+
     /// The nodes that write `value` in place (its schema says `mutates`), in execution order.
     /// Functionalization is off in the exporter, so a later node may read the written tensor
     /// under its old name: data flow alone does not show that it depends on these writes.

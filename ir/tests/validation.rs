@@ -525,3 +525,45 @@ fn consumers_and_producers_agree_with_the_nodes() {
         }
     }
 }
+
+#[test]
+fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
+    // AOTAutograd puts the `detach` of a saved output right after its producer, in forward.
+    let mut g = base();
+    g.values.push(value(
+        "y_det",
+        pb::Dtype::Float32,
+        &[4, 2],
+        pb::Role::Gradient,
+    ));
+    g.values.push(value(
+        "late",
+        pb::Dtype::Float32,
+        &[4, 2],
+        pb::Role::Gradient,
+    ));
+    g.nodes.insert(
+        2,
+        node(
+            "det",
+            "aten.detach.default",
+            &["y"],
+            &["y_det"],
+            pb::Phase::Backward,
+        ),
+    );
+    g.nodes.push(node(
+        "use_det",
+        "aten.mul.Tensor",
+        &["y_det", "grad_y"],
+        &["late"],
+        pb::Phase::Backward,
+    ));
+    let g = Graph::from_wire(g).expect("valid");
+    let order: Vec<&str> = g
+        .backward_order()
+        .into_iter()
+        .map(|id| g.node(id).name.as_str())
+        .collect();
+    assert_eq!(order, ["expand", "t", "mm_bwd", "det", "use_det"]);
+}

@@ -68,8 +68,9 @@ struct Simulator<'g> {
     schedule: Vec<(Stage, NodeId)>,
 }
 
-/// Simulates one training step under the given replays (none: no checkpointing at all).
-pub fn simulate(graph: &Graph, replays: &[Replay]) -> Simulation {
+/// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
+/// the given replays (none: no checkpointing at all).
+pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulation {
     let n = graph.values().len();
     let mut sim = Simulator {
         graph,
@@ -88,11 +89,8 @@ pub fn simulate(graph: &Graph, replays: &[Replay]) -> Simulation {
         }
     }
     let mut pending = replays.iter().peekable();
-    for (id, node) in graph.nodes().iter() {
-        if node.phase != Phase::Backward {
-            continue;
-        }
-        while let Some(replay) = pending.next_if(|r| r.before <= id) {
+    for (at, &id) in order.iter().enumerate() {
+        while let Some(replay) = pending.next_if(|r| r.at <= at) {
             for &r in &replay.nodes {
                 sim.run(Stage::Replay, r);
             }

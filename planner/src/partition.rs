@@ -70,13 +70,17 @@ pub struct Replay {
     pub nodes: Vec<NodeId>,
     /// The first backward node that reads a value this replay produces; it runs just before.
     pub before: NodeId,
+    /// The position of `before` in [`Partition::order`].
+    pub at: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Partition {
+    /// The order backward runs in ([`Graph::backward_order`]).
+    pub order: Vec<NodeId>,
     /// In value order.
     pub saved: Vec<Saved>,
-    /// In schedule order (by `before`, then model and layer).
+    /// In schedule order (by `at`, then model and layer).
     pub replays: Vec<Replay>,
 }
 
@@ -109,15 +113,14 @@ pub fn is_joint(graph: &Graph) -> bool {
 
 /// Partitions a joint graph under `policy`.
 pub fn partition(graph: &Graph, policy: &Policy) -> Partition {
+    let order = graph.backward_order();
     let mut state = Builder::new(graph, policy);
-    for (id, node) in graph.nodes().iter() {
-        if node.phase == Phase::Backward {
-            for &v in &node.inputs {
-                state.need(v, id);
-            }
+    for (at, &id) in order.iter().enumerate() {
+        for &v in &graph.node(id).inputs {
+            state.need(v, at);
         }
     }
-    state.finish()
+    state.finish(order)
 }
 
 /// How a forward value reaches backward.
@@ -137,8 +140,9 @@ struct Builder<'a> {
     policy: &'a Policy,
     source: Vec<Source>,
     in_replay: Vec<bool>,
-    /// Per (model, layer): the first backward node needing that layer's replay.
-    first_use: BTreeMap<(ModelId, u32), NodeId>,
+    /// Per (model, layer): the position (in backward order) of the first node needing that
+    /// layer's replay.
+    first_use: BTreeMap<(ModelId, u32), usize>,
 }
 
 impl<'a> Builder<'a> {
@@ -152,8 +156,9 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// Makes `value` available to backward node `user`: saved if it can be, else replayed.
-    fn need(&mut self, value: ValueId, user: NodeId) {
+    /// Makes `value` available to the backward node at position `user`: saved if it can be,
+    /// else replayed.
+    fn need(&mut self, value: ValueId, user: usize) {
         let mut stack = vec![value];
         while let Some(v) = stack.pop() {
             if self.source[v.index()] == Source::Replayed {
@@ -249,7 +254,7 @@ impl<'a> Builder<'a> {
     }
 
     /// The first backward use of a value produced by replay schedules its layer's replay.
-    fn note_use(&mut self, value: ValueId, user: NodeId) {
+    fn note_use(&mut self, value: ValueId, user: usize) {
         let Some(producer) = self.graph.producer(value) else {
             return;
         };
@@ -261,7 +266,7 @@ impl<'a> Builder<'a> {
         }
     }
 
-    fn finish(self) -> Partition {
+    fn finish(self, order: Vec<NodeId>) -> Partition {
         let saved = self
             .source
             .iter()
@@ -284,15 +289,23 @@ impl<'a> Builder<'a> {
         }
         let mut replays: Vec<Replay> = by_layer
             .into_iter()
-            .map(|((model, layer), nodes)| Replay {
-                model,
-                layer,
-                before: self.first_use[&(model, layer)],
-                nodes,
+            .map(|((model, layer), nodes)| {
+                let at = self.first_use[&(model, layer)];
+                Replay {
+                    model,
+                    layer,
+                    before: order[at],
+                    at,
+                    nodes,
+                }
             })
             .collect();
-        replays.sort_by_key(|r| (r.before, r.model, r.layer));
-        Partition { saved, replays }
+        replays.sort_by_key(|r| (r.at, r.model, r.layer));
+        Partition {
+            order,
+            saved,
+            replays,
+        }
     }
 }
 
@@ -311,11 +324,9 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
         }
     }
     let mut replays = partition.replays.iter().peekable();
-    for (id, node) in graph.nodes().iter() {
-        if node.phase != Phase::Backward {
-            continue;
-        }
-        while let Some(replay) = replays.next_if(|r| r.before <= id) {
+    for (at, &id) in partition.order.iter().enumerate() {
+        let node = graph.node(id);
+        while let Some(replay) = replays.next_if(|r| r.at <= at) {
             verify_replay(graph, policy, replay, &mut resident)?;
         }
         for &v in &node.inputs {

@@ -227,9 +227,13 @@ impl Joint {
         let baseline_policy = policy::apply(graph, &whole_layer, &resolved);
         let full_recompute = checked_partition(graph, &baseline_policy)?;
         Ok(Joint {
-            memory: memory::simulate(graph, &partition.replays),
-            no_checkpoint: memory::simulate(graph, &[]),
-            full_recompute_memory: memory::simulate(graph, &full_recompute.replays),
+            memory: memory::simulate(graph, &partition.order, &partition.replays),
+            no_checkpoint: memory::simulate(graph, &partition.order, &[]),
+            full_recompute_memory: memory::simulate(
+                graph,
+                &full_recompute.order,
+                &full_recompute.replays,
+            ),
             partition,
             full_recompute,
         })

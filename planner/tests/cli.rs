@@ -262,3 +262,142 @@ fn usage_errors_exit_2() {
     let out = planner(&[&"frobnicate"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+fn golden_graph(name: &str) -> PathBuf {
+    repo_root().join(format!("tests/golden/{name}.pb"))
+}
+
+#[test]
+fn plan_writes_every_format_and_the_same_bytes_twice() {
+    let graph = golden_graph("moe_ep2");
+    for format in ["text", "json", "pb", "dot"] {
+        let run = || planner(&[&"plan", &graph, &"--keep", &"all", &"--format", &format]);
+        let (one, two) = (run(), run());
+        assert!(one.status.success(), "{format}: {}", stderr(&one));
+        assert!(!one.stdout.is_empty(), "{format}");
+        assert_eq!(one.stdout, two.stdout, "{format} output is deterministic");
+    }
+    let json = planner(&[&"plan", &graph, &"--format", &"json"]);
+    let plan: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    for key in [
+        "planner_version",
+        "graph",
+        "config",
+        "nodes",
+        "saved",
+        "replay",
+        "units",
+        "memory",
+        "cost",
+        "diagnostics",
+    ] {
+        assert!(plan.get(key).is_some(), "plan JSON lacks `{key}`");
+    }
+    assert_eq!(plan["graph"]["fingerprint"].as_str().unwrap().len(), 32);
+    let dot = planner(&[&"plan", &graph, &"--keep", &"all", &"--format", &"dot"]);
+    let dot = stdout(&dot);
+    assert!(dot.starts_with("digraph"));
+    assert!(dot.contains("#8fd18f"), "kept ops are coloured");
+    assert!(dot.contains("penwidth=3"), "replayed ops are highlighted");
+}
+
+#[test]
+fn diff_exits_1_on_decision_changes_and_reads_json_and_pb() {
+    let graph = golden_graph("moe_ep2");
+    let all = Scratch::empty_path("all.pb");
+    let all_json = Scratch::empty_path("all.json");
+    let none = Scratch::empty_path("none.json");
+    assert!(planner(&[
+        &"plan",
+        &graph,
+        &"--keep",
+        &"all",
+        &"--format",
+        &"pb",
+        &"-o",
+        &all.0
+    ])
+    .status
+    .success());
+    assert!(planner(&[
+        &"plan",
+        &graph,
+        &"--keep",
+        &"all",
+        &"--format",
+        &"json",
+        &"-o",
+        &all_json.0
+    ])
+    .status
+    .success());
+    assert!(
+        planner(&[&"plan", &graph, &"--format", &"json", &"-o", &none.0])
+            .status
+            .success()
+    );
+    let same = planner(&[&"diff", &all.0, &all_json.0]);
+    assert_eq!(same.status.code(), Some(0), "{}", stdout(&same));
+    assert!(stdout(&same).contains("no decision changes"));
+    let changed = planner(&[&"diff", &none.0, &all.0]);
+    assert_eq!(changed.status.code(), Some(1));
+    let report = stdout(&changed);
+    assert!(report.contains("decision changes:"), "{report}");
+    assert!(report.contains("-> save (kept-interval, SAVE_"), "{report}");
+}
+
+#[test]
+fn deny_warnings_exits_3_and_errors_exit_1() {
+    let compiled = golden_graph("moe_ep2_compiled");
+    let out = planner(&[&"plan", &compiled, &"--keep", &"all", &"--deny-warnings"]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let clean = planner(&[&"plan", &golden_graph("dense"), &"--deny-warnings"]);
+    assert_eq!(clean.status.code(), Some(0), "{}", stderr(&clean));
+    let inplace = planner(&[&"plan", &golden_graph("moe_ep2_inplace"), &"--keep", &"all"]);
+    assert_clean_error(
+        &inplace,
+        &["inplace-in-kept-interval", "aten.index_add_", "hint:"],
+    );
+    assert!(inplace.stdout.is_empty(), "a rejected plan is not printed");
+}
+
+#[test]
+fn bad_plan_options_are_errors_before_any_work() {
+    let graph = golden_graph("dense");
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--keep", &"all,save_attn"]),
+        &["not a mix"],
+    );
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--recompute-ratio", &"1.5"]),
+        &["between 0 and 1"],
+    );
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--budget", &"lots"]),
+        &["not a size"],
+    );
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--budget", &"1KiB"]),
+        &["smallest achievable peak"],
+    );
+    let hw = Scratch::new("hw.json", br#"{"hbm_bytes_per_s": -1}"#);
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--hw", &hw.0]),
+        &["hbm_bytes_per_s", "positive"],
+    );
+    let typo = Scratch::new("typo.json", br#"{"hbm_bytes_per_sec": 1}"#);
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--hw", &typo.0]),
+        &["unknown field"],
+    );
+}
+
+#[test]
+fn pareto_draws_the_frontier() {
+    let graph = golden_graph("dense");
+    let table = planner(&[&"pareto", &graph]);
+    assert!(table.status.success(), "{}", stderr(&table));
+    assert!(stdout(&table).contains("pareto frontier for dense"));
+    let svg = planner(&[&"pareto", &graph, &"--format", &"svg"]);
+    assert!(stdout(&svg).starts_with("<svg"));
+}
