@@ -322,9 +322,9 @@ impl Graph {
         let last_forward = self
             .nodes
             .iter()
-            .filter(|(_, n)| n.phase == Phase::Forward)
-            .map(|(id, _)| id)
-            .last();
+            .rev()
+            .find(|(_, n)| n.phase == Phase::Forward)
+            .map(|(id, _)| id);
         let early = |id: NodeId| last_forward.is_some_and(|f| id < f);
         // For each early backward node, the first late backward node that needs it.
         let mut due: Vec<Option<NodeId>> = vec![None; self.nodes.len()];
