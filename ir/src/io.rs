@@ -7,6 +7,7 @@ use std::{
 };
 
 use prost::Message;
+use rayon::prelude::*;
 
 use crate::{error::LoadError, graph::Graph, wire::graph as pb};
 
@@ -68,9 +69,9 @@ pub fn decode(bytes: &[u8], format: Format, path: &Path) -> Result<pb::Graph, Lo
         });
     }
     match format {
-        Format::Protobuf => pb::Graph::decode(bytes).map_err(|e| LoadError::Protobuf {
+        Format::Protobuf => decode_protobuf(bytes).map_err(|reason| LoadError::Protobuf {
             path: path.to_owned(),
-            reason: e.to_string(),
+            reason,
             hint: if looks_like_json(bytes) {
                 "; it looks like JSON: name it `.json`"
             } else {
@@ -82,6 +83,55 @@ pub fn decode(bytes: &[u8], format: Format, path: &Path) -> Result<pb::Graph, Lo
             reason: e.to_string(),
         }),
     }
+}
+
+/// Top-level field numbers of `Graph` decoded in parallel (see `proto/graph.proto`).
+const VALUES_FIELD: u32 = 2;
+const NODES_FIELD: u32 = 3;
+
+/// `pb::Graph::decode`, with the repeated `values` and `nodes` (nearly all of a graph's bytes)
+/// decoded in parallel: the top level is walked once to slice out each element, the remaining
+/// fields are decoded as usual, and element order is kept, so the result is the same message.
+fn decode_protobuf(bytes: &[u8]) -> Result<pb::Graph, String> {
+    use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
+    let mut buf = bytes;
+    let mut values: Vec<&[u8]> = Vec::new();
+    let mut nodes: Vec<&[u8]> = Vec::new();
+    let mut rest: Vec<u8> = Vec::new();
+    while !buf.is_empty() {
+        let start = bytes.len() - buf.len();
+        let (tag, wire_type) = decode_key(&mut buf).map_err(|e| e.to_string())?;
+        if wire_type == WireType::LengthDelimited && (tag == VALUES_FIELD || tag == NODES_FIELD) {
+            let len = decode_varint(&mut buf).map_err(|e| e.to_string())?;
+            let len = match usize::try_from(len) {
+                Ok(len) if len <= buf.len() => len,
+                _ => return Err(format!("field {tag} of length {len} runs past the end")),
+            };
+            let (element, tail) = buf.split_at(len);
+            match tag {
+                VALUES_FIELD => values.push(element),
+                _ => nodes.push(element),
+            }
+            buf = tail;
+        } else {
+            skip_field(wire_type, tag, &mut buf, DecodeContext::default())
+                .map_err(|e| e.to_string())?;
+            rest.extend_from_slice(&bytes[start..bytes.len() - buf.len()]);
+        }
+    }
+    let mut graph = pb::Graph::decode(rest.as_slice()).map_err(|e| e.to_string())?;
+    let (values, nodes) = rayon::join(|| decode_all(&values), || decode_all(&nodes));
+    graph.values = values?;
+    graph.nodes = nodes?;
+    Ok(graph)
+}
+
+/// Decodes each slice as one `M`, in parallel, keeping order.
+fn decode_all<M: Message + Default + Send>(slices: &[&[u8]]) -> Result<Vec<M>, String> {
+    slices
+        .par_iter()
+        .map(|s| M::decode(*s).map_err(|e| e.to_string()))
+        .collect()
 }
 
 fn looks_like_json(bytes: &[u8]) -> bool {

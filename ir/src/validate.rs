@@ -2,6 +2,7 @@
 
 use std::collections::hash_map::Entry;
 
+use rayon::prelude::*;
 use rustc_hash::FxHashMap as HashMap;
 
 use prost::Message;
@@ -39,7 +40,6 @@ impl Graph {
         let value_ids = index_by_name(&values, |v| &v.name, |name| E::DuplicateValue { name })?;
         let model_ids = index_by_name(&models, |m| &m.name, |name| E::DuplicateModel { name })?;
         let nodes = convert_nodes(wire.nodes, &value_ids, &model_ids, &models)?;
-        index_by_name(&nodes, |n| &n.name, |name| E::DuplicateNode { name })?;
         let outputs = wire
             .outputs
             .into_iter()
@@ -47,17 +47,20 @@ impl Graph {
                 Some(&id) => Ok(id),
                 None => Err(E::UnknownGraphOutput { value: name }),
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let producers = producers(&nodes, &values)?;
-        let dag = Dag::build(nodes.values().map(|n| n.inputs.iter().copied()), &producers);
-        if let Some(node) = dag.node_on_cycle() {
-            return Err(E::Cycle {
-                node: nodes[node].name.clone(),
-            });
-        }
-        check_execution_order(&nodes, &values, &producers)?;
-        let consumers = Consumers::build(values.len(), &nodes);
-        let mutators = mutators(&nodes);
+            .collect::<Result<Vec<_>, _>>();
+        // The node-name check runs beside the structure; its error still comes first.
+        let (names, structure) = rayon::join(
+            || index_by_name(&nodes, |n| &n.name, |name| E::DuplicateNode { name }).map(drop),
+            || Structure::build(&nodes, &values),
+        );
+        names?;
+        let outputs = outputs?;
+        let Structure {
+            producers,
+            dag,
+            consumers,
+            mutators,
+        } = structure?;
         Ok(Graph {
             name: wire.name,
             fingerprint,
@@ -78,6 +81,36 @@ impl Graph {
 /// `.json` of one graph agree (R11).
 pub fn fingerprint(canonical_encoding: &[u8]) -> String {
     format!("{:032x}", xxh3_128(canonical_encoding))
+}
+
+/// What is derived from the nodes: producers, the DAG (checked acyclic), the execution order
+/// check, consumers and in-place writers.
+struct Structure {
+    producers: IdVec<ValueId, Option<NodeId>>,
+    dag: Dag,
+    consumers: Consumers,
+    mutators: HashMap<ValueId, Vec<NodeId>>,
+}
+
+impl Structure {
+    fn build(nodes: &IdVec<NodeId, Node>, values: &IdVec<ValueId, Value>) -> Result<Self, E> {
+        let producers = producers(nodes, values)?;
+        let dag = Dag::build(nodes.values().map(|n| n.inputs.iter().copied()), &producers);
+        if let Some(node) = dag.node_on_cycle() {
+            return Err(E::Cycle {
+                node: nodes[node].name.clone(),
+            });
+        }
+        check_execution_order(nodes, values, &producers)?;
+        let (consumers, mutators) =
+            rayon::join(|| Consumers::build(values.len(), nodes), || mutators(nodes));
+        Ok(Structure {
+            producers,
+            dag,
+            consumers,
+            mutators,
+        })
+    }
 }
 
 fn check_counts(wire: &pb::Graph) -> Result<(), E> {
@@ -336,17 +369,23 @@ fn convert_collective(node: &str, code: i32) -> Result<Option<CollectiveKind>, E
     }
 }
 
+/// Converts every node, in parallel; the first error in node order wins, so the message does
+/// not depend on scheduling.
 fn convert_nodes(
     wire: Vec<pb::Node>,
     value_ids: &HashMap<&str, ValueId>,
     model_ids: &HashMap<&str, ModelId>,
     models: &IdVec<ModelId, Model>,
 ) -> Result<IdVec<NodeId, Node>, E> {
-    let mut nodes = IdVec::new();
-    for (index, n) in wire.into_iter().enumerate() {
-        nodes.push(convert_node(index, n, value_ids, model_ids, models)?);
-    }
-    Ok(nodes)
+    let converted: Vec<Result<Node, E>> = wire
+        .into_par_iter()
+        .enumerate()
+        .map(|(index, n)| convert_node(index, n, value_ids, model_ids, models))
+        .collect();
+    converted
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map(IdVec::from_vec)
 }
 
 fn convert_node(

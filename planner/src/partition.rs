@@ -323,11 +323,22 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
             resident[id.index()] = value.role.is_graph_input();
         }
     }
+    // Which replay (numbered from 1) produced each value; 0 for none.
+    let mut produced_by = vec![0u32; graph.values().len()];
+    let mut stamp = 0u32;
     let mut replays = partition.replays.iter().peekable();
     for (at, &id) in partition.order.iter().enumerate() {
         let node = graph.node(id);
         while let Some(replay) = replays.next_if(|r| r.at <= at) {
-            verify_replay(graph, policy, replay, &mut resident)?;
+            stamp += 1;
+            verify_replay(
+                graph,
+                policy,
+                replay,
+                stamp,
+                &mut resident,
+                &mut produced_by,
+            )?;
         }
         for &v in &node.inputs {
             if !resident[v.index()] {
@@ -373,9 +384,12 @@ fn verify_replay(
     graph: &Graph,
     policy: &Policy,
     replay: &Replay,
+    stamp: u32,
     resident: &mut [bool],
+    produced_by: &mut [u32],
 ) -> Result<(), PartitionError> {
-    let mut produced_here = vec![false; graph.values().len()];
+    // `stamp` numbers this replay: no per-replay table to clear.
+    let here = |v: ValueId, produced_by: &[u32]| produced_by[v.index()] == stamp;
     for &id in &replay.nodes {
         let node = graph.node(id);
         match policy.nodes[id] {
@@ -389,19 +403,20 @@ fn verify_replay(
             }
         }
         for &v in &node.inputs {
-            if !resident[v.index()] && !produced_here[v.index()] {
+            let produced_here = here(v, produced_by);
+            if !resident[v.index()] && !produced_here {
                 return Err(PartitionError::ReplayInputUnavailable {
                     node: node.name.clone(),
                     value: graph.value(v).name.clone(),
                 });
             }
-            if produced_here[v.index()] {
+            if produced_here {
                 check_writes_replayed(graph, replay, id, v)?;
             }
         }
         for &p in &node.effects.mutates {
             let written = node.inputs[p];
-            if !produced_here[written.index()] {
+            if !here(written, produced_by) {
                 return Err(PartitionError::ReplayMutatesOutside {
                     node: node.name.clone(),
                     value: graph.value(written).name.clone(),
@@ -409,11 +424,13 @@ fn verify_replay(
             }
         }
         for &v in &node.outputs {
-            produced_here[v.index()] = true;
+            produced_by[v.index()] = stamp;
         }
     }
-    for (i, produced) in produced_here.into_iter().enumerate() {
-        resident[i] |= produced;
+    for &id in &replay.nodes {
+        for &v in &graph.node(id).outputs {
+            resident[v.index()] = true;
+        }
     }
     Ok(())
 }

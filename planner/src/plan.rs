@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use ir::{Graph, NodeId};
+use ir::{EntityId, Graph, NodeId};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -216,26 +217,38 @@ struct Joint {
 }
 
 impl Joint {
+    /// The plan's partition and simulations beside the whole-layer baseline's, in parallel.
     fn analyse(graph: &Graph, policy: &Policy) -> Result<Joint, PlanError> {
-        let partition = checked_partition(graph, policy)?;
-        let whole_layer = PlanConfig {
-            keep: Keep::Nothing,
-            recompute_ratio: 1.0,
-            collectives: Collectives::Recompute,
-        };
-        let resolved = config::resolve(graph, &whole_layer)?;
-        let baseline_policy = policy::apply(graph, &whole_layer, &resolved);
-        let full_recompute = checked_partition(graph, &baseline_policy)?;
+        let (mine, baseline) = rayon::join(
+            || -> Result<_, PlanError> {
+                let partition = checked_partition(graph, policy)?;
+                let (memory, no_checkpoint) = rayon::join(
+                    || memory::simulate(graph, &partition.order, &partition.replays),
+                    || memory::simulate(graph, &partition.order, &[]),
+                );
+                Ok((partition, memory, no_checkpoint))
+            },
+            || -> Result<_, PlanError> {
+                let whole_layer = PlanConfig {
+                    keep: Keep::Nothing,
+                    recompute_ratio: 1.0,
+                    collectives: Collectives::Recompute,
+                };
+                let resolved = config::resolve(graph, &whole_layer)?;
+                let baseline_policy = policy::apply(graph, &whole_layer, &resolved);
+                let partition = checked_partition(graph, &baseline_policy)?;
+                let memory = memory::simulate(graph, &partition.order, &partition.replays);
+                Ok((partition, memory))
+            },
+        );
+        let (partition, memory, no_checkpoint) = mine?;
+        let (full_recompute, full_recompute_memory) = baseline?;
         Ok(Joint {
-            memory: memory::simulate(graph, &partition.order, &partition.replays),
-            no_checkpoint: memory::simulate(graph, &partition.order, &[]),
-            full_recompute_memory: memory::simulate(
-                graph,
-                &full_recompute.order,
-                &full_recompute.replays,
-            ),
             partition,
+            memory,
+            no_checkpoint,
             full_recompute,
+            full_recompute_memory,
         })
     }
 }
@@ -344,11 +357,13 @@ fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
         })
 }
 
+/// One document per forward node, built in parallel (in node order).
 fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
-    graph
-        .nodes()
-        .iter()
-        .filter_map(|(id, node)| {
+    (0..graph.nodes().len())
+        .into_par_iter()
+        .map(NodeId::from_index)
+        .filter_map(|id| {
+            let node = graph.node(id);
             let p = policy.nodes[id]?;
             let model = graph.model(node.model);
             Some(NodeDoc {
