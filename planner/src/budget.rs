@@ -24,9 +24,9 @@
 //! alone was up to 61% slower than the optimum found by brute force, and with the local search
 //! 0%. The local search stops at a local optimum, so the gap is not bounded in general.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
-use ir::{Graph, ModelId, Phase};
+use ir::{Graph, ModelId, NodeId, Phase};
 
 use crate::{
     config::{self, Keep, PlanConfig, Resolved},
@@ -293,6 +293,111 @@ impl<'g> Search<'g> {
             break;
         }
         Ok(plan)
+    }
+}
+
+impl Search<'_> {
+    /// `--granularity op`: refines the unit-level answer for `budget` by also keeping single
+    /// replayed ops, best replay-seconds-per-byte first.
+    ///
+    /// Candidates are the ops the unit-level plan replays that can be kept (eager, not
+    /// mutable, not a view, marker or collective, output never written in place), ranked by
+    /// their own replay time over their output bytes. The longest prefix of that ranking whose
+    /// exact simulated peak fits is found by binary search (about log2(candidates) plans).
+    /// Optimality gap: greedy by ratio is the fractional-knapsack optimum up to the last item,
+    /// but an op's own replay time is only an estimate of what keeping it saves (its inputs may
+    /// still replay for other consumers, or stop replaying too), and the binary search assumes
+    /// the peak grows with the prefix.
+    pub fn within_ops(&self, budget: u64) -> Result<Plan, BudgetError> {
+        let units = self.within(budget)?;
+        let layer_units = self.layer_units_of(&units);
+        let by_name: HashMap<&str, NodeId> = self
+            .graph
+            .nodes()
+            .iter()
+            .map(|(id, n)| (n.name.as_str(), id))
+            .collect();
+        let mut ranked: Vec<(f64, NodeId)> = units
+            .replay
+            .iter()
+            .flat_map(|r| &r.nodes)
+            .filter_map(|name| by_name.get(name.as_str()).copied())
+            .filter(|&id| self.keepable(id))
+            .map(|id| {
+                let bytes = self
+                    .graph
+                    .node(id)
+                    .outputs
+                    .iter()
+                    .map(|&v| self.graph.value(v).bytes)
+                    .sum::<u64>();
+                (
+                    self.hw.node_seconds(self.graph, id) / bytes.max(1) as f64,
+                    id,
+                )
+            })
+            .collect();
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let plan_with = |k: usize| -> Result<Plan, BudgetError> {
+            let chosen = ranked[..k].iter().map(|&(_, id)| id).collect();
+            let resolved = self
+                .resolved
+                .clone()
+                .with_layer_units(layer_units.clone())
+                .with_chosen_ops(chosen);
+            Ok(plan::plan_resolved(
+                self.graph, &self.base, resolved, self.hw,
+            )?)
+        };
+        let fits = |p: &Plan| p.memory.peak_bytes.unwrap_or(0) <= budget;
+        let (mut lo, mut hi) = (0usize, ranked.len());
+        let mut best = units;
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            let plan = plan_with(mid)?;
+            if fits(&plan) {
+                if is_better(&plan, Some(&best)) {
+                    best = plan;
+                }
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok(best)
+    }
+
+    /// The per-layer unit choice a plan records, back as unit indices.
+    fn layer_units_of(&self, plan: &Plan) -> BTreeMap<(ModelId, u32), Vec<usize>> {
+        plan.config
+            .layer_keep
+            .iter()
+            .filter_map(|l| {
+                let model = self.graph.model_by_name(&l.model)?;
+                let units = &self.graph.model(model).units;
+                let kept = l
+                    .keep
+                    .iter()
+                    .filter_map(|k| units.iter().position(|u| &u.name == k))
+                    .collect();
+                Some(((model, l.layer), kept))
+            })
+            .collect()
+    }
+
+    /// Whether the policy can keep `id` on its own.
+    fn keepable(&self, id: NodeId) -> bool {
+        let node = self.graph.node(id);
+        node.compiled_region.is_none()
+            && node.marker.is_none()
+            && !node.effects.is_mutable()
+            && node.effects.view_of.is_none()
+            && node.effects.collective.is_none()
+            && !node.is_device_to_host_copy()
+            && node
+                .outputs
+                .iter()
+                .all(|&v| self.graph.mutators(v).is_empty())
     }
 }
 

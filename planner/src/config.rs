@@ -1,9 +1,12 @@
 //! What the user asked for (R1–R3, R5), resolved against the graph's models before any
 //! planning work.
 
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+};
 
-use ir::{Graph, IdVec, ModelId};
+use ir::{Graph, IdVec, ModelId, NodeId};
 use thiserror::Error;
 
 /// `--keep`: tri-state (R2).
@@ -151,6 +154,8 @@ pub struct Resolved {
     pub layer_units: BTreeMap<(ModelId, u32), Vec<usize>>,
     /// Per model, layers `< checkpointed_layers` are checkpointed.
     pub checkpointed_layers: IdVec<ModelId, u32>,
+    /// Single ops the budget solver keeps (`--granularity op`), interval or not.
+    pub chosen_ops: BTreeSet<NodeId>,
 }
 
 impl Resolved {
@@ -168,6 +173,12 @@ impl Resolved {
     /// Replaces the kept units of single layers.
     pub fn with_layer_units(mut self, layer_units: BTreeMap<(ModelId, u32), Vec<usize>>) -> Self {
         self.layer_units = layer_units;
+        self
+    }
+
+    /// Keeps these ops too, wherever they are (when eligible: eager, not mutable, ...).
+    pub fn with_chosen_ops(mut self, chosen_ops: BTreeSet<NodeId>) -> Self {
+        self.chosen_ops = chosen_ops;
         self
     }
 
@@ -226,6 +237,7 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
         kept_units,
         layer_units: BTreeMap::new(),
         checkpointed_layers,
+        chosen_ops: BTreeSet::new(),
     })
 }
 

@@ -86,6 +86,15 @@ struct PlanArgs {
     /// (e.g. `40GiB`); replaces --keep
     #[arg(long, value_name = "SIZE", conflicts_with = "keep")]
     budget: Option<String>,
+    /// With --budget: choose whole units per layer, or also single ops
+    #[arg(long, value_enum, default_value_t = Granularity::Unit, requires = "budget")]
+    granularity: Granularity,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Granularity {
+    Unit,
+    Op,
 }
 
 #[derive(clap::Args)]
@@ -196,8 +205,12 @@ fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
     let plan = match budget {
         Some(bytes) => {
-            let mut plan =
-                budget::plan_within(&graph, &config, &hw, bytes).map_err(|e| e.to_string())?;
+            let search = budget::Search::new(&graph, &config, &hw).map_err(|e| e.to_string())?;
+            let mut plan = match args.granularity {
+                Granularity::Unit => search.within(bytes),
+                Granularity::Op => search.within_ops(bytes),
+            }
+            .map_err(|e| e.to_string())?;
             plan.config.budget_bytes = Some(bytes);
             plan
         }

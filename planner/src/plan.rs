@@ -155,7 +155,31 @@ pub enum PlanError {
     Partition(#[from] PartitionError),
 }
 
+/// A plan used with a graph it was not made for (R11).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("the plan was made for graph `{plan_graph}` ({plan_fingerprint}), not for `{graph}` ({fingerprint}): re-plan this graph")]
+pub struct GraphMismatch {
+    pub plan_graph: String,
+    pub plan_fingerprint: String,
+    pub graph: String,
+    pub fingerprint: String,
+}
+
 impl Plan {
+    /// R11: a plan applies only to the graph whose fingerprint it carries; consumers (the
+    /// runtime, the torch integrations) call this before using it.
+    pub fn check_graph(&self, graph: &Graph) -> Result<(), GraphMismatch> {
+        if self.graph.fingerprint == graph.fingerprint() {
+            return Ok(());
+        }
+        Err(GraphMismatch {
+            plan_graph: self.graph.name.clone(),
+            plan_fingerprint: self.graph.fingerprint.clone(),
+            graph: graph.name().to_owned(),
+            fingerprint: graph.fingerprint().to_owned(),
+        })
+    }
+
     pub fn has_errors(&self) -> bool {
         self.diagnostics
             .iter()

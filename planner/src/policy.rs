@@ -49,6 +49,8 @@ pub enum Reason {
     Marker,
     /// A view: recomputed from its saved base, never saved on its own (R8).
     View,
+    /// Kept on its own by the budget solver (`--granularity op`).
+    ChosenOp,
     /// Its layer is not selected by `--recompute-ratio` (R3).
     LayerNotCheckpointed,
     /// Outside any decoder layer (embedding, head, loss).
@@ -66,6 +68,7 @@ impl Reason {
             Reason::Compiled => "compiled",
             Reason::Marker => "marker",
             Reason::View => "view",
+            Reason::ChosenOp => "chosen-op",
             Reason::LayerNotCheckpointed => "layer-not-checkpointed",
             Reason::OutsideLayers => "outside-layers",
         }
@@ -201,6 +204,8 @@ struct Session<'a, 'g> {
     /// compiled regions its markers were found in.
     fired: BTreeSet<usize>,
     compiled_markers: BTreeMap<usize, BTreeSet<String>>,
+    /// Ops the budget solver keeps one by one.
+    chosen: &'a BTreeSet<NodeId>,
     findings: &'a mut Findings,
 }
 
@@ -208,7 +213,7 @@ impl<'a, 'g> Session<'a, 'g> {
     fn new(
         graph: &'g Graph,
         config: &'a PlanConfig,
-        resolved: &Resolved,
+        resolved: &'a Resolved,
         site: Site,
         findings: &'a mut Findings,
     ) -> Self {
@@ -233,6 +238,7 @@ impl<'a, 'g> Session<'a, 'g> {
             open,
             fired: BTreeSet::new(),
             compiled_markers: BTreeMap::new(),
+            chosen: &resolved.chosen_ops,
             findings,
         }
     }
@@ -249,7 +255,8 @@ impl<'a, 'g> Session<'a, 'g> {
             return recompute(reason, None);
         }
         let unit = self.open_unit();
-        if unit.is_none() && !self.saves_as_collective(node) {
+        let chosen = self.chosen.contains(&id);
+        if unit.is_none() && !chosen && !self.saves_as_collective(node) {
             // A compiled op is out of the policy's reach, interval or not (R6).
             let reason = match node.compiled_region {
                 Some(_) => Reason::Compiled,
@@ -257,7 +264,10 @@ impl<'a, 'g> Session<'a, 'g> {
             };
             return recompute(reason, None);
         }
-        let policy = self.classify(node, unit);
+        let mut policy = self.classify(node, unit);
+        if chosen && unit.is_none() && policy.reason == Reason::KeptInterval {
+            policy.reason = Reason::ChosenOp;
+        }
         if policy.decision == Decision::Save {
             for &v in &node.outputs {
                 kept_alias[v] = true;

@@ -173,3 +173,21 @@ fn m3_the_heuristic_for_large_searches_fits_and_never_loses_to_keeping_nothing()
     );
     assert!(worst_gap < 0.1, "gap {worst_gap}");
 }
+
+#[test]
+fn m3_op_granularity_fits_and_never_loses_to_unit_granularity() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    let ceiling = brute_force(&graph, &hw).iter().map(|o| o.0).max().unwrap();
+    let mut chose_ops = false;
+    for step in 0..=8 {
+        let budget = search.floor() + (ceiling - search.floor()) * step / 8;
+        let units = search.within(budget).unwrap();
+        let ops = search.within_ops(budget).unwrap();
+        assert!(ops.memory.peak_bytes.unwrap() <= budget);
+        assert!(ops.cost.replay_time_s <= units.cost.replay_time_s);
+        chose_ops |= ops.nodes.iter().any(|n| n.reason == "chosen-op");
+    }
+    assert!(chose_ops, "some budget leaves room for single ops");
+}

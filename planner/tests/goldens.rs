@@ -284,4 +284,11 @@ fn r11_pb_and_json_of_a_golden_share_a_fingerprint_and_a_plan_is_deterministic()
     let a = planner::render::protobuf(&run(&g, &config));
     let b = planner::render::protobuf(&run(&golden("glm_dsa_ep2"), &config));
     assert_eq!(a, b);
+    let p = run(&g, &config);
+    assert!(p.check_graph(&g).is_ok());
+    let other = golden("glm_dsa_ep2_compiled");
+    let err = p
+        .check_graph(&other)
+        .expect_err("a plan for another graph is refused");
+    assert!(err.to_string().contains("re-plan"), "{err}");
 }

@@ -173,7 +173,9 @@ class CheckpointedLayer(nn.Module):
 
     def forward(self, *args):
         kwargs = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(
+            self.inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
+        )
 
 
 def checkpoint_layers(model: nn.Module, context_fn: Callable | None = None) -> nn.Module:
