@@ -38,13 +38,8 @@ fn deep() -> Graph {
         }
     }
     b.layer(None);
-    let t = b.tangent("t");
-    b.backward();
-    let mut g = t;
-    for r in reads.iter().rev() {
-        g = b.node("aten.mul.Tensor", &[r, &g]).1;
-    }
-    b.output(&g);
+    reads.reverse();
+    b.backward_through("t", &reads);
     b.build()
 }
 

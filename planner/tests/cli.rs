@@ -1,6 +1,8 @@
 //! The `planner` binary end to end: `inspect` and `convert` on the shipped fixture, and every
 //! kind of malformed file exits 1 with one `error: ...` line naming the problem, never a panic.
 
+mod support;
+
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -45,27 +47,8 @@ fn check_golden(name: &str, actual: &str) {
         expected == actual,
         "{} differs from the output (re-bless with UPDATE_GOLDEN=1 after checking the change):\n{}",
         path.display(),
-        line_diff(&expected, actual)
+        support::line_diff(&expected, actual)
     );
-}
-
-fn line_diff(expected: &str, actual: &str) -> String {
-    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
-    let mut diff = String::new();
-    for i in 0..e.len().max(a.len()) {
-        match (e.get(i), a.get(i)) {
-            (Some(x), Some(y)) if x == y => {}
-            (x, y) => {
-                diff += &format!(
-                    "line {}:\n- {}\n+ {}\n",
-                    i + 1,
-                    x.unwrap_or(&""),
-                    y.unwrap_or(&"")
-                );
-            }
-        }
-    }
-    diff
 }
 
 /// A scratch file that is removed when dropped.

@@ -14,6 +14,8 @@
 //! A mismatch prints a line diff; `UPDATE_GOLDEN=1 cargo test --test golden_plans` rewrites the
 //! expected part after reading the diff.
 
+mod support;
+
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -74,25 +76,6 @@ fn actual(case: &Case) -> String {
     text
 }
 
-fn line_diff(expected: &str, actual: &str) -> String {
-    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
-    let mut diff = String::new();
-    for i in 0..e.len().max(a.len()) {
-        match (e.get(i), a.get(i)) {
-            (Some(x), Some(y)) if x == y => {}
-            (x, y) => {
-                diff += &format!(
-                    "  line {}:\n  - {}\n  + {}\n",
-                    i + 1,
-                    x.unwrap_or(&""),
-                    y.unwrap_or(&"")
-                );
-            }
-        }
-    }
-    diff
-}
-
 #[test]
 fn golden_plans() {
     let dir = repo_root().join("tests/golden/plans");
@@ -121,7 +104,7 @@ fn golden_plans() {
             failures.push(format!(
                 "{}:\n{}",
                 case.path.display(),
-                line_diff(&case.expected, &actual)
+                support::line_diff(&case.expected, &actual)
             ));
         }
     }

@@ -49,13 +49,7 @@ fn codes(plan: &Plan) -> Vec<(&str, Option<&str>)> {
 
 /// Backward reads every value in `reads` (plus the tangent), one node each.
 fn backward(b: &mut Builder, reads: &[&str]) {
-    let t = b.tangent("tangent");
-    b.backward();
-    let mut grad = t;
-    for r in reads {
-        grad = b.node("aten.mul.Tensor", &[r, &grad]).1;
-    }
-    b.output(&grad);
+    b.backward_through("tangent", reads);
 }
 
 /// Layer `l`: x -> sin -> [attn.begin] -> sin(a) -> cos(b) -> [attn.end] -> sin(c) = out.

@@ -1,4 +1,5 @@
-//! A small builder of valid joint graphs for rule tests and property tests.
+//! A small builder of valid joint graphs for rule tests and property tests, and the line diff
+//! the golden tests print.
 #![allow(dead_code)]
 
 use ir::{
@@ -167,6 +168,17 @@ impl Builder {
         out
     }
 
+    /// Backward from tangent `tangent`: one `mul` per value in `reads`, in that order, each
+    /// reading it and the running gradient; the last gradient is the graph output.
+    pub fn backward_through<S: AsRef<str>>(&mut self, tangent: &str, reads: &[S]) {
+        let mut grad = self.tangent(tangent);
+        self.backward();
+        for r in reads {
+            grad = self.node("aten.mul.Tensor", &[r.as_ref(), &grad]).1;
+        }
+        self.output(&grad);
+    }
+
     pub fn output(&mut self, value: &str) {
         self.graph.outputs.push(value.to_owned());
     }
@@ -178,4 +190,24 @@ impl Builder {
     pub fn build(&self) -> Graph {
         Graph::from_wire(self.graph.clone()).expect("the builder makes valid graphs")
     }
+}
+
+/// The lines that differ between `expected` and `actual`, for a golden mismatch.
+pub fn line_diff(expected: &str, actual: &str) -> String {
+    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
+    let mut diff = String::new();
+    for i in 0..e.len().max(a.len()) {
+        match (e.get(i), a.get(i)) {
+            (Some(x), Some(y)) if x == y => {}
+            (x, y) => {
+                diff += &format!(
+                    "  line {}:\n  - {}\n  + {}\n",
+                    i + 1,
+                    x.unwrap_or(&""),
+                    y.unwrap_or(&"")
+                );
+            }
+        }
+    }
+    diff
 }
