@@ -14,6 +14,10 @@ use planner::{
     plan::plan,
 };
 
+/// The same allocator as the `planner` binary.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)

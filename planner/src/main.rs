@@ -5,6 +5,11 @@
 use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+/// Loading and planning allocate millions of small strings and vectors: mimalloc does that
+/// faster than the system allocator, above all across threads.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use planner::{
     budget,
     config::{self, Collectives, Keep, PlanConfig},

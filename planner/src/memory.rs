@@ -141,18 +141,23 @@ impl Simulator<'_> {
                 self.storages[s as usize].last = step;
             }
         }
-        let alias = alias_input(node).and_then(|p| self.read(stage, node.inputs[p]));
+        let alias_pos = alias_input(node);
+        let alias = alias_pos.and_then(|p| self.read(stage, node.inputs[p]));
+        // A view op's outputs all alias its base (`unbind`, `split`); an in-place op's first.
+        let all_alias = node.effects.view_of.is_some();
         for (k, &v) in node.outputs.iter().enumerate() {
-            let storage = match alias.filter(|_| k == 0) {
-                Some(s) => s,
-                None => self.new_storage(self.graph.value(v).bytes, step),
+            let storage = match alias_pos {
+                // `alias` is None when the base is a parameter (no storage): the view is
+                // resident memory too, counted in `parameter_bytes`.
+                Some(_) if k == 0 || all_alias => alias,
+                _ => Some(self.new_storage(self.graph.value(v).bytes, step)),
             };
             let slot = match stage {
                 Stage::Forward => &mut self.inst.forward,
                 Stage::Replay => &mut self.inst.replayed,
                 Stage::Backward => &mut self.inst.backward,
             };
-            slot[v.index()] = Some(storage);
+            slot[v.index()] = storage;
         }
     }
 

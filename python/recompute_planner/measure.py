@@ -1,140 +1,212 @@
-"""Measured activation memory of one eager training step on CPU (checks the planner's M1).
+"""Measured activation memory of one eager training step on CPU, to check the planner's M1.
 
-The planner predicts the peak of live bytes during one step, parameters excluded (SPEC §5 M1).
-This module runs the same step in eager PyTorch on CPU and measures that quantity from the
-allocator itself: ``torch.profiler`` with ``profile_memory=True`` reports every CPU allocation
-and free with its pointer and size (the CPU allocator does not cache, so they are real), and the
-running sum of those events from the start of the step is exactly "bytes allocated by the step
-and still alive". Parameters (and the caller's inputs) are allocated before the step and are
-therefore not in the sum; the inputs are added back because the planner counts them.
+The planner predicts the peak of live bytes during one training step, parameters excluded
+(SPEC §5 M1, `planner/src/memory.rs`). This module runs the same step eagerly on CPU and
+measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
+reports every CPU allocation and free with its pointer and size. The CPU allocator does not
+cache, so the events are real ``malloc``/``free`` of tensor storages, and their running sum from
+the start of the step is exactly the bytes the step allocated and still holds. Parameters are
+allocated before the step, so they never enter the sum, nor does anything else the caller
+already held; the step's inputs are added back because the planner counts them (graph inputs
+that are not parameters are live from the first step).
 
-The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)`` then
-``torch.autograd.grad(loss, params)``, which returns fresh gradients (no ``.grad``
-accumulation). The loss and the gradients stay referenced to the end, as the planner keeps
-graph outputs alive to the end.
+The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
+``torch.autograd.grad(loss, params)``, which returns fresh gradients and leaves ``.grad``
+alone (no accumulation into existing buffers). The loss and the gradients are held to the end,
+as the planner keeps graph outputs alive to the end; the backward seed (``ones_like(loss)``,
+the graph's tangent) is allocated inside the step.
+
+Three of the plan's numbers have an eager counterpart (``measure_golden``):
+
+- ``NO_CHECKPOINT`` (plan key ``no_checkpoint_peak_bytes``): the plain step;
+- ``WHOLE_LAYER`` (``full_recompute_peak_bytes``): every layer (what each ``layer_scope``
+  encloses: a decoder layer, the MTP layer) under non-reentrant ``torch.utils.checkpoint``;
+- ``SELECTIVE`` (``peak_bytes`` of a plan): the same checkpoints with a selective-checkpoint
+  policy that saves the ops whose outputs the plan saves (``saved_ops``; saving every op the
+  plan keeps would also hold outputs nothing after forward reads).
+
+Checkpoints run with ``preserve_rng_state=False``: the zoo has no random ops, and the CPU
+generator state torch would stash per layer (5056 bytes, host memory on a GPU) is not an
+activation.
+
+Measurement details that keep the numbers deterministic: one intra-op thread while measuring
+(some kernels size their scratch buffers by thread count), one warm-up step first (lazy
+initialisation allocates once), the global RNG seeded inside a fork around the steps, and
+frees of blocks allocated before the step ignored (an earlier step's leftovers, such as the
+output of a functional collective nobody waited on, may be released during this one).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.checkpoint import checkpoint
 
+# The planner baselines measured here, with the plan's `memory` key each one predicts.
+NO_CHECKPOINT = "no_checkpoint"
+WHOLE_LAYER = "whole_layer"
+BASELINE_KEYS = {
+    NO_CHECKPOINT: "no_checkpoint_peak_bytes",
+    WHOLE_LAYER: "full_recompute_peak_bytes",
+}
+# A plan's own keep policy (plan key `peak_bytes`), run as eager selective checkpointing.
+SELECTIVE = "selective"
+
+# Stages of the step, as `record_function` ranges around the two halves.
 FORWARD = "forward"
 BACKWARD = "backward"
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """One allocator event: ``nbytes`` > 0 allocates, < 0 frees the block at ``ptr``."""
+    """One allocator event: ``nbytes`` > 0 allocates the block at ``ptr``, < 0 frees it."""
 
-    time_ns: int
     ptr: int
     nbytes: int
-    op: str  # outermost aten op (or autograd node) running when it happened; "" if none
-    inner_op: str  # innermost op
+    op: str  # outermost aten op running (else the innermost range, e.g. an autograd node)
+    inner_op: str  # innermost op running ("" outside every op)
     stage: str  # FORWARD or BACKWARD ("" outside both)
 
 
 @dataclass
 class MemoryTrace:
-    """The allocator events of one step, in time order."""
+    """The CPU allocator events of one step, in time order."""
 
     events: list[Allocation]
 
     def running(self) -> list[int]:
+        """Bytes held after each event, relative to the start of the trace."""
         out, live = [], 0
-        for e in self.events:
-            live += e.nbytes
+        for event in self.events:
+            live += event.nbytes
             out.append(live)
         return out
 
     def peak(self) -> tuple[int, int]:
-        """(largest running sum, index of the event reaching it first); (0, -1) if empty."""
+        """(largest running sum, index of the first event reaching it); (0, -1) if empty."""
         best, at = 0, -1
-        for i, live in enumerate(self.running()):
+        for index, live in enumerate(self.running()):
             if live > best:
-                best, at = live, i
+                best, at = live, index
         return best, at
 
     def live_at(self, index: int) -> list[Allocation]:
-        """The allocations made up to event ``index`` (inclusive) and not freed by then."""
+        """The allocations made up to event ``index`` (inclusive) and not yet freed."""
         live: dict[int, Allocation] = {}
-        for e in self.events[: index + 1]:
-            if e.nbytes > 0:
-                live[e.ptr] = e
+        for event in self.events[: index + 1]:
+            if event.nbytes > 0:
+                live[event.ptr] = event
             else:
-                live.pop(e.ptr, None)
+                live.pop(event.ptr, None)
         return list(live.values())
 
 
 @dataclass
 class StepMemory:
-    """What one measured step held at its peak."""
+    """One measured step: its peak and where it happened."""
 
-    peak_bytes: int  # running peak of the step's allocations + the inputs
-    input_bytes: int
-    result_bytes: int  # loss + gradients alive at the end
+    peak_bytes: int  # largest running sum of the step's allocations, plus the inputs
+    input_bytes: int  # the step's inputs, held by the caller throughout
+    output_bytes: int  # the loss and the gradients, alive at the end
+    peak_stage: str
+    peak_op: str
     trace: MemoryTrace = field(repr=False)
-    peak_stage: str = ""
-    peak_op: str = ""
+
+    def peak_breakdown(self, top: int = 12) -> list[tuple[str, str, int, int]]:
+        """The largest groups of live allocations at the peak: (stage, op, bytes, count)."""
+        _, at = self.trace.peak()
+        groups: Counter[tuple[str, str]] = Counter()
+        counts: Counter[tuple[str, str]] = Counter()
+        for a in self.trace.live_at(at):
+            groups[(a.stage, a.op)] += a.nbytes
+            counts[(a.stage, a.op)] += 1
+        return [(s, o, b, counts[(s, o)]) for (s, o), b in groups.most_common(top)]
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
     return t.element_size() * t.numel()
 
 
 def trace_allocations(fn: Callable[[], Any]) -> tuple[MemoryTrace, Any]:
-    """Runs ``fn`` under the CPU memory profiler; returns its allocator events and result."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events: list[Allocation] = []
+    """Runs ``fn`` under the CPU memory profiler; returns its allocator events and result.
+
+    Events are attributed to the ops running when they happen (the profiler's event tree) and
+    to the ``FORWARD`` / ``BACKWARD`` ranges ``fn`` may open.
+    """
     from torch._C._profiler import _EventType
 
-    def walk(node, ops: tuple[str, ...], stage: str) -> None:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    timed: list[tuple[int, Allocation]] = []
+
+    def walk(node: Any, ops: tuple[str, ...], stage: str) -> None:
         if node.tag == _EventType.Allocation:
-            f = node.extra_fields
-            if f.device.type == "cpu":
-                outer = next((o for o in ops if o.startswith("aten::")), ops[0] if ops else "")
-                events.append(
-                    Allocation(
-                        node.start_time_ns,
-                        f.ptr,
-                        f.alloc_size,
-                        outer,
-                        ops[-1] if ops else "",
-                        stage,
-                    )
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                outer = next((o for o in ops if o.startswith("aten::")), ops[-1] if ops else "")
+                event = Allocation(
+                    fields.ptr, fields.alloc_size, outer, ops[-1] if ops else "", stage
                 )
+                timed.append((node.start_time_ns, event))
             return
-        name = node.name
-        if name in (FORWARD, BACKWARD):
-            stage = name
-        elif node.tag in (_EventType.TorchOp,):
-            ops = ops + (name,)
+        if node.name in (FORWARD, BACKWARD):
+            stage = node.name
+        else:
+            ops = ops + (node.name,)
         for child in node.children:
             walk(child, ops, stage)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root, (), "")
-    events.sort(key=lambda e: e.time_ns)
-    return MemoryTrace(events), result
+    # A stable sort: events of one thread come out of the tree in order already.
+    timed.sort(key=lambda item: item[0])
+    return MemoryTrace(_own_events(event for _, event in timed)), result
+
+
+def _own_events(events: Iterable[Allocation]) -> list[Allocation]:
+    """Drops frees of blocks allocated before the trace: they are not the step's bytes.
+
+    A previous step can leave tensors behind that this one releases (an unwaited functional
+    collective's output, held by funcol's work registry until a later call cleans it up);
+    counting their frees would lower the running sum below what the step holds.
+    """
+    live: set[int] = set()
+    own = []
+    for event in events:
+        if event.nbytes > 0:
+            live.add(event.ptr)
+        elif event.ptr in live:
+            live.discard(event.ptr)
+        else:
+            continue
+        own.append(event)
+    return own
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One intra-op thread for the block (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def training_step(
-    module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 0
+    module: nn.Module, inputs: tuple[torch.Tensor, ...]
 ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-    """The exporter's eager step: loss, then gradients of every parameter via autograd.grad."""
+    """The exporter's eager step: the loss, then every parameter's gradient (autograd.grad)."""
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def step():
+    def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         with record_function(FORWARD):
             loss = module(*inputs)
         with record_function(BACKWARD):
@@ -144,44 +216,226 @@ def training_step(
     return step
 
 
-def measure_step(module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 0) -> StepMemory:
+def measure_training_step(
+    module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 0
+) -> StepMemory:
+    """Peak bytes (parameters excluded, inputs included) of one eager training step.
+
+    The global RNG is seeded with ``seed`` inside a fork, as the exporter does; the fork's
+    state copies are made outside the measured step.
+    """
     step = training_step(module, inputs)
-    torch.manual_seed(seed)
-    step()  # warm-up: lazily initialised kernels and globals allocate on the first call only
-    torch.manual_seed(seed)
-    trace, (loss, grads) = trace_allocations(step)
+    with single_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        step()  # warm-up
+        torch.manual_seed(seed)
+        trace, (loss, grads) = trace_allocations(step)
     peak, at = trace.peak()
-    input_bytes = sum(_tensor_bytes(t) for t in inputs)
-    ev = trace.events[at] if at >= 0 else None
+    input_bytes = sum(tensor_bytes(t) for t in inputs)
+    event = trace.events[at] if at >= 0 else None
     return StepMemory(
         peak_bytes=peak + input_bytes,
         input_bytes=input_bytes,
-        result_bytes=_tensor_bytes(loss) + sum(_tensor_bytes(g) for g in grads),
+        output_bytes=tensor_bytes(loss) + sum(tensor_bytes(g) for g in grads),
+        peak_stage=event.stage if event else "",
+        peak_op=event.op if event else "",
         trace=trace,
-        peak_stage=ev.stage if ev else "",
-        peak_op=ev.op if ev else "",
     )
 
 
 class CheckpointedLayer(nn.Module):
-    """Runs a decoder layer under non-reentrant ``torch.utils.checkpoint`` (whole-layer recompute)."""
+    """A decoder layer under non-reentrant ``torch.utils.checkpoint`` (whole-layer recompute).
+
+    ``context_fn`` is passed through (selective checkpointing policies).
+    """
 
     def __init__(self, inner: nn.Module, context_fn: Callable | None = None):
         super().__init__()
         self.inner = inner
         self.context_fn = context_fn
 
-    def forward(self, *args):
-        kwargs = {} if self.context_fn is None else {"context_fn": self.context_fn}
-        return checkpoint(
-            self.inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
-        )
+    def forward(self, *args: Any) -> Any:
+        return _checkpoint(self.inner, args, self.context_fn)
 
 
-def checkpoint_layers(model: nn.Module, context_fn: Callable | None = None) -> nn.Module:
-    """Wraps every decoder layer of a zoo ``CausalLM`` (and its MTP block) in a checkpoint."""
-    for i, layer in enumerate(model.layers):
-        model.layers[i] = CheckpointedLayer(layer, context_fn)
-    if getattr(model, "mtp", None) is not None:
-        model.mtp.block = CheckpointedLayer(model.mtp.block, context_fn)
+def _checkpoint(fn: Callable, args: tuple, context_fn: Callable | None) -> Any:
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra)
+
+
+# A checkpointed layer: (model, layer), as the planner names it.
+LayerKey = tuple[str, int]
+
+
+def checkpoint_layers(
+    model: nn.Module, context_fns: dict[LayerKey, Callable] | None = None
+) -> nn.Module:
+    """Puts every layer of a zoo ``CausalLM`` under a checkpoint: exactly what each
+    ``layer_scope(model, i)`` encloses, the planner's layers.
+
+    ``("main", i)`` is ``model.layers[i]``; ``("mtp", 0)`` is ``MTPLayer.layer_forward`` (its
+    norms, projection and block). ``context_fns`` gives a layer its selective-checkpoint
+    contexts; the parameter order (hence the gradients' order) does not change.
+    """
+    from .zoo.model import MAIN_MODEL, MTP_MODEL
+
+    context_fns = context_fns or {}
+    for index, layer in enumerate(model.layers):
+        model.layers[index] = CheckpointedLayer(layer, context_fns.get((MAIN_MODEL, index)))
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))
+        mtp.layer_forward = lambda *args: _checkpoint(inner, args, context_fn)
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# Selective checkpointing from a plan
+
+# Eager ops that stand for a different graph op: eager functional collectives return an
+# `AsyncCollectiveTensor` through `_wrap_tensor_autograd` where the trace has `wait_tensor`.
+_EAGER_EQUIVALENTS = {
+    "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default",
+}
+
+
+def saved_ops(graph: Any, plan: dict) -> dict[LayerKey, list[tuple[str, bool]]]:
+    """Per checkpointed layer, its forward ops in execution order, each with whether a
+    selective checkpoint must save it.
+
+    An op is saved when the plan keeps it and the plan's saved set holds one of its outputs
+    (backward or replay reads it). Saving every kept op instead makes eager SAC hold outputs
+    that nothing after forward reads until the layer is recomputed (dense, `--keep all`:
+    +12160 B, +26%).
+    """
+    decisions = {n["name"]: n for n in plan["nodes"]}
+    saved = {s["value"] for s in plan["saved"]}
+    layers: dict[LayerKey, list[tuple[str, bool]]] = {}
+    for node in graph.nodes:
+        decision = decisions.get(node.name)
+        if decision is None or decision["layer"] is None:
+            continue  # a backward node, or outside every layer
+        keep = decision["decision"] == "save" and any(o in saved for o in node.outputs)
+        layers.setdefault((decision["model"], decision["layer"]), []).append((node.op, keep))
+    return layers
+
+
+def align_ops(graph_ops: list[str], eager_ops: list[str]) -> list[int | None]:
+    """For each eager op, the index of the graph op it is, or None (eager only).
+
+    The two sequences agree but for a few ops (`detach` of a non-grad input is invisible to a
+    dispatch mode, funcol wraps and views its outputs in eager), so a diff aligns them.
+    """
+    from difflib import SequenceMatcher
+
+    normalised = [_EAGER_EQUIVALENTS.get(op, op) for op in eager_ops]
+    mapping: list[int | None] = [None] * len(eager_ops)
+    matcher = SequenceMatcher(None, graph_ops, normalised, autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            mapping[block.b + k] = block.a + k
+    return mapping
+
+
+def _policy_context(decide: Callable[[int, str], bool]) -> Callable:
+    """A `context_fn` whose policy saves the i-th op of the layer's forward iff `decide(i, op)`
+    (the recompute pass sees the same sequence and gets the same answers)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def context_fn():
+        counters = {False: 0, True: 0}
+
+        def policy(ctx, op, *args, **kwargs):
+            index = counters[ctx.is_recompute]
+            counters[ctx.is_recompute] += 1
+            if decide(index, str(op)):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+def _record_layer_ops(build: Callable[[], nn.Module], inputs: tuple) -> dict[LayerKey, list[str]]:
+    """Each checkpointed layer's forward ops, as a selective checkpoint's policy sees them."""
+    seen: dict[LayerKey, list[str]] = {}
+
+    def recorder(key: LayerKey) -> Callable:
+        def decide(index: int, op: str) -> bool:
+            ops = seen.setdefault(key, [])
+            if index == len(ops):
+                ops.append(op)
+            return False
+
+        return _policy_context(decide)
+
+    from .zoo.model import MAIN_MODEL, MTP_MODEL
+
+    model = build()
+    keys = [(MAIN_MODEL, i) for i in range(len(model.layers))]
+    keys += [(MTP_MODEL, 0)] if getattr(model, "mtp", None) is not None else []
+    checkpoint_layers(model, {key: recorder(key) for key in keys})
+    with torch.random.fork_rng(devices=[]):
+        model(*inputs)
+    return seen
+
+
+def plan_contexts(
+    build: Callable[[], nn.Module], inputs: tuple, graph: Any, plan: dict
+) -> dict[LayerKey, Callable]:
+    """Selective-checkpoint contexts per layer that save what ``plan`` saves.
+
+    The eager ops of each layer are recorded once (a forward of ``build()``) and aligned with
+    the graph's; an eager op is saved iff it is a graph op ``saved_ops`` marks. Raises if a
+    graph op to save has no eager counterpart.
+    """
+    wanted = saved_ops(graph, plan)
+    contexts = {}
+    for key, eager_ops in _record_layer_ops(build, inputs).items():
+        graph_ops = [op for op, _ in wanted[key]]
+        mapping = align_ops(graph_ops, eager_ops)
+        lost = {i for i, (_, keep) in enumerate(wanted[key]) if keep} - set(mapping)
+        if lost:
+            raise ValueError(
+                f"layer {key} saves graph ops the eager layer does not run: "
+                + ", ".join(f"#{i} {graph_ops[i]}" for i in sorted(lost))
+            )
+        save = [m is not None and wanted[key][m][1] for m in mapping]
+        contexts[key] = _policy_context(lambda i, _op, save=save: i < len(save) and save[i])
+    return contexts
+
+def measure_golden(
+    name: str, baseline: str, plan: dict | None = None, graph: Any = None
+) -> StepMemory:
+    """Measures rank 0's step of golden ``name`` under a planner baseline or a plan.
+
+    ``baseline``: ``NO_CHECKPOINT``, ``WHOLE_LAYER`` or ``SELECTIVE``; the last runs every
+    layer under a selective checkpoint whose policy saves what ``plan`` (the JSON plan of
+    ``graph``, the golden's ``graph_pb2.Graph``) saves, op by op (``saved_ops``,
+    ``align_ops``).
+
+    Model, seeded weights and inputs come from the zoo catalogue, as for the export. A
+    multi-rank golden runs in this process as rank 0 of the fake process group it was traced
+    with: every shape in the zoo is static, so allocations do not depend on the values the
+    collectives would have exchanged.
+    """
+    from .zoo.catalog import make_inputs
+    from .zoo.goldens import golden, traced_group
+
+    if baseline not in (NO_CHECKPOINT, WHOLE_LAYER, SELECTIVE):
+        raise ValueError(f"unknown baseline {baseline!r}")
+    if (baseline == SELECTIVE) != (plan is not None and graph is not None):
+        raise ValueError("a plan and its graph are needed for, and only for, SELECTIVE")
+    gold = golden(name)
+    if not gold.joint:
+        raise ValueError(f"{name} is a forward-only graph: it has no training step to measure")
+    inputs = make_inputs(gold.entry.config)
+    with traced_group(gold.world_size):
+        context_fns = None
+        if baseline == SELECTIVE:
+            context_fns = plan_contexts(gold.entry.build, inputs, graph, plan)
+        model = gold.entry.build()
+        if baseline != NO_CHECKPOINT:
+            checkpoint_layers(model, context_fns)
+        return measure_training_step(model, inputs)

@@ -69,10 +69,17 @@ class MTPLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (normalized MTP hidden states, the block's auxiliary loss)."""
         with layer_scope(MTP_MODEL, 0):
-            h = torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embeds)], dim=-1)
-            h, aux = self.block(self.eh_proj(h), ctx, self.mark)
+            h, aux = self.layer_forward(hidden, next_embeds, ctx)
         with layer_scope(MTP_MODEL, None):
             return self.norm(h), aux
+
+    def layer_forward(
+        self, hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: SequenceContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer 0 of the "mtp" model: everything inside its layer scope (a whole-layer
+        checkpoint wraps this, `recompute_planner.measure`)."""
+        h = torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embeds)], dim=-1)
+        return self.block(self.eh_proj(h), ctx, self.mark)
 
 
 class CausalLM(nn.Module):
