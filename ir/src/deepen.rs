@@ -32,11 +32,11 @@ pub enum DeepenError {
     Undeclared(String),
 }
 
-/// Where one value of the template layer comes from.
+/// Where a value of a layer comes from: output `output` of the layer's `node`-th node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Slot {
-    /// Output `j` of the template's `k`-th node.
-    Template(usize, usize),
+struct Slot {
+    node: usize,
+    output: usize,
 }
 
 /// `graph` with layer `a` of `model` repeated `layers` times in place of layers `a` and `a + 1`.
@@ -69,7 +69,7 @@ pub fn deepen(
                     .outputs
                     .iter()
                     .enumerate()
-                    .map(move |(j, v)| (v.as_str(), Slot::Template(k, j)))
+                    .map(move |(j, v)| (v.as_str(), Slot { node: k, output: j }))
             })
             .collect()
     };
@@ -82,19 +82,19 @@ pub fn deepen(
     };
     let first_a = ta[0];
     let copies = layers.max(1);
-    let name_of = |k: usize, j: usize, c: u32| copy_name(&graph.nodes[ta[k]].outputs[j], c);
+    let name_of = |at: Slot, c: u32| copy_name(&graph.nodes[ta[at.node]].outputs[at.output], c);
     // The template's input at (node k, input s) in copy c.
     let input_of = |k: usize, s: usize, c: u32| -> String {
         let va = &graph.nodes[ta[k]].inputs[s];
         let vb = &graph.nodes[tb[k]].inputs[s];
-        if let Some(&Slot::Template(k2, j)) = made_by_a.get(va.as_str()) {
-            return name_of(k2, j, c);
+        if let Some(&at) = made_by_a.get(va.as_str()) {
+            return name_of(at, c);
         }
-        if let Some(&Slot::Template(k2, j)) = made_by_b.get(va.as_str()) {
+        if let Some(&at) = made_by_b.get(va.as_str()) {
             // Backward reads the next layer's gradient: the next copy's, or what the last
             // layer reads from outside.
             return if c + 1 < copies {
-                name_of(k2, j, c + 1)
+                name_of(at, c + 1)
             } else {
                 vb.clone()
             };
@@ -102,23 +102,23 @@ pub fn deepen(
         if va == vb {
             return va.clone(); // shared by every layer
         }
-        if let Some(&Slot::Template(k2, j)) = made_by_a.get(vb.as_str()) {
+        if let Some(&at) = made_by_a.get(vb.as_str()) {
             // The layer's input: the previous copy's output, or what layer a reads.
             return if c == 0 {
                 va.clone()
             } else {
-                name_of(k2, j, c - 1)
+                name_of(at, c - 1)
             };
         }
         copy_name(va, c) // a per-layer parameter
     };
     // Everything outside the two layers that reads them reads the first or last copy.
     let outside = |v: &str| -> String {
-        if let Some(&Slot::Template(k, j)) = made_by_b.get(v) {
-            return name_of(k, j, copies - 1);
+        if let Some(&at) = made_by_b.get(v) {
+            return name_of(at, copies - 1);
         }
-        if let Some(&Slot::Template(k, j)) = made_by_a.get(v) {
-            return name_of(k, j, 0);
+        if let Some(&at) = made_by_a.get(v) {
+            return name_of(at, 0);
         }
         v.to_owned()
     };
@@ -144,7 +144,9 @@ pub fn deepen(
                 }
                 let n = &graph.nodes[i];
                 let inputs: Vec<String> = (0..n.inputs.len()).map(|s| input_of(k, s, c)).collect();
-                let outputs: Vec<String> = (0..n.outputs.len()).map(|j| name_of(k, j, c)).collect();
+                let outputs: Vec<String> = (0..n.outputs.len())
+                    .map(|output| name_of(Slot { node: k, output }, c))
+                    .collect();
                 let layer = n.layer.map(|_| c + a);
                 out.node(n, copy_name(&n.name, c), inputs, outputs, layer)?;
             }
