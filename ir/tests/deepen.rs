@@ -61,3 +61,17 @@ fn differing_layers_are_refused() {
     let err = deepen(&wire, "main", 0, 4).unwrap_err();
     assert!(err.to_string().contains("differ"), "{err}");
 }
+
+#[test]
+fn exported_graphs_deepen_too() {
+    // AOTAutograd graphs: saved-output `detach` nodes sit in forward, and autograd's
+    // gradient-accumulation adds carry no layer.
+    for name in ["moe_ep2", "dense", "moe_domino"] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../tests/golden/{name}.pb"));
+        let wire = io::read_wire(&path).unwrap();
+        let deep = deepen(&wire, "main", 0, 5).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let graph = Graph::from_wire(deep).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let model = graph.model_by_name("main").unwrap();
+        assert_eq!(graph.model(model).num_layers, 5, "{name}");
+    }
+}
