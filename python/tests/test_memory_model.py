@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -76,15 +75,6 @@ def cases():
     for name in MEASURED:
         for baseline in BASELINE_KEYS:
             yield pytest.param(name, baseline, id=f"{name}-{baseline}")
-
-
-@pytest.fixture(scope="session")
-def planner_bin() -> str:
-    """The planner CLI: $PLANNER_BIN, else a fresh `cargo build -q -p planner`."""
-    if os.environ.get("PLANNER_BIN"):
-        return os.environ["PLANNER_BIN"]
-    subprocess.run(["cargo", "build", "-q", "-p", "planner"], cwd=REPO_ROOT, check=True)
-    return str(REPO_ROOT / "target" / "debug" / "planner")
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,6 @@ Regenerate them with `python python/export_goldens.py`.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -95,15 +94,6 @@ def test_multi_rank_reference_holds_rank0_weights_and_inputs(name):
     grads = [key for key in reference if key.startswith("ref/grad/")]
     assert len(grads) == len(list(model.parameters()))
     assert all(torch.isfinite(reference[key]).all() for key in grads)
-
-
-@pytest.fixture(scope="session")
-def planner_bin() -> str:
-    """The planner CLI: $PLANNER_BIN, else a fresh `cargo build -q -p planner`."""
-    if os.environ.get("PLANNER_BIN"):
-        return os.environ["PLANNER_BIN"]
-    subprocess.run(["cargo", "build", "-q", "-p", "planner"], cwd=REPO_ROOT, check=True)
-    return str(REPO_ROOT / "target" / "debug" / "planner")
 
 
 @by_name(ALL)
