@@ -258,7 +258,9 @@ pub struct Graph {
     pub(crate) consumers: Consumers,
     /// Nodes that write a value in place, in execution order (sparse: few values are written).
     pub(crate) mutators: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
-    pub(crate) dag: Dag,
+    /// Built on first use: validation proves acyclicity without it (execution order is a
+    /// topological order), so only neighbour queries pay for it.
+    pub(crate) dag: std::sync::OnceLock<Dag>,
 }
 
 impl Graph {
@@ -372,14 +374,23 @@ impl Graph {
         self.mutators.get(&value).map_or(&[], Vec::as_slice)
     }
 
+    fn dag(&self) -> &Dag {
+        self.dag.get_or_init(|| {
+            Dag::build(
+                self.nodes.values().map(|n| n.inputs.iter().copied()),
+                &self.producers,
+            )
+        })
+    }
+
     /// Nodes whose outputs `node` reads (each once), in execution order.
     pub fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
-        self.dag.predecessors(node)
+        self.dag().predecessors(node)
     }
 
     /// Nodes that read an output of `node` (each once), in execution order.
     pub fn successors(&self, node: NodeId) -> Vec<NodeId> {
-        self.dag.successors(node)
+        self.dag().successors(node)
     }
 
     pub fn model_by_name(&self, name: &str) -> Option<ModelId> {

@@ -57,7 +57,6 @@ impl Graph {
         let outputs = outputs?;
         let Structure {
             producers,
-            dag,
             consumers,
             mutators,
         } = structure?;
@@ -72,7 +71,7 @@ impl Graph {
             producers,
             consumers,
             mutators,
-            dag,
+            dag: std::sync::OnceLock::new(),
         })
     }
 }
@@ -87,7 +86,6 @@ pub fn fingerprint(canonical_encoding: &[u8]) -> String {
 /// check, consumers and in-place writers.
 struct Structure {
     producers: IdVec<ValueId, Option<NodeId>>,
-    dag: Dag,
     consumers: Consumers,
     mutators: HashMap<ValueId, Vec<NodeId>>,
 }
@@ -95,18 +93,21 @@ struct Structure {
 impl Structure {
     fn build(nodes: &IdVec<NodeId, Node>, values: &IdVec<ValueId, Value>) -> Result<Self, E> {
         let producers = producers(nodes, values)?;
-        let dag = Dag::build(nodes.values().map(|n| n.inputs.iter().copied()), &producers);
-        if let Some(node) = dag.node_on_cycle() {
-            return Err(E::Cycle {
-                node: nodes[node].name.clone(),
+        // In execution order every input is produced earlier, which rules out cycles; only a
+        // graph out of order needs the DAG, to tell a cycle (named by a node on it) apart.
+        if let Err(misordered) = check_execution_order(nodes, values, &producers) {
+            let dag = Dag::build(nodes.values().map(|n| n.inputs.iter().copied()), &producers);
+            return Err(match dag.node_on_cycle() {
+                Some(node) => E::Cycle {
+                    node: nodes[node].name.clone(),
+                },
+                None => misordered,
             });
         }
-        check_execution_order(nodes, values, &producers)?;
         let (consumers, mutators) =
             rayon::join(|| Consumers::build(values.len(), nodes), || mutators(nodes));
         Ok(Structure {
             producers,
-            dag,
             consumers,
             mutators,
         })
@@ -589,7 +590,7 @@ fn producers(
     Ok(producers)
 }
 
-/// Execution order must be a topological order: every input is produced earlier.
+/// Execution order must be a topological order: every input is produced by an earlier node.
 fn check_execution_order(
     nodes: &IdVec<NodeId, Node>,
     values: &IdVec<ValueId, Value>,
@@ -597,7 +598,7 @@ fn check_execution_order(
 ) -> Result<(), E> {
     for (id, node) in nodes.iter() {
         for &v in &node.inputs {
-            if let Some(producer) = producers[v].filter(|&p| p > id) {
+            if let Some(producer) = producers[v].filter(|&p| p >= id) {
                 return Err(E::UsedBeforeProduced {
                     node: node.name.clone(),
                     value: values[v].name.clone(),
