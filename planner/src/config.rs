@@ -103,7 +103,7 @@ impl Default for PlanConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ConfigError {
     #[error(
-        "unknown unit {}; this graph's models declare: {}",
+        "unknown-unit: unknown unit {}; this graph's models declare: {}",
         quoted(unknown),
         list_or_none(valid)
     )]

@@ -114,6 +114,7 @@ fn r2_unknown_unit_is_an_error_naming_the_valid_units() {
         plan(&b.build(), &config(&["save_atn"]), &HwProfile::default()).expect_err("unknown unit");
     assert!(matches!(err, PlanError::Config(_)));
     let message = err.to_string();
+    assert!(message.starts_with("unknown-unit: "), "{message}");
     assert!(message.contains("`SAVE_ATN`"), "{message}");
     assert!(message.contains("SAVE_ATTN, SAVE_MLP"), "{message}");
 }
