@@ -400,18 +400,6 @@ impl Graph {
             .map(|(id, _)| id)
     }
 
-    /// Whether `model` is `ancestor` or nested (at any depth) inside it.
-    pub fn is_within(&self, model: ModelId, ancestor: ModelId) -> bool {
-        let mut current = Some(model);
-        while let Some(m) = current {
-            if m == ancestor {
-                return true;
-            }
-            current = self.models[m].parent;
-        }
-        false
-    }
-
     /// The cost of one execution of `node`, from the op knowledge base.
     pub fn node_cost(&self, node: NodeId) -> crate::ops::Cost {
         let node = &self.nodes[node];

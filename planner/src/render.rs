@@ -478,34 +478,41 @@ const LEVELS: [(&str, pb::Level); 3] = [
     ("info", pb::Level::Info),
 ];
 
-fn decision_to_wire(name: &str) -> pb::Decision {
-    DECISIONS
+/// The wire enum for `name` in `table`, `unspecified` for a name it does not know.
+fn to_wire_enum<T: Copy>(table: &[(&str, T)], name: &str, unspecified: T) -> T {
+    table
         .iter()
         .find(|(n, _)| *n == name)
-        .map_or(pb::Decision::Unspecified, |(_, d)| *d)
+        .map_or(unspecified, |&(_, value)| value)
+}
+
+/// The name of wire code `code` in `table`; `what` names the field in the error.
+fn from_wire_enum<T: Copy + Into<i32>>(
+    table: &[(&'static str, T)],
+    code: i32,
+    what: &str,
+) -> Result<&'static str, String> {
+    table
+        .iter()
+        .find(|&&(_, value)| value.into() == code)
+        .map(|&(n, _)| n)
+        .ok_or_else(|| format!("unknown {what} code {code}"))
+}
+
+fn decision_to_wire(name: &str) -> pb::Decision {
+    to_wire_enum(&DECISIONS, name, pb::Decision::Unspecified)
 }
 
 fn decision_from_wire(code: i32) -> Result<&'static str, String> {
-    DECISIONS
-        .iter()
-        .find(|(_, d)| *d as i32 == code)
-        .map(|(n, _)| *n)
-        .ok_or_else(|| format!("unknown decision code {code}"))
+    from_wire_enum(&DECISIONS, code, "decision")
 }
 
 fn level_to_wire(name: &str) -> pb::Level {
-    LEVELS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map_or(pb::Level::Unspecified, |(_, l)| *l)
+    to_wire_enum(&LEVELS, name, pb::Level::Unspecified)
 }
 
 fn level_from_wire(code: i32) -> Result<&'static str, String> {
-    LEVELS
-        .iter()
-        .find(|(_, l)| *l as i32 == code)
-        .map(|(n, _)| *n)
-        .ok_or_else(|| format!("unknown diagnostic level code {code}"))
+    from_wire_enum(&LEVELS, code, "diagnostic level")
 }
 
 /// Graphviz: forward nodes coloured by decision, replayed nodes outlined in red, backward grey.

@@ -278,7 +278,7 @@ fn r10_the_domino_path_keeps_the_same_ops_per_unit_as_the_single_batch_path() {
 }
 
 #[test]
-fn r11_pb_and_json_of_a_golden_share_a_fingerprint_and_a_plan_is_deterministic() {
+fn r11_a_plan_is_deterministic_and_refused_for_another_graph() {
     let g = golden("glm_dsa_ep2");
     let config = keep(&["all"]);
     let a = planner::render::protobuf(&run(&g, &config));

@@ -54,6 +54,10 @@ fn m1_replay_is_materialised_just_before_its_first_backward_use() {
     let graph = chain().build();
     let p = plan(&graph, &PlanConfig::default(), &HwProfile::default()).unwrap();
     assert_eq!(p.replay[0].nodes, vec!["n1", "n2", "n3"]);
+    assert_eq!(
+        p.replay[0].before, "n4",
+        "the replay runs right before backward reads c"
+    );
     // Forward frees a, b, c early (only x, the layer input, is kept); replay rebuilds them:
     // at replayed n3, t, a', b', c' are live: 256 again, now in replay.
     assert_eq!(p.memory.peak_bytes, Some(256));
