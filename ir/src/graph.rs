@@ -17,6 +17,16 @@ pub const MARKER_OP: &str = "recompute.checkpoint_record.default";
 /// The attribute of a marker node that carries its name.
 pub const MARKER_NAME_ATTR: &str = "name";
 
+/// A node, value or attribute name, or an op: stored inline up to 24 bytes (nearly every one in
+/// an exported graph), so a million-node graph does not make millions of small allocations.
+pub type Name = compact_str::CompactString;
+
+/// The inputs or outputs of a node: inline up to four (nearly every op).
+pub type ValueIds = smallvec::SmallVec<[ValueId; 4]>;
+
+/// Static sizes of a tensor: inline up to four dimensions.
+pub type Shape = smallvec::SmallVec<[u64; 4]>;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
     F32,
@@ -114,9 +124,9 @@ impl Phase {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Value {
-    pub name: String,
+    pub name: Name,
     pub dtype: DType,
-    pub shape: Vec<u64>,
+    pub shape: Shape,
     pub role: Role,
     /// `numel × dtype size`, checked at load.
     pub bytes: u64,
@@ -135,7 +145,7 @@ impl Value {
 pub enum AttrValue {
     Int(i64),
     Float(f64),
-    Str(String),
+    Str(Name),
     Bool(bool),
     Ints(Vec<i64>),
     Floats(Vec<f64>),
@@ -144,7 +154,7 @@ pub enum AttrValue {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Attribute {
-    pub name: String,
+    pub name: Name,
     pub value: AttrValue,
 }
 
@@ -173,24 +183,24 @@ impl Effects {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
-    pub name: String,
+    pub name: Name,
     /// `namespace.name.overload`.
-    pub op: String,
-    pub inputs: Vec<ValueId>,
-    pub outputs: Vec<ValueId>,
+    pub op: Name,
+    pub inputs: ValueIds,
+    pub outputs: ValueIds,
     pub attributes: Vec<Attribute>,
     pub phase: Phase,
     pub model: ModelId,
     pub layer: Option<u32>,
-    pub module_path: String,
+    pub module_path: Name,
     /// The compiled region the op runs in; `None` when it runs in eager.
-    pub compiled_region: Option<String>,
+    pub compiled_region: Option<Name>,
     pub micro_batch: u32,
     pub effects: Effects,
     /// What the op knowledge base knows of `op`.
     pub info: OpInfo,
     /// The marker name when this node is a `checkpoint_record` point marker.
-    pub marker: Option<String>,
+    pub marker: Option<Name>,
     pub stack_trace: Vec<String>,
 }
 

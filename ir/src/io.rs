@@ -9,7 +9,7 @@ use std::{
 use prost::Message;
 use rayon::prelude::*;
 
-use crate::{error::LoadError, graph::Graph, wire::graph as pb};
+use crate::{error::LoadError, graph::Graph, validate::BuildError, wire::graph as pb};
 
 /// The two encodings of a graph file, chosen by extension.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,15 +35,35 @@ impl Format {
 /// re-encoded first.
 pub fn load(path: &Path) -> Result<Graph, LoadError> {
     let (bytes, format) = read_bytes(path)?;
-    let wire = decode(&bytes, format, path)?;
-    let graph = match format {
-        Format::Protobuf => Graph::from_wire_encoded(wire, crate::fingerprint(&bytes)),
-        Format::Json => Graph::from_wire(wire),
-    };
-    graph.map_err(|error| LoadError::Invalid {
+    load_bytes(&bytes, format, path)
+}
+
+/// [`load`] for the bytes of a file; `path` only names it in errors. The values and nodes of
+/// a `.pb` are decoded and converted element by element, so the decoded message never exists
+/// whole (a third of the memory, and the time to fault it in, at a million nodes).
+pub fn load_bytes(bytes: &[u8], format: Format, path: &Path) -> Result<Graph, LoadError> {
+    let invalid = |error| LoadError::Invalid {
         path: path.to_owned(),
         error,
-    })
+    };
+    match format {
+        Format::Protobuf => {
+            check_not_empty(bytes, path)?;
+            let parts =
+                split_protobuf(bytes).map_err(|reason| protobuf_error(bytes, path, reason))?;
+            Graph::from_encoded(
+                parts.header,
+                &parts.values,
+                &parts.nodes,
+                crate::fingerprint(bytes),
+            )
+            .map_err(|e| match e {
+                BuildError::Protobuf(reason) => protobuf_error(bytes, path, reason),
+                BuildError::Invalid(error) => invalid(error),
+            })
+        }
+        Format::Json => Graph::from_wire(decode(bytes, format, path)?).map_err(invalid),
+    }
 }
 
 /// Reads and decodes a graph file without validating it.
@@ -63,21 +83,11 @@ fn read_bytes(path: &Path) -> Result<(Vec<u8>, Format), LoadError> {
 
 /// Decodes the bytes of a graph file; `path` only names it in errors.
 pub fn decode(bytes: &[u8], format: Format, path: &Path) -> Result<pb::Graph, LoadError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err(LoadError::Empty {
-            path: path.to_owned(),
-        });
-    }
+    check_not_empty(bytes, path)?;
     match format {
-        Format::Protobuf => decode_protobuf(bytes).map_err(|reason| LoadError::Protobuf {
-            path: path.to_owned(),
-            reason,
-            hint: if looks_like_json(bytes) {
-                "; it looks like JSON: name it `.json`"
-            } else {
-                ""
-            },
-        }),
+        Format::Protobuf => {
+            decode_protobuf(bytes).map_err(|reason| protobuf_error(bytes, path, reason))
+        }
         Format::Json => serde_json::from_slice(bytes).map_err(|e| LoadError::Json {
             path: path.to_owned(),
             reason: e.to_string(),
@@ -85,14 +95,42 @@ pub fn decode(bytes: &[u8], format: Format, path: &Path) -> Result<pb::Graph, Lo
     }
 }
 
+fn check_not_empty(bytes: &[u8], path: &Path) -> Result<(), LoadError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(LoadError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn protobuf_error(bytes: &[u8], path: &Path, reason: String) -> LoadError {
+    LoadError::Protobuf {
+        path: path.to_owned(),
+        reason,
+        hint: if looks_like_json(bytes) {
+            "; it looks like JSON: name it `.json`"
+        } else {
+            ""
+        },
+    }
+}
+
 /// Top-level field numbers of `Graph` decoded in parallel (see `proto/graph.proto`).
 const VALUES_FIELD: u32 = 2;
 const NODES_FIELD: u32 = 3;
 
-/// `pb::Graph::decode`, with the repeated `values` and `nodes` (nearly all of a graph's bytes)
-/// decoded in parallel: the top level is walked once to slice out each element, the remaining
-/// fields are decoded as usual, and element order is kept, so the result is the same message.
-fn decode_protobuf(bytes: &[u8]) -> Result<pb::Graph, String> {
+/// A protobuf `Graph` with its repeated `values` and `nodes` (nearly all of a graph's bytes)
+/// still encoded, one slice per element, in order; `header` holds the other fields.
+struct Split<'a> {
+    header: pb::Graph,
+    values: Vec<&'a [u8]>,
+    nodes: Vec<&'a [u8]>,
+}
+
+/// Walks the top level once to slice out each value and node; the remaining fields are
+/// decoded as usual.
+fn split_protobuf(bytes: &[u8]) -> Result<Split<'_>, String> {
     use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
     let mut buf = bytes;
     let mut values: Vec<&[u8]> = Vec::new();
@@ -119,11 +157,26 @@ fn decode_protobuf(bytes: &[u8]) -> Result<pb::Graph, String> {
             rest.extend_from_slice(&bytes[start..bytes.len() - buf.len()]);
         }
     }
-    let mut graph = pb::Graph::decode(rest.as_slice()).map_err(|e| e.to_string())?;
+    let header = pb::Graph::decode(rest.as_slice()).map_err(|e| e.to_string())?;
+    Ok(Split {
+        header,
+        values,
+        nodes,
+    })
+}
+
+/// `pb::Graph::decode`, with the values and nodes decoded in parallel (order is kept, so the
+/// result is the same message).
+fn decode_protobuf(bytes: &[u8]) -> Result<pb::Graph, String> {
+    let Split {
+        mut header,
+        values,
+        nodes,
+    } = split_protobuf(bytes)?;
     let (values, nodes) = rayon::join(|| decode_all(&values), || decode_all(&nodes));
-    graph.values = values?;
-    graph.nodes = nodes?;
-    Ok(graph)
+    header.values = values?;
+    header.nodes = nodes?;
+    Ok(header)
 }
 
 /// Decodes each slice as one `M`, in parallel, keeping order.

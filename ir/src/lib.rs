@@ -9,14 +9,16 @@ pub mod error;
 pub mod graph;
 pub mod id;
 pub mod io;
+mod name_index;
 pub mod ops;
 mod validate;
+mod view;
 pub mod wire;
 
 pub use error::{LoadError, ValidationError};
 pub use graph::{
-    AttrValue, Attribute, DType, Effects, Graph, MarkerInterval, Metadata, Model, Node, Phase,
-    Role, Unit, Value, MARKER_NAME_ATTR, MARKER_OP,
+    AttrValue, Attribute, DType, Effects, Graph, MarkerInterval, Metadata, Model, Name, Node,
+    Phase, Role, Shape, Unit, Value, ValueIds, MARKER_NAME_ATTR, MARKER_OP,
 };
 pub use id::{EntityId, IdVec, ModelId, NodeId, ValueId};
 pub use validate::fingerprint;

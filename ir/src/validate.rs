@@ -1,7 +1,5 @@
 //! Wire graph -> validated core [`Graph`]. The only way a `Graph` comes to be.
 
-use std::collections::hash_map::Entry;
-
 use rayon::prelude::*;
 use rustc_hash::FxHashMap as HashMap;
 
@@ -13,10 +11,12 @@ use crate::{
     error::ValidationError as E,
     graph::{
         AttrValue, Attribute, Consumers, DType, Effects, Graph, MarkerInterval, Metadata, Model,
-        Node, Phase, Role, Unit, Value, MARKER_NAME_ATTR, MARKER_OP,
+        Name, Node, Phase, Role, Shape, Unit, Value, ValueIds, MARKER_NAME_ATTR, MARKER_OP,
     },
     id::{EntityId, IdVec, ModelId, NodeId, ValueId},
+    name_index::{NameIndex, RecentFirst},
     ops::{self, CollectiveKind},
+    view::{RawAttrValue, RawAttribute, RawNode, RawSchema, RawValue},
     wire::graph as pb,
 };
 
@@ -33,47 +33,110 @@ impl Graph {
     /// [`Graph::from_wire`] for a graph whose canonical encoding was already hashed with
     /// [`fingerprint`] (a `.pb` file as written by prost or by Python's deterministic
     /// serialiser, which are canonical).
-    pub fn from_wire_encoded(wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
-        check_counts(&wire)?;
-        let models = convert_models(wire.models)?;
-        let values = convert_values(wire.values)?;
-        let value_ids = index_by_name(&values, |v| &v.name, |name| E::DuplicateValue { name })?;
-        let model_ids = index_by_name(&models, |m| &m.name, |name| E::DuplicateModel { name })?;
-        let nodes = convert_nodes(wire.nodes, &value_ids, &model_ids, &models)?;
-        let outputs = wire
-            .outputs
-            .into_iter()
-            .map(|name| match value_ids.get(name.as_str()) {
-                Some(&id) => Ok(id),
-                None => Err(E::UnknownGraphOutput { value: name }),
-            })
-            .collect::<Result<Vec<_>, _>>();
-        // The node-name check runs beside the structure; its error still comes first.
-        let (names, structure) = rayon::join(
-            || index_by_name(&nodes, |n| &n.name, |name| E::DuplicateNode { name }).map(drop),
-            || Structure::build(&nodes, &values),
-        );
-        names?;
-        let outputs = outputs?;
-        let Structure {
-            producers,
-            consumers,
-            mutators,
-        } = structure?;
-        Ok(Graph {
-            name: wire.name,
+    pub fn from_wire_encoded(mut wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
+        let values = std::mem::take(&mut wire.values);
+        let nodes = std::mem::take(&mut wire.nodes);
+        build(
+            wire,
+            &values,
+            &nodes,
+            |v| Ok(RawValue::of(v)),
+            |n| Ok(RawNode::of(n)),
             fingerprint,
-            nodes,
-            values,
-            models,
-            outputs,
-            metadata: convert_metadata(wire.metadata.unwrap_or_default()),
-            producers,
-            consumers,
-            mutators,
-            dag: std::sync::OnceLock::new(),
-        })
+        )
     }
+
+    /// [`Graph::from_wire_encoded`] for a graph whose values and nodes are still encoded
+    /// (`header` holds the other fields): each element is decoded, borrowing its strings, just
+    /// before it is converted, so the decoded graph never exists. The first problem in element
+    /// order wins, whether it is bad protobuf or a broken rule.
+    pub(crate) fn from_encoded(
+        header: pb::Graph,
+        values: &[&[u8]],
+        nodes: &[&[u8]],
+        fingerprint: String,
+    ) -> Result<Graph, BuildError> {
+        let protobuf = BuildError::Protobuf;
+        build(
+            header,
+            values,
+            nodes,
+            |v| RawValue::decode(v).map_err(protobuf),
+            |n| RawNode::decode(n).map_err(protobuf),
+            fingerprint,
+        )
+    }
+}
+
+/// Why an encoded graph did not become a [`Graph`].
+#[derive(Debug)]
+pub(crate) enum BuildError {
+    /// An element is not valid protobuf.
+    Protobuf(String),
+    Invalid(E),
+}
+
+impl From<E> for BuildError {
+    fn from(error: E) -> Self {
+        BuildError::Invalid(error)
+    }
+}
+
+/// Converts `header` (the fields other than `values` and `nodes`) and the elements, each first
+/// viewed as its wire message by `value` / `node`.
+fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
+    header: pb::Graph,
+    values: &'w [V],
+    nodes: &'w [N],
+    value: impl Fn(&'w V) -> Result<RawValue<'w>, Err> + Sync,
+    node: impl Fn(&'w N) -> Result<RawNode<'w>, Err> + Sync,
+    fingerprint: String,
+) -> Result<Graph, Err> {
+    check_counts(nodes.len(), values.len(), header.models.len())?;
+    let models = convert_models(header.models)?;
+    let values = convert_values(values, value)?;
+    let value_ids =
+        NameIndex::build(&values, |v| &v.name).map_err(|name| E::DuplicateValue { name })?;
+    let model_ids =
+        NameIndex::build(&models, |m| &m.name).map_err(|name| E::DuplicateModel { name })?;
+    let nodes = convert_nodes(nodes, node, &value_ids, &model_ids, &models)?;
+    let outputs = header
+        .outputs
+        .into_iter()
+        .map(|name| match value_ids.get(&name) {
+            Some(id) => Ok(id),
+            None => Err(E::UnknownGraphOutput { value: name }),
+        })
+        .collect::<Result<Vec<_>, _>>();
+    // The node-name check runs beside the structure; its error still comes first.
+    let (names, structure) = rayon::join(
+        || {
+            NameIndex::build(&nodes, |n| &n.name)
+                .map(drop)
+                .map_err(|name| E::DuplicateNode { name })
+        },
+        || Structure::build(&nodes, &values),
+    );
+    names?;
+    let outputs = outputs?;
+    let Structure {
+        producers,
+        consumers,
+        mutators,
+    } = structure?;
+    Ok(Graph {
+        name: header.name,
+        fingerprint,
+        nodes,
+        values,
+        models,
+        outputs,
+        metadata: convert_metadata(header.metadata.unwrap_or_default()),
+        producers,
+        consumers,
+        mutators,
+        dag: std::sync::OnceLock::new(),
+    })
 }
 
 /// The fingerprint of a graph: xxh3-128 of its canonical protobuf encoding, so `.pb` and
@@ -99,7 +162,7 @@ impl Structure {
             let dag = Dag::build(nodes.values().map(|n| n.inputs.iter().copied()), &producers);
             return Err(match dag.node_on_cycle() {
                 Some(node) => E::Cycle {
-                    node: nodes[node].name.clone(),
+                    node: nodes[node].name.to_string(),
                 },
                 None => misordered,
             });
@@ -114,15 +177,11 @@ impl Structure {
     }
 }
 
-fn check_counts(wire: &pb::Graph) -> Result<(), E> {
-    if wire.nodes.is_empty() {
+fn check_counts(nodes: usize, values: usize, models: usize) -> Result<(), E> {
+    if nodes == 0 {
         return Err(E::NoNodes);
     }
-    for (what, count) in [
-        ("nodes", wire.nodes.len()),
-        ("values", wire.values.len()),
-        ("models", wire.models.len()),
-    ] {
+    for (what, count) in [("nodes", nodes), ("values", values), ("models", models)] {
         if count > MAX_ENTITIES {
             return Err(E::TooMany {
                 what,
@@ -132,24 +191,6 @@ fn check_counts(wire: &pb::Graph) -> Result<(), E> {
         }
     }
     Ok(())
-}
-
-/// Maps each entity's name to its id; the first repeated name is an error.
-fn index_by_name<'a, I: EntityId, T>(
-    table: &'a IdVec<I, T>,
-    name: impl Fn(&'a T) -> &'a String,
-    duplicate: impl Fn(String) -> E,
-) -> Result<HashMap<&'a str, I>, E> {
-    let mut ids = HashMap::with_capacity_and_hasher(table.len(), Default::default());
-    for (id, item) in table.iter() {
-        match ids.entry(name(item).as_str()) {
-            Entry::Occupied(_) => return Err(duplicate(name(item).clone())),
-            Entry::Vacant(slot) => {
-                slot.insert(id);
-            }
-        }
-    }
-    Ok(ids)
 }
 
 fn convert_models(wire: Vec<pb::Model>) -> Result<IdVec<ModelId, Model>, E> {
@@ -245,31 +286,51 @@ fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<Vec<Unit>,
     Ok(units)
 }
 
-fn convert_values(wire: Vec<pb::Value>) -> Result<IdVec<ValueId, Value>, E> {
-    let mut values = IdVec::new();
-    for (index, v) in wire.into_iter().enumerate() {
-        if v.name.is_empty() {
-            return Err(E::UnnamedValue { index });
-        }
-        let dtype = convert_dtype(&v.name, v.dtype)?;
-        let role = convert_role(&v.name, v.role)?;
-        let shape = convert_shape(&v.name, &v.shape)?;
-        let bytes = byte_size(&shape, dtype).ok_or_else(|| E::ShapeOverflow {
-            value: v.name.clone(),
-            shape: v.shape.clone(),
-        })?;
-        values.push(Value {
-            name: v.name,
-            dtype,
-            shape,
-            role,
-            bytes,
-        });
-    }
-    Ok(values)
+/// Converts every value, in parallel; the first error in value order wins.
+fn convert_values<'w, V: Sync, Err: From<E> + Send>(
+    wire: &'w [V],
+    decode: impl Fn(&'w V) -> Result<RawValue<'w>, Err> + Sync,
+) -> Result<IdVec<ValueId, Value>, Err> {
+    first_error_in_order(
+        wire.par_iter()
+            .enumerate()
+            .map(|(index, v)| Ok(convert_value(index, decode(v)?)?))
+            .collect(),
+    )
 }
 
-fn convert_shape(value: &str, shape: &[i64]) -> Result<Vec<u64>, E> {
+fn convert_value(index: usize, v: RawValue<'_>) -> Result<Value, E> {
+    if v.name.is_empty() {
+        return Err(E::UnnamedValue { index });
+    }
+    let dtype = convert_dtype(v.name, v.dtype)?;
+    let role = convert_role(v.name, v.role)?;
+    let shape = convert_shape(v.name, &v.shape)?;
+    let bytes = byte_size(&shape, dtype).ok_or_else(|| E::ShapeOverflow {
+        value: v.name.to_owned(),
+        shape: v.shape.to_vec(),
+    })?;
+    Ok(Value {
+        name: Name::new(v.name),
+        dtype,
+        shape,
+        role,
+        bytes,
+    })
+}
+
+/// The converted elements, or the first error in element order (so the message does not
+/// depend on scheduling).
+fn first_error_in_order<I: EntityId, T, Err>(
+    converted: Vec<Result<T, Err>>,
+) -> Result<IdVec<I, T>, Err> {
+    converted
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map(IdVec::from_vec)
+}
+
+fn convert_shape(value: &str, shape: &[i64]) -> Result<Shape, E> {
     shape
         .iter()
         .enumerate()
@@ -370,93 +431,114 @@ fn convert_collective(node: &str, code: i32) -> Result<Option<CollectiveKind>, E
     }
 }
 
-/// Converts every node, in parallel; the first error in node order wins, so the message does
-/// not depend on scheduling.
-fn convert_nodes(
-    wire: Vec<pb::Node>,
-    value_ids: &HashMap<&str, ValueId>,
-    model_ids: &HashMap<&str, ModelId>,
+/// Converts every node, in parallel; the first error in node order wins.
+fn convert_nodes<'w, N: Sync, Err: From<E> + Send>(
+    wire: &'w [N],
+    decode: impl Fn(&'w N) -> Result<RawNode<'w>, Err> + Sync,
+    value_ids: &NameIndex<ValueId, Value>,
+    model_ids: &NameIndex<ModelId, Model>,
     models: &IdVec<ModelId, Model>,
-) -> Result<IdVec<NodeId, Node>, E> {
-    let converted: Vec<Result<Node, E>> = wire
-        .into_par_iter()
-        .enumerate()
-        .map(|(index, n)| convert_node(index, n, value_ids, model_ids, models))
-        .collect();
-    converted
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map(IdVec::from_vec)
+) -> Result<IdVec<NodeId, Node>, Err> {
+    first_error_in_order(
+        wire.par_iter()
+            .enumerate()
+            .map_init(
+                || RecentFirst::new(value_ids),
+                |resolver, (index, n)| {
+                    Ok(convert_node(
+                        index,
+                        decode(n)?,
+                        resolver,
+                        model_ids,
+                        models,
+                    )?)
+                },
+            )
+            .collect(),
+    )
 }
 
 fn convert_node(
     index: usize,
-    n: pb::Node,
-    value_ids: &HashMap<&str, ValueId>,
-    model_ids: &HashMap<&str, ModelId>,
+    n: RawNode<'_>,
+    value_ids: &mut RecentFirst<ValueId, Value>,
+    model_ids: &NameIndex<ModelId, Model>,
     models: &IdVec<ModelId, Model>,
 ) -> Result<Node, E> {
-    if n.name.is_empty() {
+    let name = n.name;
+    if name.is_empty() {
         return Err(E::UnnamedNode { index });
     }
-    let name = n.name;
     if n.op.is_empty() {
-        return Err(E::MissingOp { node: name });
+        return Err(E::MissingOp {
+            node: name.to_owned(),
+        });
     }
-    let resolve = |names: Vec<String>, unknown: fn(String, String) -> E| {
-        names
-            .into_iter()
-            .map(|v| match value_ids.get(v.as_str()) {
-                Some(&id) => Ok(id),
-                None => Err(unknown(name.clone(), v)),
+    let inputs = n
+        .inputs
+        .iter()
+        .map(|&v| {
+            value_ids.input(v).ok_or_else(|| E::UnknownInput {
+                node: name.to_owned(),
+                value: v.to_owned(),
             })
-            .collect::<Result<Vec<_>, _>>()
-    };
-    let inputs = resolve(n.inputs, |node, value| E::UnknownInput { node, value })?;
-    let outputs = resolve(n.outputs, |node, value| E::UnknownOutput { node, value })?;
-    let phase = convert_phase(&name, n.phase)?;
-    let model = *model_ids
-        .get(n.model.as_str())
-        .ok_or_else(|| E::UndeclaredModel {
-            node: name.clone(),
-            model: n.model.clone(),
-        })?;
+        })
+        .collect::<Result<ValueIds, _>>()?;
+    let outputs = n
+        .outputs
+        .iter()
+        .map(|&v| {
+            value_ids.output(v).ok_or_else(|| E::UnknownOutput {
+                node: name.to_owned(),
+                value: v.to_owned(),
+            })
+        })
+        .collect::<Result<ValueIds, _>>()?;
+    let phase = convert_phase(name, n.phase)?;
+    let model = model_ids.get(n.model).ok_or_else(|| E::UndeclaredModel {
+        node: name.to_owned(),
+        model: n.model.to_owned(),
+    })?;
     if let Some(layer) = n.layer {
         let declared = &models[model];
         if layer >= declared.num_layers {
             return Err(E::LayerOutOfRange {
-                node: name,
+                node: name.to_owned(),
                 layer,
                 model: declared.name.clone(),
                 num_layers: declared.num_layers,
             });
         }
     }
-    let attributes = convert_attributes(&name, n.attributes)?;
-    let info = ops::lookup(&n.op);
-    let effects = effects(&name, n.schema.unwrap_or_default(), &info, inputs.len())?;
-    let marker = marker_name(&name, &n.op, &attributes)?;
+    let attributes = convert_attributes(name, n.attributes)?;
+    let info = ops::lookup(n.op);
+    let effects = effects(name, &n.schema, &info, inputs.len())?;
+    let marker = marker_name(name, n.op, &attributes)?;
     Ok(Node {
-        name,
-        op: n.op,
+        name: Name::new(name),
+        op: Name::new(n.op),
         inputs,
         outputs,
         attributes,
         phase,
         model,
         layer: n.layer,
-        module_path: n.module_path,
-        compiled_region: Some(n.compiled_region).filter(|r| !r.is_empty()),
+        module_path: Name::new(n.module_path),
+        compiled_region: Some(n.compiled_region)
+            .filter(|r| !r.is_empty())
+            .map(Name::new),
         micro_batch: n.micro_batch,
         effects,
         info,
         marker,
-        stack_trace: n.stack_trace,
+        stack_trace: n.stack_trace.iter().map(|&f| f.to_owned()).collect(),
     })
 }
 
-fn convert_attributes(node: &str, wire: Vec<pb::Attribute>) -> Result<Vec<Attribute>, E> {
-    use pb::attribute::Value as W;
+fn convert_attributes<'w>(
+    node: &str,
+    wire: impl IntoIterator<Item = RawAttribute<'w>>,
+) -> Result<Vec<Attribute>, E> {
     wire.into_iter()
         .enumerate()
         .map(|(index, a)| {
@@ -467,22 +549,24 @@ fn convert_attributes(node: &str, wire: Vec<pb::Attribute>) -> Result<Vec<Attrib
                 });
             }
             let value = match a.value {
-                Some(W::Int(v)) => AttrValue::Int(v),
-                Some(W::Float(v)) => AttrValue::Float(v),
-                Some(W::Str(v)) => AttrValue::Str(v),
-                Some(W::Bool(v)) => AttrValue::Bool(v),
-                Some(W::Ints(v)) => AttrValue::Ints(v.values),
-                Some(W::Floats(v)) => AttrValue::Floats(v.values),
-                Some(W::Strs(v)) => AttrValue::Strs(v.values),
+                Some(RawAttrValue::Int(v)) => AttrValue::Int(v),
+                Some(RawAttrValue::Float(v)) => AttrValue::Float(v),
+                Some(RawAttrValue::Str(v)) => AttrValue::Str(Name::new(v)),
+                Some(RawAttrValue::Bool(v)) => AttrValue::Bool(v),
+                Some(RawAttrValue::Ints(v)) => AttrValue::Ints(v),
+                Some(RawAttrValue::Floats(v)) => AttrValue::Floats(v),
+                Some(RawAttrValue::Strs(v)) => {
+                    AttrValue::Strs(v.iter().map(|&s| s.to_owned()).collect())
+                }
                 None => {
                     return Err(E::EmptyAttribute {
                         node: node.to_owned(),
-                        attribute: a.name,
+                        attribute: a.name.to_owned(),
                     })
                 }
             };
             Ok(Attribute {
-                name: a.name,
+                name: Name::new(a.name),
                 value,
             })
         })
@@ -493,7 +577,7 @@ fn convert_attributes(node: &str, wire: Vec<pb::Attribute>) -> Result<Vec<Attrib
 /// make an op mutable, a view, random or a collective.
 fn effects(
     node: &str,
-    schema: pb::SchemaFacts,
+    schema: &RawSchema,
     info: &ops::OpInfo,
     inputs: usize,
 ) -> Result<Effects, E> {
@@ -538,7 +622,7 @@ fn strongest_collective(
     a.max(b)
 }
 
-fn marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<Option<String>, E> {
+fn marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<Option<Name>, E> {
     if op != MARKER_OP {
         return Ok(None);
     }
@@ -564,16 +648,16 @@ fn producers(
             let value = &values[v];
             if value.role.is_graph_input() {
                 return Err(E::ProducesGraphInput {
-                    node: node.name.clone(),
-                    value: value.name.clone(),
+                    node: node.name.to_string(),
+                    value: value.name.to_string(),
                     role: value.role.name(),
                 });
             }
             if let Some(first) = producers[v] {
                 return Err(E::ProducedTwice {
-                    value: value.name.clone(),
-                    first: nodes[first].name.clone(),
-                    second: node.name.clone(),
+                    value: value.name.to_string(),
+                    first: nodes[first].name.to_string(),
+                    second: node.name.to_string(),
                 });
             }
             producers[v] = Some(id);
@@ -582,7 +666,7 @@ fn producers(
     for (id, value) in values.iter() {
         if producers[id].is_none() && !value.role.is_graph_input() {
             return Err(E::NeverProduced {
-                value: value.name.clone(),
+                value: value.name.to_string(),
                 role: value.role.name(),
             });
         }
@@ -600,9 +684,9 @@ fn check_execution_order(
         for &v in &node.inputs {
             if let Some(producer) = producers[v].filter(|&p| p >= id) {
                 return Err(E::UsedBeforeProduced {
-                    node: node.name.clone(),
-                    value: values[v].name.clone(),
-                    producer: nodes[producer].name.clone(),
+                    node: node.name.to_string(),
+                    value: values[v].name.to_string(),
+                    producer: nodes[producer].name.to_string(),
                 });
             }
         }

@@ -133,7 +133,7 @@ fn model_summary(graph: &Graph, model: ModelId) -> ModelSummary {
         }
         if let Some(marker) = &node.marker {
             summary.markers.push(match node.micro_batch {
-                0 => marker.clone(),
+                0 => marker.to_string(),
                 mb => format!("{marker}@mb{mb}"),
             });
         }
@@ -168,7 +168,7 @@ fn compiled_regions(graph: &Graph) -> Vec<RegionSummary> {
         let summary = regions
             .entry((region.as_str(), node.model))
             .or_insert_with(|| RegionSummary {
-                region: region.clone(),
+                region: region.to_string(),
                 model: graph.model(node.model).name.clone(),
                 layers: Vec::new(),
                 forward_nodes: 0,

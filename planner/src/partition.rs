@@ -343,8 +343,8 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
         for &v in &node.inputs {
             if !resident[v.index()] {
                 return Err(PartitionError::Unavailable {
-                    node: node.name.clone(),
-                    value: graph.value(v).name.clone(),
+                    node: node.name.to_string(),
+                    value: graph.value(v).name.to_string(),
                 });
             }
         }
@@ -371,9 +371,9 @@ fn check_writes_replayed(
         if m < reader && writer.phase == Phase::Forward && same_layer && !replay.nodes.contains(&m)
         {
             return Err(PartitionError::ReplayMissesWrite {
-                node: graph.node(reader).name.clone(),
-                value: graph.value(value).name.clone(),
-                writer: writer.name.clone(),
+                node: graph.node(reader).name.to_string(),
+                value: graph.value(value).name.to_string(),
+                writer: writer.name.to_string(),
             });
         }
     }
@@ -397,7 +397,7 @@ fn verify_replay(
             }
             other => {
                 return Err(PartitionError::ReplaysNonRecompute {
-                    node: node.name.clone(),
+                    node: node.name.to_string(),
                     decision: other.map_or("leave undecided", |p| p.decision.name()),
                 })
             }
@@ -406,8 +406,8 @@ fn verify_replay(
             let produced_here = here(v, produced_by);
             if !resident[v.index()] && !produced_here {
                 return Err(PartitionError::ReplayInputUnavailable {
-                    node: node.name.clone(),
-                    value: graph.value(v).name.clone(),
+                    node: node.name.to_string(),
+                    value: graph.value(v).name.to_string(),
                 });
             }
             if produced_here {
@@ -418,8 +418,8 @@ fn verify_replay(
             let written = node.inputs[p];
             if !here(written, produced_by) {
                 return Err(PartitionError::ReplayMutatesOutside {
-                    node: node.name.clone(),
-                    value: graph.value(written).name.clone(),
+                    node: node.name.to_string(),
+                    value: graph.value(written).name.to_string(),
                 });
             }
         }

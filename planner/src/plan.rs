@@ -342,7 +342,10 @@ fn memory_doc(graph: &Graph, joint: Option<&Joint>) -> MemoryDoc {
         no_checkpoint_peak_bytes: Some(j.no_checkpoint.peak_bytes),
         full_recompute_peak_bytes: Some(j.full_recompute_memory.peak_bytes),
         peak_stage: j.memory.peak_at.map(|(stage, _)| stage.name().to_owned()),
-        peak_node: j.memory.peak_at.map(|(_, n)| graph.node(n).name.clone()),
+        peak_node: j
+            .memory
+            .peak_at
+            .map(|(_, n)| graph.node(n).name.to_string()),
         parameter_bytes,
         gradient_bytes: j.memory.gradient_bytes,
     }
@@ -391,8 +394,8 @@ fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
             let p = policy.nodes[id]?;
             let model = graph.model(node.model);
             Some(NodeDoc {
-                name: node.name.clone(),
-                op: node.op.clone(),
+                name: node.name.to_string(),
+                op: node.op.to_string(),
                 model: model.name.clone(),
                 layer: node.layer,
                 decision: p.decision.name().to_owned(),
@@ -413,7 +416,7 @@ fn saved_docs(graph: &Graph, partition: &Partition) -> Vec<SavedDoc> {
         .map(|s| {
             let producer = graph.producer(s.value).map(|p| graph.node(p));
             SavedDoc {
-                value: graph.value(s.value).name.clone(),
+                value: graph.value(s.value).name.to_string(),
                 bytes: graph.value(s.value).bytes,
                 layer: producer.and_then(|p| p.layer),
                 kind: s.kind.name().to_owned(),
@@ -433,9 +436,9 @@ fn replay_docs(graph: &Graph, partition: &Partition, hw: &HwProfile) -> Vec<Repl
             nodes: r
                 .nodes
                 .iter()
-                .map(|&n| graph.node(n).name.clone())
+                .map(|&n| graph.node(n).name.to_string())
                 .collect(),
-            before: graph.node(r.before).name.clone(),
+            before: graph.node(r.before).name.to_string(),
             seconds: Work::of(graph, hw, r.nodes.iter().copied()).seconds,
         })
         .collect()

@@ -342,7 +342,7 @@ impl<'a, 'g> Session<'a, 'g> {
             } else {
                 *enclosed.not_kept.entry(policy.reason).or_default() += 1;
                 if let Some(region) = &node.compiled_region {
-                    enclosed.compiled_regions.insert(region.clone());
+                    enclosed.compiled_regions.insert(region.to_string());
                 }
             }
         }
@@ -369,7 +369,7 @@ impl<'a, 'g> Session<'a, 'g> {
                 self.compiled_markers
                     .entry(i.unit)
                     .or_default()
-                    .insert(region.clone());
+                    .insert(region.to_string());
             }
             return;
         }

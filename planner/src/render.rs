@@ -1,7 +1,10 @@
 //! The output formats of a [`Plan`]: human text, JSON (SPEC §8 keys), protobuf (`plan.proto`)
 //! and DOT. Every one is deterministic: same plan, same bytes (R11).
 
-use std::{collections::BTreeMap, fmt::Write as _};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt::Write as _,
+};
 
 use ir::{wire::plan as pb, EntityId, Graph, Phase};
 use prost::Message;
@@ -79,6 +82,12 @@ fn text_units(w: &mut String, plan: &Plan) {
         return;
     }
     let _ = writeln!(w, "kept units:");
+    let mut kept: HashMap<(&str, u32, &str), Vec<&NodeDoc>> = HashMap::new();
+    for n in &plan.nodes {
+        if let (Some(layer), Some(unit)) = (n.layer, n.unit.as_deref()) {
+            kept.entry((&n.model, layer, unit)).or_default().push(n);
+        }
+    }
     for u in &plan.units {
         let _ = writeln!(
             w,
@@ -90,9 +99,8 @@ fn text_units(w: &mut String, plan: &Plan) {
             format_seconds(u.replay_time_avoided_s)
         );
         for l in &u.layers {
-            let ops = op_histogram(plan.nodes.iter().filter(|n| {
-                n.model == u.model && n.layer == Some(l.layer) && n.unit.as_deref() == Some(&u.unit)
-            }));
+            let nodes = kept.get(&(u.model.as_str(), l.layer, u.unit.as_str()));
+            let ops = op_histogram(nodes.into_iter().flatten().copied());
             let _ = writeln!(
                 w,
                 "    layer {}: {} ops, {}: {ops}",
@@ -143,7 +151,7 @@ fn text_replay(w: &mut String, plan: &Plan) {
         let _ = writeln!(w, "replay: nothing re-runs in backward");
         return;
     }
-    let ops: BTreeMap<&str, &NodeDoc> = plan.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let ops: HashMap<&str, &NodeDoc> = plan.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
     let total: usize = plan.replay.iter().map(|r| r.nodes.len()).sum();
     let _ = writeln!(w, "replay: {total} ops in {} subgraphs", plan.replay.len());
     for r in &plan.replay {

@@ -15,7 +15,7 @@ use support::Builder;
 const ATTN: (&str, &[(&str, &str)]) = ("SAVE_ATTN", &[("attn.begin", "attn.end")]);
 
 fn node_name(graph: &Graph, stage_node: Option<(Stage, ir::NodeId)>) -> Option<(Stage, String)> {
-    stage_node.map(|(s, n)| (s, graph.node(n).name.clone()))
+    stage_node.map(|(s, n)| (s, graph.node(n).name.to_string()))
 }
 
 /// x -> a -> b -> c in layer 0; backward: g1 = c * t, g2 = a * g1.

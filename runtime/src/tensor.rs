@@ -36,7 +36,7 @@ pub fn sizes_of(value: &Value) -> Result<Vec<i64>, TensorError> {
         .iter()
         .map(|&size| {
             i64::try_from(size).map_err(|_| TensorError::DimTooLarge {
-                value: value.name.clone(),
+                value: value.name.to_string(),
                 size,
             })
         })

@@ -6,9 +6,9 @@ use tch::{Device, Kind, Tensor};
 
 fn value(dtype: DType, shape: &[u64]) -> Value {
     Value {
-        name: "v".to_owned(),
+        name: "v".into(),
         dtype,
-        shape: shape.to_vec(),
+        shape: shape.into(),
         role: Role::Activation,
         bytes: shape.iter().product::<u64>() * dtype.size_bytes(),
     }

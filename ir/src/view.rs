@@ -1,0 +1,375 @@
+//! Borrowed views of the wire `Value` and `Node` messages: what validation reads, with every
+//! string borrowed. A `.pb` file's elements are decoded straight from the file buffer
+//! ([`RawNode::decode`]), without the dozen small allocations per node that decoding into
+//! `pb::Node` makes; an already decoded `pb::Node` (from `.json`) is viewed in place
+//! ([`RawNode::of`]). Validation then has one conversion for both.
+//!
+//! The decoder follows protobuf's rules as prost applies them: fields in any order, the last
+//! occurrence of a scalar wins, repeated fields append, packed and unpacked repeated numbers
+//! are both accepted, a repeated embedded message merges, unknown fields are skipped, and a
+//! known field with the wrong wire type or a string that is not UTF-8 is an error.
+//! `ir/tests/view.rs` checks that both paths give the same graph.
+
+use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
+use smallvec::SmallVec;
+
+use crate::wire::graph as pb;
+
+/// A wire `Value`, strings borrowed.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RawValue<'a> {
+    pub name: &'a str,
+    pub dtype: i32,
+    pub shape: SmallVec<[i64; 4]>,
+    pub role: i32,
+}
+
+/// A wire `Node`, strings borrowed.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct RawNode<'a> {
+    pub name: &'a str,
+    pub op: &'a str,
+    pub inputs: SmallVec<[&'a str; 4]>,
+    pub outputs: SmallVec<[&'a str; 2]>,
+    pub attributes: SmallVec<[RawAttribute<'a>; 2]>,
+    pub phase: i32,
+    pub model: &'a str,
+    pub layer: Option<u32>,
+    pub module_path: &'a str,
+    pub compiled_region: &'a str,
+    pub micro_batch: u32,
+    pub schema: RawSchema,
+    pub stack_trace: Vec<&'a str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct RawSchema {
+    pub mutates: SmallVec<[u32; 2]>,
+    pub view_of: Option<u32>,
+    pub random: bool,
+    pub collective: i32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RawAttribute<'a> {
+    pub name: &'a str,
+    pub value: Option<RawAttrValue<'a>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum RawAttrValue<'a> {
+    Int(i64),
+    Float(f64),
+    Str(&'a str),
+    Bool(bool),
+    Ints(Vec<i64>),
+    Floats(Vec<f64>),
+    Strs(Vec<&'a str>),
+}
+
+impl<'a> RawValue<'a> {
+    pub fn of(v: &'a pb::Value) -> Self {
+        RawValue {
+            name: &v.name,
+            dtype: v.dtype,
+            shape: SmallVec::from_slice(&v.shape),
+            role: v.role,
+        }
+    }
+
+    /// Decodes the bytes of one `Value` message.
+    pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
+        let mut value = RawValue {
+            name: "",
+            dtype: 0,
+            shape: SmallVec::new(),
+            role: 0,
+        };
+        let mut r = Reader(bytes);
+        while let Some((tag, wire)) = r.key()? {
+            match tag {
+                1 => value.name = r.str(wire)?,
+                2 => value.dtype = r.int32(wire)?,
+                3 => r.repeated_varints(wire, |v| value.shape.push(v as i64))?,
+                4 => value.role = r.int32(wire)?,
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(value)
+    }
+}
+
+impl<'a> RawNode<'a> {
+    pub fn of(n: &'a pb::Node) -> Self {
+        let schema = n
+            .schema
+            .as_ref()
+            .map_or_else(RawSchema::default, |s| RawSchema {
+                mutates: SmallVec::from_slice(&s.mutates),
+                view_of: s.view_of,
+                random: s.random,
+                collective: s.collective,
+            });
+        RawNode {
+            name: &n.name,
+            op: &n.op,
+            inputs: n.inputs.iter().map(String::as_str).collect(),
+            outputs: n.outputs.iter().map(String::as_str).collect(),
+            attributes: n.attributes.iter().map(RawAttribute::of).collect(),
+            phase: n.phase,
+            model: &n.model,
+            layer: n.layer,
+            module_path: &n.module_path,
+            compiled_region: &n.compiled_region,
+            micro_batch: n.micro_batch,
+            schema,
+            stack_trace: n.stack_trace.iter().map(String::as_str).collect(),
+        }
+    }
+
+    /// Decodes the bytes of one `Node` message.
+    pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
+        let mut node = RawNode::default();
+        let mut r = Reader(bytes);
+        while let Some((tag, wire)) = r.key()? {
+            match tag {
+                1 => node.name = r.str(wire)?,
+                2 => node.op = r.str(wire)?,
+                3 => node.inputs.push(r.str(wire)?),
+                4 => node.outputs.push(r.str(wire)?),
+                5 => node
+                    .attributes
+                    .push(RawAttribute::decode(r.message(wire)?)?),
+                6 => node.phase = r.int32(wire)?,
+                7 => node.model = r.str(wire)?,
+                8 => node.layer = Some(r.varint(wire)? as u32),
+                9 => node.module_path = r.str(wire)?,
+                10 => node.compiled_region = r.str(wire)?,
+                11 => node.micro_batch = r.varint(wire)? as u32,
+                12 => node.schema.merge(r.message(wire)?)?,
+                13 => node.stack_trace.push(r.str(wire)?),
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(node)
+    }
+}
+
+impl RawSchema {
+    /// Merges one encoded `SchemaFacts` into `self`, as a repeated embedded message merges.
+    fn merge(&mut self, bytes: &[u8]) -> Result<(), String> {
+        let mut r = Reader(bytes);
+        while let Some((tag, wire)) = r.key()? {
+            match tag {
+                1 => r.repeated_varints(wire, |v| self.mutates.push(v as u32))?,
+                2 => self.view_of = Some(r.varint(wire)? as u32),
+                3 => self.random = r.varint(wire)? != 0,
+                4 => self.collective = r.int32(wire)?,
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<'a> RawAttribute<'a> {
+    fn of(a: &'a pb::Attribute) -> Self {
+        use pb::attribute::Value as W;
+        let value = a.value.as_ref().map(|v| match v {
+            W::Int(i) => RawAttrValue::Int(*i),
+            W::Float(f) => RawAttrValue::Float(*f),
+            W::Str(s) => RawAttrValue::Str(s),
+            W::Bool(b) => RawAttrValue::Bool(*b),
+            W::Ints(l) => RawAttrValue::Ints(l.values.clone()),
+            W::Floats(l) => RawAttrValue::Floats(l.values.clone()),
+            W::Strs(l) => RawAttrValue::Strs(l.values.iter().map(String::as_str).collect()),
+        });
+        RawAttribute {
+            name: &a.name,
+            value,
+        }
+    }
+
+    /// Decodes one `Attribute`. Of its `oneof`, the last field wins; a list field over a list
+    /// already there takes more items into the same list, as prost merges it.
+    fn decode(bytes: &'a [u8]) -> Result<Self, String> {
+        let mut attribute = RawAttribute {
+            name: "",
+            value: None,
+        };
+        let mut r = Reader(bytes);
+        while let Some((tag, wire)) = r.key()? {
+            let value = &mut attribute.value;
+            match tag {
+                1 => attribute.name = r.str(wire)?,
+                2 => *value = Some(RawAttrValue::Int(r.varint(wire)? as i64)),
+                3 => *value = Some(RawAttrValue::Float(f64::from_bits(r.fixed64(wire)?))),
+                4 => *value = Some(RawAttrValue::Str(r.str(wire)?)),
+                5 => *value = Some(RawAttrValue::Bool(r.varint(wire)? != 0)),
+                6 => {
+                    let list = r.message(wire)?;
+                    if !matches!(value, Some(RawAttrValue::Ints(_))) {
+                        *value = Some(RawAttrValue::Ints(Vec::new()));
+                    }
+                    if let Some(RawAttrValue::Ints(values)) = value {
+                        list_items(list, |r, wire| {
+                            r.repeated_varints(wire, |v| values.push(v as i64))
+                        })?;
+                    }
+                }
+                7 => {
+                    let list = r.message(wire)?;
+                    if !matches!(value, Some(RawAttrValue::Floats(_))) {
+                        *value = Some(RawAttrValue::Floats(Vec::new()));
+                    }
+                    if let Some(RawAttrValue::Floats(values)) = value {
+                        list_items(list, |r, wire| {
+                            r.repeated_fixed64(wire, |v| values.push(f64::from_bits(v)))
+                        })?;
+                    }
+                }
+                8 => {
+                    let list = r.message(wire)?;
+                    if !matches!(value, Some(RawAttrValue::Strs(_))) {
+                        *value = Some(RawAttrValue::Strs(Vec::new()));
+                    }
+                    if let Some(RawAttrValue::Strs(values)) = value {
+                        list_items(list, |r, wire| {
+                            values.push(r.str(wire)?);
+                            Ok(())
+                        })?;
+                    }
+                }
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(attribute)
+    }
+}
+
+/// Reads an `IntList`, `FloatList` or `StringList`: field 1 holds the items.
+fn list_items<'a>(
+    bytes: &'a [u8],
+    mut item: impl FnMut(&mut Reader<'a>, WireType) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut r = Reader(bytes);
+    while let Some((tag, wire)) = r.key()? {
+        match tag {
+            1 => item(&mut r, wire)?,
+            _ => r.skip(wire, tag)?,
+        }
+    }
+    Ok(())
+}
+
+/// The unread rest of one message.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    /// The next field's tag and wire type, or `None` at the end.
+    fn key(&mut self) -> Result<Option<(u32, WireType)>, String> {
+        if self.0.is_empty() {
+            return Ok(None);
+        }
+        decode_key(&mut self.0).map(Some).map_err(|e| e.to_string())
+    }
+
+    fn skip(&mut self, wire: WireType, tag: u32) -> Result<(), String> {
+        skip_field(wire, tag, &mut self.0, DecodeContext::default()).map_err(|e| e.to_string())
+    }
+
+    fn raw_varint(&mut self) -> Result<u64, String> {
+        decode_varint(&mut self.0).map_err(|e| e.to_string())
+    }
+
+    fn varint(&mut self, wire: WireType) -> Result<u64, String> {
+        expect(wire, WireType::Varint)?;
+        self.raw_varint()
+    }
+
+    /// An `int32` or enum: the varint truncated, as protobuf specifies.
+    fn int32(&mut self, wire: WireType) -> Result<i32, String> {
+        Ok(self.varint(wire)? as i32)
+    }
+
+    fn fixed64(&mut self, wire: WireType) -> Result<u64, String> {
+        expect(wire, WireType::SixtyFourBit)?;
+        self.raw_fixed64()
+    }
+
+    fn raw_fixed64(&mut self) -> Result<u64, String> {
+        match self.0.split_first_chunk::<8>() {
+            Some((bytes, rest)) => {
+                self.0 = rest;
+                Ok(u64::from_le_bytes(*bytes))
+            }
+            None => Err(truncated()),
+        }
+    }
+
+    /// A length-delimited field's bytes.
+    fn message(&mut self, wire: WireType) -> Result<&'a [u8], String> {
+        expect(wire, WireType::LengthDelimited)?;
+        let len = self.raw_varint()?;
+        match usize::try_from(len) {
+            Ok(len) if len <= self.0.len() => {
+                let (bytes, rest) = self.0.split_at(len);
+                self.0 = rest;
+                Ok(bytes)
+            }
+            _ => Err(truncated()),
+        }
+    }
+
+    fn str(&mut self, wire: WireType) -> Result<&'a str, String> {
+        std::str::from_utf8(self.message(wire)?)
+            .map_err(|_| "invalid string value: data is not UTF-8 encoded".to_owned())
+    }
+
+    /// A repeated varint field, packed (one length-delimited run) or not (one per field).
+    fn repeated_varints(
+        &mut self,
+        wire: WireType,
+        mut push: impl FnMut(u64),
+    ) -> Result<(), String> {
+        if wire != WireType::LengthDelimited {
+            push(self.varint(wire)?);
+            return Ok(());
+        }
+        let mut packed = Reader(self.message(wire)?);
+        while !packed.0.is_empty() {
+            push(packed.raw_varint()?);
+        }
+        Ok(())
+    }
+
+    /// A repeated 64-bit field, packed or not.
+    fn repeated_fixed64(
+        &mut self,
+        wire: WireType,
+        mut push: impl FnMut(u64),
+    ) -> Result<(), String> {
+        if wire != WireType::LengthDelimited {
+            push(self.fixed64(wire)?);
+            return Ok(());
+        }
+        let mut packed = Reader(self.message(wire)?);
+        while !packed.0.is_empty() {
+            push(packed.raw_fixed64()?);
+        }
+        Ok(())
+    }
+}
+
+fn expect(wire: WireType, expected: WireType) -> Result<(), String> {
+    if wire == expected {
+        return Ok(());
+    }
+    Err(format!(
+        "invalid wire type: {wire:?} (expected {expected:?})"
+    ))
+}
+
+fn truncated() -> String {
+    "buffer underflow".to_owned()
+}
