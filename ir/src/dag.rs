@@ -1,8 +1,8 @@
-//! The data-dependency DAG over nodes, private to this crate: petgraph indices never escape,
-//! callers see [`NodeId`]s. Built once at load and never mutated, so node index `i` is always
-//! `NodeId` `i`.
+//! The data-dependency DAG over nodes, private to this crate and built only to name a node on
+//! a cycle when a graph is not in execution order (neighbour queries use the graph's producer
+//! and consumer tables). Node index `i` is `NodeId` `i`.
 
-use petgraph::{algo, graph::DiGraph, graph::NodeIndex, Direction};
+use petgraph::{algo, graph::DiGraph, graph::NodeIndex};
 
 use crate::id::{EntityId, IdVec, NodeId, ValueId};
 
@@ -25,7 +25,11 @@ impl Dag {
         for (consumer, inputs) in node_inputs.enumerate() {
             for value in inputs {
                 if let Some(producer) = producers[value] {
-                    graph.add_edge(index(producer), NodeIndex::new(consumer), value);
+                    graph.add_edge(
+                        NodeIndex::new(producer.index()),
+                        NodeIndex::new(consumer),
+                        value,
+                    );
                 }
             }
         }
@@ -38,27 +42,4 @@ impl Dag {
             .err()
             .map(|cycle| NodeId::from_index(cycle.node_id().index()))
     }
-
-    pub(crate) fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
-        self.neighbors(node, Direction::Incoming)
-    }
-
-    pub(crate) fn successors(&self, node: NodeId) -> Vec<NodeId> {
-        self.neighbors(node, Direction::Outgoing)
-    }
-
-    fn neighbors(&self, node: NodeId, direction: Direction) -> Vec<NodeId> {
-        let mut ids: Vec<NodeId> = self
-            .graph
-            .neighbors_directed(index(node), direction)
-            .map(|n| NodeId::from_index(n.index()))
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        ids
-    }
-}
-
-fn index(node: NodeId) -> NodeIndex<u32> {
-    NodeIndex::new(node.index())
 }

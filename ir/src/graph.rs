@@ -7,7 +7,6 @@
 use std::fmt;
 
 use crate::{
-    dag::Dag,
     id::{EntityId, IdVec, ModelId, NodeId, ValueId},
     ops::{CollectiveKind, OpInfo, TensorRef},
 };
@@ -268,9 +267,8 @@ pub struct Graph {
     pub(crate) consumers: Consumers,
     /// Nodes that write a value in place, in execution order (sparse: few values are written).
     pub(crate) mutators: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
-    /// Built on first use: validation proves acyclicity without it (execution order is a
-    /// topological order), so only neighbour queries pay for it.
-    pub(crate) dag: std::sync::OnceLock<Dag>,
+    /// [`Graph::backward_order`], computed on first use.
+    pub(crate) backward_order: std::sync::OnceLock<Vec<NodeId>>,
 }
 
 impl Graph {
@@ -330,7 +328,12 @@ impl Graph {
     /// Backward nodes in the order to run them: in graph order, except that backward nodes
     /// placed before the end of forward (AOTAutograd's `detach` of saved outputs) run just
     /// before the first later backward node that needs them, or first if none does.
-    pub fn backward_order(&self) -> Vec<NodeId> {
+    pub fn backward_order(&self) -> &[NodeId] {
+        self.backward_order
+            .get_or_init(|| self.compute_backward_order())
+    }
+
+    fn compute_backward_order(&self) -> Vec<NodeId> {
         let last_forward = self
             .nodes
             .iter()
@@ -384,23 +387,16 @@ impl Graph {
         self.mutators.get(&value).map_or(&[], Vec::as_slice)
     }
 
-    fn dag(&self) -> &Dag {
-        self.dag.get_or_init(|| {
-            Dag::build(
-                self.nodes.values().map(|n| n.inputs.iter().copied()),
-                &self.producers,
-            )
-        })
-    }
-
     /// Nodes whose outputs `node` reads (each once), in execution order.
     pub fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
-        self.dag().predecessors(node)
+        let inputs = self.nodes[node].inputs.iter();
+        sorted_unique(inputs.filter_map(|&v| self.producers[v]).collect())
     }
 
     /// Nodes that read an output of `node` (each once), in execution order.
     pub fn successors(&self, node: NodeId) -> Vec<NodeId> {
-        self.dag().successors(node)
+        let outputs = self.nodes[node].outputs.iter();
+        sorted_unique(outputs.flat_map(|&v| self.consumers(v)).copied().collect())
     }
 
     pub fn model_by_name(&self, name: &str) -> Option<ModelId> {
@@ -413,11 +409,17 @@ impl Graph {
     /// The cost of one execution of `node`, from the op knowledge base.
     pub fn node_cost(&self, node: NodeId) -> crate::ops::Cost {
         let node = &self.nodes[node];
-        let refs = |ids: &[ValueId]| -> Vec<TensorRef<'_>> {
+        let refs = |ids: &[ValueId]| -> smallvec::SmallVec<[TensorRef<'_>; 4]> {
             ids.iter().map(|&v| self.values[v].tensor_ref()).collect()
         };
         node.info.cost(&refs(&node.inputs), &refs(&node.outputs))
     }
+}
+
+fn sorted_unique(mut ids: Vec<NodeId>) -> Vec<NodeId> {
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// Consumers of every value in one flat array (compressed rows), in execution order.

@@ -135,7 +135,7 @@ fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
         producers,
         consumers,
         mutators,
-        dag: std::sync::OnceLock::new(),
+        backward_order: std::sync::OnceLock::new(),
     })
 }
 

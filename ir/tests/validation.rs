@@ -562,8 +562,8 @@ fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
     let g = Graph::from_wire(g).expect("valid");
     let order: Vec<&str> = g
         .backward_order()
-        .into_iter()
-        .map(|id| g.node(id).name.as_str())
+        .iter()
+        .map(|&id| g.node(id).name.as_str())
         .collect();
     assert_eq!(order, ["expand", "t", "mm_bwd", "det", "use_det"]);
 }

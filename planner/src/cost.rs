@@ -7,7 +7,8 @@
 
 use std::{fs, path::Path};
 
-use ir::{Graph, NodeId};
+use ir::{ops::Cost, EntityId, Graph, NodeId, Phase};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Throughputs of one accelerator.
@@ -64,8 +65,12 @@ impl HwProfile {
 
     /// Estimated seconds for one execution of `node`.
     pub fn node_seconds(&self, graph: &Graph, node: NodeId) -> f64 {
-        let cost = graph.node_cost(node);
-        let rate = if graph.node(node).info.compute_intensive {
+        Work::of_node(graph, self, node).seconds
+    }
+
+    /// Roofline seconds of `cost`: compute or memory, whichever is slower, plus communication.
+    fn seconds(&self, cost: &Cost, compute_intensive: bool) -> f64 {
+        let rate = if compute_intensive {
             self.matmul_flops_per_s
         } else {
             self.vector_flops_per_s
@@ -86,16 +91,54 @@ pub struct Work {
 }
 
 impl Work {
-    /// The summed cost of `nodes`.
-    pub fn of(graph: &Graph, hw: &HwProfile, nodes: impl IntoIterator<Item = NodeId>) -> Work {
-        let mut work = Work::default();
-        for id in nodes {
-            let cost = graph.node_cost(id);
-            work.flops = work.flops.saturating_add(cost.flops);
-            work.bytes = work.bytes.saturating_add(cost.bytes);
-            work.comm_bytes = work.comm_bytes.saturating_add(cost.comm_bytes);
-            work.seconds += hw.node_seconds(graph, id);
+    /// One execution of `node`.
+    pub fn of_node(graph: &Graph, hw: &HwProfile, node: NodeId) -> Work {
+        let cost = graph.node_cost(node);
+        Work {
+            flops: cost.flops,
+            bytes: cost.bytes,
+            comm_bytes: cost.comm_bytes,
+            seconds: hw.seconds(&cost, graph.node(node).info.compute_intensive),
         }
-        work
+    }
+
+    fn plus(self, other: Work) -> Work {
+        Work {
+            flops: self.flops.saturating_add(other.flops),
+            bytes: self.bytes.saturating_add(other.bytes),
+            comm_bytes: self.comm_bytes.saturating_add(other.comm_bytes),
+            seconds: self.seconds + other.seconds,
+        }
+    }
+}
+
+/// The work of every forward node (what replay can re-run), computed once and in parallel for
+/// a plan document that sums it several ways; backward nodes count as nothing.
+pub struct ForwardWork(Vec<Work>);
+
+impl ForwardWork {
+    pub fn of(graph: &Graph, hw: &HwProfile) -> ForwardWork {
+        let nodes = graph.nodes().values().as_slice();
+        ForwardWork(
+            nodes
+                .par_iter()
+                .enumerate()
+                .map(|(i, node)| match node.phase {
+                    Phase::Forward => Work::of_node(graph, hw, NodeId::from_index(i)),
+                    Phase::Backward => Work::default(),
+                })
+                .collect(),
+        )
+    }
+
+    pub fn node(&self, node: NodeId) -> Work {
+        self.0[node.index()]
+    }
+
+    /// The summed work of `nodes`, in their order.
+    pub fn sum(&self, nodes: impl IntoIterator<Item = NodeId>) -> Work {
+        nodes
+            .into_iter()
+            .fold(Work::default(), |acc, id| acc.plus(self.node(id)))
     }
 }

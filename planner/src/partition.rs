@@ -113,7 +113,7 @@ pub fn is_joint(graph: &Graph) -> bool {
 
 /// Partitions a joint graph under `policy`.
 pub fn partition(graph: &Graph, policy: &Policy) -> Partition {
-    let order = graph.backward_order();
+    let order = graph.backward_order().to_vec();
     let mut state = Builder::new(graph, policy);
     for (at, &id) in order.iter().enumerate() {
         for &v in &graph.node(id).inputs {

@@ -3,14 +3,14 @@
 
 use std::collections::BTreeMap;
 
-use ir::{EntityId, Graph, NodeId};
+use ir::{EntityId, Graph, Name, NodeId};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::{
     config::{self, Collectives, ConfigError, Keep, PlanConfig, Resolved},
-    cost::{HwProfile, Work},
+    cost::{ForwardWork, HwProfile},
     diagnostics::{self, Diagnostic, Level},
     memory::{self, Simulation},
     partition::{self, Partition, PartitionError},
@@ -60,19 +60,20 @@ pub struct LayerKeepDoc {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One per forward node, so its strings are [`Name`]s: inline, no allocation each.
 pub struct NodeDoc {
-    pub name: String,
-    pub op: String,
-    pub model: String,
+    pub name: Name,
+    pub op: Name,
+    pub model: Name,
     pub layer: Option<u32>,
-    pub decision: String,
-    pub reason: String,
-    pub unit: Option<String>,
+    pub decision: Name,
+    pub reason: Name,
+    pub unit: Option<Name>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedDoc {
-    pub value: String,
+    pub value: Name,
     pub bytes: u64,
     pub layer: Option<u32>,
     pub kind: String,
@@ -83,7 +84,7 @@ pub struct SavedDoc {
 pub struct ReplayDoc {
     pub model: String,
     pub layer: u32,
-    pub nodes: Vec<String>,
+    pub nodes: Vec<Name>,
     pub before: String,
     /// Estimated seconds of this replay.
     pub seconds: f64,
@@ -294,6 +295,7 @@ fn assemble(
 ) -> Plan {
     let partition = joint.map(|j| &j.partition);
     let saved = partition.map_or_else(Vec::new, |p| saved_docs(graph, p));
+    let work = ForwardWork::of(graph, hw);
     Plan {
         planner_version: PLANNER_VERSION.to_owned(),
         graph: GraphRef {
@@ -309,10 +311,10 @@ fn assemble(
         },
         joint: partition.is_some(),
         nodes: node_docs(graph, policy),
-        replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p, hw)),
-        units: unit_docs(graph, policy, joint, hw),
+        replay: partition.map_or_else(Vec::new, |p| replay_docs(graph, p, &work)),
+        units: unit_docs(graph, policy, joint, &work),
         memory: memory_doc(graph, joint),
-        cost: cost_doc(graph, joint, hw),
+        cost: cost_doc(joint, hw, &work),
         saved,
         diagnostics: diagnostics.into_iter().map(diagnostic_doc).collect(),
     }
@@ -351,27 +353,30 @@ fn memory_doc(graph: &Graph, joint: Option<&Joint>) -> MemoryDoc {
     }
 }
 
-fn cost_doc(graph: &Graph, joint: Option<&Joint>, hw: &HwProfile) -> CostDoc {
-    let replayed = |p: &Partition| -> Vec<NodeId> {
-        p.replays
-            .iter()
-            .flat_map(|r| r.nodes.iter().copied())
-            .collect()
+fn cost_doc(joint: Option<&Joint>, hw: &HwProfile, work: &ForwardWork) -> CostDoc {
+    let (replay, baseline) = match joint {
+        Some(j) => (
+            work.sum(replayed(&j.partition)),
+            work.sum(replayed(&j.full_recompute)),
+        ),
+        None => Default::default(),
     };
-    let work = joint.map_or_else(Work::default, |j| {
-        Work::of(graph, hw, replayed(&j.partition))
-    });
-    let baseline = joint.map_or_else(Work::default, |j| {
-        Work::of(graph, hw, replayed(&j.full_recompute))
-    });
     CostDoc {
-        replay_flops: work.flops,
-        replay_bytes: work.bytes,
-        replay_comm_bytes: work.comm_bytes,
-        replay_time_s: work.seconds,
+        replay_flops: replay.flops,
+        replay_bytes: replay.bytes,
+        replay_comm_bytes: replay.comm_bytes,
+        replay_time_s: replay.seconds,
         full_recompute_replay_time_s: baseline.seconds,
         hw: hw.name.clone(),
     }
+}
+
+/// Every node the partition replays.
+fn replayed(partition: &Partition) -> impl Iterator<Item = NodeId> + '_ {
+    partition
+        .replays
+        .iter()
+        .flat_map(|r| r.nodes.iter().copied())
 }
 
 fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
@@ -394,16 +399,16 @@ fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
             let p = policy.nodes[id]?;
             let model = graph.model(node.model);
             Some(NodeDoc {
-                name: node.name.to_string(),
-                op: node.op.to_string(),
-                model: model.name.clone(),
+                name: node.name.clone(),
+                op: node.op.clone(),
+                model: Name::new(&model.name),
                 layer: node.layer,
-                decision: p.decision.name().to_owned(),
-                reason: p.reason.name().to_owned(),
+                decision: Name::const_new(p.decision.name()),
+                reason: Name::const_new(p.reason.name()),
                 unit: p
                     .unit
                     .filter(|_| p.decision == Decision::Save)
-                    .map(|u| model.units[u].name.clone()),
+                    .map(|u| Name::new(&model.units[u].name)),
             })
         })
         .collect()
@@ -416,7 +421,7 @@ fn saved_docs(graph: &Graph, partition: &Partition) -> Vec<SavedDoc> {
         .map(|s| {
             let producer = graph.producer(s.value).map(|p| graph.node(p));
             SavedDoc {
-                value: graph.value(s.value).name.to_string(),
+                value: graph.value(s.value).name.clone(),
                 bytes: graph.value(s.value).bytes,
                 layer: producer.and_then(|p| p.layer),
                 kind: s.kind.name().to_owned(),
@@ -426,7 +431,7 @@ fn saved_docs(graph: &Graph, partition: &Partition) -> Vec<SavedDoc> {
         .collect()
 }
 
-fn replay_docs(graph: &Graph, partition: &Partition, hw: &HwProfile) -> Vec<ReplayDoc> {
+fn replay_docs(graph: &Graph, partition: &Partition, work: &ForwardWork) -> Vec<ReplayDoc> {
     partition
         .replays
         .iter()
@@ -436,10 +441,10 @@ fn replay_docs(graph: &Graph, partition: &Partition, hw: &HwProfile) -> Vec<Repl
             nodes: r
                 .nodes
                 .iter()
-                .map(|&n| graph.node(n).name.to_string())
+                .map(|&n| graph.node(n).name.clone())
                 .collect(),
             before: graph.node(r.before).name.to_string(),
-            seconds: Work::of(graph, hw, r.nodes.iter().copied()).seconds,
+            seconds: work.sum(r.nodes.iter().copied()).seconds,
         })
         .collect()
 }
@@ -468,7 +473,7 @@ fn unit_docs(
     graph: &Graph,
     policy: &Policy,
     joint: Option<&Joint>,
-    hw: &HwProfile,
+    work: &ForwardWork,
 ) -> Vec<UnitDoc> {
     let mut saved = vec![false; graph.values().len()];
     for s in joint
@@ -494,7 +499,7 @@ fn unit_docs(
         };
         let Some(unit) = p.unit else { continue };
         if replayed_by_baseline[ir::EntityId::index(id)] {
-            *avoided.entry((node.model, unit)).or_default() += hw.node_seconds(graph, id);
+            *avoided.entry((node.model, unit)).or_default() += work.node(id).seconds;
         }
         let layer = per
             .entry((node.model, unit))

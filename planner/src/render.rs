@@ -6,7 +6,7 @@ use std::{
     fmt::Write as _,
 };
 
-use ir::{wire::plan as pb, EntityId, Graph, Phase};
+use ir::{wire::plan as pb, EntityId, Graph, Name, Phase};
 use prost::Message;
 
 use crate::{
@@ -259,20 +259,20 @@ fn to_wire(plan: &Plan) -> pb::Plan {
             .nodes
             .iter()
             .map(|n| pb::NodeDecision {
-                name: n.name.clone(),
-                op: n.op.clone(),
-                model: n.model.clone(),
+                name: n.name.to_string(),
+                op: n.op.to_string(),
+                model: n.model.to_string(),
                 layer: n.layer,
                 decision: decision_to_wire(&n.decision) as i32,
-                reason: n.reason.clone(),
-                unit: n.unit.clone().unwrap_or_default(),
+                reason: n.reason.to_string(),
+                unit: n.unit.as_deref().unwrap_or_default().to_owned(),
             })
             .collect(),
         saved: plan
             .saved
             .iter()
             .map(|s| pb::SavedValue {
-                value: s.value.clone(),
+                value: s.value.to_string(),
                 bytes: s.bytes,
                 layer: s.layer,
                 kind: s.kind.clone(),
@@ -285,7 +285,7 @@ fn to_wire(plan: &Plan) -> pb::Plan {
             .map(|r| pb::Replay {
                 model: r.model.clone(),
                 layer: r.layer,
-                nodes: r.nodes.clone(),
+                nodes: r.nodes.iter().map(|n| n.to_string()).collect(),
                 before: r.before.clone(),
                 seconds: r.seconds,
             })
@@ -393,13 +393,15 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
             .into_iter()
             .map(|n| {
                 Ok(NodeDoc {
-                    decision: decision_from_wire(n.decision)?.to_owned(),
-                    name: n.name,
-                    op: n.op,
-                    model: n.model,
+                    decision: Name::new(decision_from_wire(n.decision)?),
+                    name: Name::new(&n.name),
+                    op: Name::new(&n.op),
+                    model: Name::new(&n.model),
                     layer: n.layer,
-                    reason: n.reason,
-                    unit: Some(n.unit).filter(|u| !u.is_empty()),
+                    reason: Name::new(&n.reason),
+                    unit: Some(n.unit)
+                        .filter(|u| !u.is_empty())
+                        .map(|u| Name::new(&u)),
                 })
             })
             .collect::<Result<_, String>>()?,
@@ -407,7 +409,7 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
             .saved
             .into_iter()
             .map(|s| SavedDoc {
-                value: s.value,
+                value: Name::new(&s.value),
                 bytes: s.bytes,
                 layer: s.layer,
                 kind: s.kind,
@@ -420,7 +422,7 @@ pub fn from_protobuf(bytes: &[u8]) -> Result<Plan, String> {
             .map(|r| ReplayDoc {
                 model: r.model,
                 layer: r.layer,
-                nodes: r.nodes,
+                nodes: r.nodes.iter().map(Name::new).collect(),
                 before: r.before,
                 seconds: r.seconds,
             })
@@ -530,7 +532,7 @@ pub fn dot(graph: &Graph, plan: &Plan) -> String {
     let replayed: std::collections::BTreeSet<&str> = plan
         .replay
         .iter()
-        .flat_map(|r| r.nodes.iter().map(String::as_str))
+        .flat_map(|r| r.nodes.iter().map(Name::as_str))
         .collect();
     let mut out = String::new();
     let w = &mut out;

@@ -75,7 +75,7 @@ fn r6_save_dsa_indexer_keeps_the_eager_topk_and_replay_never_runs_it() {
         .values()
         .map(|n| (n.name.as_str(), n.compiled_region.is_some()))
         .collect();
-    let eager_topk: Vec<&String> = p
+    let eager_topk: Vec<&ir::Name> = p
         .replay
         .iter()
         .flat_map(|r| &r.nodes)
@@ -83,7 +83,7 @@ fn r6_save_dsa_indexer_keeps_the_eager_topk_and_replay_never_runs_it() {
         .filter(|n| {
             p.nodes
                 .iter()
-                .any(|d| &d.name == *n && d.op == "aten.topk.default")
+                .any(|d| d.name == **n && d.op == "aten.topk.default")
         })
         .collect();
     assert!(
@@ -239,9 +239,9 @@ fn kept_per_micro_batch(g: &Graph, p: &Plan) -> BTreeMap<(String, u32, u32), Vec
     let mut kept: BTreeMap<(String, u32, u32), Vec<String>> = BTreeMap::new();
     for n in p.nodes.iter().filter(|n| n.decision == "save") {
         if let (Some(unit), Some(layer)) = (&n.unit, n.layer) {
-            kept.entry((unit.clone(), layer, micro_batch[n.name.as_str()]))
+            kept.entry((unit.to_string(), layer, micro_batch[n.name.as_str()]))
                 .or_default()
-                .push(n.op.clone());
+                .push(n.op.to_string());
         }
     }
     for ops in kept.values_mut() {

@@ -38,7 +38,7 @@ fn chain() -> Builder {
 #[test]
 fn m1_no_checkpointing_keeps_what_backward_reads_alive() {
     let graph = chain().build();
-    let sim = simulate(&graph, &graph.backward_order(), &[]);
+    let sim = simulate(&graph, graph.backward_order(), &[]);
     // At n3: t, a (read by backward), b (read by n3) and c = 4 × 64.
     assert_eq!(sim.peak_bytes, 256);
     assert_eq!(
@@ -80,7 +80,7 @@ fn m1_views_alias_their_base_and_cost_nothing() {
     // Views share a's storage: x + a, then a + c. Were views storages of their own, n3 would
     // see a, v1 and v2 live (192).
     assert_eq!(
-        simulate(&graph, &graph.backward_order(), &[]).peak_bytes,
+        simulate(&graph, graph.backward_order(), &[]).peak_bytes,
         128
     );
 }

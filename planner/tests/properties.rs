@@ -192,7 +192,7 @@ proptest! {
         let p = plan(&graph, &config(&case), &HwProfile::default()).unwrap();
         for replay in &p.replay {
             for name in &replay.nodes {
-                let doc = p.nodes.iter().find(|n| &n.name == name).unwrap();
+                let doc = p.nodes.iter().find(|n| n.name == *name).unwrap();
                 prop_assert_eq!(doc.decision.as_str(), "recompute");
             }
         }
