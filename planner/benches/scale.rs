@@ -19,6 +19,7 @@ use planner::{
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    planner::allocator::keep_freed_memory();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")

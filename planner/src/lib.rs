@@ -3,6 +3,7 @@
 //!
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
+pub mod allocator;
 pub mod budget;
 pub mod config;
 pub mod convert;
