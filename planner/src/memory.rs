@@ -54,18 +54,26 @@ struct Storage {
     last: usize,
 }
 
-/// Storage ids per value, per copy: the forward one, the replayed one, the backward one.
+/// Storage ids per value, per copy: the forward one, the replayed one, the backward one
+/// ([`NO_STORAGE`] where there is none: 4 bytes a value, not 8).
 struct Instances {
-    forward: Vec<Option<u32>>,
-    replayed: Vec<Option<u32>>,
-    backward: Vec<Option<u32>>,
+    forward: Vec<u32>,
+    replayed: Vec<u32>,
+    backward: Vec<u32>,
+}
+
+const NO_STORAGE: u32 = u32::MAX;
+
+fn storage(id: u32) -> Option<u32> {
+    (id != NO_STORAGE).then_some(id)
 }
 
 struct Simulator<'g> {
     graph: &'g Graph,
     storages: Vec<Storage>,
     inst: Instances,
-    schedule: Vec<(Stage, NodeId)>,
+    /// Steps run so far.
+    steps: usize,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
@@ -74,30 +82,54 @@ pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulati
     let n = graph.values().len();
     let mut sim = Simulator {
         graph,
-        storages: Vec::new(),
+        storages: Vec::with_capacity(graph.nodes().len()),
         inst: Instances {
-            forward: vec![None; n],
-            replayed: vec![None; n],
-            backward: vec![None; n],
+            forward: vec![NO_STORAGE; n],
+            replayed: vec![NO_STORAGE; n],
+            backward: vec![NO_STORAGE; n],
         },
-        schedule: Vec::with_capacity(graph.nodes().len()),
+        steps: 0,
     };
     sim.place_graph_inputs();
-    for (id, node) in graph.nodes().iter() {
-        if node.phase == Phase::Forward {
-            sim.run(Stage::Forward, id);
-        }
+    for (stage, id) in schedule(graph, order, replays) {
+        sim.run(stage, id);
     }
+    let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
+    Simulation {
+        peak_bytes,
+        peak_at: peak_step.and_then(|s| schedule(graph, order, replays).nth(s)),
+        parameter_bytes: graph
+            .values()
+            .values()
+            .filter(|v| v.role == ir::Role::Parameter)
+            .fold(0u64, |acc, v| acc.saturating_add(v.bytes)),
+        gradient_bytes,
+    }
+}
+
+/// The steps of one training step: forward nodes in execution order, then backward in
+/// `order` with each replay's nodes just before the node it is scheduled for.
+fn schedule<'a>(
+    graph: &'a Graph,
+    order: &'a [NodeId],
+    replays: &'a [Replay],
+) -> impl Iterator<Item = (Stage, NodeId)> + 'a {
+    let forward = graph
+        .nodes()
+        .iter()
+        .filter(|(_, node)| node.phase == Phase::Forward)
+        .map(|(id, _)| (Stage::Forward, id));
     let mut pending = replays.iter().peekable();
-    for (at, &id) in order.iter().enumerate() {
+    let backward = order.iter().enumerate().flat_map(move |(at, &id)| {
+        let mut due = Vec::new();
         while let Some(replay) = pending.next_if(|r| r.at <= at) {
-            for &r in &replay.nodes {
-                sim.run(Stage::Replay, r);
-            }
+            due.push(replay);
         }
-        sim.run(Stage::Backward, id);
-    }
-    sim.finish()
+        due.into_iter()
+            .flat_map(|r| r.nodes.iter().map(|&n| (Stage::Replay, n)))
+            .chain(std::iter::once((Stage::Backward, id)))
+    });
+    forward.chain(backward)
 }
 
 impl Simulator<'_> {
@@ -106,7 +138,7 @@ impl Simulator<'_> {
         for (id, value) in self.graph.values().iter() {
             if self.graph.producer(id).is_none() && value.role != ir::Role::Parameter {
                 let storage = self.new_storage(value.bytes, 0);
-                self.inst.forward[id.index()] = Some(storage);
+                self.inst.forward[id.index()] = storage;
             }
         }
     }
@@ -123,18 +155,19 @@ impl Simulator<'_> {
     /// The storage a read of `value` at `stage` sees.
     fn read(&self, stage: Stage, value: ValueId) -> Option<u32> {
         let i = value.index();
+        let forward = || storage(self.inst.forward[i]);
         match stage {
-            Stage::Forward => self.inst.forward[i],
-            Stage::Replay => self.inst.replayed[i].or(self.inst.forward[i]),
-            Stage::Backward => self.inst.backward[i]
-                .or(self.inst.replayed[i])
-                .or(self.inst.forward[i]),
+            Stage::Forward => forward(),
+            Stage::Replay => storage(self.inst.replayed[i]).or_else(forward),
+            Stage::Backward => storage(self.inst.backward[i])
+                .or(storage(self.inst.replayed[i]))
+                .or_else(forward),
         }
     }
 
     fn run(&mut self, stage: Stage, id: NodeId) {
-        let step = self.schedule.len();
-        self.schedule.push((stage, id));
+        let step = self.steps;
+        self.steps += 1;
         let node = self.graph.node(id);
         for &v in &node.inputs {
             if let Some(s) = self.read(stage, v) {
@@ -157,12 +190,13 @@ impl Simulator<'_> {
                 Stage::Replay => &mut self.inst.replayed,
                 Stage::Backward => &mut self.inst.backward,
             };
-            slot[v.index()] = storage;
+            slot[v.index()] = storage.unwrap_or(NO_STORAGE);
         }
     }
 
-    fn finish(mut self) -> Simulation {
-        let end = self.schedule.len().saturating_sub(1);
+    /// The peak, the step it is first reached at, and the bytes of the output gradients.
+    fn finish(mut self) -> (u64, Option<usize>, u64) {
+        let end = self.steps.saturating_sub(1);
         let mut gradient_bytes = 0u64;
         for &v in self.graph.outputs() {
             if let Some(s) = self.read(Stage::Backward, v) {
@@ -172,18 +206,8 @@ impl Simulator<'_> {
                 gradient_bytes = gradient_bytes.saturating_add(self.graph.value(v).bytes);
             }
         }
-        let (peak_bytes, peak_step) = peak(&self.storages, self.schedule.len());
-        Simulation {
-            peak_bytes,
-            peak_at: peak_step.map(|s| self.schedule[s]),
-            parameter_bytes: self
-                .graph
-                .values()
-                .values()
-                .filter(|v| v.role == ir::Role::Parameter)
-                .fold(0u64, |acc, v| acc.saturating_add(v.bytes)),
-            gradient_bytes,
-        }
+        let (peak_bytes, peak_step) = peak(&self.storages, self.steps);
+        (peak_bytes, peak_step, gradient_bytes)
     }
 }
 

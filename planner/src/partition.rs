@@ -7,7 +7,7 @@
 //! needs is produced by a replay subgraph of its layer, scheduled just before the first backward
 //! node that reads what the replay produces.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use ir::{EntityId, Graph, ModelId, NodeId, Phase, ValueId};
 use thiserror::Error;
@@ -142,7 +142,9 @@ struct Builder<'a> {
     in_replay: Vec<bool>,
     /// Per (model, layer): the position (in backward order) of the first node needing that
     /// layer's replay.
-    first_use: BTreeMap<(ModelId, u32), usize>,
+    first_use: HashMap<(ModelId, u32), usize>,
+    /// The values [`Builder::need`] still has to visit (kept to reuse its allocation).
+    stack: Vec<ValueId>,
 }
 
 impl<'a> Builder<'a> {
@@ -152,14 +154,16 @@ impl<'a> Builder<'a> {
             policy,
             source: vec![Source::Unvisited; graph.values().len()],
             in_replay: vec![false; graph.nodes().len()],
-            first_use: BTreeMap::new(),
+            first_use: HashMap::default(),
+            stack: Vec::new(),
         }
     }
 
     /// Makes `value` available to the backward node at position `user`: saved if it can be,
     /// else replayed.
     fn need(&mut self, value: ValueId, user: usize) {
-        let mut stack = vec![value];
+        let mut stack = std::mem::take(&mut self.stack);
+        stack.push(value);
         while let Some(v) = stack.pop() {
             if self.source[v.index()] == Source::Replayed {
                 self.note_use(v, user);
@@ -187,6 +191,7 @@ impl<'a> Builder<'a> {
                 }
             }
         }
+        self.stack = stack;
     }
 
     /// Where `value` comes from, without replay if possible.
