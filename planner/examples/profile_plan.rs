@@ -20,6 +20,7 @@ fn main() {
         eprintln!("usage: profile_plan GRAPH.pb");
         std::process::exit(2);
     };
+    planner::allocator::keep_freed_memory();
     let mut clock = Clock(Instant::now());
     let graph = ir::io::load(Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
     clock.lap(&format!("load ({} nodes)", graph.nodes().len()));

@@ -7,7 +7,9 @@
 //! needs is produced by a replay subgraph of its layer, scheduled just before the first backward
 //! node that reads what the replay produces.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use ir::{EntityId, Graph, ModelId, NodeId, Phase, ValueId};
 use thiserror::Error;

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use ir::{EntityId, Graph, Name, NodeId};
+use ir::{Graph, Name, NodeId};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -14,7 +14,7 @@ use crate::{
     diagnostics::{self, Diagnostic, Level},
     memory::{self, Simulation},
     partition::{self, Partition, PartitionError},
-    policy::{self, Decision, Policy},
+    policy::{self, Decision, NodePolicy, Policy},
 };
 
 pub const PLANNER_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -391,14 +391,18 @@ fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
 
 /// One document per forward node, built in parallel (in node order).
 fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
-    (0..graph.nodes().len())
+    let decided: Vec<(NodeId, NodePolicy)> = policy
+        .nodes
+        .iter()
+        .filter_map(|(id, p)| Some((id, (*p)?)))
+        .collect();
+    // Indexed, so rayon writes each document straight into its slot of the result.
+    decided
         .into_par_iter()
-        .map(NodeId::from_index)
-        .filter_map(|id| {
+        .map(|(id, p)| {
             let node = graph.node(id);
-            let p = policy.nodes[id]?;
             let model = graph.model(node.model);
-            Some(NodeDoc {
+            NodeDoc {
                 name: node.name.clone(),
                 op: node.op.clone(),
                 model: Name::new(&model.name),
@@ -409,7 +413,7 @@ fn node_docs(graph: &Graph, policy: &Policy) -> Vec<NodeDoc> {
                     .unit
                     .filter(|_| p.decision == Decision::Save)
                     .map(|u| Name::new(&model.units[u].name)),
-            })
+            }
         })
         .collect()
 }
