@@ -187,7 +187,7 @@ pub struct Node {
     pub op: Name,
     pub inputs: ValueIds,
     pub outputs: ValueIds,
-    pub attributes: Vec<Attribute>,
+    pub attributes: Box<[Attribute]>,
     pub phase: Phase,
     pub model: ModelId,
     pub layer: Option<u32>,
@@ -200,8 +200,13 @@ pub struct Node {
     pub info: OpInfo,
     /// The marker name when this node is a `checkpoint_record` point marker.
     pub marker: Option<Name>,
-    pub stack_trace: Vec<String>,
+    pub stack_trace: Box<[String]>,
 }
+
+// Every node of a million-node graph is one of these: keep them small (the memory is most of
+// what loading costs). Grow the bound only for a reason.
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Node>() <= 304 && std::mem::size_of::<Value>() <= 80);
 
 /// The op of a copy that may cross devices.
 const TO_COPY_OP: &str = "aten._to_copy.default";

@@ -56,7 +56,7 @@ pub enum CostModel {
     /// `flops_per_elem × numel(output 0)`. 1 for arithmetic, comparisons and selects;
     /// [`TRANSCENDENTAL_FLOPS`] for exp/log/sqrt/pow/sigmoid/silu/gelu/tanh/sin/cos and their
     /// backward forms (a polynomial or a few special-function instructions per element).
-    Elementwise { flops_per_elem: u64 },
+    Elementwise { flops_per_elem: u32 },
     /// `numel(input 0)`: one operation per element reduced (also scans and `nll_loss`).
     Reduction,
     /// `5 × numel(input 0)`: max, subtract, exp, sum, divide (or their backward counterparts).
@@ -130,7 +130,7 @@ pub enum CostModel {
 
 /// FLOPs per element of an exp/log/sqrt/pow/sigmoid/silu/gelu/tanh/sin/cos (or its backward):
 /// the usual roofline estimate for a special-function evaluation.
-pub const TRANSCENDENTAL_FLOPS: u64 = 4;
+pub const TRANSCENDENTAL_FLOPS: u32 = 4;
 
 /// Attention backward over the forward's matmul FLOPs: dV, dP, dQ and dK are twice the forward
 /// matmul work, recomputing P is another half. Stored as a ratio: 5/2.
@@ -147,8 +147,9 @@ pub struct OpInfo {
     /// writes a caller-provided `out` tensor whose input position is not knowable from the name
     /// alone, so it is flagged here rather than listed in `mutates`. Counts as a mutable schema.
     pub writes_out: bool,
-    /// Position of the input the first output is a view of.
-    pub view_of: Option<usize>,
+    /// Position of the input the first output is a view of (positions are small: `u8` keeps
+    /// the record, which every node carries, at 32 bytes).
+    pub view_of: Option<u8>,
     /// Draws from the RNG (dropout, `rand*`, `normal`, `bernoulli`, ...): replay reproduces the
     /// forward only if the RNG state is restored.
     pub random: bool,
@@ -1411,11 +1412,11 @@ mod tests {
         assert_eq!(flops("aten.add.Tensor", &[x, x], &[x]), 100);
         assert_eq!(
             flops("aten.exp.default", &[x], &[x]),
-            100 * TRANSCENDENTAL_FLOPS
+            100 * u64::from(TRANSCENDENTAL_FLOPS)
         );
         assert_eq!(
             flops("aten.exp.default", &[t(&[])], &[t(&[])]),
-            TRANSCENDENTAL_FLOPS
+            u64::from(TRANSCENDENTAL_FLOPS)
         );
         assert_eq!(flops("aten.sum.dim_IntList", &[x], &[t(&[10])]), 100);
         assert_eq!(flops("aten._softmax.default", &[x], &[x]), 500);

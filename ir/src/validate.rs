@@ -538,7 +538,7 @@ fn convert_node(
 fn convert_attributes<'w>(
     node: &str,
     wire: impl IntoIterator<Item = RawAttribute<'w>>,
-) -> Result<Vec<Attribute>, E> {
+) -> Result<Box<[Attribute]>, E> {
     wire.into_iter()
         .enumerate()
         .map(|(index, a)| {
@@ -602,7 +602,7 @@ fn effects(
     mutates.dedup();
     let view_of = match schema.view_of {
         Some(p) => Some(position("view_of", p)?),
-        None => info.view_of.filter(|&p| p < inputs),
+        None => info.view_of.map(usize::from).filter(|&p| p < inputs),
     };
     let collective = convert_collective(node, schema.collective)?;
     Ok(Effects {
