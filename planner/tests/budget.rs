@@ -186,3 +186,60 @@ fn m3_op_granularity_fits_and_never_loses_to_unit_granularity() {
     }
     assert!(chose_ops, "some budget leaves room for single ops");
 }
+
+/// The exporter's expert-parallel MoE golden, deepened to `layers` identical decoder layers.
+fn deep_golden(layers: u32) -> Graph {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/moe_ep2.pb");
+    let wire = ir::io::read_wire(&path).unwrap();
+    Graph::from_wire(ir::deepen::deepen(&wire, "main", 0, layers).unwrap()).unwrap()
+}
+
+#[test]
+fn m3_on_a_deep_golden_the_budget_plan_beats_every_uniform_keep_that_fits() {
+    // 10 layers of 4 units: 16^10 combinations, far past the exhaustive limit.
+    let graph = deep_golden(10);
+    let hw = HwProfile::default();
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    assert!(search.combinations() > 1 << 20);
+    let units = config::declared_units(&graph);
+    assert_eq!(units.len(), 4, "{units:?}");
+    // Every uniform `--keep` (the same units in every layer): what a user picks by hand.
+    let uniform: Vec<(u64, f64)> = (0..1u32 << units.len())
+        .map(|mask| {
+            let keep: Vec<String> = (0..units.len())
+                .filter(|u| mask >> u & 1 == 1)
+                .map(|u| units[u].clone())
+                .collect();
+            let config = PlanConfig {
+                keep: config::Keep::parse(&keep).unwrap(),
+                ..PlanConfig::default()
+            };
+            let plan = planner::plan::plan(&graph, &config, &hw).unwrap();
+            (plan.memory.peak_bytes.unwrap(), plan.cost.replay_time_s)
+        })
+        .collect();
+    let ceiling = uniform.iter().map(|u| u.0).max().unwrap();
+    let (mut worst, mut best) = (f64::NEG_INFINITY, f64::INFINITY);
+    for step in 0..=8 {
+        let budget = search.floor() + (ceiling - search.floor()) * step / 8;
+        let plan = search.within(budget).unwrap();
+        assert!(plan.memory.peak_bytes.unwrap() <= budget);
+        let best_uniform = uniform
+            .iter()
+            .filter(|u| u.0 <= budget)
+            .map(|u| u.1)
+            .fold(f64::INFINITY, f64::min);
+        let ratio = plan.cost.replay_time_s / best_uniform - 1.0;
+        (worst, best) = (worst.max(ratio), best.min(ratio));
+        assert!(
+            plan.cost.replay_time_s <= best_uniform * (1.0 + 1e-9),
+            "budget {budget}: solver {} s, best uniform keep {best_uniform} s",
+            plan.cost.replay_time_s
+        );
+    }
+    println!(
+        "replay time vs the best uniform keep that fits, over 9 budgets: {:+.1}% to {:+.1}%",
+        best * 100.0,
+        worst * 100.0
+    );
+}
