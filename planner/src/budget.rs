@@ -272,6 +272,11 @@ impl<'g> Search<'g> {
         self.refine(best)
     }
 
+    /// Each uniform choice (the same units in every layer, as `--keep` would), planned.
+    pub fn uniform_plans(&self) -> impl Iterator<Item = Result<Plan, BudgetError>> + '_ {
+        self.uniform_choices().map(|choice| self.plan_of(&choice))
+    }
+
     /// Each option applied to every layer (a layer whose model has fewer units keeps nothing
     /// for the options it lacks).
     fn uniform_choices(&self) -> impl Iterator<Item = Vec<usize>> + '_ {

@@ -1,7 +1,8 @@
 //! `planner pareto`: the whole memory / recompute trade-off (M3). Candidates are every per-layer
 //! combination when there are few (exact), else the budget solver's choices for evenly spaced
-//! headrooms from "keep nothing" to "keep every unit that saves anything"; each is simulated
-//! exactly, and the points no other point beats on both peak and replay time form the frontier.
+//! headrooms from "keep nothing" to "keep every unit that saves anything", plus every uniform
+//! `--keep` (the same units in every layer); each is simulated exactly, and the points no other
+//! point beats on both peak and replay time form the frontier.
 
 use std::fmt::Write as _;
 
@@ -43,7 +44,7 @@ impl Point {
 
 /// The frontier by increasing peak: exact (every combination simulated) up to
 /// [`EXHAUSTIVE_LIMIT`] combinations, else from the budget solver at `steps + 1` evenly spaced
-/// headrooms.
+/// headrooms and every uniform `--keep`.
 pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
     let mut points: Vec<Point> = Vec::new();
     if search.combinations() <= EXHAUSTIVE_LIMIT {
@@ -60,6 +61,11 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
             if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
                 points.push(point);
             }
+        }
+        // The knapsack's tables come from one layer per class and can miss what a plain
+        // `--keep` achieves: those points join the candidates.
+        for plan in search.uniform_plans() {
+            points.push(Point::of(&plan?));
         }
     }
     let mut front: Vec<Point> = points

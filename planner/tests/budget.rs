@@ -243,3 +243,22 @@ fn m3_on_a_deep_golden_the_budget_plan_beats_every_uniform_keep_that_fits() {
         worst * 100.0
     );
 }
+
+#[test]
+fn m3_on_a_deep_golden_no_uniform_keep_beats_the_pareto_frontier() {
+    let graph = deep_golden(10);
+    let hw = HwProfile::default();
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    let front = pareto::frontier(&search, 16).unwrap();
+    for plan in search.uniform_plans() {
+        let plan = plan.unwrap();
+        let (peak, time) = (plan.memory.peak_bytes.unwrap(), plan.cost.replay_time_s);
+        assert!(
+            front
+                .iter()
+                .any(|p| p.peak_bytes <= peak && p.replay_time_s <= time),
+            "uniform keep {:?} ({peak} B, {time} s) is not covered by the frontier",
+            plan.config.layer_keep.first().map(|l| &l.keep)
+        );
+    }
+}
