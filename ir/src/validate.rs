@@ -474,26 +474,18 @@ fn convert_node(
             node: name.to_owned(),
         });
     }
-    let inputs = n
-        .inputs
-        .iter()
-        .map(|&v| {
-            value_ids.input(v).ok_or_else(|| E::UnknownInput {
-                node: name.to_owned(),
-                value: v.to_owned(),
-            })
-        })
-        .collect::<Result<ValueIds, _>>()?;
-    let outputs = n
-        .outputs
-        .iter()
-        .map(|&v| {
-            value_ids.output(v).ok_or_else(|| E::UnknownOutput {
-                node: name.to_owned(),
-                value: v.to_owned(),
-            })
-        })
-        .collect::<Result<ValueIds, _>>()?;
+    let inputs = resolve(
+        name,
+        &n.inputs,
+        |v| value_ids.input(v),
+        |node, value| E::UnknownInput { node, value },
+    )?;
+    let outputs = resolve(
+        name,
+        &n.outputs,
+        |v| value_ids.output(v),
+        |node, value| E::UnknownOutput { node, value },
+    )?;
     let phase = convert_phase(name, n.phase)?;
     let model = model_ids.get(n.model).ok_or_else(|| E::UndeclaredModel {
         node: name.to_owned(),
@@ -533,6 +525,19 @@ fn convert_node(
         marker,
         stack_trace: n.stack_trace.iter().map(|&f| f.to_owned()).collect(),
     })
+}
+
+/// The ids of a node's value names; `unknown(node, value)` for the first that is not declared.
+fn resolve(
+    node: &str,
+    names: &[&str],
+    mut find: impl FnMut(&str) -> Option<ValueId>,
+    unknown: fn(String, String) -> E,
+) -> Result<ValueIds, E> {
+    names
+        .iter()
+        .map(|&v| find(v).ok_or_else(|| unknown(node.to_owned(), v.to_owned())))
+        .collect()
 }
 
 fn convert_attributes<'w>(

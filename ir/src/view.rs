@@ -206,39 +206,37 @@ impl<'a> RawAttribute<'a> {
                 3 => *value = Some(RawAttrValue::Float(f64::from_bits(r.fixed64(wire)?))),
                 4 => *value = Some(RawAttrValue::Str(r.str(wire)?)),
                 5 => *value = Some(RawAttrValue::Bool(r.varint(wire)? != 0)),
+                // A list over the same kind of list merges into it; over anything else it
+                // starts anew.
                 6 => {
                     let list = r.message(wire)?;
-                    if !matches!(value, Some(RawAttrValue::Ints(_))) {
-                        *value = Some(RawAttrValue::Ints(Vec::new()));
-                    }
-                    if let Some(RawAttrValue::Ints(values)) = value {
-                        list_items(list, |r, wire| {
-                            r.repeated_varints(wire, |v| values.push(v as i64))
-                        })?;
-                    }
+                    let mut values = match value.take() {
+                        Some(RawAttrValue::Ints(values)) => values,
+                        _ => Vec::new(),
+                    };
+                    list_items(list, |r, w| {
+                        r.repeated_varints(w, |v| values.push(v as i64))
+                    })?;
+                    *value = Some(RawAttrValue::Ints(values));
                 }
                 7 => {
                     let list = r.message(wire)?;
-                    if !matches!(value, Some(RawAttrValue::Floats(_))) {
-                        *value = Some(RawAttrValue::Floats(Vec::new()));
-                    }
-                    if let Some(RawAttrValue::Floats(values)) = value {
-                        list_items(list, |r, wire| {
-                            r.repeated_fixed64(wire, |v| values.push(f64::from_bits(v)))
-                        })?;
-                    }
+                    let mut values = match value.take() {
+                        Some(RawAttrValue::Floats(values)) => values,
+                        _ => Vec::new(),
+                    };
+                    let mut push = |v| values.push(f64::from_bits(v));
+                    list_items(list, |r, w| r.repeated_fixed64(w, &mut push))?;
+                    *value = Some(RawAttrValue::Floats(values));
                 }
                 8 => {
                     let list = r.message(wire)?;
-                    if !matches!(value, Some(RawAttrValue::Strs(_))) {
-                        *value = Some(RawAttrValue::Strs(Vec::new()));
-                    }
-                    if let Some(RawAttrValue::Strs(values)) = value {
-                        list_items(list, |r, wire| {
-                            values.push(r.str(wire)?);
-                            Ok(())
-                        })?;
-                    }
+                    let mut values = match value.take() {
+                        Some(RawAttrValue::Strs(values)) => values,
+                        _ => Vec::new(),
+                    };
+                    list_items(list, |r, w| r.str(w).map(|v| values.push(v)))?;
+                    *value = Some(RawAttrValue::Strs(values));
                 }
                 _ => r.skip(wire, tag)?,
             }
@@ -326,36 +324,33 @@ impl<'a> Reader<'a> {
             .map_err(|_| "invalid string value: data is not UTF-8 encoded".to_owned())
     }
 
-    /// A repeated varint field, packed (one length-delimited run) or not (one per field).
-    fn repeated_varints(
-        &mut self,
-        wire: WireType,
-        mut push: impl FnMut(u64),
-    ) -> Result<(), String> {
-        if wire != WireType::LengthDelimited {
-            push(self.varint(wire)?);
-            return Ok(());
-        }
-        let mut packed = Reader(self.message(wire)?);
-        while !packed.0.is_empty() {
-            push(packed.raw_varint()?);
-        }
-        Ok(())
+    /// A repeated varint field, packed or not.
+    fn repeated_varints(&mut self, wire: WireType, push: impl FnMut(u64)) -> Result<(), String> {
+        self.repeated(wire, WireType::Varint, Reader::raw_varint, push)
     }
 
     /// A repeated 64-bit field, packed or not.
-    fn repeated_fixed64(
+    fn repeated_fixed64(&mut self, wire: WireType, push: impl FnMut(u64)) -> Result<(), String> {
+        self.repeated(wire, WireType::SixtyFourBit, Reader::raw_fixed64, push)
+    }
+
+    /// A repeated number field, packed (one length-delimited run of elements) or not (one
+    /// field of wire type `single` per element); `read` reads one element.
+    fn repeated(
         &mut self,
         wire: WireType,
+        single: WireType,
+        read: fn(&mut Reader<'a>) -> Result<u64, String>,
         mut push: impl FnMut(u64),
     ) -> Result<(), String> {
         if wire != WireType::LengthDelimited {
-            push(self.fixed64(wire)?);
+            expect(wire, single)?;
+            push(read(self)?);
             return Ok(());
         }
         let mut packed = Reader(self.message(wire)?);
         while !packed.0.is_empty() {
-            push(packed.raw_fixed64()?);
+            push(read(&mut packed)?);
         }
         Ok(())
     }
