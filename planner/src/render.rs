@@ -1,10 +1,9 @@
 //! The output formats of a [`Plan`]: human text, JSON (SPEC §8 keys), protobuf (`plan.proto`)
 //! and DOT. Every one is deterministic: same plan, same bytes (R11).
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    fmt::Write as _,
-};
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use ir::{wire::plan as pb, EntityId, Graph, Name, Phase};
 use prost::Message;
@@ -66,10 +65,11 @@ fn text_budget(w: &mut String, plan: &Plan) {
 }
 
 fn text_decisions(w: &mut String, nodes: &[NodeDoc]) {
-    let mut counts: BTreeMap<(&str, &str), usize> = BTreeMap::new();
-    for n in nodes {
-        *counts.entry((&n.decision, &n.reason)).or_default() += 1;
-    }
+    let counts = sorted_counts(
+        nodes
+            .iter()
+            .map(|n| (n.decision.as_str(), n.reason.as_str())),
+    );
     let _ = writeln!(w, "forward nodes: {}", nodes.len());
     for ((decision, reason), n) in counts {
         let _ = writeln!(w, "  {decision:<13} {reason:<22} {n}");
@@ -82,7 +82,7 @@ fn text_units(w: &mut String, plan: &Plan) {
         return;
     }
     let _ = writeln!(w, "kept units:");
-    let mut kept: HashMap<(&str, u32, &str), Vec<&NodeDoc>> = HashMap::new();
+    let mut kept: HashMap<(&str, u32, &str), Vec<&NodeDoc>> = HashMap::default();
     for n in &plan.nodes {
         if let (Some(layer), Some(unit)) = (n.layer, n.unit.as_deref()) {
             kept.entry((&n.model, layer, unit)).or_default().push(n);
@@ -112,12 +112,24 @@ fn text_units(w: &mut String, plan: &Plan) {
     }
 }
 
+/// How often each key occurs, in key order (counted in a hash map: a million nodes).
+fn sorted_counts<K: Ord + std::hash::Hash>(keys: impl Iterator<Item = K>) -> Vec<(K, usize)> {
+    let mut counts: HashMap<K, usize> = HashMap::default();
+    for key in keys {
+        *counts.entry(key).or_default() += 1;
+    }
+    let mut counts: Vec<(K, usize)> = counts.into_iter().collect();
+    counts.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    counts
+}
+
 /// `aten.mm.default ×3, aten.silu.default` in name order.
 fn op_histogram<'a>(nodes: impl Iterator<Item = &'a NodeDoc>) -> String {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for n in nodes {
-        *counts.entry(&n.op).or_default() += 1;
-    }
+    histogram(sorted_counts(nodes.map(|n| n.op.as_str())))
+}
+
+/// `name ×count` items, a count of 1 left out.
+fn histogram(counts: Vec<(&str, usize)>) -> String {
     counts
         .into_iter()
         .map(|(op, n)| match n {
@@ -151,7 +163,9 @@ fn text_replay(w: &mut String, plan: &Plan) {
         let _ = writeln!(w, "replay: nothing re-runs in backward");
         return;
     }
-    let ops: HashMap<&str, &NodeDoc> = plan.nodes.iter().map(|n| (n.name.as_str(), n)).collect();
+    let mut ops: HashMap<&str, &str> =
+        HashMap::with_capacity_and_hasher(plan.nodes.len(), Default::default());
+    ops.extend(plan.nodes.iter().map(|n| (n.name.as_str(), n.op.as_str())));
     let total: usize = plan.replay.iter().map(|r| r.nodes.len()).sum();
     let _ = writeln!(w, "replay: {total} ops in {} subgraphs", plan.replay.len());
     for r in &plan.replay {
@@ -169,7 +183,7 @@ fn text_replay(w: &mut String, plan: &Plan) {
         .iter()
         .flat_map(|r| r.nodes.iter())
         .filter_map(|n| ops.get(n.as_str()).copied());
-    let _ = writeln!(w, "  replayed ops: {}", op_histogram(replayed));
+    let _ = writeln!(w, "  replayed ops: {}", histogram(sorted_counts(replayed)));
 }
 
 fn text_memory(w: &mut String, plan: &Plan) {
