@@ -207,11 +207,35 @@ pub fn plan_resolved(
     resolved: Resolved,
     hw: &HwProfile,
 ) -> Result<Plan, PlanError> {
-    let policy = policy::apply(graph, config, &resolved);
-    let joint = if partition::is_joint(graph) {
-        Some(Joint::analyse(graph, &policy)?)
-    } else {
-        None
+    let joint = partition::is_joint(graph);
+    // This plan, the whole-layer baseline and the no-checkpoint simulation are independent.
+    let (mine, baselines) = rayon::join(
+        || -> Result<_, PlanError> {
+            let policy = policy::apply(graph, config, &resolved);
+            let analysed = if joint {
+                let partition = checked_partition(graph, &policy)?;
+                let memory = memory::simulate(graph, &partition.order, &partition.replays);
+                Some((partition, memory))
+            } else {
+                None
+            };
+            Ok((policy, analysed))
+        },
+        || joint.then(|| rayon::join(|| whole_layer(graph), || no_checkpoint(graph))),
+    );
+    let (policy, analysed) = mine?;
+    let joint = match (analysed, baselines) {
+        (Some((partition, memory)), Some((whole_layer, no_checkpoint))) => {
+            let (full_recompute, full_recompute_memory) = whole_layer?;
+            Some(Joint {
+                partition,
+                memory,
+                no_checkpoint,
+                full_recompute,
+                full_recompute_memory,
+            })
+        }
+        _ => None,
     };
     let diagnostics = diagnostics::diagnose(
         graph,
@@ -241,41 +265,23 @@ struct Joint {
     full_recompute_memory: Simulation,
 }
 
-impl Joint {
-    /// The plan's partition and simulations beside the whole-layer baseline's, in parallel.
-    fn analyse(graph: &Graph, policy: &Policy) -> Result<Joint, PlanError> {
-        let (mine, baseline) = rayon::join(
-            || -> Result<_, PlanError> {
-                let partition = checked_partition(graph, policy)?;
-                let (memory, no_checkpoint) = rayon::join(
-                    || memory::simulate(graph, &partition.order, &partition.replays),
-                    || memory::simulate(graph, &partition.order, &[]),
-                );
-                Ok((partition, memory, no_checkpoint))
-            },
-            || -> Result<_, PlanError> {
-                let whole_layer = PlanConfig {
-                    keep: Keep::Nothing,
-                    recompute_ratio: 1.0,
-                    collectives: Collectives::Recompute,
-                };
-                let resolved = config::resolve(graph, &whole_layer)?;
-                let baseline_policy = policy::apply(graph, &whole_layer, &resolved);
-                let partition = checked_partition(graph, &baseline_policy)?;
-                let memory = memory::simulate(graph, &partition.order, &partition.replays);
-                Ok((partition, memory))
-            },
-        );
-        let (partition, memory, no_checkpoint) = mine?;
-        let (full_recompute, full_recompute_memory) = baseline?;
-        Ok(Joint {
-            partition,
-            memory,
-            no_checkpoint,
-            full_recompute,
-            full_recompute_memory,
-        })
-    }
+/// The whole-layer recompute baseline: its partition and simulation.
+fn whole_layer(graph: &Graph) -> Result<(Partition, Simulation), PlanError> {
+    let config = PlanConfig {
+        keep: Keep::Nothing,
+        recompute_ratio: 1.0,
+        collectives: Collectives::Recompute,
+    };
+    let resolved = config::resolve(graph, &config)?;
+    let policy = policy::apply(graph, &config, &resolved);
+    let partition = checked_partition(graph, &policy)?;
+    let memory = memory::simulate(graph, &partition.order, &partition.replays);
+    Ok((partition, memory))
+}
+
+/// The no-checkpointing baseline: nothing replays.
+fn no_checkpoint(graph: &Graph) -> Simulation {
+    memory::simulate(graph, graph.backward_order(), &[])
 }
 
 fn checked_partition(graph: &Graph, policy: &Policy) -> Result<Partition, PlanError> {
