@@ -7,7 +7,6 @@ use std::{
 };
 
 use prost::Message;
-use rayon::prelude::*;
 
 use crate::{error::LoadError, graph::Graph, validate::BuildError, wire::graph as pb};
 
@@ -86,7 +85,7 @@ pub fn decode(bytes: &[u8], format: Format, path: &Path) -> Result<pb::Graph, Lo
     check_not_empty(bytes, path)?;
     match format {
         Format::Protobuf => {
-            decode_protobuf(bytes).map_err(|reason| protobuf_error(bytes, path, reason))
+            pb::Graph::decode(bytes).map_err(|e| protobuf_error(bytes, path, e.to_string()))
         }
         Format::Json => serde_json::from_slice(bytes).map_err(|e| LoadError::Json {
             path: path.to_owned(),
@@ -116,7 +115,8 @@ fn protobuf_error(bytes: &[u8], path: &Path, reason: String) -> LoadError {
     }
 }
 
-/// Top-level field numbers of `Graph` decoded in parallel (see `proto/graph.proto`).
+/// Top-level field numbers of the `Graph` elements the loader decodes itself (see
+/// `proto/graph.proto`).
 const VALUES_FIELD: u32 = 2;
 const NODES_FIELD: u32 = 3;
 
@@ -163,28 +163,6 @@ fn split_protobuf(bytes: &[u8]) -> Result<Split<'_>, String> {
         values,
         nodes,
     })
-}
-
-/// `pb::Graph::decode`, with the values and nodes decoded in parallel (order is kept, so the
-/// result is the same message).
-fn decode_protobuf(bytes: &[u8]) -> Result<pb::Graph, String> {
-    let Split {
-        mut header,
-        values,
-        nodes,
-    } = split_protobuf(bytes)?;
-    let (values, nodes) = rayon::join(|| decode_all(&values), || decode_all(&nodes));
-    header.values = values?;
-    header.nodes = nodes?;
-    Ok(header)
-}
-
-/// Decodes each slice as one `M`, in parallel, keeping order.
-fn decode_all<M: Message + Default + Send>(slices: &[&[u8]]) -> Result<Vec<M>, String> {
-    slices
-        .par_iter()
-        .map(|s| M::decode(*s).map_err(|e| e.to_string()))
-        .collect()
 }
 
 fn looks_like_json(bytes: &[u8]) -> bool {

@@ -48,8 +48,8 @@ impl Graph {
 
     /// [`Graph::from_wire_encoded`] for a graph whose values and nodes are still encoded
     /// (`header` holds the other fields): each element is decoded, borrowing its strings, just
-    /// before it is converted, so the decoded graph never exists. The first problem in element
-    /// order wins, whether it is bad protobuf or a broken rule.
+    /// before it is converted, so the decoded graph never exists. As with decoding first, bad
+    /// protobuf anywhere is reported before any broken rule.
     pub(crate) fn from_encoded(
         header: pb::Graph,
         values: &[&[u8]],
@@ -57,15 +57,28 @@ impl Graph {
         fingerprint: String,
     ) -> Result<Graph, BuildError> {
         let protobuf = BuildError::Protobuf;
-        build(
+        let built = build(
             header,
             values,
             nodes,
             |v| RawValue::decode(v).map_err(protobuf),
             |n| RawNode::decode(n).map_err(protobuf),
             fingerprint,
-        )
+        );
+        built.map_err(|error| match error {
+            // Conversion stops at the first broken rule, maybe before reaching bad protobuf.
+            BuildError::Invalid(invalid) => {
+                first_protobuf_error(values, nodes).map_or(BuildError::Invalid(invalid), protobuf)
+            }
+            error => error,
+        })
     }
+}
+
+/// The first element, values before nodes, that is not valid protobuf.
+fn first_protobuf_error(values: &[&[u8]], nodes: &[&[u8]]) -> Option<String> {
+    let value = values.iter().find_map(|v| RawValue::decode(v).err());
+    value.or_else(|| nodes.iter().find_map(|n| RawNode::decode(n).err()))
 }
 
 /// Why an encoded graph did not become a [`Graph`].

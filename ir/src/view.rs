@@ -85,7 +85,7 @@ impl<'a> RawValue<'a> {
             shape: SmallVec::new(),
             role: 0,
         };
-        let mut r = Reader(bytes);
+        let mut r = Reader::element(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => value.name = r.str(wire)?,
@@ -130,23 +130,21 @@ impl<'a> RawNode<'a> {
     /// Decodes the bytes of one `Node` message.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
         let mut node = RawNode::default();
-        let mut r = Reader(bytes);
+        let mut r = Reader::element(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => node.name = r.str(wire)?,
                 2 => node.op = r.str(wire)?,
                 3 => node.inputs.push(r.str(wire)?),
                 4 => node.outputs.push(r.str(wire)?),
-                5 => node
-                    .attributes
-                    .push(RawAttribute::decode(r.message(wire)?)?),
+                5 => node.attributes.push(RawAttribute::decode(r.nested(wire)?)?),
                 6 => node.phase = r.int32(wire)?,
                 7 => node.model = r.str(wire)?,
                 8 => node.layer = Some(r.varint(wire)? as u32),
                 9 => node.module_path = r.str(wire)?,
                 10 => node.compiled_region = r.str(wire)?,
                 11 => node.micro_batch = r.varint(wire)? as u32,
-                12 => node.schema.merge(r.message(wire)?)?,
+                12 => node.schema.merge(r.nested(wire)?)?,
                 13 => node.stack_trace.push(r.str(wire)?),
                 _ => r.skip(wire, tag)?,
             }
@@ -157,8 +155,7 @@ impl<'a> RawNode<'a> {
 
 impl RawSchema {
     /// Merges one encoded `SchemaFacts` into `self`, as a repeated embedded message merges.
-    fn merge(&mut self, bytes: &[u8]) -> Result<(), String> {
-        let mut r = Reader(bytes);
+    fn merge(&mut self, mut r: Reader<'_>) -> Result<(), String> {
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => r.repeated_varints(wire, |v| self.mutates.push(v as u32))?,
@@ -192,12 +189,11 @@ impl<'a> RawAttribute<'a> {
 
     /// Decodes one `Attribute`. Of its `oneof`, the last field wins; a list field over a list
     /// already there takes more items into the same list, as prost merges it.
-    fn decode(bytes: &'a [u8]) -> Result<Self, String> {
+    fn decode(mut r: Reader<'a>) -> Result<Self, String> {
         let mut attribute = RawAttribute {
             name: "",
             value: None,
         };
-        let mut r = Reader(bytes);
         while let Some((tag, wire)) = r.key()? {
             let value = &mut attribute.value;
             match tag {
@@ -209,7 +205,7 @@ impl<'a> RawAttribute<'a> {
                 // A list over the same kind of list merges into it; over anything else it
                 // starts anew.
                 6 => {
-                    let list = r.message(wire)?;
+                    let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Ints(values)) => values,
                         _ => Vec::new(),
@@ -220,7 +216,7 @@ impl<'a> RawAttribute<'a> {
                     *value = Some(RawAttrValue::Ints(values));
                 }
                 7 => {
-                    let list = r.message(wire)?;
+                    let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Floats(values)) => values,
                         _ => Vec::new(),
@@ -230,7 +226,7 @@ impl<'a> RawAttribute<'a> {
                     *value = Some(RawAttrValue::Floats(values));
                 }
                 8 => {
-                    let list = r.message(wire)?;
+                    let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Strs(values)) => values,
                         _ => Vec::new(),
@@ -247,10 +243,9 @@ impl<'a> RawAttribute<'a> {
 
 /// Reads an `IntList`, `FloatList` or `StringList`: field 1 holds the items.
 fn list_items<'a>(
-    bytes: &'a [u8],
+    mut r: Reader<'a>,
     mut item: impl FnMut(&mut Reader<'a>, WireType) -> Result<(), String>,
 ) -> Result<(), String> {
-    let mut r = Reader(bytes);
     while let Some((tag, wire)) = r.key()? {
         match tag {
             1 => item(&mut r, wire)?,
@@ -260,24 +255,51 @@ fn list_items<'a>(
     Ok(())
 }
 
-/// The unread rest of one message.
-struct Reader<'a>(&'a [u8]);
+/// The unread rest of one message, and how many more levels of nesting prost would allow
+/// inside it (its recursion limit counts down from 100 at the `Graph`).
+struct Reader<'a> {
+    buf: &'a [u8],
+    depth: u32,
+}
+
+/// The nesting prost allows inside a value or node: one level below the `Graph` it decodes.
+const ELEMENT_DEPTH: u32 = 99;
 
 impl<'a> Reader<'a> {
-    /// The next field's tag and wire type, or `None` at the end.
-    fn key(&mut self) -> Result<Option<(u32, WireType)>, String> {
-        if self.0.is_empty() {
-            return Ok(None);
+    /// A `Value` or `Node` of a graph.
+    fn element(buf: &'a [u8]) -> Self {
+        Reader {
+            buf,
+            depth: ELEMENT_DEPTH,
         }
-        decode_key(&mut self.0).map(Some).map_err(|e| e.to_string())
     }
 
+    /// The next field's tag and wire type, or `None` at the end.
+    fn key(&mut self) -> Result<Option<(u32, WireType)>, String> {
+        if self.buf.is_empty() {
+            return Ok(None);
+        }
+        decode_key(&mut self.buf)
+            .map(Some)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Skips an unknown field; groups nest, and count against the recursion limit.
     fn skip(&mut self, wire: WireType, tag: u32) -> Result<(), String> {
-        skip_field(wire, tag, &mut self.0, DecodeContext::default()).map_err(|e| e.to_string())
+        skip_nested(&mut self.buf, wire, tag, self.depth)
+    }
+
+    /// An embedded message field, read one level deeper.
+    fn nested(&mut self, wire: WireType) -> Result<Reader<'a>, String> {
+        let depth = self.depth.checked_sub(1).ok_or_else(recursion_limit)?;
+        Ok(Reader {
+            buf: self.message(wire)?,
+            depth,
+        })
     }
 
     fn raw_varint(&mut self) -> Result<u64, String> {
-        decode_varint(&mut self.0).map_err(|e| e.to_string())
+        decode_varint(&mut self.buf).map_err(|e| e.to_string())
     }
 
     fn varint(&mut self, wire: WireType) -> Result<u64, String> {
@@ -296,9 +318,9 @@ impl<'a> Reader<'a> {
     }
 
     fn raw_fixed64(&mut self) -> Result<u64, String> {
-        match self.0.split_first_chunk::<8>() {
+        match self.buf.split_first_chunk::<8>() {
             Some((bytes, rest)) => {
-                self.0 = rest;
+                self.buf = rest;
                 Ok(u64::from_le_bytes(*bytes))
             }
             None => Err(truncated()),
@@ -310,9 +332,9 @@ impl<'a> Reader<'a> {
         expect(wire, WireType::LengthDelimited)?;
         let len = self.raw_varint()?;
         match usize::try_from(len) {
-            Ok(len) if len <= self.0.len() => {
-                let (bytes, rest) = self.0.split_at(len);
-                self.0 = rest;
+            Ok(len) if len <= self.buf.len() => {
+                let (bytes, rest) = self.buf.split_at(len);
+                self.buf = rest;
                 Ok(bytes)
             }
             _ => Err(truncated()),
@@ -348,8 +370,11 @@ impl<'a> Reader<'a> {
             push(read(self)?);
             return Ok(());
         }
-        let mut packed = Reader(self.message(wire)?);
-        while !packed.0.is_empty() {
+        let mut packed = Reader {
+            buf: self.message(wire)?,
+            depth: self.depth,
+        };
+        while !packed.buf.is_empty() {
             push(read(&mut packed)?);
         }
         Ok(())
@@ -363,6 +388,31 @@ fn expect(wire: WireType, expected: WireType) -> Result<(), String> {
     Err(format!(
         "invalid wire type: {wire:?} (expected {expected:?})"
     ))
+}
+
+/// prost's `skip_field` with the recursion limit counted from `depth`: every field needs one
+/// level left, and each group nested inside takes one.
+fn skip_nested(buf: &mut &[u8], wire: WireType, tag: u32, depth: u32) -> Result<(), String> {
+    if depth == 0 {
+        return Err(recursion_limit());
+    }
+    if wire != WireType::StartGroup {
+        return skip_field(wire, tag, buf, DecodeContext::default()).map_err(|e| e.to_string());
+    }
+    loop {
+        let (inner_tag, inner_wire) = decode_key(buf).map_err(|e| e.to_string())?;
+        if inner_wire == WireType::EndGroup {
+            if inner_tag != tag {
+                return Err("unexpected end group tag".to_owned());
+            }
+            return Ok(());
+        }
+        skip_nested(buf, inner_wire, inner_tag, depth - 1)?;
+    }
+}
+
+fn recursion_limit() -> String {
+    "recursion limit reached".to_owned()
 }
 
 fn truncated() -> String {

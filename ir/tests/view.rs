@@ -238,6 +238,63 @@ fn a_wrong_wire_type_or_bad_utf8_is_a_protobuf_error() {
     }
 }
 
+/// An unknown group field nested `depth` deep.
+fn nested_group(depth: usize) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for _ in 0..depth {
+        encode_key(90, WireType::StartGroup, &mut bytes);
+    }
+    for _ in 0..depth {
+        encode_key(90, WireType::EndGroup, &mut bytes);
+    }
+    bytes
+}
+
+#[test]
+fn unknown_groups_count_against_the_recursion_limit_as_in_prost() {
+    let graph = fixture();
+    let mut outcomes = Vec::new();
+    for depth in [1, 97, 98, 99, 100, 101] {
+        let in_node = |n: &pb::Node| {
+            let mut bytes = n.encode_to_vec();
+            bytes.extend(nested_group(depth));
+            bytes
+        };
+        let in_attribute = |n: &pb::Node| {
+            let mut attribute = with_field(Vec::new(), 1, WireType::LengthDelimited, b"deep");
+            attribute = with_field(attribute, 2, WireType::Varint, &varint(1));
+            attribute.extend(nested_group(depth));
+            with_field(n.encode_to_vec(), 5, WireType::LengthDelimited, &attribute)
+        };
+        for bytes in [
+            encode_with(&graph, Message::encode_to_vec, in_node),
+            encode_with(&graph, Message::encode_to_vec, in_attribute),
+        ] {
+            outcomes.push((depth, agree(&bytes).is_ok()));
+        }
+    }
+    // Both limits are reached somewhere in between: the boundary was compared, not skipped.
+    assert!(outcomes.contains(&(1, true)) && outcomes.contains(&(101, false)), "{outcomes:?}");
+}
+
+#[test]
+fn bad_protobuf_anywhere_is_reported_before_a_broken_rule() {
+    let mut graph = fixture();
+    // The first value breaks a rule (no dtype); the last node is not valid protobuf.
+    graph.values[0].dtype = 0;
+    let last = graph.nodes.len() - 1;
+    let node = |n: &pb::Node| {
+        let bytes = n.encode_to_vec();
+        if n.name == graph.nodes[last].name {
+            with_field(bytes, 2, WireType::LengthDelimited, &[0xff])
+        } else {
+            bytes
+        }
+    };
+    let error = agree(&encode_with(&graph, Message::encode_to_vec, node)).expect_err("bad");
+    assert!(matches!(error, LoadError::Protobuf { .. }), "{error}");
+}
+
 proptest! {
     #[test]
     fn arbitrary_wire_graphs_load_as_prost_decodes_them(graph in support::wire_graph()) {
