@@ -274,7 +274,10 @@ fn unknown_groups_count_against_the_recursion_limit_as_in_prost() {
         }
     }
     // Both limits are reached somewhere in between: the boundary was compared, not skipped.
-    assert!(outcomes.contains(&(1, true)) && outcomes.contains(&(101, false)), "{outcomes:?}");
+    assert!(
+        outcomes.contains(&(1, true)) && outcomes.contains(&(101, false)),
+        "{outcomes:?}"
+    );
 }
 
 #[test]

@@ -14,11 +14,12 @@
 //!    programming over the headroom `budget − peak(∅)` quantised into [`BUCKETS`] steps (costs
 //!    rounded up). Each answer is simulated exactly: keeping everything that helps is tried
 //!    first; an answer over budget shrinks the headroom by the excess, one with slack grows it
-//!    (at most [`MAX_ROUNDS`] times); every uniform choice (the same units in every layer, as
-//!    `--keep` would) is simulated too; then a first-improvement local search over single-layer
-//!    changes, each simulated exactly, refines the best feasible answer (at most
-//!    [`MAX_REFINE_PLANS`] plans). The answer always fits (keeping nothing is the fallback) and
-//!    is never slower than the best uniform `--keep` that fits.
+//!    (at most [`MAX_ROUNDS`] times); every uniform choice (`--keep` of a set of unit names,
+//!    the same in every layer) is simulated too; then a first-improvement local search over
+//!    single-layer changes, each simulated exactly, refines the best feasible answer (at most
+//!    [`MAX_REFINE_PLANS`] plans). The answer always fits (keeping nothing is the fallback) and,
+//!    when the graph declares at most [`MAX_UNITS`] unit names, is never slower than the best
+//!    uniform `--keep` that fits.
 //!
 //! Optimality gap of step 3: the linear model overestimates the peak when keeping shrinks a
 //! replay's transient (it does in the last layers), which the slack rounds and the local search
@@ -27,8 +28,9 @@
 //! test graph of `tests/budget.rs`, over 17 budgets, the knapsack alone was up to 61% slower
 //! than the optimum found by brute force, and with the local search 0%. On the MoE golden
 //! deepened to 10 layers (16^10 combinations, no brute force), over 9 budgets, the answer's
-//! replay time was 0% to 14.1% below the best uniform `--keep` that fits; before the uniform
-//! seeds it was up to 29% above at one budget. The local search stops at a local optimum, so
+//! replay time was 0% to 14.1% below the best uniform `--keep` that fits (0% to 10.9% on the
+//! GLM/DSA golden, main and MTP models); before the uniform seeds it was up to 29% above at one
+//! budget. The local search stops at a local optimum, so
 //! the gap is not bounded in general.
 
 use std::collections::{BTreeMap, HashMap};
@@ -272,24 +274,33 @@ impl<'g> Search<'g> {
         self.refine(best)
     }
 
-    /// Each uniform choice (the same units in every layer, as `--keep` would), planned.
+    /// Each uniform choice (the same unit names in every layer, as `--keep` would), planned.
     pub fn uniform_plans(&self) -> impl Iterator<Item = Result<Plan, BudgetError>> + '_ {
         self.uniform_choices().map(|choice| self.plan_of(&choice))
     }
 
-    /// Each option applied to every layer (a layer whose model has fewer units keeps nothing
-    /// for the options it lacks).
+    /// Each `--keep` of a non-empty set of unit names, as a per-layer choice: a layer keeps
+    /// those of its model's units the set names. None when the graph declares more than
+    /// [`MAX_UNITS`] distinct names (2^names plans).
     fn uniform_choices(&self) -> impl Iterator<Item = Vec<usize>> + '_ {
-        let widest = self.options.iter().map(Vec::len).max().unwrap_or(0);
-        (1..widest).map(|o| {
+        let names = config::declared_units(self.graph);
+        let sets = if names.len() <= MAX_UNITS {
+            1..1usize << names.len()
+        } else {
+            0..0
+        };
+        sets.map(move |set| {
+            let keep = Keep::Units(
+                (0..names.len())
+                    .filter(|i| set >> i & 1 == 1)
+                    .map(|i| names[i].clone())
+                    .collect(),
+            );
             self.slots
                 .iter()
                 .map(|s| {
-                    if o < self.options[s.class].len() {
-                        o
-                    } else {
-                        0
-                    }
+                    let kept = config::kept_units_of(self.graph.model(s.model), &keep);
+                    kept.iter().fold(0, |o, &u| o | 1 << u)
                 })
                 .collect()
         })

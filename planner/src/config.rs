@@ -6,7 +6,7 @@ use std::{
     fmt,
 };
 
-use ir::{Graph, IdVec, ModelId, NodeId};
+use ir::{Graph, IdVec, Model, ModelId, NodeId};
 use thiserror::Error;
 
 /// `--keep`: tri-state (R2).
@@ -211,19 +211,7 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
         graph
             .models()
             .values()
-            .map(|model| {
-                model
-                    .units
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, unit)| match &config.keep {
-                        Keep::Nothing => false,
-                        Keep::All => true,
-                        Keep::Units(units) => units.contains(&unit.name.to_ascii_uppercase()),
-                    })
-                    .map(|(i, _)| i)
-                    .collect()
-            })
+            .map(|model| kept_units_of(model, &config.keep))
             .collect(),
     );
     let checkpointed_layers = IdVec::from_vec(
@@ -239,6 +227,20 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
         checkpointed_layers,
         chosen_ops: BTreeSet::new(),
     })
+}
+
+/// The indices of `model`'s units that `keep` selects (names match case-insensitively).
+pub fn kept_units_of(model: &Model, keep: &Keep) -> Vec<usize> {
+    let kept = |name: &str| match keep {
+        Keep::Nothing => false,
+        Keep::All => true,
+        Keep::Units(units) => units.contains(&name.to_ascii_uppercase()),
+    };
+    let units = model.units.iter().enumerate();
+    units
+        .filter(|(_, u)| kept(&u.name))
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// `floor(ratio × num_layers)`, as the first seed's framework computes it.

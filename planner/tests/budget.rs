@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use ir::Graph;
 use planner::{
-    budget::{plan_within, BudgetError, Search},
+    budget::{plan_within, BudgetError, Search, EXHAUSTIVE_LIMIT},
     config::{self, PlanConfig},
     cost::HwProfile,
     pareto,
@@ -194,71 +194,97 @@ fn deep_golden(layers: u32) -> Graph {
     Graph::from_wire(ir::deepen::deepen(&wire, "main", 0, layers).unwrap()).unwrap()
 }
 
-#[test]
-fn m3_on_a_deep_golden_the_budget_plan_beats_every_uniform_keep_that_fits() {
-    // 10 layers of 4 units: 16^10 combinations, far past the exhaustive limit.
-    let graph = deep_golden(10);
-    let hw = HwProfile::default();
-    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
-    assert!(search.combinations() > 1 << 20);
-    let units = config::declared_units(&graph);
-    assert_eq!(units.len(), 4, "{units:?}");
-    // Every uniform `--keep` (the same units in every layer): what a user picks by hand.
-    let uniform: Vec<(u64, f64)> = (0..1u32 << units.len())
-        .map(|mask| {
+/// The GLM/DSA golden (a main model and a nested MTP model), with the MTP model's units
+/// declared in reverse order: unit indices differ between the models, names do not.
+fn two_models_with_units_in_different_orders() -> Graph {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/glm_dsa_ep2.pb");
+    let mut wire = ir::io::read_wire(&path).unwrap();
+    let mtp = wire.models.iter_mut().find(|m| m.name == "mtp").unwrap();
+    mtp.units.reverse();
+    Graph::from_wire(wire).unwrap()
+}
+
+/// Graphs past the exhaustive limit: the heuristic and the sampled frontier run.
+fn large_searches() -> Vec<(&'static str, Graph)> {
+    vec![
+        // 10 layers of 4 units: 16^10 combinations.
+        ("moe_ep2 x10", deep_golden(10)),
+        // 3 checkpointed layers of 5 units: 32^3 combinations.
+        (
+            "glm_dsa_ep2, MTP units reversed",
+            two_models_with_units_in_different_orders(),
+        ),
+    ]
+}
+
+/// (peak, replay seconds) of `planner plan --keep S` for every set S of declared unit names:
+/// what a user picks by hand, planned independently of the budget search.
+fn uniform_keeps(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
+    let units = config::declared_units(graph);
+    (0..1u32 << units.len())
+        .map(|set| {
             let keep: Vec<String> = (0..units.len())
-                .filter(|u| mask >> u & 1 == 1)
+                .filter(|u| set >> u & 1 == 1)
                 .map(|u| units[u].clone())
                 .collect();
             let config = PlanConfig {
                 keep: config::Keep::parse(&keep).unwrap(),
                 ..PlanConfig::default()
             };
-            let plan = planner::plan::plan(&graph, &config, &hw).unwrap();
+            let plan = planner::plan::plan(graph, &config, hw).unwrap();
             (plan.memory.peak_bytes.unwrap(), plan.cost.replay_time_s)
         })
-        .collect();
-    let ceiling = uniform.iter().map(|u| u.0).max().unwrap();
-    let (mut worst, mut best) = (f64::NEG_INFINITY, f64::INFINITY);
-    for step in 0..=8 {
-        let budget = search.floor() + (ceiling - search.floor()) * step / 8;
-        let plan = search.within(budget).unwrap();
-        assert!(plan.memory.peak_bytes.unwrap() <= budget);
-        let best_uniform = uniform
-            .iter()
-            .filter(|u| u.0 <= budget)
-            .map(|u| u.1)
-            .fold(f64::INFINITY, f64::min);
-        let ratio = plan.cost.replay_time_s / best_uniform - 1.0;
-        (worst, best) = (worst.max(ratio), best.min(ratio));
-        assert!(
-            plan.cost.replay_time_s <= best_uniform * (1.0 + 1e-9),
-            "budget {budget}: solver {} s, best uniform keep {best_uniform} s",
-            plan.cost.replay_time_s
-        );
-    }
-    println!(
-        "replay time vs the best uniform keep that fits, over 9 budgets: {:+.1}% to {:+.1}%",
-        best * 100.0,
-        worst * 100.0
-    );
+        .collect()
 }
 
 #[test]
-fn m3_on_a_deep_golden_no_uniform_keep_beats_the_pareto_frontier() {
-    let graph = deep_golden(10);
+fn m3_on_large_searches_the_budget_plan_beats_every_uniform_keep_that_fits() {
     let hw = HwProfile::default();
-    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
-    let front = pareto::frontier(&search, 16).unwrap();
-    for plan in search.uniform_plans() {
-        let plan = plan.unwrap();
-        let (peak, time) = (plan.memory.peak_bytes.unwrap(), plan.cost.replay_time_s);
-        assert!(
-            front
+    for (name, graph) in large_searches() {
+        let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+        assert!(search.combinations() > EXHAUSTIVE_LIMIT, "{name}");
+        let uniform = uniform_keeps(&graph, &hw);
+        let ceiling = uniform.iter().map(|u| u.0).max().unwrap();
+        let (mut worst, mut best) = (f64::NEG_INFINITY, f64::INFINITY);
+        for step in 0..=8 {
+            let budget = search.floor() + (ceiling - search.floor()) * step / 8;
+            let plan = search.within(budget).unwrap();
+            assert!(plan.memory.peak_bytes.unwrap() <= budget, "{name}");
+            let best_uniform = uniform
                 .iter()
-                .any(|p| p.peak_bytes <= peak && p.replay_time_s <= time),
-            "uniform keep {:?} ({peak} B, {time} s) is not covered by the frontier",
-            plan.config.layer_keep.first().map(|l| &l.keep)
+                .filter(|u| u.0 <= budget)
+                .map(|u| u.1)
+                .fold(f64::INFINITY, f64::min);
+            let ratio = plan.cost.replay_time_s / best_uniform - 1.0;
+            (worst, best) = (worst.max(ratio), best.min(ratio));
+            assert!(
+                plan.cost.replay_time_s <= best_uniform * (1.0 + 1e-9),
+                "{name}, budget {budget}: solver {} s, best uniform keep {best_uniform} s",
+                plan.cost.replay_time_s
+            );
+        }
+        println!(
+            "{name}: replay time vs the best uniform keep that fits, over 9 budgets: {:+.1}% to {:+.1}%",
+            best * 100.0,
+            worst * 100.0
         );
+    }
+}
+
+#[test]
+fn m3_on_large_searches_no_uniform_keep_lies_outside_the_pareto_frontier() {
+    let hw = HwProfile::default();
+    for (name, graph) in large_searches() {
+        let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+        let front = pareto::frontier(&search, 16).unwrap();
+        for (peak, time) in uniform_keeps(&graph, &hw) {
+            assert!(
+                front
+                    .iter()
+                    .any(|p| p.peak_bytes <= peak && p.replay_time_s <= time),
+                "{name}: a uniform keep ({peak} B, {time} s) is outside the frontier"
+            );
+        }
     }
 }
