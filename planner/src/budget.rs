@@ -36,11 +36,13 @@
 use std::collections::{BTreeMap, HashMap};
 
 use ir::{Graph, ModelId, NodeId, Phase};
+use rayon::prelude::*;
 
 use crate::{
     config::{self, Keep, PlanConfig, Resolved},
     cost::HwProfile,
-    plan::{self, Plan, PlanError},
+    partition,
+    plan::{self, Baselines, Plan, PlanError},
 };
 
 /// Quantisation of the headroom for the knapsack.
@@ -88,6 +90,8 @@ pub struct Search<'g> {
     base: PlanConfig,
     hw: &'g HwProfile,
     resolved: Resolved,
+    /// Computed once: every candidate plan shares them.
+    baselines: Baselines,
     /// The plan keeping nothing: the smallest peak.
     pub nothing: Plan,
     slots: Vec<Slot>,
@@ -106,17 +110,25 @@ impl<'g> Search<'g> {
             ..config.clone()
         };
         let resolved = config::resolve(graph, &base).map_err(PlanError::from)?;
-        let nothing = plan::plan_resolved(graph, &base, resolved.clone(), hw)?;
-        if !nothing.joint {
+        if !partition::is_joint(graph) {
             return Err(BudgetError::NotJoint);
         }
+        let baselines = Baselines::of(graph)?;
+        let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
-        let options = evaluate_options(graph, &base, &resolved, hw, &slots, classes)?;
+        let candidates = Candidates {
+            graph,
+            base: &base,
+            hw,
+            baselines: &baselines,
+        };
+        let options = evaluate_options(&candidates, &resolved, &slots, classes)?;
         Ok(Search {
             graph,
             base,
             hw,
             resolved,
+            baselines,
             nothing,
             slots,
             options,
@@ -161,10 +173,17 @@ impl<'g> Search<'g> {
             .zip(choice)
             .map(|(s, &o)| ((s.model, s.layer), subset(o)))
             .collect();
-        let resolved = self.resolved.clone().with_layer_units(layer_units);
-        Ok(plan::plan_resolved(
-            self.graph, &self.base, resolved, self.hw,
-        )?)
+        self.plan_resolved(self.resolved.clone().with_layer_units(layer_units))
+    }
+
+    fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
+        let candidates = Candidates {
+            graph: self.graph,
+            base: &self.base,
+            hw: self.hw,
+            baselines: &self.baselines,
+        };
+        candidates.plan(resolved)
     }
 
     /// The plan with the least predicted replay time whose simulated peak fits `budget`:
@@ -267,16 +286,25 @@ impl<'g> Search<'g> {
                 headroom = next;
             }
         }
-        for choice in self.uniform_choices() {
-            let plan = self.plan_of(&choice)?;
-            best.offer(choice, plan);
+        for (choice, plan) in self.uniform_candidates() {
+            best.offer(choice, plan?);
         }
         self.refine(best)
     }
 
     /// Each uniform choice (the same unit names in every layer, as `--keep` would), planned.
-    pub fn uniform_plans(&self) -> impl Iterator<Item = Result<Plan, BudgetError>> + '_ {
-        self.uniform_choices().map(|choice| self.plan_of(&choice))
+    pub fn uniform_plans(&self) -> Vec<Result<Plan, BudgetError>> {
+        self.uniform_candidates()
+            .into_iter()
+            .map(|(_, plan)| plan)
+            .collect()
+    }
+
+    /// Each uniform choice and its plan, planned in parallel.
+    fn uniform_candidates(&self) -> Vec<(Vec<usize>, Result<Plan, BudgetError>)> {
+        let choices: Vec<Vec<usize>> = self.uniform_choices().collect();
+        let plans: Vec<_> = choices.par_iter().map(|c| self.plan_of(c)).collect();
+        choices.into_iter().zip(plans).collect()
     }
 
     /// Each `--keep` of a non-empty set of unit names, as a per-layer choice: a layer keeps
@@ -328,18 +356,34 @@ impl<'g> Search<'g> {
                 }
             }
             moves.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-            for (_, i, o) in moves {
-                if tries == MAX_REFINE_PLANS {
+            let candidates: Vec<Vec<usize>> = moves
+                .iter()
+                .map(|&(_, i, o)| {
+                    let mut candidate = choice.clone();
+                    candidate[i] = o;
+                    candidate
+                })
+                .collect();
+            // A batch per core is planned at once; the earliest improvement in move order
+            // wins and counts the tries a one-by-one scan would have made, so the answer does
+            // not depend on the number of cores.
+            for batch in candidates.chunks(rayon::current_num_threads().max(1)) {
+                let batch = &batch[..batch.len().min(MAX_REFINE_PLANS - tries)];
+                if batch.is_empty() {
                     break 'improve;
                 }
-                tries += 1;
-                let mut candidate = choice.clone();
-                candidate[i] = o;
-                let next = self.plan_of(&candidate)?;
-                if next.memory.peak_bytes.unwrap_or(0) <= budget && is_better(&next, Some(&plan)) {
-                    (choice, plan) = (candidate, next);
-                    continue 'improve;
+                let plans: Vec<_> = batch.par_iter().map(|c| self.plan_of(c)).collect();
+                for (k, (candidate, next)) in batch.iter().zip(plans).enumerate() {
+                    let next = next?;
+                    if next.memory.peak_bytes.unwrap_or(0) <= budget
+                        && is_better(&next, Some(&plan))
+                    {
+                        tries += k + 1;
+                        (choice, plan) = (candidate.clone(), next);
+                        continue 'improve;
+                    }
                 }
+                tries += batch.len();
             }
             break;
         }
@@ -391,14 +435,12 @@ impl Search<'_> {
         ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let plan_with = |k: usize| -> Result<Plan, BudgetError> {
             let chosen = ranked[..k].iter().map(|&(_, id)| id).collect();
-            let resolved = self
-                .resolved
-                .clone()
-                .with_layer_units(layer_units.clone())
-                .with_chosen_ops(chosen);
-            Ok(plan::plan_resolved(
-                self.graph, &self.base, resolved, self.hw,
-            )?)
+            self.plan_resolved(
+                self.resolved
+                    .clone()
+                    .with_layer_units(layer_units.clone())
+                    .with_chosen_ops(chosen),
+            )
         };
         let fits = |p: &Plan| p.memory.peak_bytes.unwrap_or(0) <= budget;
         let (mut lo, mut hi) = (0usize, ranked.len());
@@ -539,14 +581,28 @@ fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
 }
 
 /// `options[class][o]`: the figures of the class's representative layer under subset `o`.
+/// Plans of one graph under per-layer choices, against baselines computed once.
+struct Candidates<'a> {
+    graph: &'a Graph,
+    base: &'a PlanConfig,
+    hw: &'a HwProfile,
+    baselines: &'a Baselines,
+}
+
+impl Candidates<'_> {
+    fn plan(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
+        let plan = plan::plan_against(self.graph, self.base, resolved, self.hw, self.baselines);
+        Ok(plan?)
+    }
+}
+
 fn evaluate_options(
-    graph: &Graph,
-    base: &PlanConfig,
+    candidates: &Candidates,
     resolved: &Resolved,
-    hw: &HwProfile,
     slots: &[Slot],
     classes: usize,
 ) -> Result<Vec<Vec<Figures>>, BudgetError> {
+    let graph = candidates.graph;
     let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
     let mut models: Vec<ModelId> = slots.iter().map(|s| s.model).collect();
     models.dedup();
@@ -564,14 +620,19 @@ fn evaluate_options(
             .map(|s| (s.class, s.layer))
             .rev()
             .collect();
-        for o in 0..(1usize << units) {
-            let layer_units = slots
-                .iter()
-                .filter(|s| s.model == model)
-                .map(|s| ((s.model, s.layer), subset(o)))
-                .collect();
-            let resolved = resolved.clone().with_layer_units(layer_units);
-            let plan = plan::plan_resolved(graph, base, resolved, hw)?;
+        let plans: Vec<_> = (0..1usize << units)
+            .into_par_iter()
+            .map(|o| {
+                let layer_units = slots
+                    .iter()
+                    .filter(|s| s.model == model)
+                    .map(|s| ((s.model, s.layer), subset(o)))
+                    .collect();
+                candidates.plan(resolved.clone().with_layer_units(layer_units))
+            })
+            .collect();
+        for plan in plans {
+            let plan = plan?;
             let name = &graph.model(model).name;
             for (&class, &layer) in &representatives {
                 options[class].push(layer_figures(&plan, name, layer));

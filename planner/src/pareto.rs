@@ -6,6 +6,7 @@
 
 use std::fmt::Write as _;
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::{
@@ -54,10 +55,16 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
     } else {
         let max = search.max_headroom();
         let steps = steps.max(1);
-        for k in 0..=steps {
-            let headroom =
-                u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps)).unwrap_or(max);
-            let point = Point::of(&search.plan_for(headroom)?);
+        let swept: Vec<Result<Point, BudgetError>> = (0..=steps)
+            .into_par_iter()
+            .map(|k| {
+                let headroom = u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps))
+                    .unwrap_or(max);
+                Ok(Point::of(&search.plan_for(headroom)?))
+            })
+            .collect();
+        for point in swept {
+            let point = point?;
             if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
                 points.push(point);
             }

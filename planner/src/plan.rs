@@ -208,80 +208,129 @@ pub fn plan_resolved(
     hw: &HwProfile,
 ) -> Result<Plan, PlanError> {
     let joint = partition::is_joint(graph);
-    // This plan, the whole-layer baseline and the no-checkpoint simulation are independent.
+    // This plan and the baselines are independent.
     let (mine, baselines) = rayon::join(
-        || -> Result<_, PlanError> {
-            let policy = policy::apply(graph, config, &resolved);
-            let analysed = if joint {
-                let partition = checked_partition(graph, &policy)?;
-                let memory = memory::simulate(graph, &partition.order, &partition.replays);
-                Some((partition, memory))
-            } else {
-                None
-            };
-            Ok((policy, analysed))
-        },
-        || joint.then(|| rayon::join(|| whole_layer(graph), || no_checkpoint(graph))),
+        || analyse(graph, config, &resolved, joint),
+        || joint.then(|| Baselines::of(graph)),
     );
     let (policy, analysed) = mine?;
-    let joint = match (analysed, baselines) {
-        (Some((partition, memory)), Some((whole_layer, no_checkpoint))) => {
-            let (full_recompute, full_recompute_memory) = whole_layer?;
-            Some(Joint {
-                partition,
-                memory,
-                no_checkpoint,
-                full_recompute,
-                full_recompute_memory,
-            })
-        }
-        _ => None,
-    };
-    let diagnostics = diagnostics::diagnose(
-        graph,
-        config,
-        &resolved,
-        &policy.findings,
-        joint.as_ref().map(|j| &j.partition),
-    );
-    Ok(assemble(
+    let baselines = baselines.transpose()?;
+    let joint = analysed
+        .zip(baselines.as_ref())
+        .map(|((partition, memory), baselines)| Joint {
+            partition,
+            memory,
+            baselines,
+        });
+    Ok(finish(
         graph,
         config,
         &resolved,
         &policy,
         joint.as_ref(),
         hw,
-        diagnostics,
     ))
 }
 
-/// The partition of a joint graph, its memory simulation, and the two baselines: no
-/// checkpointing and whole-layer recompute (M1).
-struct Joint {
+/// [`plan_resolved`] for a joint graph whose baselines are already known: what a search that
+/// plans one graph under many configurations calls.
+pub fn plan_against(
+    graph: &Graph,
+    config: &PlanConfig,
+    resolved: Resolved,
+    hw: &HwProfile,
+    baselines: &Baselines,
+) -> Result<Plan, PlanError> {
+    let (policy, analysed) = analyse(graph, config, &resolved, partition::is_joint(graph))?;
+    let joint = analysed.map(|(partition, memory)| Joint {
+        partition,
+        memory,
+        baselines,
+    });
+    Ok(finish(
+        graph,
+        config,
+        &resolved,
+        &policy,
+        joint.as_ref(),
+        hw,
+    ))
+}
+
+/// The policy and, for a joint graph, the checked partition and its memory simulation.
+fn analyse(
+    graph: &Graph,
+    config: &PlanConfig,
+    resolved: &Resolved,
+    joint: bool,
+) -> Result<(Policy, Option<(Partition, Simulation)>), PlanError> {
+    let policy = policy::apply(graph, config, resolved);
+    if !joint {
+        return Ok((policy, None));
+    }
+    let partition = checked_partition(graph, &policy)?;
+    let memory = memory::simulate(graph, &partition.order, &partition.replays);
+    Ok((policy, Some((partition, memory))))
+}
+
+fn finish(
+    graph: &Graph,
+    config: &PlanConfig,
+    resolved: &Resolved,
+    policy: &Policy,
+    joint: Option<&Joint>,
+    hw: &HwProfile,
+) -> Plan {
+    let diagnostics = diagnostics::diagnose(
+        graph,
+        config,
+        resolved,
+        &policy.findings,
+        joint.map(|j| &j.partition),
+    );
+    assemble(graph, config, resolved, policy, joint, hw, diagnostics)
+}
+
+/// The partition of a joint graph and its memory simulation, beside the baselines.
+struct Joint<'b> {
     partition: Partition,
     memory: Simulation,
+    baselines: &'b Baselines,
+}
+
+/// The two baselines of M1, the same whatever the configuration: no checkpointing, and
+/// whole-layer recompute of every layer.
+pub struct Baselines {
     no_checkpoint: Simulation,
     full_recompute: Partition,
     full_recompute_memory: Simulation,
 }
 
-/// The whole-layer recompute baseline: its partition and simulation.
-fn whole_layer(graph: &Graph) -> Result<(Partition, Simulation), PlanError> {
-    let config = PlanConfig {
-        keep: Keep::Nothing,
-        recompute_ratio: 1.0,
-        collectives: Collectives::Recompute,
-    };
-    let resolved = config::resolve(graph, &config)?;
-    let policy = policy::apply(graph, &config, &resolved);
-    let partition = checked_partition(graph, &policy)?;
-    let memory = memory::simulate(graph, &partition.order, &partition.replays);
-    Ok((partition, memory))
-}
-
-/// The no-checkpointing baseline: nothing replays.
-fn no_checkpoint(graph: &Graph) -> Simulation {
-    memory::simulate(graph, graph.backward_order(), &[])
+impl Baselines {
+    /// Both baselines of a joint graph, in parallel.
+    pub fn of(graph: &Graph) -> Result<Baselines, PlanError> {
+        let (whole_layer, no_checkpoint) = rayon::join(
+            || -> Result<_, PlanError> {
+                let config = PlanConfig {
+                    keep: Keep::Nothing,
+                    recompute_ratio: 1.0,
+                    collectives: Collectives::Recompute,
+                };
+                let resolved = config::resolve(graph, &config)?;
+                let policy = policy::apply(graph, &config, &resolved);
+                let partition = checked_partition(graph, &policy)?;
+                let memory = memory::simulate(graph, &partition.order, &partition.replays);
+                Ok((partition, memory))
+            },
+            || memory::simulate(graph, graph.backward_order(), &[]),
+        );
+        let (full_recompute, full_recompute_memory) = whole_layer?;
+        Ok(Baselines {
+            no_checkpoint,
+            full_recompute,
+            full_recompute_memory,
+        })
+    }
 }
 
 fn checked_partition(graph: &Graph, policy: &Policy) -> Result<Partition, PlanError> {
@@ -347,8 +396,8 @@ fn memory_doc(graph: &Graph, joint: Option<&Joint>) -> MemoryDoc {
     MemoryDoc {
         peak_bytes: Some(j.memory.peak_bytes),
         saved_bytes: saved_activation_bytes(graph, &j.partition),
-        no_checkpoint_peak_bytes: Some(j.no_checkpoint.peak_bytes),
-        full_recompute_peak_bytes: Some(j.full_recompute_memory.peak_bytes),
+        no_checkpoint_peak_bytes: Some(j.baselines.no_checkpoint.peak_bytes),
+        full_recompute_peak_bytes: Some(j.baselines.full_recompute_memory.peak_bytes),
         peak_stage: j.memory.peak_at.map(|(stage, _)| stage.name().to_owned()),
         peak_node: j
             .memory
@@ -363,7 +412,7 @@ fn cost_doc(joint: Option<&Joint>, hw: &HwProfile, work: &ForwardWork) -> CostDo
     let (replay, baseline) = match joint {
         Some(j) => (
             work.sum(replayed(&j.partition)),
-            work.sum(replayed(&j.full_recompute)),
+            work.sum(replayed(&j.baselines.full_recompute)),
         ),
         None => Default::default(),
     };
@@ -494,7 +543,7 @@ fn unit_docs(
     }
     let mut replayed_by_baseline = vec![false; graph.nodes().len()];
     for r in joint
-        .map(|j| j.full_recompute.replays.as_slice())
+        .map(|j| j.baselines.full_recompute.replays.as_slice())
         .unwrap_or_default()
     {
         for &n in &r.nodes {
