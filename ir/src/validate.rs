@@ -40,8 +40,8 @@ impl Graph {
             wire,
             &values,
             &nodes,
-            |v| Ok(RawValue::of(v)),
-            |n| Ok(RawNode::of(n)),
+            |_, v| Ok(RawValue::of(v)),
+            |_, n| Ok(RawNode::of(n)),
             fingerprint,
         )
     }
@@ -61,8 +61,8 @@ impl Graph {
             header,
             values,
             nodes,
-            |v| RawValue::decode(v).map_err(protobuf),
-            |n| RawNode::decode(n).map_err(protobuf),
+            |i, v| decode_value(i, v).map_err(protobuf),
+            |i, n| decode_node(i, n).map_err(protobuf),
             fingerprint,
         );
         built.map_err(|error| match error {
@@ -77,8 +77,24 @@ impl Graph {
 
 /// The first element, values before nodes, that is not valid protobuf.
 fn first_protobuf_error(values: &[&[u8]], nodes: &[&[u8]]) -> Option<String> {
-    let value = values.iter().find_map(|v| RawValue::decode(v).err());
-    value.or_else(|| nodes.iter().find_map(|n| RawNode::decode(n).err()))
+    let value = values
+        .iter()
+        .enumerate()
+        .find_map(|(i, v)| decode_value(i, v).err());
+    value.or_else(|| {
+        let mut nodes = nodes.iter().enumerate();
+        nodes.find_map(|(i, n)| decode_node(i, n).err())
+    })
+}
+
+/// Decodes value `index`; an error names it.
+fn decode_value(index: usize, bytes: &[u8]) -> Result<RawValue<'_>, String> {
+    RawValue::decode(bytes).map_err(|e| format!("value #{index}: {e}"))
+}
+
+/// Decodes node `index`; an error names it.
+fn decode_node(index: usize, bytes: &[u8]) -> Result<RawNode<'_>, String> {
+    RawNode::decode(bytes).map_err(|e| format!("node #{index}: {e}"))
 }
 
 /// Why an encoded graph did not become a [`Graph`].
@@ -96,13 +112,13 @@ impl From<E> for BuildError {
 }
 
 /// Converts `header` (the fields other than `values` and `nodes`) and the elements, each first
-/// viewed as its wire message by `value` / `node`.
+/// viewed as its wire message by `value` / `node` (given its index).
 fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
     header: pb::Graph,
     values: &'w [V],
     nodes: &'w [N],
-    value: impl Fn(&'w V) -> Result<RawValue<'w>, Err> + Sync,
-    node: impl Fn(&'w N) -> Result<RawNode<'w>, Err> + Sync,
+    value: impl Fn(usize, &'w V) -> Result<RawValue<'w>, Err> + Sync,
+    node: impl Fn(usize, &'w N) -> Result<RawNode<'w>, Err> + Sync,
     fingerprint: String,
 ) -> Result<Graph, Err> {
     check_counts(nodes.len(), values.len(), header.models.len())?;
@@ -302,12 +318,12 @@ fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<Vec<Unit>,
 /// Converts every value, in parallel; the first error in value order wins.
 fn convert_values<'w, V: Sync, Err: From<E> + Send>(
     wire: &'w [V],
-    decode: impl Fn(&'w V) -> Result<RawValue<'w>, Err> + Sync,
+    decode: impl Fn(usize, &'w V) -> Result<RawValue<'w>, Err> + Sync,
 ) -> Result<IdVec<ValueId, Value>, Err> {
     first_error_in_order(
         wire.par_iter()
             .enumerate()
-            .map(|(index, v)| Ok(convert_value(index, decode(v)?)?))
+            .map(|(index, v)| Ok(convert_value(index, decode(index, v)?)?))
             .collect(),
     )
 }
@@ -447,7 +463,7 @@ fn convert_collective(node: &str, code: i32) -> Result<Option<CollectiveKind>, E
 /// Converts every node, in parallel; the first error in node order wins.
 fn convert_nodes<'w, N: Sync, Err: From<E> + Send>(
     wire: &'w [N],
-    decode: impl Fn(&'w N) -> Result<RawNode<'w>, Err> + Sync,
+    decode: impl Fn(usize, &'w N) -> Result<RawNode<'w>, Err> + Sync,
     value_ids: &NameIndex<ValueId, Value>,
     model_ids: &NameIndex<ModelId, Model>,
     models: &IdVec<ModelId, Model>,
@@ -460,7 +476,7 @@ fn convert_nodes<'w, N: Sync, Err: From<E> + Send>(
                 |resolver, (index, n)| {
                     Ok(convert_node(
                         index,
-                        decode(n)?,
+                        decode(index, n)?,
                         resolver,
                         model_ids,
                         models,
