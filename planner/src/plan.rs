@@ -213,21 +213,14 @@ pub fn plan_resolved(
         || analyse(graph, config, &resolved, joint),
         || joint.then(|| Baselines::of(graph)),
     );
-    let (policy, analysed) = mine?;
+    let mine = mine?;
     let baselines = baselines.transpose()?;
-    let joint = analysed
-        .zip(baselines.as_ref())
-        .map(|((partition, memory), baselines)| Joint {
-            partition,
-            memory,
-            baselines,
-        });
     Ok(finish(
         graph,
         config,
         &resolved,
-        &policy,
-        joint.as_ref(),
+        mine,
+        baselines.as_ref(),
         hw,
     ))
 }
@@ -241,20 +234,8 @@ pub fn plan_against(
     hw: &HwProfile,
     baselines: &Baselines,
 ) -> Result<Plan, PlanError> {
-    let (policy, analysed) = analyse(graph, config, &resolved, partition::is_joint(graph))?;
-    let joint = analysed.map(|(partition, memory)| Joint {
-        partition,
-        memory,
-        baselines,
-    });
-    Ok(finish(
-        graph,
-        config,
-        &resolved,
-        &policy,
-        joint.as_ref(),
-        hw,
-    ))
+    let mine = analyse(graph, config, &resolved, partition::is_joint(graph))?;
+    Ok(finish(graph, config, &resolved, mine, Some(baselines), hw))
 }
 
 /// The policy and, for a joint graph, the checked partition and its memory simulation.
@@ -273,22 +254,38 @@ fn analyse(
     Ok((policy, Some((partition, memory))))
 }
 
+/// The plan document from the analysis and, for a joint graph, the baselines.
 fn finish(
     graph: &Graph,
     config: &PlanConfig,
     resolved: &Resolved,
-    policy: &Policy,
-    joint: Option<&Joint>,
+    (policy, analysed): (Policy, Option<(Partition, Simulation)>),
+    baselines: Option<&Baselines>,
     hw: &HwProfile,
 ) -> Plan {
+    let joint = analysed
+        .zip(baselines)
+        .map(|((partition, memory), baselines)| Joint {
+            partition,
+            memory,
+            baselines,
+        });
     let diagnostics = diagnostics::diagnose(
         graph,
         config,
         resolved,
         &policy.findings,
-        joint.map(|j| &j.partition),
+        joint.as_ref().map(|j| &j.partition),
     );
-    assemble(graph, config, resolved, policy, joint, hw, diagnostics)
+    assemble(
+        graph,
+        config,
+        resolved,
+        &policy,
+        joint.as_ref(),
+        hw,
+        diagnostics,
+    )
 }
 
 /// The partition of a joint graph and its memory simulation, beside the baselines.
