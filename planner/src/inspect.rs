@@ -189,11 +189,8 @@ fn compiled_regions(graph: &Graph) -> Vec<RegionSummary> {
 
 /// Counts of the ops of the nodes `keep` selects, most frequent first, then by name.
 fn histogram(graph: &Graph, keep: impl Fn(&ir::Node) -> bool) -> Vec<OpCount> {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for node in graph.nodes().values().filter(|n| keep(n)) {
-        *counts.entry(node.op.as_str()).or_default() += 1;
-    }
-    let mut ops: Vec<OpCount> = counts
+    let nodes = graph.nodes().values().filter(|n| keep(n));
+    let mut ops: Vec<OpCount> = crate::render::sorted_counts(nodes.map(|n| n.op.as_str()))
         .into_iter()
         .map(|(op, count)| OpCount {
             op: op.to_owned(),

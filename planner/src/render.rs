@@ -113,7 +113,9 @@ fn text_units(w: &mut String, plan: &Plan) {
 }
 
 /// How often each key occurs, in key order (counted in a hash map: a million nodes).
-fn sorted_counts<K: Ord + std::hash::Hash>(keys: impl Iterator<Item = K>) -> Vec<(K, usize)> {
+pub(crate) fn sorted_counts<K: Ord + std::hash::Hash>(
+    keys: impl Iterator<Item = K>,
+) -> Vec<(K, usize)> {
     let mut counts: HashMap<K, usize> = HashMap::default();
     for key in keys {
         *counts.entry(key).or_default() += 1;
