@@ -116,13 +116,8 @@ impl<'g> Search<'g> {
         let baselines = Baselines::of(graph)?;
         let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
-        let candidates = Candidates {
-            graph,
-            base: &base,
-            hw,
-            baselines: &baselines,
-        };
-        let options = evaluate_options(&candidates, &resolved, &slots, classes)?;
+        let plan = |resolved| plan::plan_against(graph, &base, resolved, hw, &baselines);
+        let options = evaluate_options(graph, plan, &resolved, &slots, classes)?;
         Ok(Search {
             graph,
             base,
@@ -177,13 +172,8 @@ impl<'g> Search<'g> {
     }
 
     fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
-        let candidates = Candidates {
-            graph: self.graph,
-            base: &self.base,
-            hw: self.hw,
-            baselines: &self.baselines,
-        };
-        candidates.plan(resolved)
+        let plan = plan::plan_against(self.graph, &self.base, resolved, self.hw, &self.baselines);
+        Ok(plan?)
     }
 
     /// The plan with the least predicted replay time whose simulated peak fits `budget`:
@@ -581,28 +571,14 @@ fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
 }
 
 /// `options[class][o]`: the figures of the class's representative layer under subset `o`.
-/// Plans of one graph under per-layer choices, against baselines computed once.
-struct Candidates<'a> {
-    graph: &'a Graph,
-    base: &'a PlanConfig,
-    hw: &'a HwProfile,
-    baselines: &'a Baselines,
-}
-
-impl Candidates<'_> {
-    fn plan(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
-        let plan = plan::plan_against(self.graph, self.base, resolved, self.hw, self.baselines);
-        Ok(plan?)
-    }
-}
-
+/// The option tables: `plan` plans the graph under per-layer choices.
 fn evaluate_options(
-    candidates: &Candidates,
+    graph: &Graph,
+    plan: impl Fn(Resolved) -> Result<Plan, PlanError> + Sync,
     resolved: &Resolved,
     slots: &[Slot],
     classes: usize,
 ) -> Result<Vec<Vec<Figures>>, BudgetError> {
-    let graph = candidates.graph;
     let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
     let mut models: Vec<ModelId> = slots.iter().map(|s| s.model).collect();
     models.dedup();
@@ -628,7 +604,7 @@ fn evaluate_options(
                     .filter(|s| s.model == model)
                     .map(|s| ((s.model, s.layer), subset(o)))
                     .collect();
-                candidates.plan(resolved.clone().with_layer_units(layer_units))
+                plan(resolved.clone().with_layer_units(layer_units))
             })
             .collect();
         for plan in plans {
