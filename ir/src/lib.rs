@@ -4,7 +4,6 @@
 //! **Architecture invariant:** this crate never links libtorch; it knows graphs, not tensors.
 
 mod dag;
-pub mod deepen;
 pub mod error;
 pub mod graph;
 pub mod id;

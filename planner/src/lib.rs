@@ -3,7 +3,6 @@
 //!
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
-pub mod allocator;
 pub mod budget;
 pub mod config;
 pub mod convert;

@@ -1,7 +1,5 @@
 //! The budget solver and the Pareto frontier (M3), checked against brute force on small graphs.
 
-mod support;
-
 use std::collections::BTreeMap;
 
 use ir::Graph;
@@ -12,7 +10,7 @@ use planner::{
     pareto,
     plan::plan_resolved,
 };
-use support::Builder;
+use testkit::Builder;
 
 const UNITS: [(&str, &[(&str, &str)]); 2] = [
     ("SAVE_ATTN", &[("attn.begin", "attn.end")]),
@@ -191,7 +189,7 @@ fn m3_op_granularity_fits_and_never_loses_to_unit_granularity() {
 fn deep_golden(layers: u32) -> Graph {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/moe_ep2.pb");
     let wire = ir::io::read_wire(&path).unwrap();
-    Graph::from_wire(ir::deepen::deepen(&wire, "main", 0, layers).unwrap()).unwrap()
+    Graph::from_wire(testkit::deepen(&wire, "main", 0, layers).unwrap()).unwrap()
 }
 
 /// The GLM/DSA golden (a main model and a nested MTP model), with the MTP model's units

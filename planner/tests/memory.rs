@@ -1,8 +1,6 @@
 //! The liveness simulation (M1) pinned on hand-built graphs. Every value is a `[4, 4]` float32
 //! tensor: 64 bytes.
 
-mod support;
-
 use ir::Graph;
 use planner::{
     config::{Keep, PlanConfig},
@@ -10,7 +8,7 @@ use planner::{
     memory::{simulate, Stage},
     plan::plan,
 };
-use support::Builder;
+use testkit::Builder;
 
 const ATTN: (&str, &[(&str, &str)]) = ("SAVE_ATTN", &[("attn.begin", "attn.end")]);
 

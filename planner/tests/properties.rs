@@ -2,8 +2,6 @@
 //! ops and collectives: the partition verifier always passes (plan() runs it), every kept op is
 //! eager and non-mutable, and the output is deterministic.
 
-mod support;
-
 use planner::{
     config::{Collectives, Keep, PlanConfig},
     cost::HwProfile,
@@ -11,7 +9,7 @@ use planner::{
     render,
 };
 use proptest::prelude::*;
-use support::Builder;
+use testkit::Builder;
 
 const UNITS: [(&str, &[(&str, &str)]); 2] = [
     ("SAVE_ATTN", &[("attn.begin", "attn.end")]),

@@ -1,14 +1,12 @@
 //! One test per SPEC rule (R1–R11) on small hand-built joint graphs. Each names the rule it
 //! proves and fails if that behaviour breaks.
 
-mod support;
-
 use planner::{
     config::{Collectives, Keep, PlanConfig},
     cost::HwProfile,
     plan::{plan, Plan, PlanError},
 };
-use support::Builder;
+use testkit::Builder;
 
 const ATTN: (&str, &[(&str, &str)]) = ("SAVE_ATTN", &[("attn.begin", "attn.end")]);
 const MLP: (&str, &[(&str, &str)]) = ("SAVE_MLP", &[("mlp.begin", "mlp.end")]);

@@ -144,9 +144,9 @@ def planner_bin() -> Path:
     if shutil.which("cargo") is None:
         pytest.skip("cargo is not on PATH and PLANNER_BIN is unset: cannot run the Rust loader")
     build = subprocess.run(
-        ["cargo", "build", "-q", "-p", "planner"], cwd=REPO_ROOT, capture_output=True, text=True
+        ["cargo", "build", "-q", "-p", "planner-cli"], cwd=REPO_ROOT, capture_output=True, text=True
     )
-    assert build.returncode == 0, f"cargo build -p planner failed:\n{build.stderr}"
+    assert build.returncode == 0, f"cargo build -p planner-cli failed:\n{build.stderr}"
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO_ROOT / "target"))
     return target / "debug" / "planner"
 

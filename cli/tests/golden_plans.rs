@@ -14,8 +14,6 @@
 //! A mismatch prints a line diff; `UPDATE_GOLDEN=1 cargo test --test golden_plans` rewrites the
 //! expected part after reading the diff.
 
-mod support;
-
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -104,7 +102,7 @@ fn golden_plans() {
             failures.push(format!(
                 "{}:\n{}",
                 case.path.display(),
-                support::line_diff(&case.expected, &actual)
+                testkit::line_diff(&case.expected, &actual)
             ));
         }
     }

@@ -1,6 +1,4 @@
-//! A small builder of valid joint graphs for rule tests and property tests, and the line diff
-//! the golden tests print.
-#![allow(dead_code)]
+//! A small builder of valid joint graphs for rule tests and property tests.
 
 use ir::{
     wire::graph::{self as pb, attribute::Value as AttrValue},
@@ -190,24 +188,4 @@ impl Builder {
     pub fn build(&self) -> Graph {
         Graph::from_wire(self.graph.clone()).expect("the builder makes valid graphs")
     }
-}
-
-/// The lines that differ between `expected` and `actual`, for a golden mismatch.
-pub fn line_diff(expected: &str, actual: &str) -> String {
-    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
-    let mut diff = String::new();
-    for i in 0..e.len().max(a.len()) {
-        match (e.get(i), a.get(i)) {
-            (Some(x), Some(y)) if x == y => {}
-            (x, y) => {
-                diff += &format!(
-                    "  line {}:\n  - {}\n  + {}\n",
-                    i + 1,
-                    x.unwrap_or(&""),
-                    y.unwrap_or(&"")
-                );
-            }
-        }
-    }
-    diff
 }

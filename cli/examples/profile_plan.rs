@@ -1,8 +1,8 @@
 //! Times the phases of `planner plan` on one graph, each once, single process:
 //!
-//!     cargo run --release -p planner --example profile_plan -- GRAPH.pb
+//!     cargo run --release -p planner-cli --example profile_plan -- GRAPH.pb
 //!
-//! For finding where time goes; the benchmark of record is `cargo bench -p planner --bench scale`.
+//! For finding where time goes; the benchmark of record is `cargo bench -p planner-cli --bench scale`.
 
 use std::{path::Path, time::Instant};
 
@@ -12,6 +12,10 @@ use planner::{
     diagnostics, memory, partition, plan, policy, render,
 };
 
+/// The `planner` binary's allocator settings (the same file).
+#[path = "../src/allocator.rs"]
+mod allocator;
+
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -20,7 +24,7 @@ fn main() {
         eprintln!("usage: profile_plan GRAPH.pb");
         std::process::exit(2);
     };
-    planner::allocator::keep_freed_memory();
+    allocator::keep_freed_memory();
     let mut clock = Clock(Instant::now());
     let graph = ir::io::load(Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
     clock.lap(&format!("load ({} nodes)", graph.nodes().len()));

@@ -4,23 +4,28 @@
 //! of the plan and both baselines, cost) and reports the median of several runs, and the first
 //! run apart (it faults in fresh memory, as a one-shot `planner plan` process does).
 //!
-//!     cargo bench -p planner --bench scale [-- GRAPH.pb [RUNS]]
+//!     cargo bench -p planner-cli --bench scale [-- GRAPH.pb [RUNS]]
 
 use std::{path::PathBuf, time::Instant};
 
-use ir::{deepen::deepen, io};
+use ir::io;
 use planner::{
     config::{Keep, PlanConfig},
     cost::HwProfile,
     plan::plan,
 };
+use testkit::deepen;
+
+/// The `planner` binary's allocator settings (the same file).
+#[path = "../src/allocator.rs"]
+mod allocator;
 
 /// The same allocator as the `planner` binary.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
-    planner::allocator::keep_freed_memory();
+    allocator::keep_freed_memory();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")

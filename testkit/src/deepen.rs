@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 
 use thiserror::Error;
 
-use crate::wire::graph as pb;
+use ir::wire::graph as pb;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum DeepenError {

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use ir::{deepen::deepen, io, Graph, Phase};
+use ir::{io, Graph, Phase};
+use testkit::deepen;
 
 fn fixture() -> ir::wire::graph::Graph {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/two_layer_moe.pb");

@@ -6,6 +6,8 @@ use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod allocator;
+
 /// Loading and planning allocate millions of small strings and vectors: mimalloc does that
 /// faster than the system allocator, above all across threads.
 #[global_allocator]
@@ -158,7 +160,7 @@ impl From<String> for Failure {
 }
 
 fn main() -> ExitCode {
-    planner::allocator::keep_freed_memory();
+    allocator::keep_freed_memory();
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,

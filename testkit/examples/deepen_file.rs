@@ -1,6 +1,6 @@
 //! Writes a deep graph made by repeating a layer of a shallow one:
 //!
-//!     cargo run --release -p ir --example deepen_file -- IN.pb OUT.pb LAYERS [MODEL]
+//!     cargo run --release -p testkit --example deepen_file -- IN.pb OUT.pb LAYERS [MODEL]
 //!
 //! Layer 0 of MODEL (default `main`) is the template; layers 0 and 1 must be identical.
 
@@ -18,7 +18,7 @@ fn main() -> ExitCode {
             .parse()
             .map_err(|_| format!("`{layers}` is not a layer count"))?;
         let wire = ir::io::read_wire(Path::new(input)).map_err(|e| e.to_string())?;
-        let deep = ir::deepen::deepen(&wire, model, 0, layers).map_err(|e| e.to_string())?;
+        let deep = testkit::deepen(&wire, model, 0, layers).map_err(|e| e.to_string())?;
         ir::io::write_wire(&deep, Path::new(output)).map_err(|e| e.to_string())
     };
     match run() {

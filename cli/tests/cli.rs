@@ -1,8 +1,6 @@
 //! The `planner` binary end to end: `inspect` and `convert` on the shipped fixture, and every
 //! kind of malformed file exits 1 with one `error: ...` line naming the problem, never a panic.
 
-mod support;
-
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -47,7 +45,7 @@ fn check_golden(name: &str, actual: &str) {
         expected == actual,
         "{} differs from the output (re-bless with UPDATE_GOLDEN=1 after checking the change):\n{}",
         path.display(),
-        support::line_diff(&expected, actual)
+        testkit::line_diff(&expected, actual)
     );
 }
 

@@ -1,0 +1,11 @@
+//! Test and benchmark support shared by the crates of the workspace: a builder of small valid
+//! joint graphs, deep graphs made from shallow ones, and golden-file helpers. Never a
+//! dependency of the product itself.
+
+pub mod builder;
+pub mod deepen;
+pub mod golden;
+
+pub use builder::{Builder, MODEL};
+pub use deepen::{deepen, DeepenError};
+pub use golden::{golden_graph, line_diff, repo_root};
