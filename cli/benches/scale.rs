@@ -9,11 +9,8 @@
 use std::{path::PathBuf, time::Instant};
 
 use ir::io;
-use planner::{
-    config::{Keep, PlanConfig},
-    cost::HwProfile,
-    plan::plan,
-};
+use ir::plan::Keep;
+use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
 use testkit::deepen;
 
 /// The `planner` binary's allocator settings (the same file).

@@ -6,8 +6,9 @@
 
 use std::{path::Path, time::Instant};
 
+use ir::plan::{Format, Keep};
 use planner::{
-    config::{self, Keep, PlanConfig},
+    config::{self, PlanConfig},
     cost::HwProfile,
     diagnostics, memory, partition, plan, policy, render,
 };
@@ -47,9 +48,9 @@ fn main() {
     clock.lap(&format!("diagnose ({})", diags.len()));
     let p = plan::plan(&graph, &config, &hw).unwrap_or_else(|e| panic!("{e}"));
     clock.lap(&format!("plan::plan (peak {})", sim.peak_bytes));
-    let text = render::text(&p);
+    let text = render::text(&p, &graph);
     clock.lap(&format!("render text ({} B)", text.len()));
-    let json = render::json(&p);
+    let json = p.encode(&graph, Format::Json);
     clock.lap(&format!("render json ({} B)", json.len()));
     drop((p, part, policy));
     clock.lap("drop plan");

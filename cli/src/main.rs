@@ -12,14 +12,13 @@ mod allocator;
 /// faster than the system allocator, above all across threads.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+use ir::plan::{Collectives, Format as PlanFile, Keep, Level, Plan};
 use planner::{
     budget,
-    config::{self, Collectives, Keep, PlanConfig},
+    config::{self, PlanConfig},
     convert,
     cost::HwProfile,
-    diff, inspect, pareto,
-    plan::{self, Plan},
-    render, units,
+    diff, inspect, pareto, plan, render, units,
 };
 
 #[derive(Parser)]
@@ -37,8 +36,16 @@ struct Cli {
 enum Command {
     /// Plan selective checkpointing: per-op decisions, saved set, replay, diagnostics
     Plan(PlanArgs),
-    /// Per-node decision changes between two plans (`.json` or `.pb`); exits 1 if any
-    Diff { old: PathBuf, new: PathBuf },
+    /// Per-node changes between two plans (`.json` or `.pb`); exits 1 on decision changes
+    Diff {
+        /// The plan to compare against (`.json` or `.pb`)
+        old: PathBuf,
+        /// The new plan (`.json` or `.pb`)
+        new: PathBuf,
+        /// Exit 1 on reason-only changes too (same decision, another reason or unit)
+        #[arg(long)]
+        strict: bool,
+    },
     /// The peak-memory / replay-time trade-off of every configuration on the frontier
     Pareto(ParetoArgs),
     /// Summarise a graph: models, layers, markers, units, compiled regions, ops
@@ -175,7 +182,7 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Plan(args) => run_plan(args),
-        Command::Diff { old, new } => run_diff(&old, &new),
+        Command::Diff { old, new, strict } => run_diff(&old, &new, strict),
         Command::Pareto(args) => run_pareto(args),
         Command::Inspect { graph, format } => {
             let graph = ir::io::load(&graph).map_err(|e| e.to_string())?;
@@ -202,7 +209,7 @@ fn run(command: Command) -> Result<(), Failure> {
 
 fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     // Configuration errors come before any other work (R2).
-    let keep = Keep::parse(&args.keep).map_err(|e| e.to_string())?;
+    let keep = config::parse_keep(&args.keep).map_err(|e| e.to_string())?;
     let recompute_ratio = config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?;
     let budget = args.budget.as_deref().map(units::parse_bytes).transpose()?;
     let config = PlanConfig {
@@ -230,9 +237,9 @@ fn run_plan(args: PlanArgs) -> Result<(), Failure> {
         return Err(Failure::Status(1));
     }
     let bytes = match args.format {
-        PlanFormat::Text => render::text(&plan).into_bytes(),
-        PlanFormat::Json => render::json(&plan).into_bytes(),
-        PlanFormat::Pb => render::protobuf(&plan),
+        PlanFormat::Text => render::text(&plan, &graph).into_bytes(),
+        PlanFormat::Json => plan.encode(&graph, PlanFile::Json),
+        PlanFormat::Pb => plan.encode(&graph, PlanFile::Protobuf),
         PlanFormat::Dot => render::dot(&graph, &plan).into_bytes(),
     };
     match &args.output {
@@ -261,7 +268,7 @@ fn skip_teardown<T>(done: T) {
 
 /// An error diagnostic rejects the configuration: say so on stderr, one block per error.
 fn report_errors(plan: &Plan) {
-    for d in plan.diagnostics.iter().filter(|d| d.level == "error") {
+    for d in plan.diagnostics.iter().filter(|d| d.level == Level::Error) {
         eprintln!("error: {}: {}", d.code, d.message);
         eprintln!("  hint: {}", d.hint);
     }
@@ -269,7 +276,7 @@ fn report_errors(plan: &Plan) {
 
 /// When the plan goes to a file or a machine format, warnings still reach the human.
 fn report_warnings(plan: &Plan) {
-    for d in plan.diagnostics.iter().filter(|d| d.level != "error") {
+    for d in plan.diagnostics.iter().filter(|d| d.level != Level::Error) {
         eprintln!("{}[{}]: {}", d.level, d.code, d.message);
     }
 }
@@ -285,14 +292,9 @@ fn run_pareto(args: ParetoArgs) -> Result<(), Failure> {
     let search = budget::Search::new(&graph, &config, &hw).map_err(|e| e.to_string())?;
     let points = pareto::frontier(&search, args.steps).map_err(|e| e.to_string())?;
     let text = match args.format {
-        ParetoFormat::Text => pareto::table(graph.name(), &hw.name, &points),
-        ParetoFormat::Json => {
-            let mut json = serde_json::to_string_pretty(&points)
-                .map_err(|e| format!("cannot serialise the frontier: {e}"))?;
-            json.push('\n');
-            json
-        }
-        ParetoFormat::Svg => pareto::svg(graph.name(), &points),
+        ParetoFormat::Text => pareto::table(&graph, &hw.name, &points),
+        ParetoFormat::Json => pareto::json(&graph, &points),
+        ParetoFormat::Svg => pareto::svg(&graph, &points),
     };
     emit(args.output.as_deref(), text.as_bytes())
 }
@@ -321,15 +323,19 @@ impl From<CollectivesArg> for Collectives {
     }
 }
 
-fn run_diff(old: &std::path::Path, new: &std::path::Path) -> Result<(), Failure> {
-    let old = diff::read_plan(old)?;
-    let new = diff::read_plan(new)?;
+fn run_diff(old: &std::path::Path, new: &std::path::Path, strict: bool) -> Result<(), Failure> {
+    let read = |path: &std::path::Path| -> Result<diff::PlanFile, String> {
+        let (plan, names) = Plan::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(diff::PlanFile { plan, names })
+    };
+    let (old, new) = (read(old)?, read(new)?);
     let changes = diff::diff(&old, &new);
-    write_stdout(diff::report(&old, &new, &changes).as_bytes())?;
-    if changes.is_empty() {
-        Ok(())
-    } else {
+    write_stdout(diff::report(&old.plan, &new.plan, &changes).as_bytes())?;
+    let failed = !changes.decisions.is_empty() || (strict && !changes.reasons.is_empty());
+    if failed {
         Err(Failure::Status(1))
+    } else {
+        Ok(())
     }
 }
 

@@ -319,12 +319,48 @@ fn diff_exits_1_on_decision_changes_and_reads_json_and_pb() {
     );
     let same = planner(&[&"diff", &all.0, &all_json.0]);
     assert_eq!(same.status.code(), Some(0), "{}", stdout(&same));
-    assert!(stdout(&same).contains("no decision changes"));
+    assert!(stdout(&same).contains("no changes"));
     let changed = planner(&[&"diff", &none.0, &all.0]);
     assert_eq!(changed.status.code(), Some(1));
     let report = stdout(&changed);
-    assert!(report.contains("decision changes:"), "{report}");
+    assert!(report.contains("decision changes"), "{report}");
     assert!(report.contains("-> save (kept-interval, SAVE_"), "{report}");
+    // Keeping every unit also turns ops that stay recomputed from "outside the interval"
+    // into "mutable" or "view" inside it: reported apart.
+    assert!(report.contains("reason-only changes"), "{report}");
+    assert!(
+        report.contains("recompute (outside-kept-interval) -> recompute (view"),
+        "{report}"
+    );
+}
+
+#[test]
+fn diff_reports_reason_only_changes_apart_and_fails_on_them_only_when_strict() {
+    let none = Scratch::empty_path("none-reasons.json");
+    let plan = planner(&[
+        &"plan",
+        &golden_graph("moe_ep2"),
+        &"--format",
+        &"json",
+        &"-o",
+        &none.0,
+    ]);
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let text = fs::read_to_string(&none.0).unwrap();
+    let edited = text.replacen(
+        "\"reason\": \"outside-kept-interval\"",
+        "\"reason\": \"mutable\"",
+        1,
+    );
+    assert_ne!(edited, text);
+    let other = Scratch::new("edited-reasons.json", edited.as_bytes());
+    let lenient = planner(&[&"diff", &none.0, &other.0]);
+    assert_eq!(lenient.status.code(), Some(0), "{}", stdout(&lenient));
+    let report = stdout(&lenient);
+    assert!(report.contains("0 decision changes"), "{report}");
+    assert!(report.contains("1 reason-only changes"), "{report}");
+    let strict = planner(&[&"diff", &none.0, &other.0, &"--strict"]);
+    assert_eq!(strict.status.code(), Some(1));
 }
 
 #[test]

@@ -7,7 +7,7 @@
 use std::fmt;
 
 use crate::{
-    id::{EntityId, IdVec, ModelId, NodeId, ValueId},
+    id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
     ops::{CollectiveKind, OpInfo, TensorRef},
 };
 
@@ -246,7 +246,8 @@ pub struct Model {
     /// The enclosing model of a nested one (an MTP block).
     pub parent: Option<ModelId>,
     pub num_layers: u32,
-    pub units: Vec<Unit>,
+    /// In declaration order.
+    pub units: IdVec<UnitId, Unit>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -1,6 +1,6 @@
 //! Typed entity ids and the dense tables they index.
 //!
-//! Every entity of a [`crate::Graph`] (node, value, model) is addressed by a `u32` newtype;
+//! Every entity of a [`crate::Graph`] (node, value, model, a model's unit) is addressed by a `u32` newtype;
 //! an id of one kind cannot index a table of another, and petgraph indices never leave the
 //! crate.
 
@@ -47,6 +47,10 @@ entity_id!(
 entity_id!(
     /// A model (a graph may hold several: a compose model's towers, an MTP block).
     ModelId
+);
+entity_id!(
+    /// A recompute unit of one model, by its position in the model's declaration order.
+    UnitId
 );
 
 /// A dense table keyed by an [`EntityId`] (cranelift's `PrimaryMap`/`SecondaryMap` in one).

@@ -10,6 +10,7 @@ pub mod id;
 pub mod io;
 mod name_index;
 pub mod ops;
+pub mod plan;
 mod validate;
 mod view;
 pub mod wire;
@@ -19,5 +20,5 @@ pub use graph::{
     AttrValue, Attribute, DType, Effects, Graph, MarkerInterval, Metadata, Model, Name, Node,
     Phase, Role, Shape, Unit, Value, ValueIds, MARKER_NAME_ATTR, MARKER_OP,
 };
-pub use id::{EntityId, IdVec, ModelId, NodeId, ValueId};
+pub use id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId};
 pub use validate::fingerprint;

@@ -13,7 +13,7 @@ use crate::{
         AttrValue, Attribute, Consumers, DType, Effects, Graph, MarkerInterval, Metadata, Model,
         Name, Node, Phase, Role, Shape, Unit, Value, ValueIds, MARKER_NAME_ATTR, MARKER_OP,
     },
-    id::{EntityId, IdVec, ModelId, NodeId, ValueId},
+    id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
     name_index::{NameIndex, RecentFirst},
     ops::{self, CollectiveKind},
     view::{RawAttrValue, RawAttribute, RawNode, RawSchema, RawValue},
@@ -273,8 +273,9 @@ fn check_nesting(models: &IdVec<ModelId, Model>) -> Result<(), E> {
     Ok(())
 }
 
-fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<Vec<Unit>, E> {
-    let mut units: Vec<Unit> = Vec::with_capacity(wire.len());
+fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<IdVec<UnitId, Unit>, E> {
+    let mut units: IdVec<UnitId, Unit> = IdVec::new();
+    let mut seen: rustc_hash::FxHashSet<String> = rustc_hash::FxHashSet::default();
     for (index, u) in wire.into_iter().enumerate() {
         if u.unit.is_empty() {
             return Err(E::UnnamedUnit {
@@ -282,7 +283,7 @@ fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<Vec<Unit>,
                 index,
             });
         }
-        if units.iter().any(|seen| seen.name == u.unit) {
+        if !seen.insert(u.unit.clone()) {
             return Err(E::DuplicateUnit {
                 model: model.to_owned(),
                 unit: u.unit,

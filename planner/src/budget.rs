@@ -33,16 +33,19 @@
 //! budget. The local search stops at a local optimum, so
 //! the gap is not bounded in general.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use ir::{Graph, ModelId, NodeId, Phase};
+use ir::{
+    plan::{Keep, LayerRef, Plan, SavedKind},
+    EntityId, Graph, ModelId, NodeId, Phase, UnitId,
+};
 use rayon::prelude::*;
 
 use crate::{
-    config::{self, Keep, PlanConfig, Resolved},
+    config::{self, PlanConfig, Resolved},
     cost::HwProfile,
     partition,
-    plan::{self, Baselines, Plan, PlanError},
+    plan::{self, Baselines, PlanError},
 };
 
 /// Quantisation of the headroom for the knapsack.
@@ -79,8 +82,7 @@ struct Figures {
 
 /// A layer to decide and the option table of its class.
 struct Slot {
-    model: ModelId,
-    layer: u32,
+    at: LayerRef,
     class: usize,
 }
 
@@ -166,7 +168,7 @@ impl<'g> Search<'g> {
             .slots
             .iter()
             .zip(choice)
-            .map(|(s, &o)| ((s.model, s.layer), subset(o)))
+            .map(|(s, &o)| (s.at, subset(o)))
             .collect();
         self.plan_resolved(self.resolved.clone().with_layer_units(layer_units))
     }
@@ -317,8 +319,8 @@ impl<'g> Search<'g> {
             self.slots
                 .iter()
                 .map(|s| {
-                    let kept = config::kept_units_of(self.graph.model(s.model), &keep);
-                    kept.iter().fold(0, |o, &u| o | 1 << u)
+                    let kept = config::kept_units_of(self.graph.model(s.at.model), &keep);
+                    kept.iter().fold(0, |o, &u| o | 1 << u.index())
                 })
                 .collect()
         })
@@ -395,18 +397,16 @@ impl Search<'_> {
     /// the peak grows with the prefix.
     pub fn within_ops(&self, budget: u64) -> Result<Plan, BudgetError> {
         let units = self.within(budget)?;
-        let layer_units = self.layer_units_of(&units);
-        let by_name: HashMap<&str, NodeId> = self
-            .graph
-            .nodes()
+        let layer_units: BTreeMap<LayerRef, Vec<UnitId>> = units
+            .config
+            .layer_keep
             .iter()
-            .map(|(id, n)| (n.name.as_str(), id))
+            .map(|l| (l.at, l.units.clone()))
             .collect();
         let mut ranked: Vec<(f64, NodeId)> = units
             .replay
             .iter()
-            .flat_map(|r| &r.nodes)
-            .filter_map(|name| by_name.get(name.as_str()).copied())
+            .flat_map(|r| r.nodes.iter().copied())
             .filter(|&id| self.keepable(id))
             .map(|id| {
                 let bytes = self
@@ -448,24 +448,6 @@ impl Search<'_> {
             }
         }
         Ok(best)
-    }
-
-    /// The per-layer unit choice a plan records, back as unit indices.
-    fn layer_units_of(&self, plan: &Plan) -> BTreeMap<(ModelId, u32), Vec<usize>> {
-        plan.config
-            .layer_keep
-            .iter()
-            .filter_map(|l| {
-                let model = self.graph.model_by_name(&l.model)?;
-                let units = &self.graph.model(model).units;
-                let kept = l
-                    .keep
-                    .iter()
-                    .filter_map(|k| units.iter().position(|u| &u.name == k))
-                    .collect();
-                Some(((model, l.layer), kept))
-            })
-            .collect()
     }
 
     /// Whether the policy can keep `id` on its own.
@@ -520,10 +502,11 @@ pub fn plan_within(
     Search::new(graph, config, hw)?.within(budget)
 }
 
-/// The unit indices of option bitmask `o`.
-fn subset(o: usize) -> Vec<usize> {
+/// The units of option bitmask `o`.
+fn subset(o: usize) -> Vec<UnitId> {
     (0..usize::BITS as usize)
         .filter(|i| o >> i & 1 == 1)
+        .map(UnitId::from_index)
         .collect()
 }
 
@@ -532,7 +515,7 @@ fn subset(o: usize) -> Vec<usize> {
 fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
     // Per forward node: op, marker, compiled or not, micro-batch.
     type Step<'g> = (&'g str, Option<&'g str>, bool, u32);
-    let mut signatures: BTreeMap<(ModelId, u32), Vec<Step>> = BTreeMap::new();
+    let mut signatures: BTreeMap<LayerRef, Vec<Step>> = BTreeMap::new();
     for node in graph.nodes().values() {
         let Some(layer) = node.layer else { continue };
         if node.phase != Phase::Forward
@@ -541,31 +524,25 @@ fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
         {
             continue;
         }
-        signatures.entry((node.model, layer)).or_default().push((
+        let at = LayerRef {
+            model: node.model,
+            layer,
+        };
+        signatures.entry(at).or_default().push((
             node.op.as_str(),
             node.marker.as_deref(),
             node.compiled_region.is_some(),
             node.micro_batch,
         ));
     }
-    let mut classes: Vec<(ModelId, &Vec<_>)> = Vec::new();
-    let mut slots = Vec::new();
-    for ((model, layer), signature) in &signatures {
-        let class = match classes
-            .iter()
-            .position(|(m, s)| m == model && *s == signature)
-        {
-            Some(c) => c,
-            None => {
-                classes.push((*model, signature));
-                classes.len() - 1
-            }
-        };
-        slots.push(Slot {
-            model: *model,
-            layer: *layer,
-            class,
-        });
+    // Identical layers share a class: one hash lookup per layer, not a scan of the classes.
+    let mut classes: rustc_hash::FxHashMap<(ModelId, &Vec<Step>), usize> =
+        rustc_hash::FxHashMap::default();
+    let mut slots = Vec::with_capacity(signatures.len());
+    for (&at, signature) in &signatures {
+        let next = classes.len();
+        let class = *classes.entry((at.model, signature)).or_insert(next);
+        slots.push(Slot { at, class });
     }
     (slots, classes.len())
 }
@@ -580,7 +557,7 @@ fn evaluate_options(
     classes: usize,
 ) -> Result<Vec<Vec<Figures>>, BudgetError> {
     let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
-    let mut models: Vec<ModelId> = slots.iter().map(|s| s.model).collect();
+    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
     models.dedup();
     for model in models {
         let units = graph.model(model).units.len();
@@ -590,10 +567,10 @@ fn evaluate_options(
                 units,
             });
         }
-        let representatives: BTreeMap<usize, u32> = slots
+        let representatives: BTreeMap<usize, LayerRef> = slots
             .iter()
-            .filter(|s| s.model == model)
-            .map(|s| (s.class, s.layer))
+            .filter(|s| s.at.model == model)
+            .map(|s| (s.class, s.at))
             .rev()
             .collect();
         let plans: Vec<_> = (0..1usize << units)
@@ -601,40 +578,38 @@ fn evaluate_options(
             .map(|o| {
                 let layer_units = slots
                     .iter()
-                    .filter(|s| s.model == model)
-                    .map(|s| ((s.model, s.layer), subset(o)))
+                    .filter(|s| s.at.model == model)
+                    .map(|s| (s.at, subset(o)))
                     .collect();
                 plan(resolved.clone().with_layer_units(layer_units))
             })
             .collect();
         for plan in plans {
-            let plan = plan?;
-            let name = &graph.model(model).name;
-            for (&class, &layer) in &representatives {
-                options[class].push(layer_figures(&plan, name, layer));
+            let figures = figures_by_layer(&plan?);
+            for (&class, at) in &representatives {
+                options[class].push(figures.get(at).copied().unwrap_or_default());
             }
         }
     }
     Ok(options)
 }
 
-fn layer_figures(plan: &Plan, model: &str, layer: u32) -> Figures {
-    let saved_bytes = plan
-        .saved
-        .iter()
-        .filter(|s| s.model.as_deref() == Some(model) && s.layer == Some(layer))
-        .filter(|s| matches!(s.kind.as_str(), "kept" | "writes-resident"))
-        .fold(0u64, |acc, s| acc.saturating_add(s.bytes));
-    let replay_s = plan
-        .replay
-        .iter()
-        .filter(|r| r.model == model && r.layer == layer)
-        .map(|r| r.seconds)
-        .sum();
-    Figures {
-        saved_bytes,
-        replay_s,
+/// Each layer's figures under one plan, in one pass over its saved values and replays.
+fn figures_by_layer(plan: &Plan) -> rustc_hash::FxHashMap<LayerRef, Figures> {
+    let mut figures: rustc_hash::FxHashMap<LayerRef, Figures> = rustc_hash::FxHashMap::default();
+    for s in &plan.saved {
+        let (Some(model), Some(layer)) = (s.model, s.layer) else {
+            continue;
+        };
+        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) {
+            let f = figures.entry(LayerRef { model, layer }).or_default();
+            f.saved_bytes = f.saved_bytes.saturating_add(s.bytes);
+        }
     }
+    for r in &plan.replay {
+        figures.entry(r.at).or_default().replay_s += r.seconds;
+    }
+    figures
 }
 
 /// Exact multiple-choice knapsack over quantised headroom: per slot the option index.
@@ -645,19 +620,20 @@ fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usiz
         let extra = f.saved_bytes.saturating_sub(base.saved_bytes);
         usize::try_from(extra.div_ceil(quantum)).unwrap_or(usize::MAX)
     };
-    // best[c] = least replay seconds using at most c quanta; choices recorded per slot.
+    // best[c] = least replay seconds using at most c quanta; choices recorded per slot, one
+    // byte each (options are unit subsets of at most MAX_UNITS units).
     let mut best = vec![0.0f64; capacity + 1];
-    let mut picks: Vec<Vec<usize>> = Vec::with_capacity(slots.len());
+    let mut picks: Vec<Vec<u8>> = Vec::with_capacity(slots.len());
     for slot in slots {
         let table = &options[slot.class];
+        let costs: Vec<usize> = table.iter().map(|f| cost(f, &table[0])).collect();
         let mut next = vec![f64::INFINITY; capacity + 1];
-        let mut pick = vec![0usize; capacity + 1];
+        let mut pick = vec![0u8; capacity + 1];
         for c in 0..=capacity {
-            for (o, f) in table.iter().enumerate() {
-                let k = cost(f, &table[0]);
+            for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
                 if k <= c && best[c - k] + f.replay_s < next[c] {
                     next[c] = best[c - k] + f.replay_s;
-                    pick[c] = o;
+                    pick[c] = o as u8;
                 }
             }
         }
@@ -667,7 +643,7 @@ fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usiz
     let mut c = capacity;
     let mut choice = vec![0; slots.len()];
     for (i, slot) in slots.iter().enumerate().rev() {
-        let o = picks[i][c];
+        let o = usize::from(picks[i][c]);
         choice[i] = o;
         c -= cost(&options[slot.class][o], &options[slot.class][0]);
     }

@@ -1,83 +1,32 @@
 //! What the user asked for (R1–R3, R5), resolved against the graph's models before any
 //! planning work.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    fmt,
-};
+use std::collections::{BTreeMap, BTreeSet};
 
-use ir::{Graph, IdVec, Model, ModelId, NodeId};
+use ir::{
+    plan::{Collectives, Keep, LayerRef},
+    Graph, IdVec, Model, ModelId, NodeId, UnitId,
+};
 use thiserror::Error;
 
-/// `--keep`: tri-state (R2).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Keep {
-    /// No `--keep`, or `--keep none`: keep nothing anywhere, nested models included; this is
-    /// whole-layer recompute.
-    Nothing,
-    /// `--keep all`: every unit each model declares.
-    All,
-    /// Exactly these units (upper-case, deduplicated, in the order given).
-    Units(Vec<String>),
-}
-
-impl Keep {
-    /// Parses the `--keep` values: `none`, `all`, or unit names (case-insensitive, R1). An
-    /// empty list is `none`.
-    pub fn parse(values: &[String]) -> Result<Keep, ConfigError> {
-        let names: Vec<String> = values
-            .iter()
-            .flat_map(|v| v.split(','))
-            .map(|v| v.trim().to_ascii_uppercase())
-            .filter(|v| !v.is_empty())
-            .collect();
-        match names.as_slice() {
-            [] => Ok(Keep::Nothing),
-            [one] if one == "NONE" => Ok(Keep::Nothing),
-            [one] if one == "ALL" => Ok(Keep::All),
-            _ if names.iter().any(|n| n == "NONE" || n == "ALL") => {
-                Err(ConfigError::MixedKeep { values: names })
-            }
-            _ => {
-                let mut units: Vec<String> = Vec::with_capacity(names.len());
-                for name in names {
-                    if !units.contains(&name) {
-                        units.push(name);
-                    }
-                }
-                Ok(Keep::Units(units))
-            }
+/// Parses the `--keep` values: `none`, `all`, or unit names (case-insensitive, repeats
+/// ignored). An empty list is `none`.
+pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
+    let mut seen = rustc_hash::FxHashSet::default();
+    let names: Vec<String> = values
+        .iter()
+        .flat_map(|v| v.split(','))
+        .map(|v| v.trim().to_ascii_uppercase())
+        .filter(|v| !v.is_empty() && seen.insert(v.clone()))
+        .collect();
+    match names.as_slice() {
+        [] => Ok(Keep::Nothing),
+        [one] if one == "NONE" => Ok(Keep::Nothing),
+        [one] if one == "ALL" => Ok(Keep::All),
+        _ if names.iter().any(|n| n == "NONE" || n == "ALL") => {
+            Err(ConfigError::MixedKeep { values: names })
         }
-    }
-
-    /// The names as the plan records them: `[]` for nothing, `["ALL"]` for all.
-    pub fn names(&self) -> Vec<String> {
-        match self {
-            Keep::Nothing => Vec::new(),
-            Keep::All => vec!["ALL".to_owned()],
-            Keep::Units(units) => units.clone(),
-        }
-    }
-}
-
-/// `--collectives` (R5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Collectives {
-    /// Every collective re-runs in replay (default).
-    #[default]
-    Recompute,
-    /// Functional collectives and device-to-host syncs of routing counts are saved in
-    /// checkpointed layers, as the second seed's op-list policy does. Mutating collectives are
-    /// never saved.
-    Save,
-}
-
-impl fmt::Display for Collectives {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Collectives::Recompute => "recompute",
-            Collectives::Save => "save",
-        })
+        _ => Ok(Keep::Units(names)),
     }
 }
 
@@ -148,10 +97,10 @@ pub fn check_ratio(ratio: f64) -> Result<f64, ConfigError> {
 /// are checkpointed.
 #[derive(Debug, Clone)]
 pub struct Resolved {
-    /// Per model, the indices (into `Model::units`) of the units `--keep` keeps in its layers.
-    pub kept_units: IdVec<ModelId, Vec<usize>>,
+    /// Per model, the units `--keep` keeps in its layers.
+    pub kept_units: IdVec<ModelId, Vec<UnitId>>,
     /// Per-layer choices (the budget solver's) that replace the model's kept units there.
-    pub layer_units: BTreeMap<(ModelId, u32), Vec<usize>>,
+    pub layer_units: BTreeMap<LayerRef, Vec<UnitId>>,
     /// Per model, layers `< checkpointed_layers` are checkpointed.
     pub checkpointed_layers: IdVec<ModelId, u32>,
     /// Single ops the budget solver keeps (`--granularity op`), interval or not.
@@ -164,14 +113,14 @@ impl Resolved {
     }
 
     /// The units kept in `layer` of `model`.
-    pub fn kept_at(&self, model: ModelId, layer: u32) -> &[usize] {
+    pub fn kept_at(&self, at: LayerRef) -> &[UnitId] {
         self.layer_units
-            .get(&(model, layer))
-            .unwrap_or(&self.kept_units[model])
+            .get(&at)
+            .unwrap_or(&self.kept_units[at.model])
     }
 
     /// Replaces the kept units of single layers.
-    pub fn with_layer_units(mut self, layer_units: BTreeMap<(ModelId, u32), Vec<usize>>) -> Self {
+    pub fn with_layer_units(mut self, layer_units: BTreeMap<LayerRef, Vec<UnitId>>) -> Self {
         self.layer_units = layer_units;
         self
     }
@@ -183,9 +132,13 @@ impl Resolved {
     }
 
     /// The units of `model` kept in at least one of its layers, sorted.
-    pub fn kept_anywhere(&self, model: ModelId) -> Vec<usize> {
+    pub fn kept_anywhere(&self, model: ModelId) -> Vec<UnitId> {
         let mut units = self.kept_units[model].clone();
-        for (_, layer_units) in self.layer_units.range((model, 0)..=(model, u32::MAX)) {
+        let layers = LayerRef { model, layer: 0 }..=LayerRef {
+            model,
+            layer: u32::MAX,
+        };
+        for (_, layer_units) in self.layer_units.range(layers) {
             units.extend(layer_units);
         }
         units.sort_unstable();
@@ -229,17 +182,18 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
     })
 }
 
-/// The indices of `model`'s units that `keep` selects (names match case-insensitively).
-pub fn kept_units_of(model: &Model, keep: &Keep) -> Vec<usize> {
+/// The units of `model` that `keep` selects (names match case-insensitively).
+pub fn kept_units_of(model: &Model, keep: &Keep) -> Vec<UnitId> {
     let kept = |name: &str| match keep {
         Keep::Nothing => false,
         Keep::All => true,
         Keep::Units(units) => units.contains(&name.to_ascii_uppercase()),
     };
-    let units = model.units.iter().enumerate();
-    units
+    model
+        .units
+        .iter()
         .filter(|(_, u)| kept(&u.name))
-        .map(|(i, _)| i)
+        .map(|(id, _)| id)
         .collect()
 }
 
@@ -254,7 +208,7 @@ pub fn declared_units(graph: &Graph) -> Vec<String> {
     let mut units: Vec<String> = graph
         .models()
         .values()
-        .flat_map(|m| m.units.iter().map(|u| u.name.to_ascii_uppercase()))
+        .flat_map(|m| m.units.values().map(|u| u.name.to_ascii_uppercase()))
         .collect();
     units.sort();
     units.dedup();
@@ -266,7 +220,7 @@ mod tests {
     use super::*;
 
     fn keep(values: &[&str]) -> Result<Keep, ConfigError> {
-        Keep::parse(&values.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        parse_keep(&values.iter().map(|s| s.to_string()).collect::<Vec<_>>())
     }
 
     #[test]

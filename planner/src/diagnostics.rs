@@ -4,100 +4,46 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ir::{EntityId, Graph, ModelId, NodeId, Phase};
-
-use crate::{
-    config::{Keep, PlanConfig, Resolved},
-    partition::Partition,
-    policy::{Enclosed, Findings, Reason, Unbalance},
+use ir::{
+    plan::{Code, Diagnostic, Keep, Level, Reason},
+    Graph, ModelId, UnitId,
 };
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Level {
-    Error,
-    Warning,
-    Info,
-}
+use crate::{
+    config::{PlanConfig, Resolved},
+    partition::Partition,
+    policy::{Enclosed, Findings, InplaceWrite, Unbalance, UnitKey},
+};
 
-impl Level {
-    pub fn name(self) -> &'static str {
-        match self {
-            Level::Error => "error",
-            Level::Warning => "warning",
-            Level::Info => "info",
-        }
+/// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
+fn level_of(code: Code) -> Level {
+    match code {
+        Code::InplaceInKeptInterval => Level::Error,
+        _ => Level::Warning,
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Code {
-    InplaceInKeptInterval,
-    NoUnitsDeclared,
-    MarkerMissing,
-    IntervalInert,
-    IntervalUnbalanced,
-    IntervalOverlap,
-    LayerCompiledAsOneRegion,
-    NondeterministicReplay,
-}
-
-impl Code {
-    pub fn name(self) -> &'static str {
-        match self {
-            Code::InplaceInKeptInterval => "inplace-in-kept-interval",
-            Code::NoUnitsDeclared => "no-units-declared",
-            Code::MarkerMissing => "marker-missing",
-            Code::IntervalInert => "interval-inert",
-            Code::IntervalUnbalanced => "interval-unbalanced",
-            Code::IntervalOverlap => "interval-overlap",
-            Code::LayerCompiledAsOneRegion => "layer-compiled-as-one-region",
-            Code::NondeterministicReplay => "nondeterministic-replay",
-        }
-    }
-
-    fn level(self) -> Level {
-        match self {
-            Code::InplaceInKeptInterval => Level::Error,
-            _ => Level::Warning,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Diagnostic {
-    pub level: Level,
-    pub code: Code,
-    pub model: String,
-    pub unit: Option<String>,
-    /// Why, without a trailing period.
-    pub message: String,
-    /// What to do.
-    pub hint: String,
 }
 
 /// Collects diagnostics keyed by (code, model, unit): the first report of a diagnosis wins.
 #[derive(Default)]
 struct Collector {
-    by_key: BTreeMap<(Code, ModelId, Option<usize>), Diagnostic>,
+    by_key: BTreeMap<(Code, ModelId, Option<UnitId>), Diagnostic>,
 }
 
 impl Collector {
     fn add(
         &mut self,
-        graph: &Graph,
         code: Code,
-        (model, unit): (ModelId, Option<usize>),
+        (model, unit): (ModelId, Option<UnitId>),
         message: String,
         hint: String,
     ) {
-        let declared = graph.model(model);
         self.by_key
             .entry((code, model, unit))
             .or_insert_with(|| Diagnostic {
-                level: code.level(),
+                level: level_of(code),
                 code,
-                model: declared.name.clone(),
-                unit: unit.map(|u| declared.units[u].name.clone()),
+                model,
+                unit,
                 message,
                 hint,
             });
@@ -123,16 +69,16 @@ pub fn diagnose(
     marker_missing(graph, resolved, &mut out);
     interval_inert(graph, resolved, findings, &mut out);
     unbalanced(graph, findings, &mut out);
-    overlaps(graph, findings, &mut out);
+    crossings(graph, findings, &mut out);
     inplace(graph, findings, &mut out);
     compiled_whole(graph, findings, &mut out);
     if let Some(partition) = partition {
-        nondeterministic_replay(graph, partition, &mut out);
+        nondeterministic_replay(graph, findings, partition, &mut out);
     }
     out.finish()
 }
 
-fn unit_name(graph: &Graph, model: ModelId, unit: usize) -> &str {
+fn unit_name(graph: &Graph, model: ModelId, unit: UnitId) -> &str {
     &graph.model(model).units[unit].name
 }
 
@@ -152,7 +98,6 @@ fn no_units_declared(graph: &Graph, config: &PlanConfig, out: &mut Collector) {
     for (id, model) in graph.models().iter() {
         if model.units.is_empty() {
             out.add(
-                graph,
                 Code::NoUnitsDeclared,
                 (id, None),
                 format!(
@@ -189,7 +134,6 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
                 continue;
             }
             out.add(
-                graph,
                 Code::MarkerMissing,
                 (model, Some(unit)),
                 format!(
@@ -208,7 +152,7 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
 fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: &mut Collector) {
     for model in graph.models().ids() {
         for unit in resolved.kept_anywhere(model) {
-            let key = (model, unit);
+            let key = UnitKey { model, unit };
             let enclosed = findings.enclosed.get(&key);
             let inert: BTreeMap<u32, &Enclosed> = enclosed
                 .into_iter()
@@ -245,7 +189,6 @@ fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: 
                 ));
             }
             out.add(
-                graph,
                 Code::IntervalInert,
                 (model, Some(unit)),
                 format!(
@@ -254,7 +197,7 @@ fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: 
                     graph.model(model).name,
                     why.join("; ")
                 ),
-                "a region counts only if its contents run in eager (R6): stop compiling what the interval encloses, or move the markers around eager ops".to_owned(),
+                "a region counts only if its contents run in eager: stop compiling what the interval encloses, or move the markers around eager ops".to_owned(),
             );
         }
     }
@@ -264,13 +207,7 @@ fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: 
 fn inert_cause<'e>(enclosed: impl Iterator<Item = &'e Enclosed>) -> String {
     let mut total = Enclosed::default();
     for e in enclosed {
-        total.kept += e.kept;
-        for (reason, n) in &e.not_kept {
-            *total.not_kept.entry(*reason).or_default() += n;
-        }
-        total
-            .compiled_regions
-            .extend(e.compiled_regions.iter().cloned());
+        total.absorb(e);
     }
     if !total.compiled_regions.is_empty() {
         return format!(
@@ -311,10 +248,13 @@ fn quoted_list<'a>(items: impl IntoIterator<Item = &'a String>) -> String {
 }
 
 fn unbalanced(graph: &Graph, findings: &Findings, out: &mut Collector) {
-    for (&(model, unit), cases) in &findings.unbalanced {
+    for (&UnitKey { model, unit }, faults) in &findings.unbalanced {
         let mut lines: BTreeMap<(Unbalance, &str), BTreeSet<u32>> = BTreeMap::new();
-        for (layer, _, marker, kind) in cases {
-            lines.entry((*kind, marker)).or_default().insert(*layer);
+        for f in faults {
+            lines
+                .entry((f.kind, &f.marker))
+                .or_default()
+                .insert(f.layer);
         }
         let parts: Vec<String> = lines
             .into_iter()
@@ -330,7 +270,6 @@ fn unbalanced(graph: &Graph, findings: &Findings, out: &mut Collector) {
             })
             .collect();
         out.add(
-            graph,
             Code::IntervalUnbalanced,
             (model, Some(unit)),
             format!(
@@ -345,54 +284,59 @@ fn unbalanced(graph: &Graph, findings: &Findings, out: &mut Collector) {
     }
 }
 
-fn overlaps(graph: &Graph, findings: &Findings, out: &mut Collector) {
-    let mut grouped: BTreeMap<((ModelId, usize), usize), BTreeSet<u32>> = BTreeMap::new();
-    for &(key, other, layer) in &findings.overlaps {
-        grouped.entry((key, other)).or_default().insert(layer);
+/// Intervals that cross (one opens inside the other and closes after it); nested ones are
+/// fine and not reported.
+fn crossings(graph: &Graph, findings: &Findings, out: &mut Collector) {
+    let mut grouped: BTreeMap<(UnitKey, UnitId), BTreeSet<u32>> = BTreeMap::new();
+    for c in &findings.crossings {
+        grouped
+            .entry((c.unit, c.other))
+            .or_default()
+            .insert(c.layer);
     }
-    for (((model, unit), other), layers) in grouped {
+    for ((UnitKey { model, unit }, other), layers) in grouped {
         out.add(
-            graph,
             Code::IntervalOverlap,
             (model, Some(unit)),
             format!(
-                "intervals of units {} and {} of model `{}` are open at once in {}: ops there are kept and attributed to {}",
+                "intervals of units {} and {} of model `{}` cross in {}: {} opens inside {} and closes after it, so ops in between are kept and credited to {}",
                 unit_name(graph, model, unit),
                 unit_name(graph, model, other),
                 graph.model(model).name,
                 layers_phrase(layers),
+                unit_name(graph, model, other),
                 unit_name(graph, model, unit),
+                unit_name(graph, model, other),
             ),
-            "close one interval before opening the next if the units should stay separate".to_owned(),
+            "nest the intervals (close the inner one first) or close one before opening the other".to_owned(),
         );
     }
 }
 
 fn inplace(graph: &Graph, findings: &Findings, out: &mut Collector) {
-    let mut grouped: BTreeMap<(ModelId, usize), Vec<(NodeId, ir::ValueId)>> = BTreeMap::new();
-    for &(key, node, value) in &findings.inplace_kept {
-        grouped.entry(key).or_default().push((node, value));
+    let mut grouped: BTreeMap<UnitKey, Vec<&InplaceWrite>> = BTreeMap::new();
+    for w in &findings.inplace_kept {
+        grouped.entry(w.unit).or_default().push(w);
     }
-    for ((model, unit), cases) in grouped {
-        let (node, value) = cases[0];
-        let n = graph.node(node);
-        let layers: BTreeSet<u32> = cases
+    for (UnitKey { model, unit }, writes) in grouped {
+        let first = writes[0];
+        let n = graph.node(first.node);
+        let layers: BTreeSet<u32> = writes
             .iter()
-            .filter_map(|&(id, _)| graph.node(id).layer)
+            .filter_map(|w| graph.node(w.node).layer)
             .collect();
-        let more = match cases.len() {
+        let more = match writes.len() {
             1 => String::new(),
             k => format!(" ({} more in-place writes)", k - 1),
         };
         out.add(
-            graph,
             Code::InplaceInKeptInterval,
             (model, Some(unit)),
             format!(
                 "in-place op `{}` ({}) writes `{}`, a tensor kept by unit {} in {}{more}: the kept value would be overwritten before backward reads it",
                 n.name,
                 n.op,
-                graph.value(value).name,
+                graph.value(first.value).name,
                 unit_name(graph, model, unit),
                 layers_phrase(layers),
             ),
@@ -405,7 +349,6 @@ fn compiled_whole(graph: &Graph, findings: &Findings, out: &mut Collector) {
     for (&model, layers) in &findings.layers_compiled_whole {
         let regions: BTreeSet<&String> = layers.values().collect();
         out.add(
-            graph,
             Code::LayerCompiledAsOneRegion,
             (model, None),
             format!(
@@ -419,80 +362,72 @@ fn compiled_whole(graph: &Graph, findings: &Findings, out: &mut Collector) {
     }
 }
 
+/// What the replayed nondeterministic ops of one (model, enclosing unit) have in common.
+#[derive(Default)]
+struct Replayed<'g> {
+    ops: BTreeSet<&'g str>,
+    layers: BTreeSet<u32>,
+    /// Compiled regions some of them run in.
+    regions: BTreeSet<String>,
+}
+
 /// Replay re-runs ops whose result can differ from forward and fixes shapes or indices
-/// downstream: a tie in `topk` picks other experts or keys in backward than in forward.
-fn nondeterministic_replay(graph: &Graph, partition: &Partition, out: &mut Collector) {
-    // Per (model, enclosing unit): the ops replayed and the layers they are replayed in.
-    type OpsAndLayers<'g> = (BTreeSet<&'g str>, BTreeSet<u32>);
-    let mut grouped: BTreeMap<(ModelId, Option<usize>), OpsAndLayers> = BTreeMap::new();
+/// downstream: a tie in `topk` picks other experts or keys in backward than in forward. The
+/// hint names the unit whose interval encloses the op, as the policy's marker walk saw it.
+fn nondeterministic_replay(
+    graph: &Graph,
+    findings: &Findings,
+    partition: &Partition,
+    out: &mut Collector,
+) {
+    let mut grouped: BTreeMap<(ModelId, Option<UnitId>), Replayed> = BTreeMap::new();
     for replay in &partition.replays {
         for &id in &replay.nodes {
-            let node = graph.node(id);
-            if !node.info.replay_nondeterministic {
+            let Some(&unit) = findings.nondeterministic.get(&id) else {
                 continue;
-            }
-            let unit = enclosing_unit(graph, id);
+            };
+            let node = graph.node(id);
             let entry = grouped.entry((node.model, unit)).or_default();
-            entry.0.insert(node.op.as_str());
-            entry.1.insert(replay.layer);
+            entry.ops.insert(node.op.as_str());
+            entry.layers.insert(replay.layer.layer);
+            if let Some(region) = &node.compiled_region {
+                entry.regions.insert(region.to_string());
+            }
         }
     }
-    for ((model, unit), (ops, layers)) in grouped {
-        let ops: Vec<String> = ops.into_iter().map(|o| format!("`{o}`")).collect();
-        let hint = match unit {
-            Some(u) => format!(
-                "keep unit {} to save the result instead of replaying it",
-                unit_name(graph, model, u)
-            ),
-            None => "enclose the op in a unit's marker interval and keep that unit".to_owned(),
-        };
+    for ((model, unit), replayed) in grouped {
+        let ops: Vec<String> = replayed.ops.iter().map(|o| format!("`{o}`")).collect();
         out.add(
-            graph,
             Code::NondeterministicReplay,
             (model, unit),
             format!(
                 "replay re-runs {} in {} of model `{}`: ties may resolve differently than in forward, and the result fixes shapes or indices downstream",
                 ops.join(", "),
-                layers_phrase(layers),
+                layers_phrase(replayed.layers.iter().copied()),
                 graph.model(model).name
             ),
-            hint,
+            nondeterministic_hint(graph, model, unit, &replayed.regions),
         );
     }
 }
 
-/// The first declared unit of the node's model whose interval (in eager) was open when the node
-/// ran: walks back through its layer's forward nodes of the same micro-batch; the nearest
-/// marker of each unit tells whether it was open.
-fn enclosing_unit(graph: &Graph, target: NodeId) -> Option<usize> {
-    let t = graph.node(target);
-    let units = &graph.model(t.model).units;
-    let mut open: BTreeMap<usize, bool> = BTreeMap::new();
-    for i in (0..target.index()).rev() {
-        let node = graph.node(NodeId::from_index(i));
-        if node.phase != Phase::Forward || node.model != t.model {
-            continue;
-        }
-        if node.layer != t.layer {
-            break;
-        }
-        if node.micro_batch != t.micro_batch || node.compiled_region.is_some() {
-            continue;
-        }
-        let Some(marker) = node.marker.as_deref() else {
-            continue;
-        };
-        for (u, unit) in units.iter().enumerate() {
-            for interval in &unit.intervals {
-                if interval.end == marker {
-                    open.entry(u).or_insert(false);
-                } else if interval.begin == marker {
-                    open.entry(u).or_insert(true);
-                }
-            }
-        }
+fn nondeterministic_hint(
+    graph: &Graph,
+    model: ModelId,
+    unit: Option<UnitId>,
+    regions: &BTreeSet<String>,
+) -> String {
+    match (unit, regions.is_empty()) {
+        (Some(u), false) => format!(
+            "unit {} encloses the op, but it runs in compiled region {}, where nothing is kept: compile less so that it runs in eager, then keep {}",
+            unit_name(graph, model, u),
+            quoted_list(regions),
+            unit_name(graph, model, u)
+        ),
+        (Some(u), true) => format!(
+            "keep unit {} to save the result instead of replaying it",
+            unit_name(graph, model, u)
+        ),
+        (None, _) => "enclose the op in a unit's marker interval and keep that unit".to_owned(),
     }
-    open.into_iter()
-        .find(|&(_, is_open)| is_open)
-        .map(|(u, _)| u)
 }

@@ -144,7 +144,7 @@ fn model_summary(graph: &Graph, model: ModelId) -> ModelSummary {
         num_layers: declared.num_layers,
         units: declared
             .units
-            .iter()
+            .values()
             .map(|u| UnitSummary {
                 unit: u.name.clone(),
                 intervals: u

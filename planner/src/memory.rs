@@ -12,7 +12,10 @@
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.
 
-use ir::{EntityId, Graph, Node, NodeId, Phase, ValueId};
+use ir::{
+    plan::{Peak, Stage},
+    EntityId, Graph, Node, NodeId, Phase, ValueId,
+};
 
 use crate::partition::Replay;
 
@@ -22,28 +25,9 @@ pub struct Simulation {
     /// Largest sum of live bytes (everything but parameters) at any step.
     pub peak_bytes: u64,
     /// Where the peak happens.
-    pub peak_at: Option<(Stage, NodeId)>,
-    pub parameter_bytes: u64,
+    pub peak: Option<Peak>,
     /// Bytes of the gradients the graph outputs, alive at the end of the step.
     pub gradient_bytes: u64,
-}
-
-/// Which pass a step belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    Forward,
-    Replay,
-    Backward,
-}
-
-impl Stage {
-    pub fn name(self) -> &'static str {
-        match self {
-            Stage::Forward => "forward",
-            Stage::Replay => "replay",
-            Stage::Backward => "backward",
-        }
-    }
 }
 
 /// One storage (a tensor's memory) and its lifetime in steps.
@@ -97,12 +81,9 @@ pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulati
     let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
     Simulation {
         peak_bytes,
-        peak_at: peak_step.and_then(|s| schedule(graph, order, replays).nth(s)),
-        parameter_bytes: graph
-            .values()
-            .values()
-            .filter(|v| v.role == ir::Role::Parameter)
-            .fold(0u64, |acc, v| acc.saturating_add(v.bytes)),
+        peak: peak_step
+            .and_then(|s| schedule(graph, order, replays).nth(s))
+            .map(|(stage, node)| Peak { stage, node }),
         gradient_bytes,
     }
 }
@@ -122,7 +103,7 @@ fn schedule<'a>(
     let mut pending = replays.iter().peekable();
     let backward = order.iter().enumerate().flat_map(move |(at, &id)| {
         let mut due = Vec::new();
-        while let Some(replay) = pending.next_if(|r| r.at <= at) {
+        while let Some(replay) = pending.next_if(|r| r.position <= at) {
             due.push(replay);
         }
         due.into_iter()

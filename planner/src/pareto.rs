@@ -6,23 +6,25 @@
 
 use std::fmt::Write as _;
 
+use ir::{
+    plan::{LayerKeep, Plan},
+    Graph,
+};
 use rayon::prelude::*;
-use serde::Serialize;
 
 use crate::{
     budget::{BudgetError, Search, EXHAUSTIVE_LIMIT},
-    plan::{LayerKeepDoc, Plan},
     units::{format_bytes, format_seconds},
 };
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Point {
     pub peak_bytes: u64,
     pub replay_time_s: f64,
     /// Activation bytes saved for backward.
     pub saved_bytes: u64,
     /// Per-layer units kept; empty keeps nothing.
-    pub layer_keep: Vec<LayerKeepDoc>,
+    pub layer_keep: Vec<LayerKeep>,
 }
 
 impl Point {
@@ -90,23 +92,27 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
 }
 
 /// `main layers 0-3: SAVE_ATTN; main layer 4: ...`, or `nothing`.
-pub fn describe(layer_keep: &[LayerKeepDoc]) -> String {
+pub fn describe(layer_keep: &[LayerKeep], graph: &Graph) -> String {
     let mut runs: Vec<(&str, u32, u32, String)> = Vec::new();
-    if layer_keep.iter().all(|l| l.keep.is_empty()) {
+    if layer_keep.iter().all(|l| l.units.is_empty()) {
         return "nothing (whole-layer recompute)".to_owned();
     }
     for l in layer_keep {
-        let keep = match l.keep.as_slice() {
+        let model = graph.model(l.at.model);
+        let keep = match l.units.as_slice() {
             [] => "none".to_owned(),
-            units => units.join("+"),
+            units => units
+                .iter()
+                .map(|&u| model.units[u].name.as_str())
+                .collect::<Vec<_>>()
+                .join("+"),
         };
+        let layer = l.at.layer;
         match runs.last_mut() {
-            Some((model, _, last, k))
-                if *model == l.model && *last + 1 == l.layer && *k == keep =>
-            {
-                *last = l.layer;
+            Some((name, _, last, k)) if *name == model.name && *last + 1 == layer && *k == keep => {
+                *last = layer;
             }
-            _ => runs.push((&l.model, l.layer, l.layer, keep)),
+            _ => runs.push((&model.name, layer, layer, keep)),
         }
     }
     runs.into_iter()
@@ -119,11 +125,12 @@ pub fn describe(layer_keep: &[LayerKeepDoc]) -> String {
 }
 
 /// The frontier as a table.
-pub fn table(graph: &str, hw: &str, points: &[Point]) -> String {
+pub fn table(graph: &Graph, hw: &str, points: &[Point]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "pareto frontier for {graph} ({hw}): {} configurations",
+        "pareto frontier for {} ({hw}): {} configurations",
+        graph.name(),
         points.len()
     );
     let _ = writeln!(out, "{:>24}  {:>12}  keeps", "peak", "replay time");
@@ -133,14 +140,38 @@ pub fn table(graph: &str, hw: &str, points: &[Point]) -> String {
             "{:>24}  {:>12}  {}",
             format_bytes(p.peak_bytes),
             format_seconds(p.replay_time_s),
-            describe(&p.layer_keep)
+            describe(&p.layer_keep, graph)
         );
     }
     out
 }
 
+/// The frontier as JSON: per point the figures and the per-layer choices, in the form
+/// `plan --choices` reads back.
+pub fn json(graph: &Graph, points: &[Point]) -> String {
+    let points: Vec<serde_json::Value> = points
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "peak_bytes": p.peak_bytes,
+                "replay_time_s": p.replay_time_s,
+                "saved_bytes": p.saved_bytes,
+                "layer_keep": ir::plan::json::layer_keep_value(&p.layer_keep, graph),
+            })
+        })
+        .collect();
+    let mut text = serde_json::to_string_pretty(&serde_json::json!({
+        "graph": graph.name(),
+        "fingerprint": graph.fingerprint(),
+        "points": points,
+    }))
+    .expect("the frontier serialises to JSON");
+    text.push('\n');
+    text
+}
+
 /// The frontier as an SVG plot: peak (x) against replay time (y), points joined by steps.
-pub fn svg(graph: &str, points: &[Point]) -> String {
+pub fn svg(graph: &Graph, points: &[Point]) -> String {
     const W: f64 = 640.0;
     const H: f64 = 400.0;
     const M: f64 = 60.0;
@@ -158,7 +189,7 @@ pub fn svg(graph: &str, points: &[Point]) -> String {
         out,
         r#"<text x="{}" y="24" text-anchor="middle" font-size="14">{}: peak memory vs replay time</text>"#,
         W / 2.0,
-        escape(graph)
+        escape(graph.name())
     );
     let _ = writeln!(
         out,
@@ -221,7 +252,7 @@ pub fn svg(graph: &str, points: &[Point]) -> String {
             y(p.replay_time_s),
             escape(&format_bytes(p.peak_bytes)),
             escape(&format_seconds(p.replay_time_s)),
-            escape(&describe(&p.layer_keep))
+            escape(&describe(&p.layer_keep, graph))
         );
     }
     let _ = writeln!(out, "</svg>");

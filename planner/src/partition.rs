@@ -11,51 +11,13 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use ir::{EntityId, Graph, ModelId, NodeId, Phase, ValueId};
+use ir::{
+    plan::{Decision, LayerRef, SavedKind},
+    EntityId, Graph, NodeId, Phase, ValueId,
+};
 use thiserror::Error;
 
-use crate::policy::{Decision, Policy, Reason};
-
-/// Why a forward value is resident when backward runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum SavedKind {
-    /// Output of an op the policy kept.
-    Kept,
-    /// Input of a checkpointed layer (what whole-layer recompute saves).
-    LayerInput,
-    /// Output of an op outside checkpointed layers (plain autograd saving).
-    NotCheckpointed,
-    /// Output of a recomputed op that writes a resident tensor in place: replaying it would
-    /// corrupt that tensor, so its output is saved instead.
-    WritesResident,
-    Parameter,
-    /// A graph input other than a parameter (data, buffers, tangents).
-    GraphInput,
-}
-
-impl SavedKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            SavedKind::Kept => "kept",
-            SavedKind::LayerInput => "layer-input",
-            SavedKind::NotCheckpointed => "not-checkpointed",
-            SavedKind::WritesResident => "writes-resident",
-            SavedKind::Parameter => "parameter",
-            SavedKind::GraphInput => "graph-input",
-        }
-    }
-
-    /// Activation memory (as opposed to parameters and inputs, which are resident anyway).
-    pub fn is_activation(self) -> bool {
-        matches!(
-            self,
-            SavedKind::Kept
-                | SavedKind::LayerInput
-                | SavedKind::NotCheckpointed
-                | SavedKind::WritesResident
-        )
-    }
-}
+use crate::policy::Policy;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Saved {
@@ -66,14 +28,13 @@ pub struct Saved {
 /// The forward nodes one checkpointed layer re-executes in backward.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Replay {
-    pub model: ModelId,
-    pub layer: u32,
+    pub layer: LayerRef,
     /// Forward nodes in execution order.
     pub nodes: Vec<NodeId>,
     /// The first backward node that reads a value this replay produces; it runs just before.
     pub before: NodeId,
     /// The position of `before` in [`Partition::order`].
-    pub at: usize,
+    pub position: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +43,7 @@ pub struct Partition {
     pub order: Vec<NodeId>,
     /// In value order.
     pub saved: Vec<Saved>,
-    /// In schedule order (by `at`, then model and layer).
+    /// In schedule order (by `position`, then model and layer).
     pub replays: Vec<Replay>,
 }
 
@@ -144,7 +105,7 @@ struct Builder<'a> {
     in_replay: Vec<bool>,
     /// Per (model, layer): the position (in backward order) of the first node needing that
     /// layer's replay.
-    first_use: HashMap<(ModelId, u32), usize>,
+    first_use: HashMap<LayerRef, usize>,
     /// The values [`Builder::need`] still has to visit (kept to reuse its allocation).
     stack: Vec<ValueId>,
 }
@@ -267,7 +228,11 @@ impl<'a> Builder<'a> {
         };
         let node = self.graph.node(producer);
         let Some(layer) = node.layer else { return };
-        let first = self.first_use.entry((node.model, layer)).or_insert(user);
+        let at = LayerRef {
+            model: node.model,
+            layer,
+        };
+        let first = self.first_use.entry(at).or_insert(user);
         if user < *first {
             *first = user;
         }
@@ -286,28 +251,31 @@ impl<'a> Builder<'a> {
                 _ => None,
             })
             .collect();
-        let mut by_layer: BTreeMap<(ModelId, u32), Vec<NodeId>> = BTreeMap::new();
+        let mut by_layer: BTreeMap<LayerRef, Vec<NodeId>> = BTreeMap::new();
         for (id, node) in self.graph.nodes().iter() {
             if self.in_replay[id.index()] {
                 // Replayed nodes are recomputed ones, which only exist in layers.
-                let layer = node.layer.unwrap_or_default();
-                by_layer.entry((node.model, layer)).or_default().push(id);
+                let layer = LayerRef {
+                    model: node.model,
+                    layer: node.layer.unwrap_or_default(),
+                };
+                by_layer.entry(layer).or_default().push(id);
             }
         }
         let mut replays: Vec<Replay> = by_layer
             .into_iter()
-            .map(|((model, layer), nodes)| {
-                let at = self.first_use[&(model, layer)];
+            .map(|(layer, nodes)| {
+                // Every replayed value was needed, which noted its layer's first use.
+                let position = self.first_use[&layer];
                 Replay {
-                    model,
                     layer,
-                    before: order[at],
-                    at,
+                    before: order[position],
+                    position,
                     nodes,
                 }
             })
             .collect();
-        replays.sort_by_key(|r| (r.at, r.model, r.layer));
+        replays.sort_by_key(|r| (r.position, r.layer));
         Partition {
             order,
             saved,
@@ -336,7 +304,7 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
     let mut replays = partition.replays.iter().peekable();
     for (at, &id) in partition.order.iter().enumerate() {
         let node = graph.node(id);
-        while let Some(replay) = replays.next_if(|r| r.at <= at) {
+        while let Some(replay) = replays.next_if(|r| r.position <= at) {
             stamp += 1;
             verify_replay(
                 graph,
@@ -375,8 +343,8 @@ fn check_writes_replayed(
         let writer = graph.node(m);
         let same_layer =
             producer.is_some_and(|p| (p.model, p.layer) == (writer.model, writer.layer));
-        if m < reader && writer.phase == Phase::Forward && same_layer && !replay.nodes.contains(&m)
-        {
+        let replayed = replay.nodes.binary_search(&m).is_ok();
+        if m < reader && writer.phase == Phase::Forward && same_layer && !replayed {
             return Err(PartitionError::ReplayMissesWrite {
                 node: graph.node(reader).name.to_string(),
                 value: graph.value(value).name.to_string(),
@@ -400,8 +368,7 @@ fn verify_replay(
     for &id in &replay.nodes {
         let node = graph.node(id);
         match policy.nodes[id] {
-            Some(p) if p.decision == Decision::Recompute && p.reason != Reason::SavedCollective => {
-            }
+            Some(p) if p.decision == Decision::Recompute => {}
             other => {
                 return Err(PartitionError::ReplaysNonRecompute {
                     node: node.name.to_string(),

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use ir::Graph;
+use ir::{plan::LayerRef, EntityId, Graph, UnitId};
 use planner::{
     budget::{plan_within, BudgetError, Search, EXHAUSTIVE_LIMIT},
     config::{self, PlanConfig},
@@ -51,8 +51,11 @@ fn brute_force(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
         let layer_units: BTreeMap<_, _> = (0..3)
             .map(|l| {
                 let o = (choice / 4u32.pow(l)) % 4;
-                let units = (0..2).filter(|u| o >> u & 1 == 1).collect();
-                ((model, l), units)
+                let units = (0..2)
+                    .filter(|u| o >> u & 1 == 1)
+                    .map(UnitId::from_index)
+                    .collect();
+                (LayerRef { model, layer: l }, units)
             })
             .collect();
         let plan = plan_resolved(
@@ -136,7 +139,7 @@ fn m3_the_pareto_frontier_is_the_brute_force_frontier() {
     assert!(front
         .windows(2)
         .all(|w| w[0].peak_bytes < w[1].peak_bytes && w[0].replay_time_s > w[1].replay_time_s));
-    let svg = pareto::svg("deep", &front);
+    let svg = pareto::svg(&graph, &front);
     assert_eq!(svg.matches("<circle").count(), front.len());
 }
 
@@ -180,7 +183,10 @@ fn m3_op_granularity_fits_and_never_loses_to_unit_granularity() {
         let ops = search.within_ops(budget).unwrap();
         assert!(ops.memory.peak_bytes.unwrap() <= budget);
         assert!(ops.cost.replay_time_s <= units.cost.replay_time_s);
-        chose_ops |= ops.nodes.iter().any(|n| n.reason == "chosen-op");
+        chose_ops |= ops
+            .nodes
+            .iter()
+            .any(|n| n.reason == ir::plan::Reason::ChosenOp);
     }
     assert!(chose_ops, "some budget leaves room for single ops");
 }
@@ -227,7 +233,7 @@ fn uniform_keeps(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
                 .map(|u| units[u].clone())
                 .collect();
             let config = PlanConfig {
-                keep: config::Keep::parse(&keep).unwrap(),
+                keep: config::parse_keep(&keep).unwrap(),
                 ..PlanConfig::default()
             };
             let plan = planner::plan::plan(graph, &config, hw).unwrap();

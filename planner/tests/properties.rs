@@ -2,12 +2,8 @@
 //! ops and collectives: the partition verifier always passes (plan() runs it), every kept op is
 //! eager and non-mutable, and the output is deterministic.
 
-use planner::{
-    config::{Collectives, Keep, PlanConfig},
-    cost::HwProfile,
-    plan::plan,
-    render,
-};
+use ir::plan::{Collectives, Decision, Format, Keep};
+use planner::{config::PlanConfig, cost::HwProfile, plan::plan, render};
 use proptest::prelude::*;
 use testkit::Builder;
 
@@ -172,15 +168,15 @@ proptest! {
     fn every_kept_op_is_eager_and_not_mutable(case in case()) {
         let graph = build(&case);
         let p = plan(&graph, &config(&case), &HwProfile::default()).unwrap();
-        for doc in p.nodes.iter().filter(|n| n.decision == "save") {
-            let node = graph.nodes().values().find(|n| n.name == doc.name).unwrap();
-            prop_assert!(node.compiled_region.is_none(), "{} kept in a compiled region", doc.name);
-            prop_assert!(!node.effects.is_mutable(), "{} kept though mutable", doc.name);
-            prop_assert!(node.marker.is_none(), "{} is a marker", doc.name);
-            prop_assert!(node.effects.view_of.is_none(), "{} is a view", doc.name);
+        for doc in p.nodes.iter().filter(|n| n.decision == Decision::Save) {
+            let node = graph.node(doc.node);
+            prop_assert!(node.compiled_region.is_none(), "{} kept in a compiled region", node.name);
+            prop_assert!(!node.effects.is_mutable(), "{} kept though mutable", node.name);
+            prop_assert!(node.marker.is_none(), "{} is a marker", node.name);
+            prop_assert!(node.effects.view_of.is_none(), "{} is a view", node.name);
         }
         if case.keep == Keep::Nothing && case.collectives == Collectives::Recompute {
-            prop_assert!(p.nodes.iter().all(|n| n.decision != "save"));
+            prop_assert!(p.nodes.iter().all(|n| n.decision != Decision::Save));
         }
     }
 
@@ -189,19 +185,20 @@ proptest! {
         let graph = build(&case);
         let p = plan(&graph, &config(&case), &HwProfile::default()).unwrap();
         for replay in &p.replay {
-            for name in &replay.nodes {
-                let doc = p.nodes.iter().find(|n| n.name == *name).unwrap();
-                prop_assert_eq!(doc.decision.as_str(), "recompute");
+            for &id in &replay.nodes {
+                let doc = p.nodes.iter().find(|n| n.node == id).unwrap();
+                prop_assert_eq!(doc.decision, Decision::Recompute);
             }
         }
     }
 
     #[test]
     fn output_is_deterministic(case in case()) {
-        let one = plan(&build(&case), &config(&case), &HwProfile::default()).unwrap();
-        let two = plan(&build(&case), &config(&case), &HwProfile::default()).unwrap();
-        prop_assert_eq!(render::json(&one), render::json(&two));
-        prop_assert_eq!(render::protobuf(&one), render::protobuf(&two));
-        prop_assert_eq!(render::text(&one), render::text(&two));
+        let (g1, g2) = (build(&case), build(&case));
+        let one = plan(&g1, &config(&case), &HwProfile::default()).unwrap();
+        let two = plan(&g2, &config(&case), &HwProfile::default()).unwrap();
+        prop_assert_eq!(one.encode(&g1, Format::Json), two.encode(&g2, Format::Json));
+        prop_assert_eq!(one.encode(&g1, Format::Protobuf), two.encode(&g2, Format::Protobuf));
+        prop_assert_eq!(render::text(&one, &g1), render::text(&two, &g2));
     }
 }

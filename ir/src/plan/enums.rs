@@ -1,0 +1,194 @@
+//! The enumerations of a plan and their spellings, the one place that maps each variant to
+//! the string the text output, the JSON and the protobuf carry (`"no-checkpoint"`).
+
+use std::fmt;
+
+/// An enum whose variants are spelled as fixed strings in every plan format.
+macro_rules! spelled {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident => $text:literal, )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name {
+            $( $(#[$vmeta])* $variant, )*
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),*];
+
+            /// The spelling in plans and messages.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $text, )*
+                }
+            }
+
+            /// The variant spelled `text`, if any.
+            pub fn from_name(text: &str) -> Option<$name> {
+                match text {
+                    $( $text => Some($name::$variant), )*
+                    _ => None,
+                }
+            }
+
+            /// The spellings, comma-separated (for error messages).
+            pub fn spellings() -> String {
+                [$($text),*].join(", ")
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+spelled! {
+    /// What happens to a forward node's output.
+    pub enum Decision {
+        /// The output is kept resident for backward.
+        Save => "save",
+        /// The op re-runs in replay when backward needs its output.
+        Recompute => "recompute",
+        /// Not in a checkpointed layer: autograd saves what backward needs, nothing re-runs.
+        NoCheckpoint => "no-checkpoint",
+    }
+}
+
+spelled! {
+    /// Why a forward node got its decision.
+    pub enum Reason {
+        /// Ran while an interval of a kept unit was open.
+        KeptInterval => "kept-interval",
+        /// Ran while no kept interval was open.
+        OutsideKeptInterval => "outside-kept-interval",
+        /// Has a mutable schema: its cached output could be overwritten before backward
+        /// reads it, so it is never kept.
+        Mutable => "mutable",
+        /// A collective (or a device-to-host sync): re-runs in replay.
+        Collective => "collective",
+        /// A functional collective or device-to-host sync kept by `--collectives save`.
+        SavedCollective => "saved-collective",
+        /// Runs inside a compiled region: never reaches the per-op policy.
+        Compiled => "compiled",
+        /// A `checkpoint_record` point marker (an identity): recomputed, never kept.
+        Marker => "marker",
+        /// A view: recomputed from its saved base, never saved on its own.
+        View => "view",
+        /// Kept on its own by the budget solver (`--granularity op`).
+        ChosenOp => "chosen-op",
+        /// Its layer is not selected by `--recompute-ratio`.
+        LayerNotCheckpointed => "layer-not-checkpointed",
+        /// Outside any decoder layer (embedding, head, loss).
+        OutsideLayers => "outside-layers",
+    }
+}
+
+spelled! {
+    /// Why a value is resident for backward.
+    pub enum SavedKind {
+        /// The output of a kept op.
+        Kept => "kept",
+        /// A checkpointed layer's input (whole-layer checkpointing saves it).
+        LayerInput => "layer-input",
+        /// Made outside checkpointed layers: autograd saves it as usual.
+        NotCheckpointed => "not-checkpointed",
+        /// The output of a recomputed op that writes a resident tensor in place: replaying it
+        /// would corrupt that tensor, so its output is saved instead.
+        WritesResident => "writes-resident",
+        Parameter => "parameter",
+        /// A graph input other than a parameter (data, buffers, tangents).
+        GraphInput => "graph-input",
+    }
+}
+
+impl SavedKind {
+    /// Activation memory (as opposed to parameters and inputs, which are resident anyway).
+    pub fn is_activation(self) -> bool {
+        matches!(
+            self,
+            SavedKind::Kept
+                | SavedKind::LayerInput
+                | SavedKind::NotCheckpointed
+                | SavedKind::WritesResident
+        )
+    }
+}
+
+spelled! {
+    /// How bad a diagnostic is: an error rejects the configuration.
+    pub enum Level {
+        Error => "error",
+        Warning => "warning",
+        Info => "info",
+    }
+}
+
+spelled! {
+    /// What a diagnostic diagnoses (docs/diagnostics.md has one example of each).
+    pub enum Code {
+        InplaceInKeptInterval => "inplace-in-kept-interval",
+        NoUnitsDeclared => "no-units-declared",
+        MarkerMissing => "marker-missing",
+        IntervalInert => "interval-inert",
+        IntervalUnbalanced => "interval-unbalanced",
+        IntervalOverlap => "interval-overlap",
+        LayerCompiledAsOneRegion => "layer-compiled-as-one-region",
+        NondeterministicReplay => "nondeterministic-replay",
+    }
+}
+
+spelled! {
+    /// Which pass of the step runs.
+    pub enum Stage {
+        Forward => "forward",
+        Replay => "replay",
+        Backward => "backward",
+    }
+}
+
+spelled! {
+    /// `--collectives`: whether functional collectives re-run in replay or are saved.
+    #[derive(Default)]
+    pub enum Collectives {
+        /// Every collective re-runs in replay (default).
+        #[default]
+        Recompute => "recompute",
+        /// Functional collectives and device-to-host syncs of routing counts are saved in
+        /// checkpointed layers; mutating collectives never are.
+        Save => "save",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_spelling_reads_back_as_its_variant() {
+        fn check<T: Copy + PartialEq + fmt::Debug>(
+            all: &[T],
+            name: fn(T) -> &'static str,
+            from: fn(&str) -> Option<T>,
+        ) {
+            for &v in all {
+                assert_eq!(from(name(v)), Some(v), "{v:?}");
+            }
+            assert_eq!(from("no-such-spelling"), None);
+        }
+        check(Decision::ALL, Decision::name, Decision::from_name);
+        check(Reason::ALL, Reason::name, Reason::from_name);
+        check(SavedKind::ALL, SavedKind::name, SavedKind::from_name);
+        check(Level::ALL, Level::name, Level::from_name);
+        check(Code::ALL, Code::name, Code::from_name);
+        check(Stage::ALL, Stage::name, Stage::from_name);
+        check(Collectives::ALL, Collectives::name, Collectives::from_name);
+    }
+}

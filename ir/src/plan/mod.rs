@@ -1,0 +1,347 @@
+//! The recompute plan as data: what the planner decided for one graph, in the one typed form
+//! every consumer shares (the CLI's renderers, `diff`, the budget search, the runtime and the
+//! Python package).
+//!
+//! A [`Plan`] refers to the graph it was made for by typed ids; names appear only at the
+//! output edge. Its writers ([`json`], [`wire`]) take the ids' names from a [`PlanNames`] (the
+//! [`Graph`] itself); its readers return the plan with a [`NameTable`] of the names the file
+//! holds, and [`Plan::resolve`] re-binds those to the ids of a graph, after checking that the
+//! plan was made for that graph.
+
+mod enums;
+pub mod json;
+mod names;
+pub mod wire;
+
+use std::path::Path;
+
+pub use enums::{Code, Collectives, Decision, Level, Reason, SavedKind, Stage};
+pub use names::{NameTable, PlanNames};
+use thiserror::Error;
+
+use crate::{Graph, ModelId, NodeId, UnitId, ValueId};
+
+/// The version of the planner that writes plans (the workspace version).
+pub const PLANNER_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// A recompute plan for one graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub planner_version: String,
+    pub graph: GraphRef,
+    pub config: Config,
+    /// False for a forward-only graph, which gets decisions and diagnostics but no partition.
+    pub joint: bool,
+    /// One per forward node, in execution order.
+    pub nodes: Vec<NodeDecision>,
+    /// The values that stay resident for backward, in value order.
+    pub saved: Vec<SavedValue>,
+    /// Per checkpointed layer, the forward nodes backward re-executes, in schedule order.
+    pub replay: Vec<Replay>,
+    /// Per kept unit: what it keeps, by layer.
+    pub units: Vec<UnitSummary>,
+    pub memory: Memory,
+    pub cost: Cost,
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// The graph a plan was made for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphRef {
+    pub name: String,
+    /// A plan is refused on a graph with another fingerprint.
+    pub fingerprint: String,
+}
+
+/// `--keep`: tri-state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keep {
+    /// No `--keep`, or `--keep none`: keep nothing anywhere, nested models included; this is
+    /// whole-layer recompute.
+    Nothing,
+    /// `--keep all`: every unit each model declares.
+    All,
+    /// Exactly these units (upper-case, deduplicated, in the order given).
+    Units(Vec<String>),
+}
+
+impl Keep {
+    /// The names as a plan records them: `[]` for nothing, `["ALL"]` for all.
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Keep::Nothing => Vec::new(),
+            Keep::All => vec![Keep::ALL.to_owned()],
+            Keep::Units(units) => units.clone(),
+        }
+    }
+
+    /// The inverse of [`Keep::names`].
+    pub fn from_names(names: Vec<String>) -> Keep {
+        match names.as_slice() {
+            [] => Keep::Nothing,
+            [one] if one == Keep::ALL => Keep::All,
+            _ => Keep::Units(names),
+        }
+    }
+
+    const ALL: &'static str = "ALL";
+}
+
+/// What shaped the plan besides the graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub keep: Keep,
+    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed.
+    pub recompute_ratio: f64,
+    pub collectives: Collectives,
+    /// `--budget` in bytes, when the units were chosen per layer to fit it.
+    pub budget_bytes: Option<u64>,
+    /// Per-layer unit choices that replace `keep` in their layers (the budget solver's, or
+    /// `plan --choices`); empty when `keep` applies everywhere.
+    pub layer_keep: Vec<LayerKeep>,
+}
+
+/// One decoder layer of one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LayerRef {
+    pub model: ModelId,
+    pub layer: u32,
+}
+
+/// The units kept in one layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerKeep {
+    pub at: LayerRef,
+    /// In the model's declaration order.
+    pub units: Vec<UnitId>,
+}
+
+/// The policy's verdict on one forward node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeDecision {
+    pub node: NodeId,
+    pub model: ModelId,
+    pub layer: Option<u32>,
+    pub decision: Decision,
+    pub reason: Reason,
+    /// The unit that kept the op (only for decision [`Decision::Save`] by a unit).
+    pub unit: Option<UnitId>,
+}
+
+/// A value resident for backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SavedValue {
+    pub value: ValueId,
+    pub bytes: u64,
+    /// The producer's model and layer; `None` for graph inputs.
+    pub model: Option<ModelId>,
+    pub layer: Option<u32>,
+    pub kind: SavedKind,
+}
+
+/// The forward nodes one checkpointed layer re-executes in backward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replay {
+    pub at: LayerRef,
+    /// In execution order.
+    pub nodes: Vec<NodeId>,
+    /// The first backward node that reads a value this replay produces; it runs just before.
+    pub before: NodeId,
+    /// Estimated seconds of this replay.
+    pub seconds: f64,
+}
+
+/// What one kept unit of one model keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitSummary {
+    pub model: ModelId,
+    pub unit: UnitId,
+    pub kept_ops: u64,
+    /// Bytes of kept outputs that backward needs.
+    pub saved_bytes: u64,
+    /// Estimated replay time whole-layer recompute would spend on the ops this unit keeps.
+    pub replay_time_avoided_s: f64,
+    pub layers: Vec<UnitLayer>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnitLayer {
+    pub layer: u32,
+    pub kept_ops: u64,
+    pub saved_bytes: u64,
+}
+
+/// Peak memory of the step; peaks need a joint graph and are `None` for a forward-only one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Memory {
+    /// Peak live bytes of the step under this plan (parameters excluded).
+    pub peak_bytes: Option<u64>,
+    /// Activation bytes saved for backward (parameters, graph inputs and views of them
+    /// excluded).
+    pub saved_bytes: u64,
+    pub no_checkpoint_peak_bytes: Option<u64>,
+    pub full_recompute_peak_bytes: Option<u64>,
+    /// Where the plan's peak is.
+    pub peak: Option<Peak>,
+    /// Resident for the whole step, not part of the peaks.
+    pub parameter_bytes: u64,
+    /// Gradients the step outputs (part of the peaks when the peak is at the end).
+    pub gradient_bytes: u64,
+}
+
+/// The pass and the node running when memory peaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peak {
+    pub stage: Stage,
+    pub node: NodeId,
+}
+
+/// What replay costs, on a hardware profile. It holds no ids, so the JSON writes it as it is.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+pub struct Cost {
+    pub replay_flops: u64,
+    pub replay_bytes: u64,
+    pub replay_comm_bytes: u64,
+    pub replay_time_s: f64,
+    /// Replay time of whole-layer recompute, for comparison.
+    pub full_recompute_replay_time_s: f64,
+    /// The hardware profile the times assume.
+    pub hw: String,
+}
+
+/// One way the configuration fails to do what the user asked.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Diagnostic {
+    pub level: Level,
+    pub code: Code,
+    pub model: ModelId,
+    pub unit: Option<UnitId>,
+    /// Why, without a trailing period.
+    pub message: String,
+    /// What to do.
+    pub hint: String,
+}
+
+/// A plan used with a graph it was not made for.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("the plan was made for graph `{plan_graph}` ({plan_fingerprint}), not for `{graph}` ({fingerprint}): re-plan this graph")]
+pub struct GraphMismatch {
+    pub plan_graph: String,
+    pub plan_fingerprint: String,
+    pub graph: String,
+    pub fingerprint: String,
+}
+
+/// A plan file that cannot be read, or not for this graph.
+#[derive(Debug, Error)]
+pub enum PlanReadError {
+    #[error("{path}: unknown plan format: expected a `.json` or `.pb` plan")]
+    UnknownFormat { path: String },
+    #[error("{0}")]
+    Load(#[from] crate::LoadError),
+    #[error("not a valid protobuf plan ({0})")]
+    Protobuf(String),
+    #[error("not a valid JSON plan: {0}")]
+    Json(String),
+    #[error("the plan file is empty")]
+    Empty,
+    #[error("{field} `{value}` is not one of: {expected}")]
+    UnknownName {
+        field: &'static str,
+        value: String,
+        expected: String,
+    },
+    #[error("{what} has no {field}")]
+    Missing {
+        what: &'static str,
+        field: &'static str,
+    },
+    #[error(transparent)]
+    Mismatch(#[from] GraphMismatch),
+    #[error("the plan names {what} `{name}`, which graph `{graph}` does not have")]
+    Unresolved {
+        what: &'static str,
+        name: String,
+        graph: String,
+    },
+}
+
+/// The two encodings of a plan file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Json,
+    Protobuf,
+}
+
+impl Format {
+    /// The format a path's extension names: `.json` or `.pb`.
+    pub fn from_path(path: &Path) -> Option<Format> {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => Some(Format::Json),
+            Some("pb") => Some(Format::Protobuf),
+            _ => None,
+        }
+    }
+}
+
+impl Plan {
+    /// A plan applies only to the graph whose fingerprint it carries; consumers (the runtime,
+    /// the torch integrations) call this before using it.
+    pub fn check_graph(&self, graph: &Graph) -> Result<(), GraphMismatch> {
+        if self.graph.fingerprint == graph.fingerprint() {
+            return Ok(());
+        }
+        Err(GraphMismatch {
+            plan_graph: self.graph.name.clone(),
+            plan_fingerprint: self.graph.fingerprint.clone(),
+            graph: graph.name().to_owned(),
+            fingerprint: graph.fingerprint().to_owned(),
+        })
+    }
+
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.iter().any(|d| d.level == Level::Error)
+    }
+
+    pub fn has_warnings(&self) -> bool {
+        self.diagnostics.iter().any(|d| d.level == Level::Warning)
+    }
+
+    /// Reads a plan in `format` with the names it holds.
+    pub fn decode(bytes: &[u8], format: Format) -> Result<(Plan, NameTable), PlanReadError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(PlanReadError::Empty);
+        }
+        let message = match format {
+            Format::Json => json::decode(bytes)?,
+            Format::Protobuf => wire::decode(bytes)?,
+        };
+        wire::from_wire(message)
+    }
+
+    /// Reads the plan file at `path` (`.json` or `.pb`) with the names it holds.
+    pub fn read(path: &Path) -> Result<(Plan, NameTable), PlanReadError> {
+        let format = Format::from_path(path).ok_or_else(|| PlanReadError::UnknownFormat {
+            path: path.display().to_string(),
+        })?;
+        let bytes = std::fs::read(path).map_err(|source| crate::LoadError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Plan::decode(&bytes, format)
+    }
+
+    /// Reads the plan file at `path` for `graph`: refused unless it was made for that graph.
+    pub fn read_for(path: &Path, graph: &Graph) -> Result<Plan, PlanReadError> {
+        let (plan, names) = Plan::read(path)?;
+        plan.resolve(&names, graph)
+    }
+
+    /// The bytes of this plan in `format`, its ids named by `names`.
+    pub fn encode(&self, names: &dyn PlanNames, format: Format) -> Vec<u8> {
+        match format {
+            Format::Json => json::write(self, names).into_bytes(),
+            Format::Protobuf => wire::encode(self, names),
+        }
+    }
+}

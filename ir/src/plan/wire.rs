@@ -1,0 +1,365 @@
+//! The plan's wire message (`proto/plan.proto`): the one conversion between the typed plan and
+//! its named form, which the `.pb` encoding writes as is and the JSON reader decodes into.
+
+use prost::Message;
+
+use super::{
+    Code, Collectives, Config, Cost, Decision, Diagnostic, GraphRef, Keep, LayerKeep, LayerRef,
+    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, Reason, Replay,
+    SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
+};
+use crate::wire::plan as pb;
+
+/// The `plan.proto` encoding of `plan`.
+pub fn encode(plan: &Plan, names: &dyn PlanNames) -> Vec<u8> {
+    to_wire(plan, names).encode_to_vec()
+}
+
+pub(super) fn decode(bytes: &[u8]) -> Result<pb::Plan, PlanReadError> {
+    pb::Plan::decode(bytes).map_err(|e| PlanReadError::Protobuf(e.to_string()))
+}
+
+/// The named form of `plan`.
+pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
+    let layer = |at: LayerRef| (names.model(at.model).to_owned(), at.layer);
+    pb::Plan {
+        planner_version: plan.planner_version.clone(),
+        graph: Some(pb::GraphRef {
+            name: plan.graph.name.clone(),
+            fingerprint: plan.graph.fingerprint.clone(),
+        }),
+        config: Some(config_to_wire(&plan.config, names)),
+        nodes: plan
+            .nodes
+            .iter()
+            .map(|n| pb::NodeDecision {
+                name: names.node(n.node).to_owned(),
+                op: names.op(n.node).to_owned(),
+                model: names.model(n.model).to_owned(),
+                layer: n.layer,
+                decision: n.decision.name().to_owned(),
+                reason: n.reason.name().to_owned(),
+                unit: n.unit.map(|u| names.unit(n.model, u).to_owned()),
+            })
+            .collect(),
+        saved: plan
+            .saved
+            .iter()
+            .map(|s| pb::SavedValue {
+                value: names.value(s.value).to_owned(),
+                bytes: s.bytes,
+                layer: s.layer,
+                kind: s.kind.name().to_owned(),
+                model: s.model.map(|m| names.model(m).to_owned()),
+            })
+            .collect(),
+        replay: plan
+            .replay
+            .iter()
+            .map(|r| {
+                let (model, layer) = layer(r.at);
+                pb::Replay {
+                    model,
+                    layer,
+                    nodes: r.nodes.iter().map(|&n| names.node(n).to_owned()).collect(),
+                    before: names.node(r.before).to_owned(),
+                    seconds: r.seconds,
+                }
+            })
+            .collect(),
+        units: plan
+            .units
+            .iter()
+            .map(|u| pb::UnitSummary {
+                model: names.model(u.model).to_owned(),
+                unit: names.unit(u.model, u.unit).to_owned(),
+                kept_ops: u.kept_ops,
+                saved_bytes: u.saved_bytes,
+                replay_time_avoided_s: u.replay_time_avoided_s,
+                layers: u
+                    .layers
+                    .iter()
+                    .map(|l| pb::UnitLayer {
+                        layer: l.layer,
+                        kept_ops: l.kept_ops,
+                        saved_bytes: l.saved_bytes,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        memory: Some(memory_to_wire(&plan.memory, names)),
+        cost: Some(pb::Cost {
+            replay_flops: plan.cost.replay_flops,
+            replay_comm_bytes: plan.cost.replay_comm_bytes,
+            replay_time_s: plan.cost.replay_time_s,
+            replay_bytes: plan.cost.replay_bytes,
+            full_recompute_replay_time_s: plan.cost.full_recompute_replay_time_s,
+            hw: plan.cost.hw.clone(),
+        }),
+        diagnostics: plan
+            .diagnostics
+            .iter()
+            .map(|d| pb::Diagnostic {
+                level: d.level.name().to_owned(),
+                code: d.code.name().to_owned(),
+                model: names.model(d.model).to_owned(),
+                unit: d.unit.map(|u| names.unit(d.model, u).to_owned()),
+                message: d.message.clone(),
+                hint: d.hint.clone(),
+            })
+            .collect(),
+        joint: plan.joint,
+    }
+}
+
+/// The named form of per-layer unit choices (a plan's, or a Pareto point's).
+pub fn layer_keep_to_wire(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> Vec<pb::LayerKeep> {
+    layer_keep
+        .iter()
+        .map(|l| pb::LayerKeep {
+            model: names.model(l.at.model).to_owned(),
+            layer: l.at.layer,
+            keep: l
+                .units
+                .iter()
+                .map(|&u| names.unit(l.at.model, u).to_owned())
+                .collect(),
+        })
+        .collect()
+}
+
+fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
+    pb::Config {
+        keep: config.keep.names(),
+        recompute_ratio: config.recompute_ratio,
+        collectives: config.collectives.name().to_owned(),
+        budget_bytes: config.budget_bytes,
+        layer_keep: layer_keep_to_wire(&config.layer_keep, names),
+    }
+}
+
+fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
+    pb::Memory {
+        peak_bytes: m.peak_bytes,
+        saved_bytes: m.saved_bytes,
+        no_checkpoint_peak_bytes: m.no_checkpoint_peak_bytes,
+        full_recompute_peak_bytes: m.full_recompute_peak_bytes,
+        peak_stage: m.peak.map(|p| p.stage.name().to_owned()),
+        peak_node: m.peak.map(|p| names.node(p.node).to_owned()),
+        parameter_bytes: m.parameter_bytes,
+        gradient_bytes: m.gradient_bytes,
+    }
+}
+
+/// A spelled enum field of the wire message, read back.
+fn spelled<T>(
+    field: &'static str,
+    text: &str,
+    from_name: fn(&str) -> Option<T>,
+    spellings: fn() -> String,
+) -> Result<T, PlanReadError> {
+    from_name(text).ok_or_else(|| PlanReadError::UnknownName {
+        field,
+        value: text.to_owned(),
+        expected: spellings(),
+    })
+}
+
+/// The typed plan of a wire message, with the names it holds.
+pub fn from_wire(wire: pb::Plan) -> Result<(Plan, NameTable), PlanReadError> {
+    let mut names = NameTable::default();
+    let graph = wire.graph.ok_or(PlanReadError::Missing {
+        what: "the plan",
+        field: "graph",
+    })?;
+    let config = config_from_wire(
+        wire.config.ok_or(PlanReadError::Missing {
+            what: "the plan",
+            field: "config",
+        })?,
+        &mut names,
+    )?;
+    let nodes = wire
+        .nodes
+        .into_iter()
+        .map(|n| node_from_wire(n, &mut names))
+        .collect::<Result<_, _>>()?;
+    let saved = wire
+        .saved
+        .into_iter()
+        .map(|s| saved_from_wire(s, &mut names))
+        .collect::<Result<_, _>>()?;
+    let replay = wire
+        .replay
+        .into_iter()
+        .map(|r| replay_from_wire(r, &mut names))
+        .collect();
+    let units = wire
+        .units
+        .into_iter()
+        .map(|u| unit_from_wire(u, &mut names))
+        .collect();
+    let memory = memory_from_wire(wire.memory.unwrap_or_default(), &mut names)?;
+    let cost = wire.cost.unwrap_or_default();
+    let diagnostics = wire
+        .diagnostics
+        .into_iter()
+        .map(|d| diagnostic_from_wire(d, &mut names))
+        .collect::<Result<_, _>>()?;
+    let plan = Plan {
+        planner_version: wire.planner_version,
+        graph: GraphRef {
+            name: graph.name,
+            fingerprint: graph.fingerprint,
+        },
+        config,
+        joint: wire.joint,
+        nodes,
+        saved,
+        replay,
+        units,
+        memory,
+        cost: Cost {
+            replay_flops: cost.replay_flops,
+            replay_bytes: cost.replay_bytes,
+            replay_comm_bytes: cost.replay_comm_bytes,
+            replay_time_s: cost.replay_time_s,
+            full_recompute_replay_time_s: cost.full_recompute_replay_time_s,
+            hw: cost.hw,
+        },
+        diagnostics,
+    };
+    Ok((plan, names))
+}
+
+/// Per-layer unit choices back from their named form, interning their names in `names`.
+pub fn layer_keep_from_wire(wire: Vec<pb::LayerKeep>, names: &mut NameTable) -> Vec<LayerKeep> {
+    wire.into_iter()
+        .map(|l| {
+            let model = names.model(&l.model);
+            LayerKeep {
+                at: LayerRef {
+                    model,
+                    layer: l.layer,
+                },
+                units: l.keep.iter().map(|u| names.unit(model, u)).collect(),
+            }
+        })
+        .collect()
+}
+
+fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, PlanReadError> {
+    Ok(Config {
+        keep: Keep::from_names(c.keep),
+        recompute_ratio: c.recompute_ratio,
+        collectives: spelled(
+            "collectives",
+            &c.collectives,
+            Collectives::from_name,
+            Collectives::spellings,
+        )?,
+        budget_bytes: c.budget_bytes,
+        layer_keep: layer_keep_from_wire(c.layer_keep, names),
+    })
+}
+
+fn node_from_wire(
+    n: pb::NodeDecision,
+    names: &mut NameTable,
+) -> Result<NodeDecision, PlanReadError> {
+    let model = names.model(&n.model);
+    Ok(NodeDecision {
+        node: names.node(&n.name, &n.op),
+        model,
+        layer: n.layer,
+        decision: spelled(
+            "decision",
+            &n.decision,
+            Decision::from_name,
+            Decision::spellings,
+        )?,
+        reason: spelled("reason", &n.reason, Reason::from_name, Reason::spellings)?,
+        unit: n.unit.map(|u| names.unit(model, &u)),
+    })
+}
+
+fn saved_from_wire(s: pb::SavedValue, names: &mut NameTable) -> Result<SavedValue, PlanReadError> {
+    Ok(SavedValue {
+        value: names.value(&s.value),
+        bytes: s.bytes,
+        model: s.model.map(|m| names.model(&m)),
+        layer: s.layer,
+        kind: spelled(
+            "saved kind",
+            &s.kind,
+            SavedKind::from_name,
+            SavedKind::spellings,
+        )?,
+    })
+}
+
+fn replay_from_wire(r: pb::Replay, names: &mut NameTable) -> Replay {
+    Replay {
+        at: LayerRef {
+            model: names.model(&r.model),
+            layer: r.layer,
+        },
+        nodes: r.nodes.iter().map(|n| names.node(n, "")).collect(),
+        before: names.node(&r.before, ""),
+        seconds: r.seconds,
+    }
+}
+
+fn unit_from_wire(u: pb::UnitSummary, names: &mut NameTable) -> UnitSummary {
+    let model = names.model(&u.model);
+    UnitSummary {
+        model,
+        unit: names.unit(model, &u.unit),
+        kept_ops: u.kept_ops,
+        saved_bytes: u.saved_bytes,
+        replay_time_avoided_s: u.replay_time_avoided_s,
+        layers: u
+            .layers
+            .into_iter()
+            .map(|l| UnitLayer {
+                layer: l.layer,
+                kept_ops: l.kept_ops,
+                saved_bytes: l.saved_bytes,
+            })
+            .collect(),
+    }
+}
+
+fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, PlanReadError> {
+    let peak = match (m.peak_stage, m.peak_node) {
+        (Some(stage), Some(node)) => Some(Peak {
+            stage: spelled("peak stage", &stage, Stage::from_name, Stage::spellings)?,
+            node: names.node(&node, ""),
+        }),
+        _ => None,
+    };
+    Ok(Memory {
+        peak_bytes: m.peak_bytes,
+        saved_bytes: m.saved_bytes,
+        no_checkpoint_peak_bytes: m.no_checkpoint_peak_bytes,
+        full_recompute_peak_bytes: m.full_recompute_peak_bytes,
+        peak,
+        parameter_bytes: m.parameter_bytes,
+        gradient_bytes: m.gradient_bytes,
+    })
+}
+
+fn diagnostic_from_wire(
+    d: pb::Diagnostic,
+    names: &mut NameTable,
+) -> Result<Diagnostic, PlanReadError> {
+    let model = names.model(&d.model);
+    Ok(Diagnostic {
+        level: spelled("level", &d.level, Level::from_name, Level::spellings)?,
+        code: spelled("code", &d.code, Code::from_name, Code::spellings)?,
+        model,
+        unit: d.unit.map(|u| names.unit(model, &u)),
+        message: d.message,
+        hint: d.hint,
+    })
+}

@@ -1,0 +1,365 @@
+//! The per-op save/recompute policy: one marker session per model, checkpointed layer and
+//! micro-batch, walked in execution order.
+//!
+//! An op that runs while an interval of a kept unit is open is kept, unless it can never be:
+//! a mutable op (its cached output could be overwritten before backward reads it), a
+//! collective (it re-runs unless `--collectives save`), a view (recomputed from its saved
+//! base), or an op in a compiled region (fused kernels never reach the per-op policy, and
+//! markers inside them never fire).
+//!
+//! Besides a decision and a reason for every forward node, the walk records [`Findings`]: what
+//! each kept unit's intervals did (opened, kept, stayed inert and why, were unbalanced or
+//! crossed another), from which the diagnostics are built.
+
+mod markers;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ir::{
+    plan::{Collectives, Decision, LayerRef, Reason},
+    Graph, IdVec, ModelId, Node, NodeId, Phase, UnitId, ValueId,
+};
+
+use crate::config::{PlanConfig, Resolved};
+use markers::{MarkerIndex, Session};
+
+/// The policy's verdict on one forward node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodePolicy {
+    pub decision: Decision,
+    pub reason: Reason,
+    /// The kept unit whose interval was open (the innermost), if any; set for kept ops and for
+    /// ops a kept interval enclosed but could not keep.
+    pub unit: Option<UnitId>,
+}
+
+/// A unit of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnitKey {
+    pub model: ModelId,
+    pub unit: UnitId,
+}
+
+/// Where a marker session ran: a layer of a model, and the micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Site {
+    pub at: LayerRef,
+    pub micro_batch: u32,
+}
+
+/// What one kept interval did between its begin and end in one session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Enclosed {
+    pub kept: usize,
+    /// Ops it enclosed but could not keep, by reason (compiled, collective, mutable, ...).
+    pub not_kept: BTreeMap<Reason, usize>,
+    /// Compiled regions whose ops it enclosed.
+    pub compiled_regions: BTreeSet<String>,
+}
+
+impl Enclosed {
+    pub fn absorb(&mut self, other: &Enclosed) {
+        self.kept += other.kept;
+        for (&reason, n) in &other.not_kept {
+            *self.not_kept.entry(reason).or_default() += n;
+        }
+        self.compiled_regions
+            .extend(other.compiled_regions.iter().cloned());
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Unbalance {
+    EndWithoutBegin,
+    BeginWithoutEnd,
+    BeginWhileOpen,
+}
+
+/// A marker of a kept unit that did not pair up, where.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct MarkerFault {
+    pub layer: u32,
+    pub micro_batch: u32,
+    pub marker: String,
+    pub kind: Unbalance,
+}
+
+/// Intervals of two kept units that cross in a layer: one opens inside the other and closes
+/// after it (nested intervals do not cross).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Crossing {
+    /// The unit whose interval was opened first.
+    pub unit: UnitKey,
+    pub other: UnitId,
+    pub layer: u32,
+}
+
+/// An in-place op in a kept interval that writes a kept tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InplaceWrite {
+    pub unit: UnitKey,
+    pub node: NodeId,
+    pub value: ValueId,
+}
+
+/// Raw facts from the sessions, aggregated into diagnostics later.
+#[derive(Debug, Default)]
+pub struct Findings {
+    /// Per kept unit and layer: what its intervals enclosed while open.
+    pub enclosed: BTreeMap<UnitKey, BTreeMap<u32, Enclosed>>,
+    /// Kept units whose markers appear only inside compiled regions in a layer, with the regions.
+    pub markers_in_compiled: BTreeMap<UnitKey, BTreeMap<u32, BTreeSet<String>>>,
+    pub unbalanced: BTreeMap<UnitKey, BTreeSet<MarkerFault>>,
+    pub crossings: BTreeSet<Crossing>,
+    pub inplace_kept: Vec<InplaceWrite>,
+    /// Checkpointed layers whose forward ops all run in one compiled region.
+    pub layers_compiled_whole: BTreeMap<ModelId, BTreeMap<u32, String>>,
+    /// Forward nodes whose replay can differ from forward (a `topk` with ties, routing counts),
+    /// with the innermost declared unit whose markers enclose them by position, compiled
+    /// markers included (what a hint can point at).
+    pub nondeterministic: BTreeMap<NodeId, Option<UnitId>>,
+}
+
+/// Decisions for every forward node (backward nodes have none) and the findings.
+#[derive(Debug)]
+pub struct Policy {
+    pub nodes: IdVec<NodeId, Option<NodePolicy>>,
+    pub findings: Findings,
+}
+
+impl Policy {
+    pub fn decision(&self, node: NodeId) -> Option<Decision> {
+        self.nodes[node].map(|p| p.decision)
+    }
+}
+
+/// Applies the policy to every forward node of `graph`.
+pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy {
+    let mut nodes: IdVec<NodeId, Option<NodePolicy>> = IdVec::filled(graph.nodes().len(), None);
+    let mut findings = Findings::default();
+    let sessions = sessions(graph, resolved, &mut nodes);
+    let indexes: IdVec<ModelId, MarkerIndex> = IdVec::from_vec(
+        graph
+            .models()
+            .values()
+            .map(|m| MarkerIndex::of(&m.units))
+            .collect(),
+    );
+    let mut kept_alias: IdVec<ValueId, bool> = IdVec::filled(graph.values().len(), false);
+    let rules = Rules {
+        config,
+        chosen: &resolved.chosen_ops,
+    };
+    for (&site, members) in &sessions {
+        let index = &indexes[site.at.model];
+        let kept = resolved.kept_at(site.at);
+        let mut session = Session::new(graph, index, kept, site, &mut findings);
+        for &id in members {
+            let node = graph.node(id);
+            nodes[id] = Some(match &node.marker {
+                Some(marker) => session.on_marker(node, marker),
+                None => {
+                    let open = session.enclosure(id, node);
+                    let policy = rules.decide(id, node, open);
+                    rules.track_kept_writes(id, node, policy, open, &mut kept_alias, &mut session);
+                    session.record(node, policy);
+                    policy
+                }
+            });
+        }
+        session.finish();
+    }
+    find_layers_compiled_whole(graph, resolved, &sessions, &mut findings);
+    Policy { nodes, findings }
+}
+
+/// The forward nodes of each checkpointed site, in execution order; every other forward node
+/// is decided here (not checkpointed).
+fn sessions(
+    graph: &Graph,
+    resolved: &Resolved,
+    nodes: &mut IdVec<NodeId, Option<NodePolicy>>,
+) -> BTreeMap<Site, Vec<NodeId>> {
+    let mut sessions: BTreeMap<Site, Vec<NodeId>> = BTreeMap::new();
+    for (id, node) in graph.nodes().iter() {
+        if node.phase != Phase::Forward {
+            continue;
+        }
+        match node.layer {
+            Some(layer) if resolved.is_checkpointed(node.model, Some(layer)) => {
+                let site = Site {
+                    at: LayerRef {
+                        model: node.model,
+                        layer,
+                    },
+                    micro_batch: node.micro_batch,
+                };
+                sessions.entry(site).or_default().push(id);
+            }
+            Some(_) => nodes[id] = Some(not_checkpointed(Reason::LayerNotCheckpointed)),
+            None => nodes[id] = Some(not_checkpointed(Reason::OutsideLayers)),
+        }
+    }
+    sessions
+}
+
+fn not_checkpointed(reason: Reason) -> NodePolicy {
+    NodePolicy {
+        decision: Decision::NoCheckpoint,
+        reason,
+        unit: None,
+    }
+}
+
+fn recompute(reason: Reason, unit: Option<UnitId>) -> NodePolicy {
+    NodePolicy {
+        decision: Decision::Recompute,
+        reason,
+        unit,
+    }
+}
+
+/// What decides an op, besides the open intervals.
+struct Rules<'a> {
+    config: &'a PlanConfig,
+    /// Ops the budget solver keeps one by one.
+    chosen: &'a BTreeSet<NodeId>,
+}
+
+impl Rules<'_> {
+    /// The decision for a non-marker op in a checkpointed layer, `unit` being the innermost
+    /// open kept unit.
+    fn decide(&self, id: NodeId, node: &Node, unit: Option<UnitId>) -> NodePolicy {
+        let chosen = self.chosen.contains(&id);
+        if unit.is_none() && !chosen && !self.saves_as_collective(node) {
+            // A compiled op is out of the policy's reach, interval or not.
+            let reason = match node.compiled_region {
+                Some(_) => Reason::Compiled,
+                None => Reason::OutsideKeptInterval,
+            };
+            return recompute(reason, None);
+        }
+        let mut policy = self.classify(node, unit);
+        if chosen && unit.is_none() && policy.reason == Reason::KeptInterval {
+            policy.reason = Reason::ChosenOp;
+        }
+        policy
+    }
+
+    /// The decision for an op while kept `unit` is open, or outside any kept interval for a
+    /// collective that `--collectives save` keeps.
+    fn classify(&self, node: &Node, unit: Option<UnitId>) -> NodePolicy {
+        let effects = &node.effects;
+        if node.compiled_region.is_some() {
+            recompute(Reason::Compiled, unit)
+        } else if effects.is_mutable() {
+            recompute(Reason::Mutable, unit)
+        } else if self.saves_as_collective(node) {
+            NodePolicy {
+                decision: Decision::Save,
+                reason: Reason::SavedCollective,
+                unit,
+            }
+        } else if is_sync(node) {
+            recompute(Reason::Collective, unit)
+        } else if effects.view_of.is_some() {
+            recompute(Reason::View, unit)
+        } else {
+            NodePolicy {
+                decision: Decision::Save,
+                reason: Reason::KeptInterval,
+                unit,
+            }
+        }
+    }
+
+    /// With `--collectives save`, eager functional collectives and device-to-host syncs are
+    /// saved in every checkpointed layer, kept interval or not; mutating ones never.
+    /// `wait_tensor` returns the collective's own buffer (an alias): saving the collective
+    /// covers it, and its replay is a no-op.
+    fn saves_as_collective(&self, node: &Node) -> bool {
+        self.config.collectives == Collectives::Save
+            && is_sync(node)
+            && node.compiled_region.is_none()
+            && node.effects.view_of.is_none()
+            && !node.effects.is_mutable()
+    }
+
+    /// Follows which tensors alias kept outputs, and records in-place writes to them inside a
+    /// kept interval.
+    fn track_kept_writes(
+        &self,
+        id: NodeId,
+        node: &Node,
+        policy: NodePolicy,
+        unit: Option<UnitId>,
+        kept_alias: &mut IdVec<ValueId, bool>,
+        session: &mut Session,
+    ) {
+        if policy.decision == Decision::Save {
+            for &v in &node.outputs {
+                kept_alias[v] = true;
+            }
+        } else if policy.reason == Reason::View {
+            // A view of a kept tensor aliases it: writing through it corrupts the cache too.
+            let base = node.effects.view_of.map(|p| node.inputs[p]);
+            if base.is_some_and(|b| kept_alias[b]) {
+                for &v in &node.outputs {
+                    kept_alias[v] = true;
+                }
+            }
+        } else if policy.reason == Reason::Mutable {
+            for &p in &node.effects.mutates {
+                let written = node.inputs[p];
+                if let Some(unit) = unit.filter(|_| kept_alias[written]) {
+                    session.inplace_write(unit, id, written);
+                }
+            }
+        }
+    }
+}
+
+/// A collective, or a device-to-host copy that synchronises like one.
+fn is_sync(node: &Node) -> bool {
+    node.effects.collective.is_some() || node.is_device_to_host_copy()
+}
+
+/// Checkpointed layers of models with kept units whose forward ops (markers aside) all run in
+/// one compiled region: nothing in them is addressable.
+fn find_layers_compiled_whole(
+    graph: &Graph,
+    resolved: &Resolved,
+    sessions: &BTreeMap<Site, Vec<NodeId>>,
+    findings: &mut Findings,
+) {
+    let mut regions: BTreeMap<LayerRef, Option<BTreeSet<&str>>> = BTreeMap::new();
+    for (site, members) in sessions {
+        if resolved.kept_at(site.at).is_empty() {
+            continue;
+        }
+        let seen = regions.entry(site.at).or_insert(Some(BTreeSet::new()));
+        for &id in members {
+            let node = graph.node(id);
+            if node.marker.is_some() {
+                continue;
+            }
+            match (&node.compiled_region, seen.as_mut()) {
+                (Some(region), Some(set)) => {
+                    set.insert(region.as_str());
+                }
+                (None, _) => *seen = None,
+                (Some(_), None) => {}
+            }
+        }
+    }
+    for (at, seen) in regions {
+        if let Some(set) = seen.filter(|s| s.len() == 1) {
+            let region = set.into_iter().next().unwrap_or_default().to_owned();
+            findings
+                .layers_compiled_whole
+                .entry(at.model)
+                .or_default()
+                .insert(at.layer, region);
+        }
+    }
+}
