@@ -1,0 +1,56 @@
+//! Ops called through libtorch's dispatcher by schema name, bound from IR inputs and attributes.
+
+use ir::{AttrValue, Attribute};
+use runtime::ffi::BoundCall;
+use tch::{Device, Kind, Tensor};
+
+fn attr(name: &str, value: AttrValue) -> Attribute {
+    Attribute {
+        name: name.into(),
+        value,
+    }
+}
+
+fn bind(op: &str, inputs: usize, attrs: &[Attribute]) -> BoundCall {
+    BoundCall::bind(op, inputs, attrs, Device::Cpu, Device::Cpu).expect("binds")
+}
+
+#[test]
+fn a_number_attribute_for_a_tensor_argument_is_a_wrapped_scalar() {
+    let x = Tensor::from_slice(&[1.0f32, 2.0]);
+    let call = bind("aten.add.Tensor", 1, &[attr("other", AttrValue::Int(3))]);
+    let out = call.run(&[&x], 1).expect("runs");
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].kind(), Kind::Float);
+    assert_eq!(Vec::<f32>::try_from(&out[0]).unwrap(), vec![4.0, 5.0]);
+}
+
+#[test]
+fn tensor_lists_multiple_outputs_and_absent_tensors_bind() {
+    let a = Tensor::from_slice(&[1.0f32, 5.0]);
+    let b = Tensor::from_slice(&[3.0f32]);
+    let cat = bind("aten.cat.default", 2, &[attr("dim", AttrValue::Int(0))]);
+    let joined = cat.run(&[&a, &b], 1).unwrap().remove(0);
+    assert_eq!(Vec::<f32>::try_from(&joined).unwrap(), vec![1.0, 5.0, 3.0]);
+
+    let topk = bind("aten.topk.default", 1, &[attr("k", AttrValue::Int(2))]);
+    let out = topk.run(&[&joined], 2).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&out[0]).unwrap(), vec![5.0, 3.0]);
+    assert_eq!(Vec::<i64>::try_from(&out[1]).unwrap(), vec![1, 2]);
+
+    let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0]).reshape([2, 2]);
+    let target = Tensor::from_slice(&[0i64, 1]);
+    let nll = bind(
+        "aten.nll_loss_forward.default",
+        2,
+        &[
+            attr("absent_tensor_args", AttrValue::Strs(vec!["weight".into()])),
+            attr("reduction", AttrValue::Int(1)),
+            attr("ignore_index", AttrValue::Int(-100)),
+        ],
+    );
+    let out = nll.run(&[&logits, &target], 2).unwrap();
+    assert_eq!(out.len(), 2);
+    assert_eq!(f32::try_from(&out[0]).unwrap(), -1.5);
+    let _ = Kind::Float;
+}
