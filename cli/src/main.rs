@@ -7,6 +7,8 @@ use std::{fs, io::Write, path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod allocator;
+#[cfg(feature = "run")]
+mod run;
 
 /// Loading and planning allocate millions of small strings and vectors: mimalloc does that
 /// faster than the system allocator, above all across threads.
@@ -62,6 +64,16 @@ enum Command {
         /// Convert even a graph that does not validate (to read a broken file as JSON)
         #[arg(long)]
         no_validate: bool,
+    },
+    /// Execute one training step of a plan with libtorch and prove it (`--check`)
+    #[cfg(feature = "run")]
+    Run(run::RunArgs),
+    /// Not in this build: `run` needs the runtime (the `run` feature)
+    #[cfg(not(feature = "run"))]
+    #[command(hide = true)]
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        _args: Vec<String>,
     },
 }
 
@@ -204,6 +216,14 @@ fn run(command: Command) -> Result<(), Failure> {
             output,
             no_validate,
         } => Ok(convert::convert(&input, &output, !no_validate).map_err(|e| e.to_string())?),
+        #[cfg(feature = "run")]
+        Command::Run(args) => run::run_run(args),
+        #[cfg(not(feature = "run"))]
+        Command::Run { .. } => Err(Failure::Error(
+            "this `planner` was built without the runtime: after `source scripts/env.sh`, \
+             build it with `cargo build --release -p planner-cli --features run`"
+                .to_owned(),
+        )),
     }
 }
 
