@@ -205,8 +205,9 @@ fn a_plan_that_is_not_closed_is_refused_before_running() {
     );
 }
 
-/// `r = rand_like(x)`, `y = x * r` in layer 0; backward `g = y * t`, then a random op of its
-/// own: `n = rand_like(t)`, `out = g * n`.
+/// `r = rand_like(x)`, `y = x * r` in layer 0, then `w = rand_like(x)` outside layers; backward
+/// `g = y * t`, and a random op of its own: `out = g * rand_like(t) * w`. Replaying `r` must
+/// neither draw anew nor rewind the stream that `w` and backward's draw continue.
 fn random_layer() -> Graph {
     let mut b = Builder::new(1, &[]);
     let x = b.input("x");
@@ -214,10 +215,13 @@ fn random_layer() -> Graph {
     b.layer(Some(0));
     let (_, r) = b.node_with("aten.rand_like.default", &[&x], random());
     let (_, y) = b.node("aten.mul.Tensor", &[&x, &r]);
+    b.layer(None);
+    let (_, w) = b.node_with("aten.rand_like.default", &[&x], random());
     b.backward();
     let (_, g) = b.node("aten.mul.Tensor", &[&y, &t]);
     let (_, n) = b.node_with("aten.rand_like.default", &[&t], random());
-    let (_, out) = b.node("aten.mul.Tensor", &[&g, &n]);
+    let (_, gn) = b.node("aten.mul.Tensor", &[&g, &n]);
+    let (_, out) = b.node("aten.mul.Tensor", &[&gn, &w]);
     b.output(&out);
     b.build()
 }
@@ -229,11 +233,11 @@ fn a_replayed_random_op_draws_what_it_drew_in_forward_and_later_draws_are_unchan
     let plain = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
     let mut saved = vec![false; graph.values().len()];
     for (id, v) in graph.values().iter() {
-        saved[ir::EntityId::index(id)] = v.name == "x" || v.name == "t";
+        saved[ir::EntityId::index(id)] = ["x", "t", "v3"].contains(&v.name.as_str());
     }
     let replay = ReplaySpec {
         nodes: vec![node(&graph, "n1"), node(&graph, "n2")],
-        before: node(&graph, "n3"),
+        before: node(&graph, "n4"),
     };
     let schedule = Schedule::new(&graph, &saved, &[replay]).expect("the plan is closed");
     let replayed = step(&graph, &schedule, &inputs);
