@@ -111,7 +111,7 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
         timeout,
         fault,
     };
-    let report = run::run_loopback(vec![job; ranks], &config).map_err(|e| e.to_string())?;
+    let report = execute(job, ranks, &config)?;
     let text = match args.format {
         Format::Text => text(&report, &graph, &plan),
         Format::Json => {
@@ -126,6 +126,68 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
         Some(failure) => Err(Failure::Error(format!("check failed: {failure}"))),
         None => Ok(()),
     }
+}
+
+/// Runs the ranks: threads over the loopback communicator on the CPU; on CUDA, NCCL ranks as
+/// threads (one GPU each), or this process's rank of a job launched like PyTorch's (`RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set, as `torchrun` does).
+fn execute(job: RankJob, ranks: usize, config: &RunConfig) -> Result<RunReport, String> {
+    let runtime::Device::Cuda(base) = config.device else {
+        return run::run_loopback(vec![job; ranks], config).map_err(|e| e.to_string());
+    };
+    if !runtime::cuda_available() {
+        return Err("--device cuda: no CUDA device is available".to_owned());
+    }
+    match launcher()? {
+        None => run::run_nccl_threads(vec![job; ranks], config).map_err(|e| e.to_string()),
+        Some(launch) => {
+            if launch.world != ranks {
+                return Err(format!(
+                    "WORLD_SIZE is {} but the run has {ranks} rank(s)",
+                    launch.world
+                ));
+            }
+            let device = runtime::Device::Cuda(base + launch.local_rank);
+            run::run_nccl_process(job, launch.rank, launch.world, device, launch.hub, config)
+                .map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// This process's place in a job launched like PyTorch's.
+struct Launch {
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    /// `MASTER_ADDR`, one port above `MASTER_PORT` (torchrun's own store holds that one).
+    hub: std::net::SocketAddr,
+}
+
+/// `None` unless `RANK` and `WORLD_SIZE` are set.
+fn launcher() -> Result<Option<Launch>, String> {
+    let var = |name: &str| std::env::var(name).ok();
+    let (Some(rank), Some(world)) = (var("RANK"), var("WORLD_SIZE")) else {
+        return Ok(None);
+    };
+    let number = |name: &str, text: Option<String>| -> Result<usize, String> {
+        let text = text.ok_or_else(|| format!("{name} is not set"))?;
+        text.parse()
+            .map_err(|_| format!("{name}=`{text}` is not a number"))
+    };
+    let port: u16 = number("MASTER_PORT", var("MASTER_PORT"))?
+        .try_into()
+        .map_err(|_| "MASTER_PORT is not a port".to_owned())?;
+    let address = var("MASTER_ADDR").ok_or("MASTER_ADDR is not set")?;
+    let hub = std::net::ToSocketAddrs::to_socket_addrs(&(address.as_str(), port.wrapping_add(1)))
+        .map_err(|e| format!("MASTER_ADDR `{address}`: {e}"))?
+        .next()
+        .ok_or_else(|| format!("MASTER_ADDR `{address}` resolves to nothing"))?;
+    Ok(Some(Launch {
+        rank: number("RANK", Some(rank))?,
+        world: number("WORLD_SIZE", Some(world))?,
+        local_rank: var("LOCAL_RANK").map_or(Ok(0), |l| number("LOCAL_RANK", Some(l)))?,
+        hub,
+    }))
 }
 
 fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
@@ -226,9 +288,10 @@ fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
         .first()
         .map_or_else(String::new, |r| program::device_name(r.device));
     out += &format!(
-        "run: {} on {device}, {} rank(s) (loopback), keep {}\n",
+        "run: {} on {device}, {} rank(s) ({}), keep {}\n",
         report.graph,
         report.ranks.len(),
+        report.communicator,
         keep_text(plan)
     );
     out += &format!(

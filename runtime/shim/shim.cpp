@@ -11,7 +11,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ScalarOps.h>
+#include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/library.h>
+
+#include <cmath>
 
 #include <cstdlib>
 #include <cstring>
@@ -63,7 +67,88 @@ char* guarded(F&& body) {
   }
 }
 
+// Attention on devices where libtorch has no kernel for the CPU flash-attention op a graph
+// exported on the CPU holds: the same results from ATen's matmul, softmax and reductions, so a
+// CPU-exported graph runs on a GPU. Forward returns (output, logsumexp over keys); backward
+// recomputes the probabilities from the logsumexp, as the flash kernels do.
+at::Tensor attention_scores(const at::Tensor& query, const at::Tensor& key, bool is_causal,
+                            const std::optional<at::Tensor>& attn_mask, double scale) {
+  auto scores = at::matmul(query, key.transpose(-2, -1)) * scale;
+  if (is_causal) {
+    const auto ones = at::ones({query.size(-2), key.size(-2)},
+                               query.options().dtype(at::kBool));
+    scores = scores.masked_fill(ones.tril().logical_not(), -INFINITY);
+  }
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    scores = attn_mask->scalar_type() == at::kBool
+                 ? scores.masked_fill(attn_mask->logical_not(), -INFINITY)
+                 : scores + *attn_mask;
+  }
+  return scores;
+}
+
+double attention_scale(const at::Tensor& query, std::optional<double> scale) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(-1)));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, double dropout_p,
+                                                  bool is_causal,
+                                                  const std::optional<at::Tensor>& attn_mask,
+                                                  std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0, "the attention fallback runs without dropout only");
+  const auto scores =
+      attention_scores(query, key, is_causal, attn_mask, attention_scale(query, scale));
+  auto logsumexp = at::logsumexp(scores, -1);
+  auto probs = at::exp(scores - logsumexp.unsqueeze(-1));
+  return {at::matmul(probs, value), logsumexp};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_math_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    double dropout_p, bool is_causal, const std::optional<at::Tensor>& attn_mask,
+    std::optional<double> scale) {
+  TORCH_CHECK(dropout_p == 0.0, "the attention fallback runs without dropout only");
+  const double s = attention_scale(query, scale);
+  const auto scores = attention_scores(query, key, is_causal, attn_mask, s);
+  const auto probs = at::exp(scores - logsumexp.unsqueeze(-1));
+  auto grad_value = at::matmul(probs.transpose(-2, -1), grad_out);
+  const auto grad_probs = at::matmul(grad_out, value.transpose(-2, -1));
+  const auto row = (grad_out * out).sum(-1, /*keepdim=*/true);
+  const auto grad_scores = probs * (grad_probs - row);
+  auto grad_query = at::matmul(grad_scores, key) * s;
+  auto grad_key = at::matmul(grad_scores.transpose(-2, -1), query) * s;
+  return {grad_query, grad_key, grad_value};
+}
+
 }  // namespace
+
+// The CPU-only flash-attention ops of CPU-exported graphs get CUDA kernels from the fallback.
+TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("_scaled_dot_product_flash_attention_for_cpu", TORCH_FN(attention_math));
+  m.impl("_scaled_dot_product_flash_attention_for_cpu_backward",
+         TORCH_FN(attention_math_backward));
+}
+
+// The fallback under its own name, on every device, so it can be checked against the CPU
+// kernel where there is no GPU.
+TORCH_LIBRARY(recompute_runtime, m) {
+  m.def(
+      "attention_math(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
+      "bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) -> "
+      "(Tensor output, Tensor logsumexp)");
+  m.def(
+      "attention_math_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+      "Tensor out, Tensor logsumexp, float dropout_p, bool is_causal, *, "
+      "Tensor? attn_mask=None, float? scale=None) -> "
+      "(Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+}
+
+TORCH_LIBRARY_IMPL(recompute_runtime, CompositeExplicitAutograd, m) {
+  m.impl("attention_math", TORCH_FN(attention_math));
+  m.impl("attention_math_backward", TORCH_FN(attention_math_backward));
+}
 
 extern "C" {
 
@@ -593,6 +678,30 @@ char* rt_cuda_synchronize(int32_t device_index) {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     impl.getStream(device_of(1, device_index)).synchronize();
   });
+}
+
+// Records an event on the current stream of a CUDA device (free with `rt_event_free`): it
+// completes once everything queued before it has run.
+char* rt_cuda_record_event(int32_t device_index, void** out) {
+  return guarded([&] {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(impl.getStream(device_of(1, device_index)));
+    *out = event.release();
+  });
+}
+
+// 1 when the event has completed, 0 while work before it is pending, -1 on error.
+int32_t rt_event_query(void* event) {
+  try {
+    return static_cast<c10::Event*>(event)->query() ? 1 : 0;
+  } catch (...) {
+    return -1;
+  }
+}
+
+void rt_event_free(void* event) {
+  delete static_cast<c10::Event*>(event);
 }
 
 // The caching allocator's peak of allocated bytes on a CUDA device since the last reset.

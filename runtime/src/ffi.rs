@@ -78,6 +78,9 @@ mod sys {
         pub fn rt_cuda_set_device(device_index: i32) -> *mut c_char;
         pub fn rt_cuda_current_stream(device_index: i32, out: *mut *mut c_void) -> *mut c_char;
         pub fn rt_cuda_synchronize(device_index: i32) -> *mut c_char;
+        pub fn rt_cuda_record_event(device_index: i32, out: *mut *mut c_void) -> *mut c_char;
+        pub fn rt_event_query(event: *mut c_void) -> i32;
+        pub fn rt_event_free(event: *mut c_void);
         pub fn rt_cuda_peak_allocated(device_index: i32, out: *mut u64) -> *mut c_char;
         pub fn rt_cuda_reset_peak(device_index: i32) -> *mut c_char;
     }
@@ -391,4 +394,41 @@ pub fn cuda_reset_peak(device: Device) -> Result<(), String> {
     let index = cuda_index(device).ok_or("the CPU has no caching allocator")?;
     // SAFETY: plain call.
     check(unsafe { sys::rt_cuda_reset_peak(index) })
+}
+
+/// A CUDA event recorded on a device's current stream.
+#[derive(Debug)]
+pub struct Event(NonNull<c_void>);
+
+// SAFETY: a CUDA event may be queried and destroyed from any thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// Records an event after everything queued so far on `device`'s current stream.
+    pub fn record(device: Device) -> Result<Event, String> {
+        let index = cuda_index(device).ok_or("the CPU has no stream")?;
+        let mut event = std::ptr::null_mut();
+        // SAFETY: the shim writes a fresh event.
+        check(unsafe { sys::rt_cuda_record_event(index, &mut event) })?;
+        NonNull::new(event)
+            .map(Event)
+            .ok_or_else(|| "no event".to_owned())
+    }
+
+    /// Whether everything queued before the event has run (`Err` if the device failed).
+    pub fn done(&self) -> Result<bool, String> {
+        // SAFETY: a live event.
+        match unsafe { sys::rt_event_query(self.0.as_ptr()) } {
+            1 => Ok(true),
+            0 => Ok(false),
+            _ => Err("the device reported an error".to_owned()),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: made by `rt_cuda_record_event`, freed once.
+        unsafe { sys::rt_event_free(self.0.as_ptr()) }
+    }
 }

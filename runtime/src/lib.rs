@@ -18,3 +18,8 @@ pub mod schedule;
 pub mod tensor;
 
 pub use tch::Device;
+
+/// Whether libtorch sees a CUDA device.
+pub fn cuda_available() -> bool {
+    tch::Cuda::is_available()
+}

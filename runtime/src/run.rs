@@ -21,7 +21,7 @@ use thiserror::Error;
 
 use crate::{
     check,
-    comm::{loopback::LoopbackGroup, CommError, Communicator, Identity},
+    comm::{loopback::LoopbackGroup, nccl, CommError, Communicator, Identity},
     exec::{self, Fault, OpCounts, StepError},
     fingerprint,
     inputs::{self, InputError, RankInputs},
@@ -115,6 +115,8 @@ pub struct RankReport {
 /// Everything `planner run` found.
 #[derive(Debug, Clone)]
 pub struct RunReport {
+    /// `loopback` or `nccl`.
+    pub communicator: &'static str,
     pub graph: String,
     pub structure: String,
     pub plan: String,
@@ -181,20 +183,41 @@ pub fn schedule_of(graph: &Graph, plan: &Plan) -> Result<Schedule, RunError> {
     Ok(Schedule::new(graph, &saved, &replays)?)
 }
 
-/// The device rank `rank` runs on.
-fn rank_device(device: Device, rank: usize) -> Device {
+/// Makes a rank's communicator once it knows what the rank runs (NCCL ranks meet and compare
+/// at the rendezvous).
+pub type Connect =
+    Box<dyn FnOnce(&Identity) -> Result<Box<dyn Communicator>, CommError> + Send + 'static>;
+
+/// One rank of a run: which, on which device, what it runs and how it communicates.
+pub struct RankSpec {
+    pub rank: usize,
+    pub device: Device,
+    pub job: RankJob,
+    pub connect: Connect,
+}
+
+/// The device rank `rank` of this process runs on: CUDA ranks take consecutive GPUs.
+pub fn rank_device(device: Device, rank: usize) -> Device {
     match device {
         Device::Cuda(base) => Device::Cuda(base + rank),
         other => other,
     }
 }
 
+/// What a rank announces to the others before the first collective.
+pub fn identity(job: &RankJob) -> Identity {
+    Identity {
+        structure: fingerprint::structure(&job.graph),
+        plan: fingerprint::plan(&job.plan, &job.graph),
+    }
+}
+
 /// Checks everything that can be checked before a rank starts: every op runs on the device,
-/// the plans fit their graphs and are closed, every rank's inputs load.
-fn preflight(jobs: &[RankJob], config: &RunConfig) -> Result<(), RunError> {
-    let world = jobs.len();
-    for (rank, job) in jobs.iter().enumerate() {
-        Program::prepare(&job.graph, rank_device(config.device, rank), world)?;
+/// the plans fit their graphs and are closed.
+fn preflight(specs: &[RankSpec], world: usize) -> Result<(), RunError> {
+    for spec in specs {
+        let job = &spec.job;
+        Program::prepare(&job.graph, spec.device, world)?;
         schedule_of(&job.graph, &job.plan)?;
         if let Some(whole) = &job.whole_layer {
             schedule_of(&job.graph, whole)?;
@@ -203,43 +226,111 @@ fn preflight(jobs: &[RankJob], config: &RunConfig) -> Result<(), RunError> {
     Ok(())
 }
 
-/// Runs every rank of `jobs` (one per rank) through the loopback communicator.
+/// Runs every rank of `jobs` (one per rank) as threads through the loopback communicator.
 pub fn run_loopback(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, RunError> {
-    preflight(&jobs, config)?;
     let group = LoopbackGroup::new(jobs.len(), config.timeout);
-    let comms: Vec<Box<dyn Communicator>> = (0..jobs.len())
-        .map(|r| Box::new(group.rank(r)) as Box<dyn Communicator>)
+    let specs = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, job)| {
+            let comm = group.rank(rank);
+            RankSpec {
+                rank,
+                device: rank_device(config.device, rank),
+                job,
+                connect: Box::new(move |_: &Identity| Ok(Box::new(comm) as Box<dyn Communicator>)),
+            }
+        })
         .collect();
-    run_ranks(jobs, comms, config)
+    run_ranks(specs, config, "loopback")
 }
 
-/// Runs each job on its own thread with its communicator; every rank's result or error.
-pub fn run_ranks(
-    jobs: Vec<RankJob>,
-    comms: Vec<Box<dyn Communicator>>,
+/// Runs every rank of `jobs` as threads of this process, one GPU each (from `config.device`
+/// on), through NCCL; the rendezvous runs on this host's loopback interface.
+pub fn run_nccl_threads(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, RunError> {
+    let world = jobs.len();
+    let any_port = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let hub = nccl::host(any_port, world, config.timeout)
+        .map_err(|e| RunError::Ranks(vec![(0, e.to_string())]))?;
+    let specs = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, job)| {
+            let device = rank_device(config.device, rank);
+            nccl_rank(hub.address, rank, world, device, job, config)
+        })
+        .collect();
+    run_ranks(specs, config, "nccl")
+}
+
+/// The rank of this process in a job launched like PyTorch's (`torchrun`): rank 0 hosts the
+/// rendezvous at `hub`, every rank joins it.
+pub fn run_nccl_process(
+    job: RankJob,
+    rank: usize,
+    world: usize,
+    device: Device,
+    hub: std::net::SocketAddr,
     config: &RunConfig,
 ) -> Result<RunReport, RunError> {
-    let world = jobs.len();
-    let header = jobs.first().map(|job| {
-        (
-            job.graph.name().to_owned(),
-            fingerprint::structure(&job.graph),
-            fingerprint::plan(&job.plan, &job.graph),
-        )
+    if rank == 0 {
+        // The hub's thread lives on for the whole run: it relays the ranks' aborts.
+        nccl::host(hub, world, config.timeout)
+            .map_err(|e| RunError::Ranks(vec![(rank, e.to_string())]))?;
+    }
+    let spec = nccl_rank(hub, rank, world, device, job, config);
+    run_ranks(vec![spec], config, "nccl")
+}
+
+fn nccl_rank(
+    hub: std::net::SocketAddr,
+    rank: usize,
+    world: usize,
+    device: Device,
+    job: RankJob,
+    config: &RunConfig,
+) -> RankSpec {
+    let timeout = config.timeout;
+    RankSpec {
+        rank,
+        device,
+        job,
+        connect: Box::new(move |identity: &Identity| {
+            let comm = nccl::Nccl::connect(hub, rank, world, device, identity.clone(), timeout)?;
+            Ok(Box::new(comm) as Box<dyn Communicator>)
+        }),
+    }
+}
+
+/// Runs each rank on its own thread; every rank's result or error. `world` is the number of
+/// ranks of the whole run (this process may run fewer).
+fn run_ranks(
+    specs: Vec<RankSpec>,
+    config: &RunConfig,
+    communicator: &'static str,
+) -> Result<RunReport, RunError> {
+    let world = specs.len();
+    let header = specs.first().map(|spec| {
+        let id = identity(&spec.job);
+        (spec.job.graph.name().to_owned(), id.structure, id.plan)
     });
+    let total = specs
+        .first()
+        .map_or(0, |s| s.job.graph.metadata().world_size.max(1) as usize)
+        .max(world);
+    preflight(&specs, total)?;
     let (sender, receiver) = mpsc::channel();
-    for (rank, (job, mut comm)) in jobs.into_iter().zip(comms).enumerate() {
+    let ranks: Vec<usize> = specs.iter().map(|s| s.rank).collect();
+    for (slot, spec) in specs.into_iter().enumerate() {
         let sender = sender.clone();
         let config = config.clone();
+        let rank = spec.rank;
         std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
-                let result = rank_main(rank, &job, comm.as_mut(), &config);
-                if let Err(e) = &result {
-                    comm.abort(&e.to_string());
-                }
+                let result = rank_thread(spec, &config);
                 // The receiver may be gone when the run already gave up on this rank.
-                let _ = sender.send((rank, result));
+                let _ = sender.send((slot, result));
             })
             .map_err(|e| RunError::Ranks(vec![(rank, format!("cannot start a thread: {e}"))]))?;
     }
@@ -247,11 +338,11 @@ pub fn run_ranks(
     let results = collect(&receiver, world, config.timeout);
     let mut reports = Vec::with_capacity(world);
     let mut failures = Vec::new();
-    for (rank, result) in results.into_iter().enumerate() {
+    for (slot, result) in results.into_iter().enumerate() {
         match result {
             Some(Ok(report)) => reports.push(report),
-            Some(Err(e)) => failures.push((rank, e)),
-            None => failures.push((rank, RankFailure::Hung(config.timeout.as_secs_f64()))),
+            Some(Err(e)) => failures.push((ranks[slot], e)),
+            None => failures.push((ranks[slot], RankFailure::Hung(config.timeout.as_secs_f64()))),
         }
     }
     if !failures.is_empty() {
@@ -260,12 +351,28 @@ pub fn run_ranks(
     skip_reference_if_seeded(&mut reports);
     let (graph, structure, plan) = header.unwrap_or_default();
     Ok(RunReport {
+        communicator,
         graph,
         structure,
         plan,
         check: config.check,
         ranks: reports,
     })
+}
+
+/// One rank's thread: connect, run, and tell the others when this rank failed.
+fn rank_thread(spec: RankSpec, config: &RunConfig) -> Result<RankReport, RankFailure> {
+    let mut comm = (spec.connect)(&identity(&spec.job))?;
+    match rank_main(spec.rank, spec.device, &spec.job, comm.as_mut(), config) {
+        Ok(report) => {
+            comm.finish()?;
+            Ok(report)
+        }
+        Err(e) => {
+            comm.abort(&e.to_string());
+            Err(e)
+        }
+    }
 }
 
 /// Every rank's result; after the first failure, the others get `grace` to stop.
@@ -360,12 +467,12 @@ fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Option
 
 fn rank_main(
     rank: usize,
+    device: Device,
     job: &RankJob,
     comm: &mut dyn Communicator,
     config: &RunConfig,
 ) -> Result<RankReport, RankFailure> {
     let graph = &job.graph;
-    let device = rank_device(config.device, rank);
     crate::ffi::set_device(device).map_err(|m| {
         RankFailure::Step(StepError::Op {
             stage: Stage::Forward,
@@ -378,10 +485,7 @@ fn rank_main(
     let inputs = inputs::load(graph, &path, rank, config.seed, device)?;
     let program = Program::prepare(graph, device, comm.world_size())?;
     let variants = variants(job, config.check)?;
-    comm.agree(&Identity {
-        structure: fingerprint::structure(graph),
-        plan: fingerprint::plan(&job.plan, graph),
-    })?;
+    comm.agree(&identity(job))?;
     let mut runs = Vec::new();
     let mut outputs = Vec::new();
     for (variant, schedule, predicted) in &variants {

@@ -54,3 +54,50 @@ fn tensor_lists_multiple_outputs_and_absent_tensors_bind() {
     assert_eq!(f32::try_from(&out[0]).unwrap(), -1.5);
     let _ = Kind::Float;
 }
+
+#[test]
+fn the_attention_fallback_matches_libtorch_s_cpu_flash_attention() {
+    // The fallback gives the CPU-only flash-attention op of CPU-exported graphs a CUDA kernel;
+    // here it runs under its own name on the CPU, next to the kernel it stands in for.
+    tch::manual_seed(5);
+    let shape = [2, 3, 6, 4];
+    let (q, k, v) = (
+        Tensor::randn(shape, (Kind::Float, Device::Cpu)),
+        Tensor::randn(shape, (Kind::Float, Device::Cpu)),
+        Tensor::randn(shape, (Kind::Float, Device::Cpu)),
+    );
+    let no_mask = || {
+        attr(
+            "absent_tensor_args",
+            AttrValue::Strs(vec!["attn_mask".into()]),
+        )
+    };
+    let causal = [attr("is_causal", AttrValue::Bool(true)), no_mask()];
+    let forward = |op| bind(op, 3, &causal).run(&[&q, &k, &v], 2).expect("runs");
+    let want = forward("aten._scaled_dot_product_flash_attention_for_cpu.default");
+    let got = forward("recompute_runtime.attention_math.default");
+    let grad = Tensor::randn(shape, (Kind::Float, Device::Cpu));
+    let backward_attrs = [
+        attr("dropout_p", AttrValue::Float(0.0)),
+        attr("is_causal", AttrValue::Bool(true)),
+        no_mask(),
+    ];
+    let backward = |op, out: &[Tensor]| {
+        bind(op, 6, &backward_attrs)
+            .run(&[&grad, &q, &k, &v, &out[0], &out[1]], 3)
+            .expect("runs")
+    };
+    let want_grads = backward(
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+        &want,
+    );
+    let got_grads = backward("recompute_runtime.attention_math_backward.default", &want);
+    for (w, g) in want
+        .iter()
+        .chain(&want_grads)
+        .zip(got.iter().chain(&got_grads))
+    {
+        let e = runtime::check::error(g, w);
+        assert!(e.within, "{e:?}");
+    }
+}

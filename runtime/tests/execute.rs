@@ -99,13 +99,31 @@ fn an_unknown_op_is_refused_naming_the_op_and_its_first_node() {
 
 #[test]
 fn an_op_with_only_a_cpu_kernel_is_refused_on_cuda() {
-    let graph = common::golden("dense");
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    let (node, _) = b.node("aten._convert_weight_to_int4pack_for_cpu.default", &[&x]);
+    let mut wire = b.wire();
+    wire.nodes[0].attributes.push(pb::Attribute {
+        name: "innerKTiles".to_owned(),
+        value: Some(pb::attribute::Value::Int(2)),
+    });
+    let graph = Graph::from_wire(wire).expect("valid");
+    Program::prepare(&graph, Device::Cpu, 1).expect("runs on the CPU");
     let err = Program::prepare(&graph, Device::Cuda(0), 1).unwrap_err();
-    let text = err.to_string();
-    assert!(
-        text.contains("_scaled_dot_product_flash_attention_for_cpu") && text.contains("cuda:0"),
-        "{text}"
+    assert_eq!(
+        err,
+        PrepareError::Unsupported {
+            op: "aten._convert_weight_to_int4pack_for_cpu.default".to_owned(),
+            node,
+            reason: "libtorch has no kernel for it on cuda:0".to_owned(),
+        }
     );
+}
+
+#[test]
+fn the_cpu_exported_attention_runs_on_cuda_through_the_fallback() {
+    let graph = common::golden("dense");
+    Program::prepare(&graph, Device::Cuda(0), 1).expect("every op has a CUDA kernel");
 }
 
 #[test]

@@ -9,6 +9,8 @@
 //! collective returns an error naming the rank and the collective: never a hang.
 
 pub mod loopback;
+pub mod nccl;
+pub mod rendezvous;
 
 use std::fmt;
 
@@ -126,6 +128,12 @@ pub trait Communicator: Send {
     /// This rank failed (`message` says why): every other rank's collectives fail from now on,
     /// naming this rank.
     fn abort(&mut self, message: &str);
+
+    /// This rank's work is done: waits until its collectives completed and reports an abort
+    /// that reached it meanwhile.
+    fn finish(&mut self) -> Result<(), CommError> {
+        Ok(())
+    }
 }
 
 /// The offsets of consecutive chunks of the given sizes.
