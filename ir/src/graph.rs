@@ -219,6 +219,16 @@ impl Node {
             && matches!(self.attribute("device"), Some(AttrValue::Str(d)) if d == "cpu" || d.starts_with("cpu:"))
     }
 
+    /// The input whose storage output `output` shares: every output of a view aliases the
+    /// view's base; the first output of an in-place op is the tensor it wrote.
+    pub fn aliased_input(&self, output: usize) -> Option<usize> {
+        match (self.effects.view_of, self.effects.mutates.first()) {
+            (Some(base), _) => Some(base),
+            (None, Some(&written)) if output == 0 => Some(written),
+            _ => None,
+        }
+    }
+
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()
@@ -271,8 +281,7 @@ pub struct Graph {
     pub(crate) metadata: Metadata,
     pub(crate) producers: IdVec<ValueId, Option<NodeId>>,
     pub(crate) consumers: Consumers,
-    /// Nodes that write a value in place, in execution order (sparse: few values are written).
-    pub(crate) mutators: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
+    pub(crate) storage: Storage,
     /// [`Graph::backward_order`], computed on first use.
     pub(crate) backward_order: std::sync::OnceLock<Vec<NodeId>>,
 }
@@ -386,11 +395,19 @@ impl Graph {
         order
     }
 
-    /// The nodes that write `value` in place (its schema says `mutates`), in execution order.
-    /// Functionalization is off in the exporter, so a later node may read the written tensor
-    /// under its old name: data flow alone does not show that it depends on these writes.
-    pub fn mutators(&self, value: ValueId) -> &[NodeId] {
-        self.mutators.get(&value).map_or(&[], Vec::as_slice)
+    /// The value whose storage `value` shares: itself unless it is a view, or the result of an
+    /// in-place op, of another value (followed to the end of the chain).
+    pub fn storage_root(&self, value: ValueId) -> ValueId {
+        self.storage.roots[value]
+    }
+
+    /// The nodes that write `value`'s storage in place, through `value` or any view or alias
+    /// of it, in execution order. Functionalization is off in the exporter, so a later node
+    /// may read a written tensor under its old name (or through a view made before the
+    /// write): data flow alone does not show that it depends on these writes.
+    pub fn storage_writers(&self, value: ValueId) -> &[NodeId] {
+        let root = self.storage.roots[value];
+        self.storage.writers.get(&root).map_or(&[], Vec::as_slice)
     }
 
     /// Nodes whose outputs `node` reads (each once), in execution order.
@@ -426,6 +443,14 @@ fn sorted_unique(mut ids: Vec<NodeId>) -> Vec<NodeId> {
     ids.sort_unstable();
     ids.dedup();
     ids
+}
+
+/// Which storage each value lives in (its root value), and the nodes writing each storage in
+/// place (sparse: few storages are written).
+#[derive(Debug, Default)]
+pub(crate) struct Storage {
+    pub(crate) roots: IdVec<ValueId, ValueId>,
+    pub(crate) writers: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
 }
 
 /// Consumers of every value in one flat array (compressed rows), in execution order.

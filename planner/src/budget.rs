@@ -462,7 +462,7 @@ impl Search<'_> {
             && node
                 .outputs
                 .iter()
-                .all(|&v| self.graph.mutators(v).is_empty())
+                .all(|&v| self.graph.storage_writers(v).is_empty())
     }
 }
 

@@ -103,6 +103,12 @@ spelled! {
         /// The output of a recomputed op that writes a resident tensor in place: replaying it
         /// would corrupt that tensor, so its output is saved instead.
         WritesResident => "writes-resident",
+        /// The output of a recomputed op that reads a resident tensor which forward writes in
+        /// place after it: a replay would read the written value, so its output is saved.
+        ReadsOverwritten => "reads-overwritten",
+        /// A recomputed tensor written in place by an op that cannot replay (it writes or reads
+        /// resident tensors): it stays resident, holding the write.
+        WrittenUnreplayably => "written-unreplayably",
         Parameter => "parameter",
         /// A graph input other than a parameter (data, buffers, tangents).
         GraphInput => "graph-input",
@@ -118,6 +124,8 @@ impl SavedKind {
                 | SavedKind::LayerInput
                 | SavedKind::NotCheckpointed
                 | SavedKind::WritesResident
+                | SavedKind::ReadsOverwritten
+                | SavedKind::WrittenUnreplayably
         )
     }
 }
