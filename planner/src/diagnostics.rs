@@ -12,13 +12,14 @@ use ir::{
 use crate::{
     config::{PlanConfig, Resolved},
     partition::Partition,
-    policy::{Enclosed, Findings, InplaceWrite, Unbalance, UnitKey},
+    policy::{Demotion, Enclosed, Findings, InplaceWrite, Unbalance, UnitKey},
 };
 
 /// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
 fn level_of(code: Code) -> Level {
     match code {
         Code::InplaceInKeptInterval => Level::Error,
+        Code::KeptOutputWrittenInPlace => Level::Info,
         _ => Level::Warning,
     }
 }
@@ -71,6 +72,7 @@ pub fn diagnose(
     unbalanced(graph, findings, &mut out);
     crossings(graph, findings, &mut out);
     inplace(graph, findings, &mut out);
+    demoted(graph, findings, &mut out);
     compiled_whole(graph, findings, &mut out);
     if let Some(partition) = partition {
         nondeterministic_replay(graph, findings, partition, &mut out);
@@ -341,6 +343,39 @@ fn inplace(graph: &Graph, findings: &Findings, out: &mut Collector) {
                 layers_phrase(layers),
             ),
             "make the op out-of-place, or move it outside the kept interval".to_owned(),
+        );
+    }
+}
+
+fn demoted(graph: &Graph, findings: &Findings, out: &mut Collector) {
+    let mut grouped: BTreeMap<UnitKey, Vec<&Demotion>> = BTreeMap::new();
+    for d in &findings.demoted {
+        grouped.entry(d.unit).or_default().push(d);
+    }
+    for (UnitKey { model, unit }, demoted) in grouped {
+        let first = demoted[0];
+        let (kept, writer) = (graph.node(first.node), graph.node(first.writer));
+        let layers: BTreeSet<u32> = demoted
+            .iter()
+            .filter_map(|d| graph.node(d.node).layer)
+            .collect();
+        let more = match demoted.len() {
+            1 => String::new(),
+            k => format!(" ({} more such ops)", k - 1),
+        };
+        out.add(
+            Code::KeptOutputWrittenInPlace,
+            (model, Some(unit)),
+            format!(
+                "unit {} keeps `{}` ({}) in {}, but `{}` ({}) writes its output in place later{more}: it is recomputed and replays with its writers instead of being saved",
+                unit_name(graph, model, unit),
+                kept.name,
+                kept.op,
+                layers_phrase(layers),
+                writer.name,
+                writer.op,
+            ),
+            "make the write out-of-place (`w = w / s` instead of `w /= s`) if the op should be kept".to_owned(),
         );
     }
 }

@@ -280,7 +280,7 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
     let zeros = b.node("aten.zeros_like.default", &[&m]).1; // n2: kept
     let other = b.op(&m); // n3: kept
     let _ = b.node_with(
-        "aten.add_.Tensor", // n4: writes a fresh, non-kept buffer... of a kept op: see below
+        "aten.add_.Tensor", // n4: writes the output of kept n3: see below
         &[&other, &m],
         None,
     );
@@ -298,14 +298,13 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
     assert_eq!(decision(&p, "n5"), ("recompute", "collective", None));
     assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
     assert_eq!(decision(&p, "n7"), ("recompute", "mutable", None));
-    // n4 writes `other`, the output of a kept op: rejected (R5).
-    assert!(has_errors(&p));
-    let d = &p.diagnostics[0];
-    assert_eq!(d.code, "inplace-in-kept-interval");
-    assert!(
-        d.message.contains("`n4` (aten.add_.Tensor) writes `v3`"),
-        "{}",
-        d.message
+    // n4 writes `other`, the output of kept n3, and nothing resident: n3 is recomputed and
+    // replays with n4 instead of being saved and written twice.
+    assert_eq!(decision(&p, "n3"), ("recompute", "written-in-place", None));
+    assert!(!has_errors(&p));
+    assert_eq!(
+        codes(&p),
+        vec![("kept-output-written-in-place", Some("SAVE_ATTN"))]
     );
 
     let save = PlanConfig {
@@ -313,16 +312,91 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
         ..config(&["save_attn"])
     };
     let p = plan_named(&graph, &save);
-    assert_eq!(
-        decision(&p, "n5"),
-        ("save", "saved-collective", Some("SAVE_ATTN"))
-    );
-    // wait_tensor aliases the saved collective's buffer: not saved on its own.
+    // `--collectives save` would keep the all-to-all, but the mutating collective n7 writes
+    // its buffer later (through the wait): it replays with its writer instead.
+    assert_eq!(decision(&p, "n5"), ("recompute", "written-in-place", None));
+    // wait_tensor aliases the collective's buffer: not saved on its own.
     assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
     assert_eq!(
         decision(&p, "n7"),
         ("recompute", "mutable", None),
         "mutating: never"
+    );
+}
+
+/// One layer under SAVE_ATTN: `kept = sin(m)`, a reader of `kept`, then `writer` writes
+/// `kept` in place (and, with `also_writes`, that tensor too); backward reads both.
+fn written_kept_output(also_writes: Option<&str>) -> Plan {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let extra = also_writes.map(|name| b.input(name));
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x); // n1
+    let kept = b.op(&m); // n2: kept
+    let sum = b.node("aten.sum.default", &[&kept]).1; // n3: kept, reads n2 before the write
+    let mut inputs = vec![kept.as_str(), sum.as_str()];
+    let mut mutates = vec![0];
+    if let Some(extra) = &extra {
+        inputs.push(extra);
+        mutates.push(2);
+    }
+    let written = b
+        .node_with(
+            "mystery.normalise_.default", // n4: writes n2's output in place
+            &inputs,
+            Some(ir::wire::graph::SchemaFacts {
+                mutates,
+                ..Default::default()
+            }),
+        )
+        .1;
+    let end = b.marker("attn.end", &written); // n5
+    b.layer(None);
+    backward(&mut b, &[&kept, &sum, &end]);
+    run(&b, &config(&["save_attn"]))
+}
+
+#[test]
+fn r5_a_kept_op_whose_output_is_written_later_is_demoted_and_replays_with_its_writer() {
+    let p = written_kept_output(None);
+    assert!(!has_errors(&p));
+    assert_eq!(decision(&p, "n2"), ("recompute", "written-in-place", None));
+    // The reader of the unwritten value stays kept: it ran before the write.
+    assert_eq!(decision(&p, "n3").0, "save");
+    let replayed: Vec<&str> = p
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(|n| n.as_str())
+        .collect();
+    assert!(
+        replayed.contains(&"n2") && replayed.contains(&"n4"),
+        "{replayed:?}"
+    );
+    let d = &p.diagnostics[0];
+    assert_eq!(
+        (d.code.as_str(), d.level.as_str()),
+        ("kept-output-written-in-place", "info")
+    );
+    assert!(
+        d.message
+            .contains("`n4` (mystery.normalise_.default) writes its output"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn r5_a_write_that_would_corrupt_a_resident_tensor_too_is_an_error_naming_the_op() {
+    let p = written_kept_output(Some("running_stats"));
+    assert!(has_errors(&p));
+    let d = &p.diagnostics[0];
+    assert_eq!(d.code, "inplace-in-kept-interval");
+    assert!(
+        d.message
+            .contains("`n4` (mystery.normalise_.default) writes `v2`"),
+        "{}",
+        d.message
     );
 }
 

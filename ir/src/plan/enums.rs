@@ -84,6 +84,10 @@ spelled! {
         View => "view",
         /// Kept on its own by the budget solver (`--granularity op`).
         ChosenOp => "chosen-op",
+        /// Its interval keeps it, but forward writes its output in place later: a saved copy
+        /// would be written twice by an executor that re-runs the writers, so it is recomputed
+        /// and replays with them.
+        WrittenInPlace => "written-in-place",
         /// Its layer is not selected by `--recompute-ratio`.
         LayerNotCheckpointed => "layer-not-checkpointed",
         /// Outside any decoder layer (embedding, head, loss).
@@ -150,6 +154,7 @@ spelled! {
         IntervalOverlap => "interval-overlap",
         LayerCompiledAsOneRegion => "layer-compiled-as-one-region",
         NondeterministicReplay => "nondeterministic-replay",
+        KeptOutputWrittenInPlace => "kept-output-written-in-place",
     }
 }
 

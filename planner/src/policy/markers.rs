@@ -13,13 +13,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ir::{plan::Reason, EntityId, Graph, IdVec, Node, NodeId, Unit, UnitId, ValueId};
+use ir::{plan::Reason, EntityId, Graph, IdVec, Node, NodeId, Unit, UnitId};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use super::{
-    recompute, Crossing, Enclosed, Findings, InplaceWrite, MarkerFault, NodePolicy, Site,
-    Unbalance, UnitKey,
+    recompute, Crossing, Enclosed, Findings, MarkerFault, NodePolicy, Site, Unbalance, UnitKey,
 };
 
 /// A distinct `[begin, end)` marker pair of a model and the units that declare it.
@@ -194,13 +193,6 @@ impl<'a, 'g> Session<'a, 'g> {
                 self.opened_since_log = false;
             }
         }
-    }
-
-    pub(super) fn inplace_write(&mut self, unit: UnitId, node: NodeId, value: ValueId) {
-        let unit = self.key(unit);
-        self.findings
-            .inplace_kept
-            .push(InplaceWrite { unit, node, value });
     }
 
     /// Handles a marker node and returns its decision (an identity, recomputed).

@@ -94,12 +94,24 @@ pub struct Crossing {
     pub layer: u32,
 }
 
-/// An in-place op in a kept interval that writes a kept tensor.
+/// An in-place op that writes the output of a kept op later in forward, and cannot replay
+/// with it: it also writes a tensor that stays resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InplaceWrite {
     pub unit: UnitKey,
+    /// The writer.
     pub node: NodeId,
+    /// The kept output it writes.
     pub value: ValueId,
+}
+
+/// A kept op demoted to recompute because forward writes its output in place later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Demotion {
+    pub unit: UnitKey,
+    pub node: NodeId,
+    /// The first op that writes its output.
+    pub writer: NodeId,
 }
 
 /// Raw facts from the sessions, aggregated into diagnostics later.
@@ -112,6 +124,7 @@ pub struct Findings {
     pub unbalanced: BTreeMap<UnitKey, BTreeSet<MarkerFault>>,
     pub crossings: BTreeSet<Crossing>,
     pub inplace_kept: Vec<InplaceWrite>,
+    pub demoted: Vec<Demotion>,
     /// Checkpointed layers whose forward ops all run in one compiled region.
     pub layers_compiled_whole: BTreeMap<ModelId, BTreeMap<u32, String>>,
     /// Forward nodes whose replay can differ from forward (a `topk` with ties, routing counts),
@@ -145,7 +158,6 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
             .map(|m| MarkerIndex::of(&m.units))
             .collect(),
     );
-    let mut kept_alias: IdVec<ValueId, bool> = IdVec::filled(graph.values().len(), false);
     let rules = Rules {
         config,
         chosen: &resolved.chosen_ops,
@@ -161,7 +173,6 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
                 None => {
                     let open = session.enclosure(id, node);
                     let policy = rules.decide(id, node, open);
-                    rules.track_kept_writes(id, node, policy, open, &mut kept_alias, &mut session);
                     session.record(node, policy);
                     policy
                 }
@@ -169,8 +180,99 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
         }
         session.finish();
     }
+    settle_written_outputs(graph, &mut nodes, &mut findings);
     find_layers_compiled_whole(graph, resolved, &sessions, &mut findings);
     Policy { nodes, findings }
+}
+
+/// Kept ops whose output forward writes in place later (an in-place normalisation of router
+/// weights, a fresh buffer filled slice by slice): a saved copy would hold the written value,
+/// and an executor that re-runs the writers (eager recompute) would apply them twice. Such an
+/// op is demoted to recompute and replays with its writers, when they can replay: each
+/// tensor they write is made in their layer by a recomputed op. Otherwise the writer would
+/// corrupt a resident tensor too, and the keep is rejected.
+fn settle_written_outputs(
+    graph: &Graph,
+    nodes: &mut IdVec<NodeId, Option<NodePolicy>>,
+    findings: &mut Findings,
+) {
+    let written: Vec<(NodeId, Vec<(NodeId, ValueId)>)> = nodes
+        .iter()
+        .filter(|(_, p)| p.is_some_and(|p| p.decision == Decision::Save))
+        .filter_map(|(id, _)| {
+            let writes = later_writes(graph, id);
+            (!writes.is_empty()).then_some((id, writes))
+        })
+        .collect();
+    let candidates: BTreeSet<NodeId> = written.iter().map(|(id, _)| *id).collect();
+    for (id, writes) in written {
+        let Some(policy) = nodes[id] else { continue };
+        let unit = policy.unit.map(|unit| UnitKey {
+            model: graph.node(id).model,
+            unit,
+        });
+        let blocking = writes
+            .iter()
+            .find(|&&(w, _)| !writer_replays(graph, nodes, &candidates, w));
+        match (blocking, unit) {
+            (None, _) => {
+                nodes[id] = Some(recompute(Reason::WrittenInPlace, policy.unit));
+                if let Some(unit) = unit {
+                    findings.demoted.push(Demotion {
+                        unit,
+                        node: id,
+                        writer: writes[0].0,
+                    });
+                }
+            }
+            (Some(&(writer, value)), Some(unit)) => findings.inplace_kept.push(InplaceWrite {
+                unit,
+                node: writer,
+                value,
+            }),
+            // Kept on its own (a saved collective, a chosen op): recompute it instead.
+            (Some(_), None) => nodes[id] = Some(recompute(Reason::WrittenInPlace, None)),
+        }
+    }
+}
+
+/// The forward ops of `kept`'s layer that write its outputs in place after it, with the
+/// output each writes.
+fn later_writes(graph: &Graph, kept: NodeId) -> Vec<(NodeId, ValueId)> {
+    let k = graph.node(kept);
+    let mut writes = Vec::new();
+    for &v in &k.outputs {
+        for &w in graph.storage_writers(v) {
+            let n = graph.node(w);
+            if w > kept && n.phase == Phase::Forward && (n.model, n.layer) == (k.model, k.layer) {
+                writes.push((w, v));
+            }
+        }
+    }
+    writes.sort_unstable();
+    writes.dedup_by_key(|(w, _)| *w);
+    writes
+}
+
+/// Whether `writer` can replay with the kept ops it writes: every tensor it writes is made in
+/// its layer by a recomputed op (or by one of the kept ops being demoted).
+fn writer_replays(
+    graph: &Graph,
+    nodes: &IdVec<NodeId, Option<NodePolicy>>,
+    demoted: &BTreeSet<NodeId>,
+    writer: NodeId,
+) -> bool {
+    let w = graph.node(writer);
+    w.effects.mutates.iter().all(|&p| {
+        let root = graph.storage_root(w.inputs[p]);
+        graph.producer(root).is_some_and(|producer| {
+            let made = graph.node(producer);
+            let recomputed = nodes[producer].is_some_and(|p| p.decision == Decision::Recompute);
+            (made.model, made.layer) == (w.model, w.layer)
+                && made.phase == Phase::Forward
+                && (recomputed || demoted.contains(&producer))
+        })
+    })
 }
 
 /// The forward nodes of each checkpointed site, in execution order; every other forward node
@@ -283,39 +385,6 @@ impl Rules<'_> {
             && node.compiled_region.is_none()
             && node.effects.view_of.is_none()
             && !node.effects.is_mutable()
-    }
-
-    /// Follows which tensors alias kept outputs, and records in-place writes to them inside a
-    /// kept interval.
-    fn track_kept_writes(
-        &self,
-        id: NodeId,
-        node: &Node,
-        policy: NodePolicy,
-        unit: Option<UnitId>,
-        kept_alias: &mut IdVec<ValueId, bool>,
-        session: &mut Session,
-    ) {
-        if policy.decision == Decision::Save {
-            for &v in &node.outputs {
-                kept_alias[v] = true;
-            }
-        } else if policy.reason == Reason::View {
-            // A view of a kept tensor aliases it: writing through it corrupts the cache too.
-            let base = node.effects.view_of.map(|p| node.inputs[p]);
-            if base.is_some_and(|b| kept_alias[b]) {
-                for &v in &node.outputs {
-                    kept_alias[v] = true;
-                }
-            }
-        } else if policy.reason == Reason::Mutable {
-            for &p in &node.effects.mutates {
-                let written = node.inputs[p];
-                if let Some(unit) = unit.filter(|_| kept_alias[written]) {
-                    session.inplace_write(unit, id, written);
-                }
-            }
-        }
     }
 }
 
