@@ -601,7 +601,8 @@ fn figures_by_layer(plan: &Plan) -> rustc_hash::FxHashMap<LayerRef, Figures> {
         let (Some(model), Some(layer)) = (s.model, s.layer) else {
             continue;
         };
-        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) {
+        // An alias adds no storage of its own.
+        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) && s.alias_of.is_none() {
             let f = figures.entry(LayerRef { model, layer }).or_default();
             f.saved_bytes = f.saved_bytes.saturating_add(s.bytes);
         }

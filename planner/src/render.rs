@@ -136,9 +136,16 @@ fn histogram(counts: Vec<(&str, usize)>) -> String {
         .join(", ")
 }
 
+/// The saved set by kind; views and in-place results of other tensors hold no storage of
+/// their own and are counted apart.
 fn text_saved(w: &mut String, saved: &[SavedValue], activation_bytes: u64) {
     let mut by_kind: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
+    let mut aliases = 0;
     for s in saved {
+        if s.alias_of.is_some() {
+            aliases += 1;
+            continue;
+        }
         let entry = by_kind.entry(s.kind.name()).or_default();
         entry.0 += 1;
         entry.1 = entry.1.saturating_add(s.bytes);
@@ -151,6 +158,13 @@ fn text_saved(w: &mut String, saved: &[SavedValue], activation_bytes: u64) {
     );
     for (kind, (n, bytes)) in by_kind {
         let _ = writeln!(w, "  {kind:<17} {n:>5} values  {}", format_bytes(bytes));
+    }
+    if aliases > 0 {
+        let _ = writeln!(
+            w,
+            "  {:<17} {aliases:>5} values  (views of the above or of inputs: no storage)",
+            "aliases"
+        );
     }
 }
 

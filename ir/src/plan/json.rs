@@ -145,6 +145,7 @@ impl Named for SavedValue {
             layer: Option<u32>,
             kind: &'static str,
             model: Option<&'a str>,
+            alias_of: Option<&'a str>,
         }
         SavedJson {
             value: names.value(self.value),
@@ -152,6 +153,7 @@ impl Named for SavedValue {
             layer: self.layer,
             kind: self.kind.name(),
             model: self.model.map(|m| names.model(m)),
+            alias_of: self.alias_of.map(|v| names.value(v)),
         }
         .serialize(s)
     }

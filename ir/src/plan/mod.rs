@@ -132,6 +132,9 @@ pub struct NodeDecision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SavedValue {
     pub value: ValueId,
+    /// The value whose storage this one shares (it is a view of it, or the result of an
+    /// in-place write to it); its bytes are that storage's, counted once.
+    pub alias_of: Option<ValueId>,
     pub bytes: u64,
     /// The producer's model and layer; `None` for graph inputs.
     pub model: Option<ModelId>,

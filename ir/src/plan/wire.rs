@@ -51,6 +51,7 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
                 layer: s.layer,
                 kind: s.kind.name().to_owned(),
                 model: s.model.map(|m| names.model(m).to_owned()),
+                alias_of: s.alias_of.map(|v| names.value(v).to_owned()),
             })
             .collect(),
         replay: plan
@@ -286,6 +287,7 @@ fn node_from_wire(
 fn saved_from_wire(s: pb::SavedValue, names: &mut NameTable) -> Result<SavedValue, PlanReadError> {
     Ok(SavedValue {
         value: names.value(&s.value),
+        alias_of: s.alias_of.map(|v| names.value(&v)),
         bytes: s.bytes,
         model: s.model.map(|m| names.model(&m)),
         layer: s.layer,
