@@ -74,10 +74,27 @@ pub enum BudgetError {
 }
 
 /// One checkpointed layer's figures under one option.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Figures {
     saved_bytes: u64,
     replay_s: f64,
+    /// False when planning the option is rejected (an error diagnostic): never chosen.
+    allowed: bool,
+}
+
+impl Default for Figures {
+    fn default() -> Self {
+        Figures {
+            saved_bytes: 0,
+            replay_s: 0.0,
+            allowed: true,
+        }
+    }
+}
+
+/// A candidate answer for `budget`: its peak fits and `plan` accepts it (no error).
+fn fits(plan: &Plan, budget: u64) -> bool {
+    plan.memory.peak_bytes.unwrap_or(0) <= budget && !plan.has_errors()
 }
 
 /// A layer to decide and the option table of its class.
@@ -150,6 +167,7 @@ impl<'g> Search<'g> {
                 let table = &self.options[s.class];
                 table
                     .iter()
+                    .filter(|f| f.allowed)
                     .map(|f| f.saved_bytes.saturating_sub(table[0].saved_bytes))
                     .max()
                     .unwrap_or(0)
@@ -202,7 +220,7 @@ impl<'g> Search<'g> {
         let mut best: Option<Plan> = None;
         for plan in self.every_combination() {
             let plan = plan?;
-            if plan.memory.peak_bytes.unwrap_or(0) <= budget && is_better(&plan, best.as_ref()) {
+            if fits(&plan, budget) && is_better(&plan, best.as_ref()) {
                 best = Some(plan);
             }
         }
@@ -342,7 +360,7 @@ impl<'g> Search<'g> {
                 let table = &self.options[slot.class];
                 let now = table[choice[i]].replay_s;
                 for (o, f) in table.iter().enumerate() {
-                    if f.replay_s < now {
+                    if f.allowed && f.replay_s < now {
                         moves.push((now - f.replay_s, i, o));
                     }
                 }
@@ -367,9 +385,7 @@ impl<'g> Search<'g> {
                 let plans: Vec<_> = batch.par_iter().map(|c| self.plan_of(c)).collect();
                 for (k, (candidate, next)) in batch.iter().zip(plans).enumerate() {
                     let next = next?;
-                    if next.memory.peak_bytes.unwrap_or(0) <= budget
-                        && is_better(&next, Some(&plan))
-                    {
+                    if fits(&next, budget) && is_better(&next, Some(&plan)) {
                         tries += k + 1;
                         (choice, plan) = (candidate.clone(), next);
                         continue 'improve;
@@ -432,7 +448,7 @@ impl Search<'_> {
                     .with_chosen_ops(chosen),
             )
         };
-        let fits = |p: &Plan| p.memory.peak_bytes.unwrap_or(0) <= budget;
+        let fits = |p: &Plan| fits(p, budget);
         let (mut lo, mut hi) = (0usize, ranked.len());
         let mut best = units;
         while lo < hi {
@@ -476,7 +492,7 @@ struct Best {
 impl Best {
     /// Takes `plan` if it fits and is better; says whether it fits.
     fn offer(&mut self, choice: Vec<usize>, plan: Plan) -> bool {
-        let fits = plan.memory.peak_bytes.unwrap_or(0) <= self.budget;
+        let fits = fits(&plan, self.budget);
         if fits && is_better(&plan, Some(&self.plan)) {
             (self.choice, self.plan) = (choice, plan);
         }
@@ -585,9 +601,12 @@ fn evaluate_options(
             })
             .collect();
         for plan in plans {
-            let figures = figures_by_layer(&plan?);
+            let plan = plan?;
+            let allowed = !plan.has_errors();
+            let figures = figures_by_layer(&plan);
             for (&class, at) in &representatives {
-                options[class].push(figures.get(at).copied().unwrap_or_default());
+                let f = figures.get(at).copied().unwrap_or_default();
+                options[class].push(Figures { allowed, ..f });
             }
         }
     }
@@ -632,7 +651,7 @@ fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usiz
         let mut pick = vec![0u8; capacity + 1];
         for c in 0..=capacity {
             for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
-                if k <= c && best[c - k] + f.replay_s < next[c] {
+                if f.allowed && k <= c && best[c - k] + f.replay_s < next[c] {
                     next[c] = best[c - k] + f.replay_s;
                     pick[c] = o as u8;
                 }

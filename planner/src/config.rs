@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Keep, LayerRef},
+    plan::{Collectives, Keep, LayerRef, RandomOps},
     Graph, IdVec, Model, ModelId, NodeId, UnitId,
 };
 use thiserror::Error;
@@ -37,6 +37,7 @@ pub struct PlanConfig {
     /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed (R3).
     pub recompute_ratio: f64,
     pub collectives: Collectives,
+    pub random_ops: RandomOps,
 }
 
 impl Default for PlanConfig {
@@ -45,6 +46,7 @@ impl Default for PlanConfig {
             keep: Keep::Nothing,
             recompute_ratio: 1.0,
             collectives: Collectives::Recompute,
+            random_ops: RandomOps::Save,
         }
     }
 }

@@ -12,14 +12,16 @@ use ir::{
 use crate::{
     config::{PlanConfig, Resolved},
     partition::Partition,
-    policy::{Demotion, Enclosed, Findings, InplaceWrite, Unbalance, UnitKey},
+    policy::{Demotion, Enclosed, Findings, InplaceWrite, Policy, Unbalance, UnitKey},
 };
 
 /// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
 fn level_of(code: Code) -> Level {
     match code {
         Code::InplaceInKeptInterval => Level::Error,
-        Code::KeptOutputWrittenInPlace => Level::Info,
+        Code::KeptOutputWrittenInPlace | Code::RandomOpSaved | Code::RandomOpReplayed => {
+            Level::Info
+        }
         _ => Level::Warning,
     }
 }
@@ -62,10 +64,12 @@ pub fn diagnose(
     graph: &Graph,
     config: &PlanConfig,
     resolved: &Resolved,
-    findings: &Findings,
+    policy: &Policy,
     partition: Option<&Partition>,
 ) -> Vec<Diagnostic> {
+    let findings = &policy.findings;
     let mut out = Collector::default();
+    random_ops(graph, policy, &mut out);
     no_units_declared(graph, config, &mut out);
     marker_missing(graph, resolved, &mut out);
     interval_inert(graph, resolved, findings, &mut out);
@@ -464,5 +468,48 @@ fn nondeterministic_hint(
             unit_name(graph, model, u)
         ),
         (None, _) => "enclose the op in a unit's marker interval and keep that unit".to_owned(),
+    }
+}
+
+/// Random ops in checkpointed layers, by model and by what happens to them: saved, or replayed
+/// with the generator state forward saw (which every executor must restore).
+fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
+    let mut grouped: BTreeMap<(ModelId, Reason), Replayed> = BTreeMap::new();
+    for (id, p) in policy.nodes.iter() {
+        let Some(p) = p.filter(|p| matches!(p.reason, Reason::Random | Reason::RandomReplayed))
+        else {
+            continue;
+        };
+        let node = graph.node(id);
+        let entry = grouped.entry((node.model, p.reason)).or_default();
+        entry.ops.insert(node.op.as_str());
+        entry.layers.extend(node.layer);
+    }
+    for ((model, reason), found) in grouped {
+        let ops: Vec<String> = found.ops.iter().map(|o| format!("`{o}`")).collect();
+        let (code, what, hint) = if reason == Reason::Random {
+            (
+                Code::RandomOpSaved,
+                "are saved, so replay never draws other random numbers",
+                "`--random-ops replay` replays them instead, with the generator state forward saw restored (less memory; the executor must restore the state)",
+            )
+        } else {
+            (
+                Code::RandomOpReplayed,
+                "replay with the generator state forward saw: the executor must restore it (the runtime does; eager checkpoint does with preserve_rng_state=True; torch.compile needs functionalize_rng_ops)",
+                "`--random-ops save` saves their outputs instead, which every executor honours",
+            )
+        };
+        out.add(
+            code,
+            (model, None),
+            format!(
+                "random ops {} in {} of model `{}` {what}",
+                ops.join(", "),
+                layers_phrase(found.layers.iter().copied()),
+                graph.model(model).name
+            ),
+            hint.to_owned(),
+        );
     }
 }

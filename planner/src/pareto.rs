@@ -28,13 +28,14 @@ pub struct Point {
 }
 
 impl Point {
-    fn of(plan: &Plan) -> Point {
-        Point {
+    /// The point of a candidate plan; none when `plan` rejects it (an error diagnostic).
+    fn of(plan: &Plan) -> Option<Point> {
+        (!plan.has_errors()).then(|| Point {
             peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
             replay_time_s: plan.cost.replay_time_s,
             saved_bytes: plan.memory.saved_bytes,
             layer_keep: plan.config.layer_keep.clone(),
-        }
+        })
     }
 
     /// At least as good on both axes and better on one.
@@ -52,12 +53,12 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
     let mut points: Vec<Point> = Vec::new();
     if search.combinations() <= EXHAUSTIVE_LIMIT {
         for plan in search.every_combination() {
-            points.push(Point::of(&plan?));
+            points.extend(Point::of(&plan?));
         }
     } else {
         let max = search.max_headroom();
         let steps = steps.max(1);
-        let swept: Vec<Result<Point, BudgetError>> = (0..=steps)
+        let swept: Vec<Result<Option<Point>, BudgetError>> = (0..=steps)
             .into_par_iter()
             .map(|k| {
                 let headroom = u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps))
@@ -66,7 +67,7 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
             })
             .collect();
         for point in swept {
-            let point = point?;
+            let Some(point) = point? else { continue };
             if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
                 points.push(point);
             }
@@ -74,7 +75,7 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
         // The knapsack's tables come from one layer per class and can miss what a plain
         // `--keep` achieves: those points join the candidates.
         for plan in search.uniform_plans() {
-            points.push(Point::of(&plan?));
+            points.extend(Point::of(&plan?));
         }
     }
     let mut front: Vec<Point> = points

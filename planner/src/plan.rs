@@ -122,7 +122,7 @@ fn finish(
         graph,
         config,
         resolved,
-        &policy.findings,
+        &policy,
         joint.as_ref().map(|j| &j.partition),
     );
     let work = ForwardWork::of(graph, hw);
@@ -137,6 +137,7 @@ fn finish(
             keep: config.keep.clone(),
             recompute_ratio: config.recompute_ratio,
             collectives: config.collectives,
+            random_ops: config.random_ops,
             budget_bytes: None,
             layer_keep: layer_keep(resolved),
         },

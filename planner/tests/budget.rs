@@ -292,3 +292,74 @@ fn m3_on_large_searches_no_uniform_keep_lies_outside_the_pareto_frontier() {
         }
     }
 }
+
+/// `layers` layers where keeping SAVE_ATTN is rejected (an in-place op writes its kept output
+/// and a running statistic, which no replay may write twice); keeping SAVE_MLP is fine and
+/// saves replay time.
+fn one_unit_rejected(layers: u32) -> Graph {
+    let mut b = Builder::new(layers, &UNITS);
+    let x = b.input("x");
+    let stats = b.input("running_stats");
+    let mut h = x;
+    let mut reads = Vec::new();
+    for l in 0..layers {
+        b.layer(Some(l));
+        let m = b.marker("attn.begin", &h);
+        let kept = b.node("aten.mm.default", &[&m, &m]).1;
+        let written = b
+            .node_with(
+                "mystery.normalise_.default",
+                &[&kept, &stats],
+                Some(ir::wire::graph::SchemaFacts {
+                    mutates: vec![0, 1],
+                    ..Default::default()
+                }),
+            )
+            .1;
+        // Worth keeping on its own: backward reads it.
+        let useful = b.node("aten.mm.default", &[&written, &written]).1;
+        let e = b.marker("attn.end", &useful);
+        let m = b.marker("mlp.begin", &e);
+        let a = b.node("aten.mm.default", &[&m, &m]).1;
+        let e = b.marker("mlp.end", &a);
+        h = b.op(&e);
+        reads.extend([kept, useful, a, h.clone()]);
+    }
+    b.layer(None);
+    reads.reverse();
+    b.backward_through("t", &reads);
+    b.build()
+}
+
+#[test]
+fn m3_searches_never_propose_a_configuration_plan_rejects() {
+    // Two layers are searched exhaustively, six by the knapsack and local search.
+    for layers in [2, 6] {
+        searches_skip_rejected_configurations(&one_unit_rejected(layers));
+    }
+}
+
+fn searches_skip_rejected_configurations(graph: &Graph) {
+    let hw = HwProfile::default();
+    let keep_attn = PlanConfig {
+        keep: config::parse_keep(&["save_attn".to_owned()]).unwrap(),
+        ..PlanConfig::default()
+    };
+    assert!(planner::plan::plan(graph, &keep_attn, &hw)
+        .unwrap()
+        .has_errors());
+    let search = Search::new(graph, &PlanConfig::default(), &hw).unwrap();
+    let front = pareto::frontier(&search, 16).unwrap();
+    let attn = ir::UnitId::from_index(0);
+    assert!(front.len() >= 2, "keeping SAVE_MLP is a trade-off");
+    for p in &front {
+        assert!(
+            p.layer_keep.iter().all(|l| !l.units.contains(&attn)),
+            "{:?}",
+            p.layer_keep
+        );
+    }
+    let plan = search.within(u64::MAX / 2).unwrap();
+    assert!(!plan.has_errors());
+    assert!(plan.cost.replay_time_s < search.nothing.cost.replay_time_s);
+}

@@ -659,3 +659,40 @@ fn forward_only_graphs_get_decisions_but_no_partition() {
     assert!(p.saved.is_empty() && p.replay.is_empty());
     assert!(text.contains("needs a joint forward+backward graph"));
 }
+
+#[test]
+fn r12_random_ops_are_saved_by_default_or_replay_with_their_state_and_the_plan_says_which() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1
+    let dropped = b.node("aten.native_dropout.default", &[&a]).1; // n2: outside any interval
+    let c = b.op(&dropped); // n3
+    b.layer(None);
+    backward(&mut b, &[&dropped, &c]);
+    let saved = run(&b, &config(&[]));
+    assert_eq!(decision(&saved, "n2"), ("save", "random", None));
+    assert_eq!(saved.config.as_ref().unwrap().random_ops, "save");
+    assert_eq!(codes(&saved), vec![("random-op-saved", None)]);
+    assert!(saved
+        .replay
+        .iter()
+        .all(|r| !r.nodes.contains(&"n2".to_owned())));
+
+    let replay = run(
+        &b,
+        &PlanConfig {
+            random_ops: ir::plan::RandomOps::Replay,
+            ..config(&[])
+        },
+    );
+    assert_eq!(
+        decision(&replay, "n2"),
+        ("recompute", "random-replayed", None)
+    );
+    assert_eq!(replay.config.as_ref().unwrap().random_ops, "replay");
+    assert_eq!(codes(&replay), vec![("random-op-replayed", None)]);
+    let d = &replay.diagnostics[0];
+    assert_eq!(d.level, "info");
+    assert!(d.message.contains("must restore it"), "{}", d.message);
+}

@@ -84,6 +84,12 @@ spelled! {
         View => "view",
         /// Kept on its own by the budget solver (`--granularity op`).
         ChosenOp => "chosen-op",
+        /// A random op (dropout) saved by `--random-ops save`, so replay never draws new random
+        /// numbers.
+        Random => "random",
+        /// A random op that replays with the generator state forward saw (`--random-ops
+        /// replay`).
+        RandomReplayed => "random-replayed",
         /// Its interval keeps it, but forward writes its output in place later: a saved copy
         /// would be written twice by an executor that re-runs the writers, so it is recomputed
         /// and replays with them.
@@ -155,6 +161,8 @@ spelled! {
         LayerCompiledAsOneRegion => "layer-compiled-as-one-region",
         NondeterministicReplay => "nondeterministic-replay",
         KeptOutputWrittenInPlace => "kept-output-written-in-place",
+        RandomOpSaved => "random-op-saved",
+        RandomOpReplayed => "random-op-replayed",
     }
 }
 
@@ -164,6 +172,22 @@ spelled! {
         Forward => "forward",
         Replay => "replay",
         Backward => "backward",
+    }
+}
+
+spelled! {
+    /// `--random-ops`: what happens to a random op (dropout) in a checkpointed layer, so that
+    /// replay never draws other random numbers than forward did.
+    #[derive(Default)]
+    pub enum RandomOps {
+        /// Its outputs are saved (what PyTorch's partitioner does by default): every executor
+        /// honours it without restoring generator state.
+        #[default]
+        Save => "save",
+        /// It replays with the generator state it saw in forward restored: the executor must
+        /// restore it (the runtime does; eager checkpoint with `preserve_rng_state=True` does;
+        /// torch.compile needs `functionalize_rng_ops`).
+        Replay => "replay",
     }
 }
 
@@ -203,5 +227,6 @@ mod tests {
         check(Code::ALL, Code::name, Code::from_name);
         check(Stage::ALL, Stage::name, Stage::from_name);
         check(Collectives::ALL, Collectives::name, Collectives::from_name);
+        check(RandomOps::ALL, RandomOps::name, RandomOps::from_name);
     }
 }

@@ -261,6 +261,7 @@ impl Serialize for ConfigJson<'_> {
             keep: Vec<String>,
             recompute_ratio: f64,
             collectives: &'static str,
+            random_ops: &'static str,
             budget_bytes: Option<u64>,
             layer_keep: LayerKeepList<'a>,
         }
@@ -269,6 +270,7 @@ impl Serialize for ConfigJson<'_> {
             keep: c.keep.names(),
             recompute_ratio: c.recompute_ratio,
             collectives: c.collectives.name(),
+            random_ops: c.random_ops.name(),
             budget_bytes: c.budget_bytes,
             layer_keep: LayerKeepList(&c.layer_keep, self.names),
         }

@@ -15,7 +15,7 @@ pub mod wire;
 
 use std::path::Path;
 
-pub use enums::{Code, Collectives, Decision, Level, Reason, SavedKind, Stage};
+pub use enums::{Code, Collectives, Decision, Level, RandomOps, Reason, SavedKind, Stage};
 pub use names::{NameTable, PlanNames};
 use thiserror::Error;
 
@@ -94,6 +94,7 @@ pub struct Config {
     /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed.
     pub recompute_ratio: f64,
     pub collectives: Collectives,
+    pub random_ops: RandomOps,
     /// `--budget` in bytes, when the units were chosen per layer to fit it.
     pub budget_bytes: Option<u64>,
     /// Per-layer unit choices that replace `keep` in their layers (the budget solver's, or

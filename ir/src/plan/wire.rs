@@ -5,8 +5,8 @@ use prost::Message;
 
 use super::{
     Code, Collectives, Config, Cost, Decision, Diagnostic, GraphRef, Keep, LayerKeep, LayerRef,
-    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, Reason, Replay,
-    SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
+    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, RandomOps,
+    Reason, Replay, SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -134,6 +134,7 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
         keep: config.keep.names(),
         recompute_ratio: config.recompute_ratio,
         collectives: config.collectives.name().to_owned(),
+        random_ops: config.random_ops.name().to_owned(),
         budget_bytes: config.budget_bytes,
         layer_keep: layer_keep_to_wire(&config.layer_keep, names),
     }
@@ -258,6 +259,12 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
             &c.collectives,
             Collectives::from_name,
             Collectives::spellings,
+        )?,
+        random_ops: spelled(
+            "random ops",
+            &c.random_ops,
+            RandomOps::from_name,
+            RandomOps::spellings,
         )?,
         budget_bytes: c.budget_bytes,
         layer_keep: layer_keep_from_wire(c.layer_keep, names),

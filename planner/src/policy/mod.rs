@@ -16,7 +16,7 @@ mod markers;
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Decision, LayerRef, Reason},
+    plan::{Collectives, Decision, LayerRef, RandomOps, Reason},
     Graph, IdVec, ModelId, Node, NodeId, Phase, UnitId, ValueId,
 };
 
@@ -216,7 +216,12 @@ fn settle_written_outputs(
             .find(|&&(w, _)| !writer_replays(graph, nodes, &candidates, w));
         match (blocking, unit) {
             (None, _) => {
-                nodes[id] = Some(recompute(Reason::WrittenInPlace, policy.unit));
+                // A random op that can no longer be saved replays with its generator state.
+                let reason = match policy.reason {
+                    Reason::Random => Reason::RandomReplayed,
+                    _ => Reason::WrittenInPlace,
+                };
+                nodes[id] = Some(recompute(reason, policy.unit));
                 if let Some(unit) = unit {
                     findings.demoted.push(Demotion {
                         unit,
@@ -332,6 +337,9 @@ impl Rules<'_> {
     /// The decision for a non-marker op in a checkpointed layer, `unit` being the innermost
     /// open kept unit.
     fn decide(&self, id: NodeId, node: &Node, unit: Option<UnitId>) -> NodePolicy {
+        if let Some(policy) = self.random(node, unit) {
+            return policy;
+        }
         let chosen = self.chosen.contains(&id);
         if unit.is_none() && !chosen && !self.saves_as_collective(node) {
             // A compiled op is out of the policy's reach, interval or not.
@@ -373,6 +381,23 @@ impl Rules<'_> {
                 unit,
             }
         }
+    }
+
+    /// A random op never replays with other random numbers than forward drew: saved, or
+    /// replayed with the forward generator state, as `--random-ops` says. A compiled one is out
+    /// of the per-op policy's reach and replays (its region restores the state, or not).
+    fn random(&self, node: &Node, unit: Option<UnitId>) -> Option<NodePolicy> {
+        if !node.effects.random || node.effects.is_mutable() {
+            return None;
+        }
+        if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay {
+            return Some(recompute(Reason::RandomReplayed, unit));
+        }
+        Some(NodePolicy {
+            decision: Decision::Save,
+            reason: Reason::Random,
+            unit,
+        })
     }
 
     /// With `--collectives save`, eager functional collectives and device-to-host syncs are
