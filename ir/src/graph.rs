@@ -229,6 +229,21 @@ impl Node {
         }
     }
 
+    /// Whether running the node draws random numbers: its schema or the op knowledge base says
+    /// it is random, unless it is a dropout switched off (probability 0, as attention kernels
+    /// are called with `dropout_p=0.0` outside training, or `train=False`).
+    pub fn draws_random(&self) -> bool {
+        self.effects.random && !self.is_dropout_off()
+    }
+
+    fn is_dropout_off(&self) -> bool {
+        let zero =
+            |name: &str| matches!(self.attribute(name), Some(AttrValue::Float(p)) if *p == 0.0);
+        zero("dropout_p")
+            || (self.op.contains("dropout") && zero("p"))
+            || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
+    }
+
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()

@@ -46,6 +46,7 @@ use crate::{
     cost::HwProfile,
     partition,
     plan::{self, Baselines, PlanError},
+    progress::{Progress, Silent},
 };
 
 /// Quantisation of the headroom for the knapsack.
@@ -115,6 +116,7 @@ pub struct Search<'g> {
     pub nothing: Plan,
     slots: Vec<Slot>,
     options: Vec<Vec<Figures>>,
+    progress: &'g dyn Progress,
 }
 
 impl<'g> Search<'g> {
@@ -123,6 +125,16 @@ impl<'g> Search<'g> {
         graph: &'g Graph,
         config: &PlanConfig,
         hw: &'g HwProfile,
+    ) -> Result<Self, BudgetError> {
+        Search::with_progress(graph, config, hw, &Silent)
+    }
+
+    /// [`Search::new`], reporting each candidate plan to `progress`.
+    pub fn with_progress(
+        graph: &'g Graph,
+        config: &PlanConfig,
+        hw: &'g HwProfile,
+        progress: &'g dyn Progress,
     ) -> Result<Self, BudgetError> {
         let base = PlanConfig {
             keep: Keep::Nothing,
@@ -135,7 +147,15 @@ impl<'g> Search<'g> {
         let baselines = Baselines::of(graph)?;
         let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
-        let plan = |resolved| plan::plan_against(graph, &base, resolved, hw, &baselines);
+        let tables: u64 = distinct_models(&slots)
+            .iter()
+            .map(|&m| 1u64 << graph.model(m).units.len().min(MAX_UNITS + 1))
+            .sum();
+        progress.stage("option tables", Some(tables));
+        let plan = |resolved| {
+            progress.advance();
+            plan::plan_against(graph, &base, resolved, hw, &baselines)
+        };
         let options = evaluate_options(graph, plan, &resolved, &slots, classes)?;
         Ok(Search {
             graph,
@@ -146,7 +166,13 @@ impl<'g> Search<'g> {
             nothing,
             slots,
             options,
+            progress,
         })
+    }
+
+    /// Reports the start of a search stage.
+    pub fn stage(&self, what: &str, total: Option<u64>) {
+        self.progress.stage(what, total);
     }
 
     /// Distinct layer classes (identical layers share one).
@@ -192,6 +218,7 @@ impl<'g> Search<'g> {
     }
 
     fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
+        self.progress.advance();
         let plan = plan::plan_against(self.graph, &self.base, resolved, self.hw, &self.baselines);
         Ok(plan?)
     }
@@ -201,8 +228,10 @@ impl<'g> Search<'g> {
     /// [`Search::heuristic_within`].
     pub fn within(&self, budget: u64) -> Result<Plan, BudgetError> {
         if self.combinations() <= EXHAUSTIVE_LIMIT {
+            self.stage("every combination", Some(self.combinations()));
             self.exhaustive_within(budget)
         } else {
+            self.stage("knapsack and local search", None);
             self.heuristic_within(budget)
         }
     }
@@ -563,6 +592,13 @@ fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
     (slots, classes.len())
 }
 
+/// The models that own the slots, each once, in slot order.
+fn distinct_models(slots: &[Slot]) -> Vec<ModelId> {
+    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
+    models.dedup();
+    models
+}
+
 /// `options[class][o]`: the figures of the class's representative layer under subset `o`.
 /// The option tables: `plan` plans the graph under per-layer choices.
 fn evaluate_options(
@@ -573,9 +609,7 @@ fn evaluate_options(
     classes: usize,
 ) -> Result<Vec<Vec<Figures>>, BudgetError> {
     let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
-    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
-    models.dedup();
-    for model in models {
+    for model in distinct_models(slots) {
         let units = graph.model(model).units.len();
         if units > MAX_UNITS {
             return Err(BudgetError::TooManyUnits {

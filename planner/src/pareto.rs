@@ -52,12 +52,14 @@ impl Point {
 pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
     let mut points: Vec<Point> = Vec::new();
     if search.combinations() <= EXHAUSTIVE_LIMIT {
+        search.stage("every combination", Some(search.combinations()));
         for plan in search.every_combination() {
             points.extend(Point::of(&plan?));
         }
     } else {
         let max = search.max_headroom();
         let steps = steps.max(1);
+        search.stage("frontier candidates", None);
         let swept: Vec<Result<Option<Point>, BudgetError>> = (0..=steps)
             .into_par_iter()
             .map(|k| {

@@ -186,7 +186,7 @@ proptest! {
         }
         // A random op in a checkpointed layer is saved, or replays with its forward generator
         // state, and the plan says which: never a silent replay.
-        for doc in p.nodes.iter().filter(|n| graph.node(n.node).effects.random) {
+        for doc in p.nodes.iter().filter(|n| graph.node(n.node).draws_random()) {
             match doc.decision {
                 Decision::Save => {
                     prop_assert_eq!(doc.reason, Reason::Random);

@@ -387,7 +387,7 @@ impl Rules<'_> {
     /// replayed with the forward generator state, as `--random-ops` says. A compiled one is out
     /// of the per-op policy's reach and replays (its region restores the state, or not).
     fn random(&self, node: &Node, unit: Option<UnitId>) -> Option<NodePolicy> {
-        if !node.effects.random || node.effects.is_mutable() {
+        if !node.draws_random() || node.effects.is_mutable() {
             return None;
         }
         if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay {
