@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
     plan::{Code, Diagnostic, Keep, Level, Reason},
-    Graph, ModelId, UnitId,
+    EntityId, Graph, ModelId, Phase, UnitId,
 };
 
 use crate::{
@@ -69,6 +69,7 @@ pub fn diagnose(
 ) -> Vec<Diagnostic> {
     let findings = &policy.findings;
     let mut out = Collector::default();
+    no_layers_annotated(graph, &mut out);
     random_ops(graph, policy, &mut out);
     no_units_declared(graph, config, &mut out);
     marker_missing(graph, resolved, &mut out);
@@ -79,7 +80,7 @@ pub fn diagnose(
     demoted(graph, findings, &mut out);
     compiled_whole(graph, findings, &mut out);
     if let Some(partition) = partition {
-        nondeterministic_replay(graph, findings, partition, &mut out);
+        nondeterministic_replay(graph, (config, resolved), findings, partition, &mut out);
     }
     out.finish()
 }
@@ -415,6 +416,7 @@ struct Replayed<'g> {
 /// hint names the unit whose interval encloses the op, as the policy's marker walk saw it.
 fn nondeterministic_replay(
     graph: &Graph,
+    (config, resolved): (&PlanConfig, &Resolved),
     findings: &Findings,
     partition: &Partition,
     out: &mut Collector,
@@ -445,17 +447,43 @@ fn nondeterministic_replay(
                 layers_phrase(replayed.layers.iter().copied()),
                 graph.model(model).name
             ),
-            nondeterministic_hint(graph, model, unit, &replayed.regions),
+            nondeterministic_hint(graph, (config, resolved), model, unit, &replayed.regions),
         );
     }
 }
 
+/// Whether keeping `unit` of `model` everywhere would be rejected (an in-place write in its
+/// interval that cannot replay): a hint must not recommend it. Answered by the policy itself,
+/// run with the unit kept.
+fn keeping_is_rejected(
+    graph: &Graph,
+    (config, resolved): (&PlanConfig, &Resolved),
+    model: ModelId,
+    unit: UnitId,
+) -> bool {
+    let mut with_unit = resolved.clone();
+    with_unit.layer_units.clear();
+    if !with_unit.kept_units[model].contains(&unit) {
+        with_unit.kept_units[model].push(unit);
+    }
+    let what_if = crate::policy::apply(graph, config, &with_unit);
+    let key = UnitKey { model, unit };
+    what_if.findings.inplace_kept.iter().any(|w| w.unit == key)
+}
+
 fn nondeterministic_hint(
     graph: &Graph,
+    configs: (&PlanConfig, &Resolved),
     model: ModelId,
     unit: Option<UnitId>,
     regions: &BTreeSet<String>,
 ) -> String {
+    if let Some(u) = unit.filter(|&u| keeping_is_rejected(graph, configs, model, u)) {
+        return format!(
+            "unit {} encloses the op, but keeping it is rejected here (an in-place write in its interval cannot replay): make that write out-of-place, or enclose the op in an interval of its own",
+            unit_name(graph, model, u)
+        );
+    }
     match (unit, regions.is_empty()) {
         (Some(u), false) => format!(
             "unit {} encloses the op, but it runs in compiled region {}, where nothing is kept: compile less so that it runs in eager, then keep {}",
@@ -510,6 +538,31 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
                 graph.model(model).name
             ),
             hint.to_owned(),
+        );
+    }
+}
+
+/// A model that declares decoder layers but none of whose forward nodes carries a layer
+/// index: nothing of it can be checkpointed, which is almost always a forgotten annotation.
+fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
+    let mut annotated = vec![false; graph.models().len()];
+    for node in graph.nodes().values() {
+        if node.phase == Phase::Forward && node.layer.is_some() {
+            annotated[node.model.index()] = true;
+        }
+    }
+    for (id, model) in graph.models().iter() {
+        if model.num_layers == 0 || annotated[id.index()] {
+            continue;
+        }
+        out.add(
+            Code::NoLayersAnnotated,
+            (id, None),
+            format!(
+                "model `{}` declares {} layers, but none of its forward ops carries a layer index: nothing of it is checkpointed",
+                model.name, model.num_layers
+            ),
+            "when exporting, run each decoder layer inside `layer_scope(model, index)` (or call `recompute_planner.annotate(model, layers=...)`) so its ops carry their layer".to_owned(),
         );
     }
 }

@@ -696,3 +696,62 @@ fn r12_random_ops_are_saved_by_default_or_replay_with_their_state_and_the_plan_s
     assert_eq!(d.level, "info");
     assert!(d.message.contains("must restore it"), "{}", d.message);
 }
+
+#[test]
+fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
+    let mut b = Builder::new(2, &[ATTN]);
+    let x = b.input("x");
+    let a = b.op(&x); // layer annotations forgotten: every op is outside layers
+    let c = b.op(&a);
+    backward(&mut b, &[&a, &c]);
+    let p = run(&b, &config(&["all"]));
+    assert!(p.nodes.iter().all(|n| n.decision == "no-checkpoint"));
+    let d = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "no-layers-annotated")
+        .expect("warned");
+    assert_eq!(d.level, "warning");
+    assert!(d.message.contains("declares 2 layers"), "{}", d.message);
+    assert!(d.hint.contains("layer_scope"), "{}", d.hint);
+}
+
+#[test]
+fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
+    let plan_for = |corrupting: bool| {
+        let mut b = Builder::new(1, &[ATTN]);
+        let x = b.input("x");
+        let stats = b.input("running_stats");
+        b.layer(Some(0));
+        let m = b.marker("attn.begin", &x); // n1
+        let kept = b.op(&m); // n2
+        let mutates = if corrupting { vec![0, 1] } else { vec![0] };
+        let written = b
+            .node_with(
+                "mystery.normalise_.default",
+                &[&kept, &stats],
+                Some(ir::wire::graph::SchemaFacts {
+                    mutates,
+                    ..Default::default()
+                }),
+            )
+            .1; // n3
+        let top = b.node("aten.topk.default", &[&written]).1; // n4
+        let end = b.marker("attn.end", &top);
+        b.layer(None);
+        backward(&mut b, &[&top, &end]);
+        run(&b, &config(&[]))
+    };
+    let hint = |p: &Plan| {
+        let d = p
+            .diagnostics
+            .iter()
+            .find(|d| d.code == "nondeterministic-replay")
+            .expect("topk replays");
+        d.hint.clone()
+    };
+    assert!(hint(&plan_for(false)).starts_with("keep unit SAVE_ATTN"));
+    let rejected = hint(&plan_for(true));
+    assert!(!rejected.starts_with("keep unit"), "{rejected}");
+    assert!(rejected.contains("keeping it is rejected"), "{rejected}");
+}

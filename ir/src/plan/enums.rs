@@ -162,6 +162,7 @@ spelled! {
         NondeterministicReplay => "nondeterministic-replay",
         KeptOutputWrittenInPlace => "kept-output-written-in-place",
         RandomOpSaved => "random-op-saved",
+        NoLayersAnnotated => "no-layers-annotated",
         RandomOpReplayed => "random-op-replayed",
     }
 }
