@@ -278,6 +278,9 @@ fn plan_writes_every_format_and_the_same_bytes_twice() {
     let dot = planner(&[&"plan", &graph, &"--keep", &"all", &"--format", &"dot"]);
     let dot = stdout(&dot);
     assert!(dot.starts_with("digraph"));
+    assert!(dot.contains("label=\"main layer 1\""), "clustered by layer");
+    assert!(dot.contains("label=\"main backward\""), "backward apart");
+    assert!(dot.contains("subgraph cluster_legend"), "with a legend");
     assert!(dot.contains("#8fd18f"), "kept ops are coloured");
     assert!(dot.contains("penwidth=3"), "replayed ops are highlighted");
 }

@@ -141,6 +141,7 @@ fn m3_the_pareto_frontier_is_the_brute_force_frontier() {
         .all(|w| w[0].peak_bytes < w[1].peak_bytes && w[0].replay_time_s > w[1].replay_time_s));
     let svg = pareto::svg(&graph, &front);
     assert_eq!(svg.matches("<circle").count(), front.len());
+    assert_svg_labels_fit(&svg);
 }
 
 #[test]
@@ -362,4 +363,44 @@ fn searches_skip_rejected_configurations(graph: &Graph) {
     let plan = search.within(u64::MAX / 2).unwrap();
     assert!(!plan.has_errors());
     assert!(plan.cost.replay_time_s < search.nothing.cost.replay_time_s);
+}
+
+/// Every text label of the SVG lies inside its 720 × 440 image (width estimated at 0.6 em a
+/// character), and each axis has several tick labels.
+fn assert_svg_labels_fit(svg: &str) {
+    let attr = |tag: &str, name: &str| -> Option<String> {
+        let start = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+        Some(tag[start..].split('"').next()?.to_owned())
+    };
+    let (mut x_ticks, mut y_ticks) = (0, 0);
+    for piece in svg.split("<text").skip(1) {
+        let (tag, rest) = piece.split_once('>').unwrap();
+        let label = rest.split("</text>").next().unwrap();
+        if tag.contains("rotate") {
+            continue;
+        }
+        let size: f64 = attr(tag, "font-size").map_or(11.0, |s| s.parse().unwrap());
+        let x: f64 = attr(tag, "x").unwrap().parse().unwrap();
+        let y: f64 = attr(tag, "y").unwrap().parse().unwrap();
+        let width = label.chars().count() as f64 * size * 0.6;
+        let (left, right) = match attr(tag, "text-anchor").as_deref() {
+            Some("end") => (x - width, x),
+            Some("middle") => (x - width / 2.0, x + width / 2.0),
+            _ => (x, x + width),
+        };
+        assert!(
+            left >= 0.0 && right <= 720.0,
+            "`{label}` spans {left:.0}..{right:.0}"
+        );
+        assert!(y > size && y <= 440.0, "`{label}` at y {y}");
+        if label.ends_with('s') && attr(tag, "text-anchor").as_deref() == Some("end") {
+            y_ticks += 1;
+        } else if label.ends_with('B') {
+            x_ticks += 1;
+        }
+    }
+    assert!(
+        x_ticks >= 3 && y_ticks >= 3,
+        "{x_ticks} x ticks, {y_ticks} y ticks"
+    );
 }
