@@ -618,3 +618,28 @@ fn the_version_and_every_option_have_help() {
         }
     }
 }
+
+#[test]
+fn output_is_the_same_bytes_across_processes_and_thread_counts() {
+    let graph = golden_graph("glm_dsa_ep2");
+    let commands: [&[&dyn AsRef<std::ffi::OsStr>]; 3] = [
+        &[&"plan", &graph, &"--keep", &"all", &"--format", &"json"],
+        &[&"plan", &graph, &"--budget", &"80KiB", &"--format", &"pb"],
+        &[&"pareto", &graph, &"--format", &"json"],
+    ];
+    for args in commands {
+        let run = |threads: &str| {
+            let out = Command::new(env!("CARGO_BIN_EXE_planner"))
+                .args(args.iter().map(|a| a.as_ref()))
+                .env("RAYON_NUM_THREADS", threads)
+                .output()
+                .expect("the planner runs");
+            assert!(out.status.success(), "{}", stderr(&out));
+            out.stdout
+        };
+        let one = run("1");
+        assert!(!one.is_empty());
+        assert!(one == run("4"), "1 vs 4 threads differ");
+        assert!(one == run("3"), "1 vs 3 threads differ");
+    }
+}
