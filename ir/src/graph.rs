@@ -1,7 +1,7 @@
 //! The core graph model: what the rest of the project works on once a file has loaded.
 //!
 //! A [`Graph`] is immutable and valid by construction: it is only built by
-//! [`Graph::from_wire`], which validates everything SPEC §3 promises (names resolve, each value
+//! [`Graph::from_wire`], which validates everything the IR promises (names resolve, each value
 //! has one producer that runs before its consumers, no cycle, shapes fit in bytes, ...).
 
 use std::fmt;
@@ -172,7 +172,7 @@ pub struct Effects {
 }
 
 impl Effects {
-    /// A mutable schema (R5): writes an input, an out buffer, or is a mutating collective.
+    /// A mutable schema: writes an input, an out buffer, or is a mutating collective.
     pub fn is_mutable(&self) -> bool {
         !self.mutates.is_empty()
             || self.writes_out
@@ -252,7 +252,7 @@ impl Node {
     }
 }
 
-/// One recompute unit of a model and the half-open marker intervals it resolves to (R1).
+/// One recompute unit of a model and the half-open marker intervals it resolves to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unit {
     pub name: String,
@@ -307,7 +307,7 @@ impl Graph {
     }
 
     /// A stable hash of the graph's canonical encoding (32 hex digits): the same graph has the
-    /// same fingerprint whether it was read from `.pb` or `.json` (R11).
+    /// same fingerprint whether it was read from `.pb` or `.json`.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
     }

@@ -1,4 +1,4 @@
-//! `--budget SIZE` (M3): per checkpointed layer, the set of units that minimises predicted
+//! `--budget SIZE`: per checkpointed layer, the set of units that minimises predicted
 //! replay time with the predicted peak within the budget.
 //!
 //! Method:
@@ -8,7 +8,7 @@
 //!    layers (same forward op, marker and region sequence) share the representative's figures,
 //!    so each distinct layer is solved once.
 //! 2. Small searches are exact: with at most [`EXHAUSTIVE_LIMIT`] per-layer combinations every
-//!    one is planned and simulated (M1), and the fastest that fits wins.
+//!    one is planned and simulated, and the fastest that fits wins.
 //! 3. Larger ones: a multiple-choice knapsack over the linear peak model
 //!    `peak ≈ peak(nothing kept) + Σ_l (m(l, o_l) − m(l, ∅))`, solved exactly by dynamic
 //!    programming over the headroom `budget − peak(∅)` quantised into [`BUCKETS`] steps (costs

@@ -1,4 +1,4 @@
-//! What the user asked for (R1–R3, R5), resolved against the graph's models before any
+//! What the user asked for, resolved against the graph's models before any
 //! planning work.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,7 +34,7 @@ pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanConfig {
     pub keep: Keep,
-    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed (R3).
+    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed.
     pub recompute_ratio: f64,
     pub collectives: Collectives,
     pub random_ops: RandomOps,
@@ -153,7 +153,7 @@ impl Resolved {
     }
 }
 
-/// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones (R2).
+/// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones.
 pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigError> {
     if let Keep::Units(requested) = &config.keep {
         let valid = declared_units(graph);
@@ -203,7 +203,8 @@ pub fn kept_units_of(model: &Model, keep: &Keep) -> Vec<UnitId> {
         .collect()
 }
 
-/// `floor(ratio × num_layers)`, as the first seed's framework computes it.
+/// `floor(ratio × num_layers)`: the first layers of each model, as Megatron-style `recompute_ratio`
+/// options select them.
 pub fn checkpointed_layer_count(ratio: f64, num_layers: u32) -> u32 {
     // ratio is in [0, 1], so the product is in [0, num_layers].
     (ratio * f64::from(num_layers)).floor() as u32

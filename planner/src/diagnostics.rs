@@ -1,4 +1,4 @@
-//! Diagnostics (R7): every way a configuration silently fails to do what the user asked,
+//! Diagnostics: every way a configuration silently fails to do what the user asked,
 //! aggregated over the owning model and deduplicated per diagnosis (code + model + unit),
 //! never keyed globally on an interval name.
 
@@ -16,7 +16,7 @@ use crate::{
 };
 
 /// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
-fn level_of(code: Code) -> Level {
+pub fn level_of(code: Code) -> Level {
     match code {
         Code::InplaceInKeptInterval => Level::Error,
         Code::KeptOutputWrittenInPlace | Code::RandomOpSaved | Code::RandomOpReplayed => {

@@ -1,4 +1,4 @@
-//! Peak memory from a liveness simulation (M1).
+//! Peak memory from a liveness simulation (docs/cost-and-memory.md).
 //!
 //! The step runs forward in execution order, then backward in order with each replay subgraph
 //! materialised just before the backward node it is scheduled for. Every op output is a new

@@ -1,4 +1,4 @@
-//! `planner pareto`: the whole memory / recompute trade-off (M3). Candidates are every per-layer
+//! `planner pareto`: the whole memory / recompute trade-off. Candidates are every per-layer
 //! combination when there are few (exact), else the budget solver's choices for evenly spaced
 //! headrooms from "keep nothing" to "keep every unit that saves anything", plus every uniform
 //! `--keep` (the same units in every layer); each is simulated exactly, and the points no other

@@ -1,4 +1,4 @@
-//! Partition of a joint graph into forward / replay / backward (R8, R9), and the verifier that
+//! Partition of a joint graph into forward / replay / backward, and the verifier that
 //! proves it closed.
 //!
 //! Saved = exactly the forward values backward needs, directly or through replay, that are
@@ -367,7 +367,7 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Proves the partition closed (R8): every value a backward node reads is saved, a graph input,
+/// Proves the partition closed: every value a backward node reads is saved, a graph input,
 /// produced by a replay scheduled before it or produced earlier in backward; every replay input
 /// is saved, a graph input or produced earlier in the same replay; replay holds only recomputed
 /// ops, and a mutable op in replay writes only what that replay produced.

@@ -1,4 +1,4 @@
-//! The budget solver and the Pareto frontier (M3), checked against brute force on small graphs.
+//! The budget solver and the Pareto frontier, checked against brute force on small graphs.
 
 use std::collections::BTreeMap;
 

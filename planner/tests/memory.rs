@@ -1,4 +1,4 @@
-//! The liveness simulation (M1) pinned on hand-built graphs. Every value is a `[4, 4]` float32
+//! The liveness simulation pinned on hand-built graphs. Every value is a `[4, 4]` float32
 //! tensor: 64 bytes.
 
 use ir::{

@@ -1,5 +1,5 @@
-//! One test per SPEC rule (R1–R11) on small hand-built joint graphs. Each names the rule it
-//! proves and fails if that behaviour breaks.
+//! One test per policy rule of docs/policy.md (R1–R12) on small hand-built joint graphs. Each
+//! names the rule it proves and fails if that behaviour breaks.
 
 use ir::{
     plan::{Collectives, Format},
@@ -754,4 +754,17 @@ fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
     let rejected = hint(&plan_for(true));
     assert!(!rejected.starts_with("keep unit"), "{rejected}");
     assert!(rejected.contains("keeping it is rejected"), "{rejected}");
+}
+
+#[test]
+fn every_diagnostic_code_is_documented_with_its_level() {
+    let doc = std::fs::read_to_string(testkit::repo_root().join("docs/diagnostics.md")).unwrap();
+    for &code in ir::plan::Code::ALL {
+        let level = planner::diagnostics::level_of(code);
+        let heading = format!("### `{}` ({level})", code.name());
+        assert!(
+            doc.contains(&heading),
+            "docs/diagnostics.md lacks `{heading}`"
+        );
+    }
 }
