@@ -19,9 +19,11 @@ from safetensors.torch import load_file
 from graph_walk import (
     GOLDEN_DIR,
     declared_intervals,
+    forward_then_backward,
     interval_contents,
     layer_runs,
     load_graph,
+    loss_ancestors,
     marker_name,
     markers_by_run,
     micro_batch_mismatches,
@@ -185,6 +187,25 @@ def test_unbalanced_variant_misses_exactly_two_markers():
         run = ("main", layer, 0)
         expected = [m for m in markers_by_run(balanced)[run] if m != missing]
         assert markers_by_run(graph)[run] == expected
+
+
+@by_name(ALL)
+def test_phases_follow_execution(name):
+    """Forward nodes come first (eager finishes the forward before backward starts), every
+    ancestor of the loss is forward, and the first node reading a tangent is backward (so,
+    with the prefix, is everything depending on a tangent); a forward-only graph is all
+    forward."""
+    graph = graph_of(name)
+    forward = graph_pb2.PHASE_FORWARD
+    assert forward_then_backward(graph)
+    feeds_loss = loss_ancestors(graph)
+    assert all(n.phase == forward for n in graph.nodes if n.name in feeds_loss)
+    tangents = {v.name for v in graph.values if v.role == graph_pb2.ROLE_TANGENT}
+    readers = [n for n in graph.nodes if tangents & set(n.inputs)]
+    if readers:
+        assert readers[0].phase == graph_pb2.PHASE_BACKWARD
+    else:
+        assert all(n.phase == forward for n in graph.nodes)
 
 
 @by_name(JOINT)
