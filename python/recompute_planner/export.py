@@ -5,7 +5,9 @@
 all we need, so it stops compilation there). ``export_forward`` captures the forward graph of the
 same step traced without autograd. Both map the FX graph to ``recompute.ir.v1.Graph`` and return
 the step's weights, inputs and, for the joint graph, the eager PyTorch reference loss and
-gradients from the same process.
+gradients from the same process. The reference step draws dropout masks with PyTorch's own
+Bernoulli kernel on every CPU (not MKL's on Intel), so its random ops give the same masks
+whatever the CPU's vendor.
 
 Capture runs with functionalization disabled, so in-place ops (``add_``, ``index_add_``, buffer
 updates, ``c10d.*_`` collectives) stay in the graph as eager runs them: the planner must see them
@@ -69,6 +71,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     TangentAOTInput,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, markers
 from .proto import graph_pb2
@@ -364,9 +367,10 @@ def _eager_reference(
     """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
 
     ``torch.autograd.grad`` leaves ``.grad`` of the module's parameters untouched; unused
-    inputs get zero gradients, as the joint graph would compute them.
+    inputs get zero gradients, as the joint graph would compute them. Bernoulli samples
+    (dropout masks) are drawn by ``_PortableBernoulli``.
     """
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _PortableBernoulli():
         torch.manual_seed(seed)
         loss = module(*args)
     _check_loss(loss)
@@ -375,6 +379,31 @@ def _eager_reference(
         loss, [flat[i].tensor for i in wanted], allow_unused=True, materialize_grads=True
     )
     return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads)}
+
+
+class _PortableBernoulli(TorchDispatchMode):
+    """Draws ``bernoulli_(p)`` (the mask of CPU dropout) as PyTorch's own CPU kernel does, on
+    every CPU.
+
+    PyTorch builds with MKL draw it from MKL's generator on Intel CPUs only (seeded from the
+    CPU generator), so the same seed gives other masks, and another reference loss and
+    gradients, on Intel than on any other CPU. PyTorch's own kernel takes one double from the
+    generator per element, in order, and compares it with ``p``: exactly ``torch.rand(...,
+    dtype=torch.float64) < p``, which has no vendor path and leaves the generator in the same
+    state.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.bernoulli_.float:
+            return func(*args, **kwargs)
+        out, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        if not out.is_contiguous():
+            raise NotImplementedError(
+                "the reference step draws a Bernoulli sample into a non-contiguous tensor"
+            )
+        draw = torch.rand(out.shape, dtype=torch.float64, generator=kwargs.get("generator"))
+        return out.copy_(draw < p)
 
 
 def _check_loss(loss: object) -> None:

@@ -28,6 +28,7 @@ from export_support import (
 )
 from graph_walk import forward_then_backward, loss_ancestors
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recompute_planner import __version__, export
 from recompute_planner.export import (
@@ -333,6 +334,32 @@ def test_export_is_deterministic(tmp_path):
     kinds = ("pb", "json", "safetensors")
     assert sorted(files[0]) == sorted(f"{s}.{e}" for s in ("tiny", "drop") for e in kinds)
     assert files[0] == files[1]
+
+
+def test_reference_dropout_masks_are_drawn_the_same_on_every_cpu():
+    """The reference step draws a dropout mask as PyTorch's own CPU kernel does, one double
+    per element from the seeded generator, kept where below 1 - p, even where MKL would draw
+    it (Intel CPUs): no `bernoulli_` reaches a kernel."""
+    torch.manual_seed(0)
+    p, x = 0.5, torch.randn(8, 4)
+    module = Lambda(lambda self, x: nn.functional.dropout(self.lin(x), p).sum())
+    result = export_joint(module, (x,), name="drop", models=MAIN, seed=3)
+    keep = torch.rand(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    noise = (keep < 1 - p).to(torch.float32).div_(1 - p)
+    assert torch.equal(result.loss, (module.lin(x) * noise).sum().detach())
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as kernels, export._PortableBernoulli():
+        torch.empty(16).bernoulli_(0.3)
+    assert kernels.ops and "aten.bernoulli_.float" not in kernels.ops
 
 
 def test_reference_file_layout(decoder, tmp_path):

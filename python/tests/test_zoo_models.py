@@ -64,6 +64,11 @@ def test_inputs_are_seeded_per_rank():
         (dict(micro_batches=2), "only in MoE layers"),
         (dict(num_experts=4, batch=3, micro_batches=2), "does not split"),
         (dict(num_experts=4, world_size=2, rank=2), "outside world_size"),
+        (dict(mla=True, index_topk=4), "either MLA"),
+        (dict(hf_moe=True), "set num_experts"),
+        (dict(num_experts=4, hf_moe=True, inplace_dispatch=True), "does not apply"),
+        (dict(dropout=1.0), "not a probability"),
+        (dict(num_experts=4, dropout=0.1), "only in dense models"),
     ],
 )
 def test_config_rejects_impossible_models(changes, message):
@@ -105,3 +110,30 @@ def test_domino_splits_the_batch_not_the_model():
     domino = dataclasses.replace(roomy, micro_batches=2)
     inputs = make_inputs(roomy)
     torch.testing.assert_close(CausalLM(domino)(*inputs), CausalLM(roomy)(*inputs))
+
+
+def test_hf_idioms_compute_the_plain_moe_function():
+    """moe_hf_router's in-place router and permuting dispatcher are a rewrite of the plain MoE
+    layer: same loss and gradients, up to the order its combine sums each token's choices."""
+    hf = entry("moe_hf_router").config
+    plain = dataclasses.replace(hf, hf_moe=False)
+    inputs = make_inputs(hf)
+    results = []
+    for cfg in (hf, plain):
+        model = CausalLM(cfg)
+        loss = model(*inputs)
+        results.append((loss, torch.autograd.grad(loss, list(model.parameters()))))
+    (hf_loss, hf_grads), (plain_loss, plain_grads) = results
+    torch.testing.assert_close(hf_loss, plain_loss)
+    torch.testing.assert_close(hf_grads, plain_grads)
+
+
+def test_dropout_changes_the_training_step_only():
+    """dense_dropout is dense plus dropout: the same loss in eval mode, another in training."""
+    dense, dropout = entry("dense"), entry("dense_dropout")
+    inputs = make_inputs(dense.config)
+    reference = dense.build()(*inputs)
+    model = dropout.build()
+    torch.manual_seed(0)
+    assert not torch.equal(model(*inputs), reference)
+    assert torch.equal(model.eval()(*inputs), reference)
