@@ -35,7 +35,7 @@ joint graph does not have:
 - the caller holds the labels (128 B) to the end, the planner frees them after the loss
   backward; wrapped Python scalars saved by autograd (8 B each) are not graph values.
 
-Tolerance of the plans: 15%; they fall between -13.9% and -3.3% (four goldens keep fewer
+Tolerance of the plans: 15%; they fall between -13.9% and -2.4% (four goldens keep fewer
 units than `--keep all`, `SELECTIVE_KEEP` says why). On top of the above,
 torch's checkpoint recomputes differently from the planner's replay: it starts at the first
 backward read of *any* tensor of the layer, even one the policy saved (the planner replays

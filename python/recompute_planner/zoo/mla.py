@@ -32,7 +32,9 @@ def joined_heads(nope: torch.Tensor, pe: torch.Tensor, heads: int) -> torch.Tens
 
 
 class MLAAttention(nn.Module):
-    """Causal multi-head latent attention; the no-RoPE, RoPE and value widths are `head_dim`."""
+    """Causal multi-head latent attention. The no-RoPE and RoPE parts are `head_dim` wide each;
+    values are as wide as queries and keys (DeepSeek-V3's are narrower), so that sdpa runs its
+    fused CPU kernel as the zoo's other attention does."""
 
     def __init__(self, gen: torch.Generator, cfg: ZooConfig):
         super().__init__()
@@ -41,8 +43,8 @@ class MLAAttention(nn.Module):
         self.q_proj = Linear(gen, dim, heads * 2 * head_dim)
         self.kv_a_proj_with_mqa = Linear(gen, dim, cfg.kv_lora_rank + head_dim)
         self.kv_a_layernorm = RMSNorm(gen, cfg.kv_lora_rank, cfg.rms_eps)
-        self.kv_b_proj = Linear(gen, cfg.kv_lora_rank, heads * 2 * head_dim)
-        self.o_proj = Linear(gen, heads * head_dim, dim)
+        self.kv_b_proj = Linear(gen, cfg.kv_lora_rank, heads * 3 * head_dim)
+        self.o_proj = Linear(gen, heads * 2 * head_dim, dim)
 
     def forward(
         self, x: torch.Tensor, ctx: SequenceContext, mark: Mark
@@ -52,8 +54,8 @@ class MLAAttention(nn.Module):
         heads, width = self.heads, self.head_dim
         q_nope, q_pe = self.q_proj(x).view(batch, seq, heads, 2 * width).split(width, dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, width], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, heads, 2 * width)
-        k_nope, value = kv.split(width, dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, heads, 3 * width)
+        k_nope, value = kv.split([width, 2 * width], dim=-1)
         q_pe = apply_rope(q_pe, ctx.cos, ctx.sin)
         k_pe = apply_rope(k_pe.unsqueeze(2), ctx.cos, ctx.sin)  # one head, shared
         query = joined_heads(q_nope, q_pe, heads).transpose(1, 2)
