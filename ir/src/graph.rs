@@ -236,6 +236,15 @@ impl Node {
         self.effects.random && !self.is_dropout_off()
     }
 
+    /// Whether re-running the node may give another result than forward did, one that fixes
+    /// shapes or indices downstream (a `topk` breaking ties, routing counts): what the op
+    /// knowledge base says, unless the call asks for a stable sort, which breaks ties by
+    /// position and so always the same way.
+    pub fn replay_may_differ(&self) -> bool {
+        self.info.replay_nondeterministic
+            && !matches!(self.attribute("stable"), Some(AttrValue::Bool(true)))
+    }
+
     fn is_dropout_off(&self) -> bool {
         let zero =
             |name: &str| matches!(self.attribute(name), Some(AttrValue::Float(p)) if *p == 0.0);

@@ -768,3 +768,45 @@ fn every_diagnostic_code_is_documented_with_its_level() {
         );
     }
 }
+
+/// `graph` with attribute `name` = `value` added to node `node`.
+fn with_attribute(
+    mut wire: ir::wire::graph::Graph,
+    node: &str,
+    name: &str,
+    value: ir::wire::graph::attribute::Value,
+) -> ir::Graph {
+    let n = wire.nodes.iter_mut().find(|n| n.name == node).unwrap();
+    n.attributes.push(ir::wire::graph::Attribute {
+        name: name.to_owned(),
+        value: Some(value),
+    });
+    ir::Graph::from_wire(wire).unwrap()
+}
+
+#[test]
+fn a_stable_sort_replays_deterministically_and_a_zero_dropout_draws_nothing() {
+    use ir::wire::graph::attribute::Value as A;
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let sorted = b.node("aten.sort.stable", &[&x]).1; // n1
+    let dropped = b.node("aten.native_dropout.default", &[&sorted]).1; // n2
+    b.layer(None);
+    backward(&mut b, &[&sorted, &dropped]);
+    let plain = plan_named(&b.build(), &config(&[]));
+    assert_eq!(
+        codes(&plain),
+        vec![("nondeterministic-replay", None), ("random-op-saved", None)]
+    );
+    let stable = with_attribute(b.wire(), "n1", "stable", A::Bool(true));
+    let zero = with_attribute(b.wire(), "n2", "p", A::Float(0.0));
+    assert_eq!(
+        codes(&plan_named(&stable, &config(&[]))),
+        vec![("random-op-saved", None)]
+    );
+    assert_eq!(
+        codes(&plan_named(&zero, &config(&[]))),
+        vec![("nondeterministic-replay", None)]
+    );
+}

@@ -198,7 +198,9 @@ impl<'g> Deepening<'g> {
                     continue;
                 }
                 let n = &self.graph.nodes[i];
-                let inputs = (0..n.inputs.len()).map(|s| self.input_of(k, s, c)).collect();
+                let inputs = (0..n.inputs.len())
+                    .map(|s| self.input_of(k, s, c))
+                    .collect();
                 let outputs = (0..n.outputs.len())
                     .map(|output| self.name_of(Slot { node: k, output }, c))
                     .collect();

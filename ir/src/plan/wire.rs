@@ -30,7 +30,11 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
         config: Some(config_to_wire(&plan.config, names)),
         nodes: plan.nodes.iter().map(|n| node_to_wire(n, names)).collect(),
         saved: plan.saved.iter().map(|s| saved_to_wire(s, names)).collect(),
-        replay: plan.replay.iter().map(|r| replay_to_wire(r, names)).collect(),
+        replay: plan
+            .replay
+            .iter()
+            .map(|r| replay_to_wire(r, names))
+            .collect(),
         units: plan.units.iter().map(|u| unit_to_wire(u, names)).collect(),
         memory: Some(memory_to_wire(&plan.memory, names)),
         cost: Some(pb::Cost {

@@ -167,7 +167,7 @@ impl<'a, 'g> Session<'a, 'g> {
     /// The innermost open kept unit for an op about to run; notes what encloses an op whose
     /// replay can differ from forward.
     pub(super) fn enclosure(&mut self, id: NodeId, node: &Node) -> Option<UnitId> {
-        if node.info.replay_nondeterministic {
+        if node.replay_may_differ() {
             let declared = self
                 .nominal_order
                 .values()
