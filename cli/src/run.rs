@@ -1,7 +1,11 @@
 //! `planner run`: executes a plan with the runtime (libtorch) and reports what it measured.
 //! Built only with the `run` feature, the one part of the binary that links libtorch.
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use ir::{
     plan::{Decision, Plan, Stage},
@@ -9,7 +13,6 @@ use ir::{
 };
 use planner::{
     config::{self, PlanConfig},
-    cost::HwProfile,
     plan,
     units::{format_bytes, format_seconds},
 };
@@ -21,7 +24,11 @@ use runtime::{
 };
 use serde_json::{json, Value as Json};
 
-use crate::{report_errors, CollectivesArg, Failure, Format};
+use crate::{
+    args::{Planning, SummaryFormat},
+    output::Output,
+    report_errors, Failure,
+};
 
 #[derive(clap::Args)]
 pub(crate) struct RunArgs {
@@ -29,17 +36,17 @@ pub(crate) struct RunArgs {
     graph: PathBuf,
     /// A plan made for this graph (`.json` or `.pb`); without it the step is planned here
     /// from the planning flags
-    #[arg(long, value_name = "PLAN", conflicts_with_all = ["keep", "recompute_ratio", "collectives"])]
+    #[arg(
+        long,
+        value_name = "PLAN",
+        conflicts_with_all = ["keep", "recompute_ratio", "collectives", "random_ops"]
+    )]
     plan: Option<PathBuf>,
     /// Units to keep (as for `planner plan`): `none` (default), `all`, or unit names
     #[arg(long, value_name = "UNITS")]
     keep: Vec<String>,
-    /// Checkpoint layers with index < floor(RATIO × layers) of each model
-    #[arg(long, value_name = "RATIO")]
-    recompute_ratio: Option<f64>,
-    /// Whether functional collectives re-run in replay or are saved
-    #[arg(long, value_enum)]
-    collectives: Option<CollectivesArg>,
+    #[command(flatten)]
+    planning: Planning,
     /// `cpu`, `cuda` or `cuda:N` (with several ranks on CUDA, rank r uses the r-th GPU after N)
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -50,8 +57,8 @@ pub(crate) struct RunArgs {
     /// bit-identical (CPU) and within tolerance of PyTorch's reference
     #[arg(long)]
     check: bool,
-    #[arg(long, value_enum, default_value_t = Format::Text)]
-    format: Format,
+    #[arg(long, value_enum, default_value_t = SummaryFormat::Text)]
+    format: SummaryFormat,
     /// Rank 0's weights, inputs and tangents (default: the graph's `.safetensors` twin); rank r
     /// reads `STEM.rank<r>.safetensors` beside it
     #[arg(long, value_name = "FILE")]
@@ -87,10 +94,10 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
         Some(path) => {
             Plan::read_for(path, &graph).map_err(|e| format!("{}: {e}", path.display()))?
         }
-        None => make_plan(&graph, &planning)?,
+        None => make_plan(&graph, &planning, args.planning.hw.as_deref())?,
     };
     let whole_layer = (args.check && plan.joint)
-        .then(|| make_plan(&graph, &PlanConfig::default()))
+        .then(|| make_plan(&graph, &PlanConfig::default(), None))
         .transpose()?;
     let inputs = args
         .inputs
@@ -113,15 +120,15 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
     };
     let report = execute(job, ranks, &config)?;
     let text = match args.format {
-        Format::Text => text(&report, &graph, &plan),
-        Format::Json => {
+        SummaryFormat::Text => text(&report, &graph, &plan),
+        SummaryFormat::Json => {
             let mut s = serde_json::to_string_pretty(&json_report(&report, &graph, &plan))
                 .map_err(|e| format!("cannot serialise the report: {e}"))?;
             s.push('\n');
             s
         }
     };
-    crate::write_stdout(text.as_bytes())?;
+    Output::stdout().write(text.as_bytes())?;
     match report.first_failure() {
         Some(failure) => Err(Failure::Error(format!("check failed: {failure}"))),
         None => Ok(()),
@@ -193,14 +200,13 @@ fn launcher() -> Result<Option<Launch>, String> {
 fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
     Ok(PlanConfig {
         keep: config::parse_keep(&args.keep).map_err(|e| e.to_string())?,
-        recompute_ratio: config::check_ratio(args.recompute_ratio.unwrap_or(1.0))
-            .map_err(|e| e.to_string())?,
-        collectives: args.collectives.unwrap_or(CollectivesArg::Recompute).into(),
+        ..args.planning.config()
     })
 }
 
-fn make_plan(graph: &Graph, config: &PlanConfig) -> Result<Plan, Failure> {
-    let plan = plan::plan(graph, config, &HwProfile::default()).map_err(|e| e.to_string())?;
+fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Plan, Failure> {
+    let hw = crate::load_hw(hw)?;
+    let plan = plan::plan(graph, config, &hw).map_err(|e| e.to_string())?;
     if plan.has_errors() {
         report_errors(&plan);
         return Err(Failure::Status(1));

@@ -29,6 +29,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
         .iter()
         .map(|(value, v)| SavedValue {
             value,
+            alias_of: None,
             bytes: v.bytes,
             model: None,
             layer: None,
@@ -45,6 +46,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             keep: Keep::Nothing,
             recompute_ratio: 0.0,
             collectives: Default::default(),
+            random_ops: Default::default(),
             budget_bytes: None,
             layer_keep: Vec::new(),
         },
