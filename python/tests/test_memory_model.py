@@ -35,8 +35,8 @@ joint graph does not have:
 - the caller holds the labels (128 B) to the end, the planner frees them after the loss
   backward; wrapped Python scalars saved by autograd (8 B each) are not graph values.
 
-Tolerance of the plans: 15%; they fall between -13.9% and -2.4% (four goldens keep fewer
-units than `--keep all`, `SELECTIVE_KEEP` says why). On top of the above,
+Tolerance of the plans: 15% (`dense_dropout` is planned with `--random-ops replay`,
+`SELECTIVE_FLAGS` says why). On top of the above,
 torch's checkpoint recomputes differently from the planner's replay: it starts at the first
 backward read of *any* tensor of the layer, even one the policy saved (the planner replays
 just before the first read of a replayed value), and it re-runs the layer's forward in program
@@ -64,26 +64,12 @@ from recompute_planner.zoo.goldens import GOLDENS
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.10
 SELECTIVE_TOLERANCE = 0.15
-# Goldens whose plan is measured with fewer units than `--keep all`: (units, why).
-SELECTIVE_KEEP = {
-    "moe_ep2_inplace": (
-        "save_attn,save_moe_gate,save_mlp",
-        "the planner refuses to keep the dispatch, which holds an in-place write (R5)",
-    ),
-    "moe_hf_router": (
-        "save_attn,save_mlp",
-        "the planner refuses to keep the gate (in-place `div_`) and the dispatch (buffers "
-        "filled by `index_put_` and `scatter_`)",
-    ),
-    "dsv3_kv_expand": (
-        "save_mlp",
-        "the planner refuses to keep the attention, whose `copy_` fill the query and key "
-        "buffers",
-    ),
+# Goldens whose plan is measured with other options than `--keep all`: (flags, why).
+SELECTIVE_FLAGS = {
     "dense_dropout": (
-        "save_mlp",
+        ("--keep", "all", "--random-ops", "replay"),
         "eager CPU dropout dispatches `bernoulli_`, `div_` and `mul` where the graph has "
-        "`native_dropout`, so no policy can save the attention's kept dropout by its op",
+        "`native_dropout`, so no policy can save a dropout by its op: the plan replays them",
     ),
 }
 
@@ -99,10 +85,10 @@ def cases():
 
 
 @functools.lru_cache(maxsize=None)
-def planned(planner: str, name: str, keep: str = "none") -> dict:
-    """The JSON plan of golden `name` with `--keep keep`."""
+def planned(planner: str, name: str, flags: tuple[str, ...] = ("--keep", "none")) -> dict:
+    """The JSON plan of golden `name` with planning `flags`."""
     done = subprocess.run(
-        [planner, "plan", str(GOLDEN_DIR / f"{name}.pb"), "--format", "json", "--keep", keep],
+        [planner, "plan", str(GOLDEN_DIR / f"{name}.pb"), "--format", "json", *flags],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -148,13 +134,13 @@ def test_baseline_peak_matches_eager(name, baseline, planner_bin, record_propert
 def test_plan_peak_matches_eager_selective_checkpointing(name, planner_bin, record_property):
     """The plan's own `peak_bytes` for `--keep all` (the units of `SELECTIVE_KEEP`, with the
     reason, for the goldens listed there), run as eager selective checkpointing."""
-    keep, _reason = SELECTIVE_KEEP.get(name, ("all", ""))
-    plan = planned(planner_bin, name, keep)
+    flags, _reason = SELECTIVE_FLAGS.get(name, (("--keep", "all"), ""))
+    plan = planned(planner_bin, name, flags)
     step = measure.measure_golden(
         name, measure.SELECTIVE, plan, load_graph(GOLDEN_DIR / f"{name}.pb")
     )
     check_gap(
-        name, f"--keep {keep}", plan["memory"]["peak_bytes"], step, SELECTIVE_TOLERANCE,
+        name, " ".join(flags), plan["memory"]["peak_bytes"], step, SELECTIVE_TOLERANCE,
         record_property,
     )
 
@@ -163,7 +149,7 @@ def test_selective_policy_saves_what_backward_or_replay_reads(planner_bin):
     """`--keep all` keeps every op of dense's attention and MLP, but the policy saves only
     those whose outputs the plan saves: not the RoPE intermediates or the MLP's down
     projection, which nothing after forward reads (saving them too: +12160 B, +26%)."""
-    plan = planned(planner_bin, "dense", "all")
+    plan = planned(planner_bin, "dense", ("--keep", "all"))
     layer = measure.saved_ops(load_graph(GOLDEN_DIR / "dense.pb"), plan)[("main", 0)]
     saved = [op for op, save in layer if save]
     assert saved == [
