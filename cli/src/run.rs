@@ -88,29 +88,6 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
             )
         })?;
     let planning = planning_config(&args)?;
-    let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
-    let ranks = world_size(&graph, args.ranks)?;
-    let plan = match &args.plan {
-        Some(path) => {
-            Plan::read_for(path, &graph).map_err(|e| format!("{}: {e}", path.display()))?
-        }
-        None => make_plan(&graph, &planning, args.planning.hw.as_deref())?,
-    };
-    let whole_layer = (args.check && plan.joint)
-        .then(|| make_plan(&graph, &PlanConfig::default(), None))
-        .transpose()?;
-    let inputs = args
-        .inputs
-        .clone()
-        .unwrap_or_else(|| runtime::inputs::twin(&args.graph));
-    let graph = Arc::new(graph);
-    let plan = Arc::new(plan);
-    let job = RankJob {
-        graph: Arc::clone(&graph),
-        plan: Arc::clone(&plan),
-        whole_layer: whole_layer.map(Arc::new),
-        inputs,
-    };
     let config = RunConfig {
         device,
         seed: args.seed,
@@ -118,7 +95,9 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
         timeout,
         fault,
     };
-    let report = execute(job, ranks, &config)?;
+    let jobs = rank_jobs(&args, &planning)?;
+    let (graph, plan) = (Arc::clone(&jobs[0].graph), Arc::clone(&jobs[0].plan));
+    let report = execute(jobs, &config)?;
     let text = match args.format {
         SummaryFormat::Text => text(&report, &graph, &plan),
         SummaryFormat::Json => {
@@ -135,18 +114,90 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
     }
 }
 
+/// One job per rank. Rank r runs its own graph `STEM.rank<r>.pb` where one lies beside the
+/// graph (ranks whose graphs differ, e.g. by the sequence positions each rank holds), with its
+/// own plan (`--plan`'s `STEM.rank<r>.EXT`, or planned here), else rank 0's graph and plan;
+/// every rank reads its own tensors (`STEM.rank<r>.safetensors` beside rank 0's).
+fn rank_jobs(args: &RunArgs, planning: &PlanConfig) -> Result<Vec<RankJob>, Failure> {
+    let load = |path: &Path| ir::io::load(path).map_err(|e| e.to_string());
+    let first = Arc::new(load(&args.graph)?);
+    let ranks = world_size(&first, args.ranks)?;
+    let inputs = args
+        .inputs
+        .clone()
+        .unwrap_or_else(|| runtime::inputs::twin(&args.graph));
+    let mut jobs: Vec<RankJob> = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let own = rank_file(&args.graph, rank);
+        let job = match (&own, jobs.first()) {
+            (None, Some(rank0)) => rank0.clone(),
+            _ => {
+                let graph = match &own {
+                    Some(path) => Arc::new(load(path)?),
+                    None => Arc::clone(&first),
+                };
+                let plan = match &args.plan {
+                    Some(path) => read_rank_plan(path, rank, own.is_some(), &graph)?,
+                    None => make_plan(&graph, planning, args.planning.hw.as_deref())?,
+                };
+                let whole_layer = (args.check && plan.joint)
+                    .then(|| make_plan(&graph, &PlanConfig::default(), None))
+                    .transpose()?;
+                RankJob {
+                    graph,
+                    plan: Arc::new(plan),
+                    whole_layer: whole_layer.map(Arc::new),
+                    inputs: inputs.clone(),
+                }
+            }
+        };
+        jobs.push(job);
+    }
+    Ok(jobs)
+}
+
+/// Rank `rank`'s own file beside `path` (`STEM.rank<r>.EXT`), if there is one.
+fn rank_file(path: &Path, rank: usize) -> Option<PathBuf> {
+    (rank > 0)
+        .then(|| runtime::inputs::rank_path(path, rank))
+        .filter(|p| p.exists())
+}
+
+/// The plan of a rank: `--plan` itself, or `STEM.rank<r>.EXT` for a rank with its own graph.
+fn read_rank_plan(
+    path: &Path,
+    rank: usize,
+    own_graph: bool,
+    graph: &Graph,
+) -> Result<Plan, String> {
+    let path = if own_graph {
+        runtime::inputs::rank_path(path, rank)
+    } else {
+        path.to_owned()
+    };
+    Plan::read_for(&path, graph).map_err(|e| {
+        let whose = if own_graph {
+            format!(" (rank {rank} runs its own graph `{}`)", graph.name())
+        } else {
+            String::new()
+        };
+        format!("{}{whose}: {e}", path.display())
+    })
+}
+
 /// Runs the ranks: threads over the loopback communicator on the CPU; on CUDA, NCCL ranks as
 /// threads (one GPU each), or this process's rank of a job launched like PyTorch's (`RANK`,
 /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set, as `torchrun` does).
-fn execute(job: RankJob, ranks: usize, config: &RunConfig) -> Result<RunReport, String> {
+fn execute(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, String> {
+    let ranks = jobs.len();
     let runtime::Device::Cuda(base) = config.device else {
-        return run::run_loopback(vec![job; ranks], config).map_err(|e| e.to_string());
+        return run::run_loopback(jobs, config).map_err(|e| e.to_string());
     };
     if !runtime::cuda_available() {
         return Err("--device cuda: no CUDA device is available".to_owned());
     }
     match launcher()? {
-        None => run::run_nccl_threads(vec![job; ranks], config).map_err(|e| e.to_string()),
+        None => run::run_nccl_threads(jobs, config).map_err(|e| e.to_string()),
         Some(launch) => {
             if launch.world != ranks {
                 return Err(format!(
@@ -155,6 +206,10 @@ fn execute(job: RankJob, ranks: usize, config: &RunConfig) -> Result<RunReport, 
                 ));
             }
             let device = runtime::Device::Cuda(base + launch.local_rank);
+            let job = jobs
+                .into_iter()
+                .nth(launch.rank)
+                .ok_or_else(|| format!("RANK={} is not below WORLD_SIZE", launch.rank))?;
             run::run_nccl_process(job, launch.rank, launch.world, device, launch.hub, config)
                 .map_err(|e| e.to_string())
         }

@@ -37,8 +37,6 @@ fn the_dsa_golden_on_two_ranks_proves_the_plan() {
     let out = planner(&[
         "run",
         graph.to_str().unwrap(),
-        "--seed",
-        "0",
         "--keep",
         "save_dsa_indexer",
         "--ranks",
@@ -54,6 +52,7 @@ fn the_dsa_golden_on_two_ranks_proves_the_plan() {
         "predicted peak",
         "bit-identical to no-checkpoint and whole-layer",
         "aten.topk.default ×3), run in replay 0 times",
+        "reference (PyTorch)",
     ] {
         assert!(stdout.contains(needle), "missing `{needle}` in:\n{stdout}");
     }
@@ -138,8 +137,6 @@ fn a_failing_rank_ends_the_run_with_every_rank_naming_it() {
     let out = planner(&[
         "run",
         golden("moe_ep2").to_str().unwrap(),
-        "--seed",
-        "1",
         "--inject-fault",
         "fail:1:2",
     ]);
@@ -165,8 +162,6 @@ fn a_stalled_rank_ends_every_rank_within_the_timeout() {
     let out = planner(&[
         "run",
         golden("moe_ep2").to_str().unwrap(),
-        "--seed",
-        "1",
         "--timeout",
         "1",
         "--inject-fault",
@@ -192,4 +187,35 @@ fn ranks_other_than_the_exported_world_size_are_refused() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("exported for 2 rank(s)"), "{stderr}");
+}
+
+#[test]
+fn ranks_with_their_own_graph_run_their_own_plan() {
+    // glm_dsa_ep2's ranks hold other sequence positions: rank 1 has its own graph, so a plan
+    // file is needed for each.
+    let plan = scratch("glm.plan.pb");
+    let write_plan = |graph: &str, out: &PathBuf| {
+        let made = planner(&["plan", graph, "--keep", "all", "-o", out.to_str().unwrap()]);
+        assert!(made.status.success(), "{}", text(&made.stderr));
+    };
+    write_plan(golden("glm_dsa_ep2").to_str().unwrap(), &plan);
+    let run = || {
+        planner(&[
+            "run",
+            golden("glm_dsa_ep2").to_str().unwrap(),
+            "--plan",
+            plan.to_str().unwrap(),
+        ])
+    };
+    let out = run();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("glm.plan.rank1.pb") && stderr.contains("rank 1 runs its own graph"),
+        "{stderr}"
+    );
+    let rank1 = testkit::repo_root().join("tests/golden/glm_dsa_ep2.rank1.pb");
+    write_plan(rank1.to_str().unwrap(), &scratch("glm.plan.rank1.pb"));
+    let out = run();
+    assert!(out.status.success(), "{}", text(&out.stderr));
 }

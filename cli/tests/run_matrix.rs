@@ -1,14 +1,14 @@
 //! Every golden executes under the runtime with `--check` for every configuration the planner
-//! offers it: results bit-identical to no checkpointing and to whole-layer recompute, within
-//! tolerance of PyTorch's reference where the ranks run on their real tensors, measured peak
-//! within 5% of the prediction, and no op a plan keeps ever re-runs in replay.
+//! offers it, every rank on its own exported tensors: results bit-identical to no checkpointing
+//! and to whole-layer recompute, within tolerance of PyTorch's reference, measured peak within
+//! 5% of the prediction, and no op a plan keeps ever re-runs in replay.
 
 #![cfg(feature = "run")]
 
 use std::{sync::Arc, time::Duration};
 
 use ir::{
-    plan::{Collectives, Decision, Keep, Plan, Stage},
+    plan::{Collectives, Decision, Keep, Plan, RandomOps, Stage},
     Graph, NodeId,
 };
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
@@ -25,8 +25,8 @@ fn make_plan(graph: &Graph, config: &PlanConfig) -> Plan {
 }
 
 /// The configurations every golden runs under: `--keep none`, `all`, each declared unit the
-/// seeds name (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save` and
-/// `--recompute-ratio 0.5`.
+/// seeds name (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save`,
+/// `--recompute-ratio 0.5`, and `--keep all --random-ops replay` for a graph with random ops.
 fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
     let base = PlanConfig::default();
     let mut out = vec![
@@ -65,33 +65,59 @@ fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
         "recompute ratio 0.5".to_owned(),
         PlanConfig {
             recompute_ratio: 0.5,
-            ..base
+            ..base.clone()
         },
     ));
+    if graph.nodes().values().any(|n| n.effects.random) {
+        out.push((
+            "keep all, random ops replay".to_owned(),
+            PlanConfig {
+                keep: Keep::All,
+                random_ops: RandomOps::Replay,
+                ..base
+            },
+        ));
+    }
     out
 }
 
-/// Runs `plan` on every rank of `golden` with `--check`.
-fn run_checked(golden: &str, graph: &Arc<Graph>, plan: Plan) -> RunReport {
-    let whole_layer = plan
-        .joint
-        .then(|| Arc::new(make_plan(graph, &PlanConfig::default())));
-    let job = RankJob {
-        graph: Arc::clone(graph),
-        plan: Arc::new(plan),
-        whole_layer,
-        inputs: testkit::golden_graph(golden).with_extension("safetensors"),
+/// Rank `rank`'s graph: its own `NAME.rank<r>.pb` where the ranks' graphs differ, else rank 0's.
+fn rank_graph(golden: &str, rank: usize) -> Arc<Graph> {
+    let path = runtime::inputs::rank_path(&testkit::golden_graph(golden), rank);
+    let path = if path.exists() {
+        path
+    } else {
+        testkit::golden_graph(golden)
     };
+    Arc::new(ir::io::load(&path).expect("the golden loads"))
+}
+
+/// Runs `config` planned on every rank's graph of `golden` with `--check`.
+fn run_checked(golden: &str, config: &PlanConfig) -> RunReport {
+    let ranks = rank_graph(golden, 0).metadata().world_size.max(1) as usize;
+    let jobs = (0..ranks)
+        .map(|rank| {
+            let graph = rank_graph(golden, rank);
+            let plan = make_plan(&graph, config);
+            let whole_layer = plan
+                .joint
+                .then(|| Arc::new(make_plan(&graph, &PlanConfig::default())));
+            RankJob {
+                graph,
+                plan: Arc::new(plan),
+                whole_layer,
+                inputs: testkit::golden_graph(golden).with_extension("safetensors"),
+            }
+        })
+        .collect();
     let config = RunConfig {
         device: Device::Cpu,
-        seed: Some(0),
+        seed: None,
         check: true,
         timeout: Duration::from_secs(120),
         fault: None,
     };
-    let ranks = graph.metadata().world_size.max(1) as usize;
-    run::run_loopback(vec![job; ranks], &config)
-        .unwrap_or_else(|e| panic!("{golden}: the run fails:\n{e}"))
+    run::run_loopback(jobs, &config).unwrap_or_else(|e| panic!("{golden}: the run fails:\n{e}"))
 }
 
 fn kept(plan: &Plan) -> Vec<NodeId> {
@@ -103,7 +129,7 @@ fn kept(plan: &Plan) -> Vec<NodeId> {
 }
 
 fn check_golden(golden: &str) {
-    let graph = Arc::new(ir::io::load(&testkit::golden_graph(golden)).expect("loads"));
+    let graph = rank_graph(golden, 0);
     for (label, config) in configurations(&graph) {
         let plan = make_plan(&graph, &config);
         if plan.has_errors() {
@@ -116,10 +142,20 @@ fn check_golden(golden: &str) {
             continue;
         }
         let kept = kept(&plan);
-        let report = run_checked(golden, &graph, plan);
+        let report = run_checked(golden, &config);
         let context = format!("{golden} / {label}");
         assert_eq!(report.first_failure(), None, "{context}");
         for rank in &report.ranks {
+            if plan.joint {
+                assert_eq!(
+                    rank.reference_skipped, None,
+                    "{context}: compared with PyTorch"
+                );
+                assert!(
+                    rank.tensors.iter().all(|t| t.reference.is_some()),
+                    "{context}"
+                );
+            }
             assert!(
                 rank.tensors
                     .iter()
@@ -164,7 +200,10 @@ macro_rules! goldens {
 
 goldens!(
     dense,
+    dense_dropout,
     dense_forward,
+    dsv3_kv_expand,
+    moe_hf_router,
     moe_ep2,
     moe_ep2_compiled,
     moe_ep4,
@@ -179,14 +218,12 @@ goldens!(
 /// With `--keep save_dsa_indexer` the indexer's `aten.topk` (kept by the unit) runs zero times
 /// in replay, where whole-layer recompute re-runs it in every layer.
 fn check_indexer_topk_is_not_replayed(golden: &str) {
-    let graph = Arc::new(ir::io::load(&testkit::golden_graph(golden)).expect("loads"));
-    let plan = make_plan(
-        &graph,
-        &PlanConfig {
-            keep: Keep::Units(vec!["SAVE_DSA_INDEXER".to_owned()]),
-            ..PlanConfig::default()
-        },
-    );
+    let graph = rank_graph(golden, 0);
+    let config = PlanConfig {
+        keep: Keep::Units(vec!["SAVE_DSA_INDEXER".to_owned()]),
+        ..PlanConfig::default()
+    };
+    let plan = make_plan(&graph, &config);
     let topk: Vec<NodeId> = plan
         .nodes
         .iter()
@@ -198,7 +235,7 @@ fn check_indexer_topk_is_not_replayed(golden: &str) {
         .map(|d| d.node)
         .collect();
     assert!(!topk.is_empty(), "{golden}: the indexer keeps its top-k");
-    let report = run_checked(golden, &graph, plan);
+    let report = run_checked(golden, &config);
     for rank in &report.ranks {
         let count = |variant| {
             let run = rank
@@ -225,4 +262,29 @@ fn check_indexer_topk_is_not_replayed(golden: &str) {
 fn indexer_topk_runs_zero_times_in_replay_with_save_dsa_indexer() {
     check_indexer_topk_is_not_replayed("glm_dsa_ep2");
     check_indexer_topk_is_not_replayed("glm_dsa_ep2_compiled");
+}
+
+#[test]
+fn dropout_replays_with_the_forward_generator_state_bit_for_bit() {
+    let graph = rank_graph("dense_dropout", 0);
+    let config = PlanConfig {
+        keep: Keep::All,
+        random_ops: RandomOps::Replay,
+        ..PlanConfig::default()
+    };
+    let dropouts: Vec<NodeId> = graph
+        .nodes()
+        .iter()
+        .filter(|(_, n)| n.op == "aten.native_dropout.default")
+        .map(|(id, _)| id)
+        .collect();
+    assert!(!dropouts.is_empty());
+    let report = run_checked("dense_dropout", &config);
+    assert_eq!(report.first_failure(), None);
+    let rank = &report.ranks[0];
+    assert!(run::replayed(&rank.runs[0].counts, dropouts.iter().copied()) > 0);
+    assert!(rank
+        .tensors
+        .iter()
+        .all(|t| t.identical.iter().all(|(_, same)| *same)));
 }

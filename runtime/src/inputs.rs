@@ -2,8 +2,8 @@
 //! loss and gradients to check against, from the graph's safetensors twin.
 //!
 //! Keys, as the exporter writes them: `param/<value>` (parameters and buffers), `input/<value>`,
-//! `tangent/<value>`, `ref/loss`, `ref/grad/<gradient value>`, and optionally `rng/cpu` (the
-//! CPU generator's state when the reference step started). A value with no tensor is filled
+//! `tangent/<value>`, `ref/loss`, `ref/grad/<gradient value>`, and `rng/seed` (the seed of
+//! the CPU generator the reference step started from). A value with no tensor is filled
 //! from a seed when one is given (floats uniform in [-0.5, 0.5), integers zero, which is a valid
 //! index for any embedding or loss target), and is an error otherwise.
 
@@ -56,12 +56,12 @@ pub struct RankInputs {
     pub reference: Reference,
     /// Graph inputs filled from the seed (the reference does not apply to a filled rank).
     pub seeded: Vec<ValueId>,
-    /// The CPU generator's state the reference step started from, if recorded.
-    pub rng_state: Option<Tensor>,
+    /// The seed of the CPU generator the reference step started from, if recorded.
+    pub rng_seed: Option<u64>,
 }
 
-/// Where rank `rank`'s tensors are: `path` for rank 0, `STEM.rank<r>.safetensors` beside it
-/// for the others.
+/// Rank `rank`'s version of a file: `path` itself for rank 0, `STEM.rank<r>.EXT` beside it for
+/// the others (`model.safetensors` -> `model.rank1.safetensors`).
 pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
     if rank == 0 {
         return path.to_owned();
@@ -69,7 +69,11 @@ pub fn rank_path(path: &Path, rank: usize) -> PathBuf {
     let stem = path
         .file_stem()
         .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
-    path.with_file_name(format!("{stem}.rank{rank}.safetensors"))
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
 }
 
 /// The safetensors twin of a graph file (`model.pb` -> `model.safetensors`).
@@ -150,7 +154,9 @@ pub fn load(
         loss: tensors.remove("ref/loss"),
         grads: HashMap::new(),
     };
-    let rng_state = tensors.remove("rng/cpu");
+    let rng_seed = tensors
+        .remove("rng/seed")
+        .and_then(|t| u64::try_from(t.int64_value(&[])).ok());
     for (key, tensor) in tensors {
         if let Some(name) = key.strip_prefix("ref/grad/") {
             reference.grads.insert(name.to_owned(), tensor);
@@ -160,7 +166,7 @@ pub fn load(
         values,
         reference,
         seeded,
-        rng_state,
+        rng_seed,
     })
 }
 

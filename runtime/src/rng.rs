@@ -27,7 +27,7 @@ pub struct RankRng {
 
 impl RankRng {
     /// A stream starting from `state` (a state of `device`'s default generator).
-    pub fn from_state(device: Device, state: Tensor) -> RankRng {
+    fn from_state(device: Device, state: Tensor) -> RankRng {
         RankRng {
             device,
             state,

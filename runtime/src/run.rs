@@ -501,7 +501,7 @@ fn rank_main(
         });
         outputs.push((*variant, step.outputs));
     }
-    let (tensors, reference_skipped) = compare(graph, &inputs, &outputs, config.check);
+    let (tensors, reference_skipped) = compare(graph, device, &inputs, &outputs, config.check);
     Ok(RankReport {
         rank,
         device,
@@ -536,26 +536,26 @@ fn skip_reference_if_seeded(reports: &mut [RankReport]) {
     }
 }
 
-/// The rank's generator stream at the start of a step: the reference step's CPU generator
-/// state when the inputs record it (so random ops draw what PyTorch drew), else a seeded one.
+/// The rank's generator stream at the start of a step: seeded as the reference step's CPU
+/// generator was when the inputs say (so random ops draw what PyTorch drew), else from
+/// `--seed` and the rank.
 fn initial_rng(
     inputs: &RankInputs,
     device: Device,
     seed: Option<u64>,
     rank: usize,
 ) -> Result<RankRng, RankFailure> {
-    let failed = |m: String| {
+    let seed = inputs
+        .rng_seed
+        .unwrap_or_else(|| seed.unwrap_or(0).wrapping_add(rank as u64));
+    RankRng::seeded(device, seed).map_err(|m| {
         RankFailure::Step(StepError::Op {
             stage: Stage::Forward,
             node: "-".to_owned(),
             op: "generator".to_owned(),
             message: m,
         })
-    };
-    match (&inputs.rng_state, device) {
-        (Some(state), Device::Cpu) => Ok(RankRng::from_state(device, state.copy())),
-        _ => RankRng::seeded(device, seed.unwrap_or(0).wrapping_add(rank as u64)).map_err(failed),
-    }
+    })
 }
 
 type Outputs = Vec<(ir::ValueId, tch::Tensor)>;
@@ -563,6 +563,7 @@ type Outputs = Vec<(ir::ValueId, tch::Tensor)>;
 /// Compares the plan's outputs with the other variants' (bit for bit) and with the reference.
 fn compare(
     graph: &Graph,
+    device: Device,
     inputs: &RankInputs,
     outputs: &[(Variant, Outputs)],
     check: bool,
@@ -577,6 +578,11 @@ fn compare(
             "{} input tensors were filled from the seed",
             inputs.seeded.len()
         ))
+    } else if device != Device::Cpu && graph.nodes().values().any(|n| n.effects.random) {
+        Some(
+            "random ops draw from the GPU's generator, not the CPU one the reference used"
+                .to_owned(),
+        )
     } else if inputs.reference.loss.is_none() && inputs.reference.grads.is_empty() {
         Some("the inputs hold no reference".to_owned())
     } else {
