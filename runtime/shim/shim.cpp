@@ -122,6 +122,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_math_backward(
   return {grad_query, grad_key, grad_value};
 }
 
+// PyTorch's own CPU Bernoulli sampler (what dropout draws its mask with): one double per
+// element, in order, compared with `p`. PyTorch builds with MKL draw from MKL's generator
+// instead on Intel CPUs, which gives other masks for the same seed; the exporter's reference
+// draws this way on every CPU, and so does the runtime.
+at::Tensor& portable_bernoulli_(at::Tensor& self, double p, std::optional<at::Generator> gen) {
+  const auto draw = at::rand(self.sizes(), std::move(gen), self.options().dtype(at::kDouble));
+  return self.copy_(draw.lt(p));
+}
+
+// Swallows warnings while it is installed.
+struct QuietWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
 }  // namespace
 
 // The CPU-only flash-attention ops of CPU-exported graphs get CUDA kernels from the fallback.
@@ -652,6 +666,21 @@ char* rt_rng_seeded_state(int32_t device_type, int32_t device_index, uint64_t se
     gen.set_current_seed(seed);
     *out = new at::Tensor(gen.get_state());
     gen.set_state(before);
+  });
+}
+
+// Installs the portable CPU Bernoulli sampler in place of libtorch's (once per process).
+// Replacing a kernel makes libtorch warn on stderr; that warning is swallowed.
+char* rt_use_portable_bernoulli() {
+  return guarded([] {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      QuietWarnings quiet;
+      c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+      static auto* library = new torch::Library(torch::Library::IMPL, "aten",
+                                                c10::DispatchKey::CPU, __FILE__, __LINE__);
+      library->impl("bernoulli_.float", TORCH_FN(portable_bernoulli_));
+    });
   });
 }
 

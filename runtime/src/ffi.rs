@@ -75,6 +75,7 @@ mod sys {
             seed: u64,
             out: *mut *mut AtTensor,
         ) -> *mut c_char;
+        pub fn rt_use_portable_bernoulli() -> *mut c_char;
         pub fn rt_cuda_set_device(device_index: i32) -> *mut c_char;
         pub fn rt_cuda_current_stream(device_index: i32, out: *mut *mut c_void) -> *mut c_char;
         pub fn rt_cuda_synchronize(device_index: i32) -> *mut c_char;
@@ -351,6 +352,14 @@ pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), String> {
     let (kind, index) = device_code(device);
     // SAFETY: a live tensor.
     check(unsafe { sys::rt_rng_set_state(kind, index, sys::at(state)) })
+}
+
+/// Makes libtorch's CPU Bernoulli sampler (dropout masks) draw as PyTorch's own kernel does on
+/// every CPU: PyTorch's MKL builds draw other masks on Intel CPUs, and the exporter's reference
+/// uses the portable draw. Once per process; later calls do nothing.
+pub fn use_portable_bernoulli() -> Result<(), String> {
+    // SAFETY: plain call.
+    check(unsafe { sys::rt_use_portable_bernoulli() })
 }
 
 /// Makes `device` the calling thread's current CUDA device (nothing for the CPU).

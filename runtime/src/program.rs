@@ -9,7 +9,10 @@ use ir::{AttrValue, EntityId, Graph, Node, NodeId, MARKER_OP};
 use tch::Device;
 use thiserror::Error;
 
-use crate::{comm::ReduceOp, ffi::BoundCall};
+use crate::{
+    comm::ReduceOp,
+    ffi::{self, BoundCall},
+};
 
 /// The namespace of functional collectives (`_c10d_functional.all_to_all_single.default`).
 const FUNCTIONAL_COLLECTIVES: &str = "_c10d_functional.";
@@ -100,6 +103,11 @@ impl<'g> Program<'g> {
         world_size: usize,
     ) -> Result<Program<'g>, PrepareError> {
         let home = home_device(graph);
+        ffi::use_portable_bernoulli().map_err(|reason| PrepareError::Unsupported {
+            op: "aten.bernoulli_.float".to_owned(),
+            node: "-".to_owned(),
+            reason,
+        })?;
         let kernels = graph
             .nodes()
             .values()

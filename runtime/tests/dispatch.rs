@@ -101,3 +101,19 @@ fn the_attention_fallback_matches_libtorch_s_cpu_flash_attention() {
         assert!(e.within, "{e:?}");
     }
 }
+
+#[test]
+fn bernoulli_masks_draw_one_double_per_element_as_the_exported_reference_does() {
+    // The exporter draws dropout masks as `rand(float64) < p` on every CPU; the runtime's
+    // sampler must give the same mask from the same seed (PyTorch's MKL build would not, on
+    // Intel CPUs).
+    runtime::ffi::use_portable_bernoulli().expect("installed");
+    tch::manual_seed(3);
+    let mut mask = Tensor::zeros([4096], (Kind::Float, Device::Cpu));
+    let _ = mask.bernoulli_float_(0.3);
+    tch::manual_seed(3);
+    let want = Tensor::rand([4096], (Kind::Double, Device::Cpu))
+        .lt(0.3)
+        .to_kind(Kind::Float);
+    assert!(runtime::check::identical(&mask, &want));
+}

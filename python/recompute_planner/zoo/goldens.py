@@ -1,10 +1,12 @@
-"""The golden graphs: rank 0 of every zoo model as `NAME.pb` plus `NAME.safetensors`.
+"""The golden graphs: rank 0 of every zoo model as `NAME.pb` plus `NAME.safetensors`, and for
+a multi-rank model every other rank's tensors as `NAME.rank<r>.safetensors` (and its graph as
+`NAME.rank<r>.pb` where it differs from rank 0's in more than the rank number).
 
 Graphs are traced in this process; an expert-parallel model is traced as rank 0 of a fake
 process group, which exchanges no real data. The reference tensors (weights, inputs, tangents,
 PyTorch's loss and gradients) must be real, so for a multi-rank model the whole export runs on
-real gloo ranks, one process per rank, each exporting its own rank's step; rank 0's reference is
-kept, and its graph must be byte-identical to the fake-group trace (checked).
+real gloo ranks, one process per rank, each exporting its own rank's step and tensors; rank 0's
+graph must be byte-identical to the fake-group trace (checked).
 """
 
 from __future__ import annotations

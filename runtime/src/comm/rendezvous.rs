@@ -330,7 +330,9 @@ fn serve(listener: TcpListener, world: usize, id: &[u8], timeout: Duration) {
     let Some(mut ranks) = gather(&listener, world, timeout) else {
         return;
     };
-    let first = ranks[0].identity.clone();
+    let Some(first) = ranks.first().map(|r| r.identity.clone()) else {
+        return;
+    };
     let differing = ranks.iter().find(|r| r.identity != first);
     let answer = match differing {
         Some(other) => format!(
