@@ -810,3 +810,34 @@ fn a_stable_sort_replays_deterministically_and_a_zero_dropout_draws_nothing() {
         vec![("nondeterministic-replay", None)]
     );
 }
+
+#[test]
+fn r4_thousands_of_units_on_one_interval_are_one_interval_not_thousands_of_overlaps() {
+    let names: Vec<String> = (0..4000).map(|u| format!("SAVE_U{u}")).collect();
+    let interval: &[(&str, &str)] = &[("attn.begin", "attn.end")];
+    let units: Vec<(&str, &[(&str, &str)])> =
+        names.iter().map(|n| (n.as_str(), interval)).collect();
+    let mut b = Builder::new(2, &units);
+    let x = b.input("x");
+    let mut h = x;
+    let mut reads = Vec::new();
+    for l in 0..2 {
+        b.layer(Some(l));
+        let m = b.marker("attn.begin", &h);
+        let a = b.op(&m);
+        let e = b.marker("attn.end", &a);
+        h = b.op(&e);
+        reads.push(a);
+    }
+    b.layer(None);
+    backward(
+        &mut b,
+        &reads.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let p = run(&b, &config(&["all"]));
+    // Identical intervals are nested in each other, never crossing: no overlap reported, and
+    // the kept op is credited once.
+    assert_eq!(codes(&p), vec![]);
+    assert_eq!(p.units.len(), 1);
+    assert_eq!(p.units[0].kept_ops, 2);
+}
