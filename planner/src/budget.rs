@@ -201,11 +201,6 @@ impl<'g> Search<'g> {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// The plan of the knapsack's choice for `headroom` extra bytes.
-    pub fn plan_for(&self, headroom: u64) -> Result<Plan, BudgetError> {
-        self.plan_of(&knapsack(&self.slots, &self.options, headroom))
-    }
-
     /// What `keep` makes of the plans of the knapsack's choices for `steps + 1` evenly spaced
     /// headrooms from 0 to the largest useful one, from one solved knapsack; repeated choices
     /// are planned once, and each plan is dropped as soon as `keep` has seen it.

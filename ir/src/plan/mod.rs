@@ -307,10 +307,6 @@ impl Plan {
         self.diagnostics.iter().any(|d| d.level == Level::Error)
     }
 
-    pub fn has_warnings(&self) -> bool {
-        self.diagnostics.iter().any(|d| d.level == Level::Warning)
-    }
-
     /// Reads a plan in `format` with the names it holds.
     pub fn decode(bytes: &[u8], format: Format) -> Result<(Plan, NameTable), PlanReadError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
