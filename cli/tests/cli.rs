@@ -647,12 +647,23 @@ fn output_is_the_same_bytes_across_processes_and_thread_counts() {
 #[test]
 fn diff_refuses_empty_and_truncated_plans() {
     let good = Scratch::empty_path("good.pb");
-    assert!(planner(&[&"plan", &golden_graph("dense"), &"-o", &good.0]).status.success());
+    assert!(planner(&[&"plan", &golden_graph("dense"), &"-o", &good.0])
+        .status
+        .success());
     let empty = Scratch::new("empty.pb", b"");
-    assert_clean_error(&planner(&[&"diff", &empty.0, &good.0]), &["empty.pb", "empty"]);
+    assert_clean_error(
+        &planner(&[&"diff", &empty.0, &good.0]),
+        &["empty.pb", "empty"],
+    );
     let bytes = fs::read(&good.0).unwrap();
     let cut = Scratch::new("cut.pb", &bytes[..bytes.len() / 2]);
-    assert_clean_error(&planner(&[&"diff", &good.0, &cut.0]), &["cut.pb", "protobuf"]);
+    assert_clean_error(
+        &planner(&[&"diff", &good.0, &cut.0]),
+        &["cut.pb", "protobuf"],
+    );
     let stub = Scratch::new("stub.json", b"{}");
-    assert_clean_error(&planner(&[&"diff", &stub.0, &good.0]), &["stub.json", "no graph"]);
+    assert_clean_error(
+        &planner(&[&"diff", &stub.0, &good.0]),
+        &["stub.json", "no graph"],
+    );
 }

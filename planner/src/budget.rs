@@ -144,7 +144,7 @@ impl<'g> Search<'g> {
         if !partition::is_joint(graph) {
             return Err(BudgetError::NotJoint);
         }
-        let baselines = Baselines::of(graph)?;
+        let baselines = Baselines::of(graph, config.executor)?;
         let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
         let tables: u64 = distinct_models(&slots)

@@ -841,3 +841,76 @@ fn r4_thousands_of_units_on_one_interval_are_one_interval_not_thousands_of_overl
     assert_eq!(p.units.len(), 1);
     assert_eq!(p.units[0].kept_ops, 2);
 }
+
+/// Replayed node names and saved value names of a named plan.
+fn replayed_and_saved(p: &Plan) -> (Vec<&str>, Vec<&str>) {
+    let replayed = p
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(String::as_str)
+        .collect();
+    let saved = p.saved.iter().map(|s| s.value.as_str()).collect();
+    (replayed, saved)
+}
+
+#[test]
+fn eager_recompute_reruns_the_layer_prefix_and_caches_every_kept_output() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let v1 = b.op(&x); // n1
+    let m = b.marker("attn.begin", &x); // n2
+    let v3 = b.node("aten.topk.default", &[&m]).1; // n3: kept
+    let v4 = b.op(&v3); // n4: kept
+    let e = b.marker("attn.end", &v4); // n5
+    let v6 = b.op(&e); // n6: after the last op backward reads
+    b.layer(None);
+    backward(&mut b, &[&v1, &v4, &v6]);
+    let graph = b.build();
+    let eager = PlanConfig {
+        executor: ir::plan::Executor::Eager,
+        ..config(&["all"])
+    };
+    let g = plan_named(&graph, &config(&["all"]));
+    let e = plan_named(&graph, &eager);
+    assert_eq!(e.config.as_ref().unwrap().executor, "eager");
+    let (g_replayed, g_saved) = replayed_and_saved(&g);
+    let (e_replayed, e_saved) = replayed_and_saved(&e);
+    // The graph executor re-runs what backward reads; eager re-runs the prefix to the last op
+    // backward reads (markers included), kept ops served from the cache.
+    assert_eq!(g_replayed, ["n1", "n5", "n6"]);
+    assert_eq!(e_replayed, ["n1", "n2", "n5", "n6"]);
+    // The cache holds every kept output, backward-read or not.
+    assert!(!g_saved.contains(&v3.as_str()) && e_saved.contains(&v3.as_str()));
+    assert!(g_saved.contains(&v4.as_str()) && e_saved.contains(&v4.as_str()));
+}
+
+#[test]
+fn eager_recompute_that_would_write_a_layer_input_again_is_an_error() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1 reads x before the write
+    let written = b.node("aten.add_.Tensor", &[&x, &a]).1; // n2 writes the layer input x
+    let c = b.op(&written); // n3
+    b.layer(None);
+    backward(&mut b, &[&a, &c]);
+    let graph = b.build();
+    let graph_plan = plan_named(&graph, &config(&[]));
+    assert!(!has_errors(&graph_plan), "{:?}", graph_plan.diagnostics);
+    let eager = plan_named(
+        &graph,
+        &PlanConfig {
+            executor: ir::plan::Executor::Eager,
+            ..config(&[])
+        },
+    );
+    let d = eager
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "eager-replay-unfaithful")
+        .expect("reported");
+    assert_eq!(d.level, "error");
+    assert!(d.message.contains("`x`"), "{}", d.message);
+}
