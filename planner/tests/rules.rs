@@ -334,22 +334,10 @@ fn written_kept_output(also_writes: Option<&str>) -> Plan {
     let m = b.marker("attn.begin", &x); // n1
     let kept = b.op(&m); // n2: kept
     let sum = b.node("aten.sum.default", &[&kept]).1; // n3: kept, reads n2 before the write
-    let mut inputs = vec![kept.as_str(), sum.as_str()];
-    let mut mutates = vec![0];
-    if let Some(extra) = &extra {
-        inputs.push(extra);
-        mutates.push(2);
-    }
-    let written = b
-        .node_with(
-            "mystery.normalise_.default", // n4: writes n2's output in place
-            &inputs,
-            Some(ir::wire::graph::SchemaFacts {
-                mutates,
-                ..Default::default()
-            }),
-        )
-        .1;
+    let mut written = vec![kept.as_str()];
+    written.extend(extra.as_deref());
+    // n4: writes n2's output in place (and the extra input)
+    let written = b.write_in_place("mystery.normalise_.default", &written, &[&sum]);
     let end = b.marker("attn.end", &written); // n5
     b.layer(None);
     backward(&mut b, &[&kept, &sum, &end]);
@@ -725,17 +713,11 @@ fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
         b.layer(Some(0));
         let m = b.marker("attn.begin", &x); // n1
         let kept = b.op(&m); // n2
-        let mutates = if corrupting { vec![0, 1] } else { vec![0] };
-        let written = b
-            .node_with(
-                "mystery.normalise_.default",
-                &[&kept, &stats],
-                Some(ir::wire::graph::SchemaFacts {
-                    mutates,
-                    ..Default::default()
-                }),
-            )
-            .1; // n3
+        let written = if corrupting {
+            b.write_in_place("mystery.normalise_.default", &[&kept, &stats], &[])
+        } else {
+            b.write_in_place("mystery.normalise_.default", &[&kept], &[&stats])
+        }; // n3
         let top = b.node("aten.topk.default", &[&written]).1; // n4
         let end = b.marker("attn.end", &top);
         b.layer(None);
