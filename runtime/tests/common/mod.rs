@@ -47,6 +47,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             recompute_ratio: 0.0,
             collectives: Default::default(),
             random_ops: Default::default(),
+            executor: Default::default(),
             budget_bytes: None,
             layer_keep: Vec::new(),
         },
