@@ -10,10 +10,12 @@ source scripts/env.sh
 
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
+# `--features planner-cli/run` builds `planner run` and the runtime (libtorch) and runs their
+# tests too; a plain `cargo build` / `cargo test` at the root needs neither.
 echo "== cargo clippy --all-targets -D warnings" >&2
-cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo clippy --workspace --all-targets --features planner-cli/run --quiet -- -D warnings
 echo "== cargo test" >&2
-cargo test --workspace --quiet
+cargo test --workspace --features planner-cli/run --quiet
 
 echo "== pytest" >&2
 # The package is installed editable from this clone on every run (cheap), so a fresh clone

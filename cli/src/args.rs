@@ -35,6 +35,16 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Convert a graph between `.pb` and `.json` (by extension), losslessly
     Convert(ConvertArgs),
+    /// Execute one training step of a plan with libtorch and prove it (`--check`)
+    #[cfg(feature = "run")]
+    Run(Box<crate::run::RunArgs>),
+    /// Not in this build: `run` needs the runtime (the `run` feature)
+    #[cfg(not(feature = "run"))]
+    #[command(hide = true)]
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        _args: Vec<String>,
+    },
 }
 
 /// The options that shape a plan besides `--keep`, shared by `plan` and `pareto`.

@@ -6,6 +6,8 @@ mod allocator;
 mod args;
 mod output;
 mod progress;
+#[cfg(feature = "run")]
+mod run;
 
 use std::{path::Path, process::ExitCode};
 
@@ -64,6 +66,14 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Pareto(args) => run_pareto(args),
         Command::Inspect(args) => run_inspect(args),
         Command::Convert(args) => run_convert(args),
+        #[cfg(feature = "run")]
+        Command::Run(args) => run::run_run(*args),
+        #[cfg(not(feature = "run"))]
+        Command::Run { .. } => Err(Failure::Error(
+            "this `planner` was built without the runtime: after `source scripts/env.sh`, \
+             build it with `cargo build --release -p planner-cli --features run`"
+                .to_owned(),
+        )),
     }
 }
 

@@ -123,6 +123,7 @@ class ExportResult:
     tangents: dict[str, torch.Tensor] = field(default_factory=dict)  # joint only
     loss: torch.Tensor | None = None  # eager reference loss (joint only)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradient value -> tensor
+    seed: int | None = None  # the CPU generator's seed for the reference step (joint only)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def export_joint(
         tangents={_tangent_name(joint): torch.ones_like(loss)},
         loss=loss,
         grads={value: grads_by_input[index] for value, index in built.grad_sources.items()},
+        seed=seed,
     )
 
 
@@ -225,7 +227,8 @@ def write_reference(result: ExportResult, path: str | Path) -> None:
     """Writes weights, inputs, tangents and the reference loss and gradients as safetensors.
 
     Keys: ``param/<name>``, ``input/<name>``, ``tangent/<name>``, ``ref/loss``,
-    ``ref/grad/<gradient value name>``; every tensor is a contiguous CPU copy.
+    ``ref/grad/<gradient value name>``, ``rng/seed`` (see ``_generator_tensors``); every tensor
+    is a contiguous CPU copy.
     """
     from safetensors.torch import save_file
 
@@ -240,12 +243,21 @@ def write_reference(result: ExportResult, path: str | Path) -> None:
             tensors[f"{prefix}/{key}"] = tensor
     if result.loss is not None:
         tensors["ref/loss"] = result.loss
+    tensors.update(_generator_tensors(result))
     # Clones: safetensors refuses tensors that share storage (views, tied storage).
     contiguous = {
         key: t.detach().cpu().clone(memory_format=torch.contiguous_format)
         for key, t in tensors.items()
     }
     save_file(contiguous, str(path))
+
+
+def _generator_tensors(result: ExportResult) -> dict[str, torch.Tensor]:
+    """``rng/seed``: the seed of the CPU generator the reference step started from, so an
+    executor draws the same random numbers (dropout masks) as the reference did."""
+    if result.seed is None:
+        return {}
+    return {"rng/seed": torch.tensor(result.seed, dtype=torch.int64)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -368,8 +368,10 @@ def test_reference_file_layout(decoder, tmp_path):
     tensors = load_file(str(tmp_path / "ref.safetensors"))
     expected = {f"param/{k}" for k in result.params} | {f"input/{k}" for k in result.inputs}
     expected |= {f"ref/grad/{k}" for k in result.grads} | {"tangent/tangents_1", "ref/loss"}
+    expected |= {"rng/seed"}
     assert set(tensors) == expected
     assert torch.equal(tensors["ref/loss"], result.loss)
+    assert tensors["rng/seed"].item() == result.seed == 0
     assert torch.equal(tensors["input/input.0"], result.inputs["input.0"])
 
 

@@ -32,7 +32,14 @@ from tolerance import assert_tensor_close, assert_tensors_close
 from recompute_planner.export import write_graph, write_reference
 from recompute_planner.proto import graph_pb2
 from recompute_planner.zoo import make_inputs
-from recompute_planner.zoo.goldens import GOLDENS, export_rank, golden, trace_graph_bytes
+from recompute_planner.zoo.goldens import (
+    GOLDENS,
+    export_rank,
+    golden,
+    rank_path,
+    reference_path,
+    trace_graph_bytes,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_GOLDEN_BYTES = 300_000
@@ -112,7 +119,61 @@ def test_reference_exported_with_other_cpu_kernels_is_within_tolerance(tmp_path)
     assert_tensors_close(fresh, committed)
 
 
-@by_name([g.name for g in GOLDENS if g.world_size > 1])
+MULTI_RANK = [g.name for g in GOLDENS if g.world_size > 1]
+
+
+@by_name(MULTI_RANK)
+def test_every_rank_has_its_own_small_reference(name):
+    """The runtime runs each rank on its own tensors: `NAME.rank<r>.safetensors` beside rank 0's,
+    with the same keys."""
+    keys = set(committed_reference(name))
+    for rank in range(1, golden(name).world_size):
+        path = reference_path(GOLDEN_DIR, name, rank)
+        assert path.is_file(), "run python python/export_goldens.py"
+        assert path.stat().st_size < MAX_GOLDEN_BYTES
+        assert set(load_file(path)) == keys, path.name
+
+
+@by_name(MULTI_RANK)
+def test_other_ranks_hold_their_own_weights_and_inputs(name):
+    """Rank r's weights (within tolerance) and inputs (exactly) are those rank r's model and
+    data make; its gradients need real ranks to recompute."""
+    gold = golden(name)
+    for rank in range(1, gold.world_size):
+        reference = load_file(reference_path(GOLDEN_DIR, name, rank))
+        model = gold.entry.build(rank=rank)
+        for param_name, param in model.named_parameters():
+            assert_tensor_close(param_name, param.detach(), reference[f"param/{param_name}"])
+        cfg = gold.entry.config.for_rank(gold.world_size, rank)
+        for index, tensor in enumerate(make_inputs(cfg)):
+            assert_tensor_close(f"input.{index}", tensor, reference[f"input/input.{index}"])
+
+
+@by_name(MULTI_RANK)
+def test_a_rank_has_its_own_graph_exactly_when_its_graph_differs_from_rank0(name):
+    """Sequence-parallel (DSA) ranks bake their own sequence positions into their graphs, so
+    each has `NAME.rank<r>.pb`; other models' ranks run rank 0's graph."""
+    gold = golden(name)
+    for rank in range(1, gold.world_size):
+        path = rank_path(GOLDEN_DIR, name, rank, "pb")
+        assert path.is_file() == gold.entry.config.uses_dsa, path.name
+        if path.is_file():
+            own = load_graph(path)
+            assert own.metadata.rank == rank
+            own.metadata.rank = 0
+            assert own.SerializeToString(deterministic=True) != graph_of(name).SerializeToString(
+                deterministic=True
+            )
+
+
+@by_name(JOINT)
+def test_the_reference_records_the_generator_seed(name):
+    """`rng/seed` lets an executor draw the reference step's random numbers (dropout masks)."""
+    seed = committed_reference(name)["rng/seed"]
+    assert seed.dtype == torch.int64 and seed.dim() == 0
+
+
+@by_name(MULTI_RANK)
 def test_multi_rank_reference_holds_rank0_weights_and_inputs(name):
     """Weights (within tolerance) and inputs (exactly) of rank 0 are current; the gradients
     need real ranks to recompute."""

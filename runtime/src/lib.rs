@@ -1,4 +1,25 @@
-//! Executes recompute plans with libtorch through tch (SPEC §6). This is the only crate of the
-//! workspace that links libtorch.
+//! Executes recompute plans with libtorch: forward, the plan's replay subgraphs and backward,
+//! one training step per rank, collectives through a communicator, and the checks that prove a
+//! plan (bit-identical results, measured memory, op counts). This is the only crate of the
+//! workspace that links libtorch; it reads the plan's typed form ([`ir::plan::Plan`]) and never
+//! the planner's internals.
 
+pub mod check;
+pub mod comm;
+pub mod exec;
+pub mod ffi;
+pub mod fingerprint;
+pub mod inputs;
+pub mod memory;
+pub mod program;
+pub mod rng;
+pub mod run;
+pub mod schedule;
 pub mod tensor;
+
+pub use tch::Device;
+
+/// Whether libtorch sees a CUDA device.
+pub fn cuda_available() -> bool {
+    tch::Cuda::is_available()
+}

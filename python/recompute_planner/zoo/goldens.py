@@ -1,10 +1,12 @@
-"""The golden graphs: rank 0 of every zoo model as `NAME.pb` plus `NAME.safetensors`.
+"""The golden graphs: rank 0 of every zoo model as `NAME.pb` plus `NAME.safetensors`, and for
+a multi-rank model every other rank's tensors as `NAME.rank<r>.safetensors` (and its graph as
+`NAME.rank<r>.pb` where it differs from rank 0's in more than the rank number).
 
 Graphs are traced in this process; an expert-parallel model is traced as rank 0 of a fake
 process group, which exchanges no real data. The reference tensors (weights, inputs, tangents,
 PyTorch's loss and gradients) must be real, so for a multi-rank model the whole export runs on
-real gloo ranks, one process per rank, each exporting its own rank's step; rank 0's reference is
-kept, and its graph must be byte-identical to the fake-group trace (checked).
+real gloo ranks, one process per rank, each exporting its own rank's step and tensors; rank 0's
+graph must be byte-identical to the fake-group trace (checked).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import ContextManager
 
 from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
+from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
 from .distributed import fake_process_group, run_on_ranks
 
@@ -74,18 +77,34 @@ def trace_graph_bytes(gold: Golden) -> bytes:
         return export_rank(gold).graph.SerializeToString(deterministic=True)
 
 
+def rank_path(out_dir: Path, name: str, rank: int, extension: str) -> Path:
+    """Where rank `rank`'s file goes: `NAME.EXT` for rank 0, `NAME.rank<r>.EXT` beside it for
+    the others (the runtime reads them from there)."""
+    suffix = "" if rank == 0 else f".rank{rank}"
+    return out_dir / f"{name}{suffix}.{extension}"
+
+
+def reference_path(out_dir: Path, name: str, rank: int = 0) -> Path:
+    """Rank `rank`'s tensors: weights, inputs, tangents and reference."""
+    return rank_path(out_dir, name, rank, "safetensors")
+
+
 def write_golden(result: ExportResult, out_dir: Path) -> None:
     """Writes `NAME.pb` and `NAME.safetensors` for an export result."""
     write_graph(result.graph, out_dir / f"{result.graph.name}.pb")
-    write_reference(result, out_dir / f"{result.graph.name}.safetensors")
+    write_reference(result, reference_path(out_dir, result.graph.name))
 
 
 def _export_on_rank(world_size: int, rank: int, names: list[str], out_dir: str) -> None:
-    """Body of one real rank: exports each golden's step; rank 0 writes the files."""
+    """Body of one real rank: exports each golden's step; rank 0 writes the graph, every rank
+    its own tensors (weights, inputs and reference), so each rank of a run computes its shard."""
     for name in names:
         result = export_rank(golden(name), rank)
         if rank == 0:
             write_golden(result, Path(out_dir))
+        else:
+            write_graph(result.graph, rank_path(Path(out_dir), name, rank, "pb"))
+            write_reference(result, reference_path(Path(out_dir), name, rank))
 
 
 def export_goldens(names: list[str], out_dir: Path) -> None:
@@ -106,6 +125,25 @@ def export_goldens(names: list[str], out_dir: Path) -> None:
             run_on_ranks(world_size, _export_on_rank, group, str(out_dir))
             for name in group:
                 _check_fake_trace_matches(golden(name), out_dir)
+                _drop_rank_graphs_like_rank0(name, world_size, out_dir)
+
+
+def _drop_rank_graphs_like_rank0(name: str, world_size: int, out_dir: Path) -> None:
+    """Keeps `NAME.rank<r>.pb` only where rank r's graph differs from rank 0's in more than
+    its rank number (sequence-parallel positions are baked into each rank's graph): the other
+    ranks run rank 0's graph on their own tensors."""
+    rank0 = _without_rank(rank_path(out_dir, name, 0, "pb").read_bytes())
+    for rank in range(1, world_size):
+        path = rank_path(out_dir, name, rank, "pb")
+        if _without_rank(path.read_bytes()) == rank0:
+            path.unlink()
+
+
+def _without_rank(graph_bytes: bytes) -> bytes:
+    """A graph's bytes with its metadata's rank cleared."""
+    graph = graph_pb2.Graph.FromString(graph_bytes)
+    graph.metadata.rank = 0
+    return graph.SerializeToString(deterministic=True)
 
 
 def _check_fake_trace_matches(gold: Golden, out_dir: Path) -> None:

@@ -1,0 +1,572 @@
+//! `planner run`: executes a plan with the runtime (libtorch) and reports what it measured.
+//! Built only with the `run` feature, the one part of the binary that links libtorch.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use ir::{
+    plan::{Decision, Plan, Stage},
+    Graph, NodeId,
+};
+use planner::{
+    config::{self, PlanConfig},
+    plan,
+    units::{format_bytes, format_seconds},
+};
+use runtime::{
+    check,
+    exec::{Fault, FaultKind},
+    program,
+    run::{self, RankJob, RankReport, RunConfig, RunReport, VariantRun},
+};
+use serde_json::{json, Value as Json};
+
+use crate::{
+    args::{Planning, SummaryFormat},
+    output::Output,
+    report_errors, Failure,
+};
+
+#[derive(clap::Args)]
+pub(crate) struct RunArgs {
+    /// Graph file (`.pb` or `.json`) of a joint (forward+backward) or forward graph
+    graph: PathBuf,
+    /// A plan made for this graph (`.json` or `.pb`); without it the step is planned here
+    /// from the planning flags
+    #[arg(
+        long,
+        value_name = "PLAN",
+        conflicts_with_all = ["keep", "recompute_ratio", "collectives", "random_ops"]
+    )]
+    plan: Option<PathBuf>,
+    /// Units to keep (as for `planner plan`): `none` (default), `all`, or unit names
+    #[arg(long, value_name = "UNITS")]
+    keep: Vec<String>,
+    #[command(flatten)]
+    planning: Planning,
+    /// `cpu`, `cuda` or `cuda:N` (with several ranks on CUDA, rank r uses the r-th GPU after N)
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Ranks to run as threads of this process (default: the graph's world size)
+    #[arg(long, value_name = "N")]
+    ranks: Option<usize>,
+    /// Also run without checkpointing and with whole-layer recompute: results must be
+    /// bit-identical (CPU) and within tolerance of PyTorch's reference
+    #[arg(long)]
+    check: bool,
+    #[arg(long, value_enum, default_value_t = SummaryFormat::Text)]
+    format: SummaryFormat,
+    /// Rank 0's weights, inputs and tangents (default: the graph's `.safetensors` twin); rank r
+    /// reads `STEM.rank<r>.safetensors` beside it
+    #[arg(long, value_name = "FILE")]
+    inputs: Option<PathBuf>,
+    /// Fill inputs the safetensors file does not hold from this seed
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Seconds a rank waits in a collective before it declares the others failed
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    timeout: f64,
+    /// Inject a failure to test fault handling: `fail:RANK:COLLECTIVE` or
+    /// `stall:RANK:COLLECTIVE:SECONDS` (before that rank's COLLECTIVE-th collective, from 0)
+    #[arg(long, value_name = "FAULT", hide = true)]
+    inject_fault: Option<String>,
+}
+
+pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
+    let device = parse_device(&args.device)?;
+    let fault = args.inject_fault.as_deref().map(parse_fault).transpose()?;
+    let timeout = Duration::try_from_secs_f64(args.timeout)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .ok_or_else(|| {
+            format!(
+                "--timeout must be a positive number of seconds, got {}",
+                args.timeout
+            )
+        })?;
+    let planning = planning_config(&args)?;
+    let config = RunConfig {
+        device,
+        seed: args.seed,
+        check: args.check,
+        timeout,
+        fault,
+    };
+    let jobs = rank_jobs(&args, &planning)?;
+    let (graph, plan) = (Arc::clone(&jobs[0].graph), Arc::clone(&jobs[0].plan));
+    let report = execute(jobs, &config)?;
+    let text = match args.format {
+        SummaryFormat::Text => text(&report, &graph, &plan),
+        SummaryFormat::Json => {
+            let mut s = serde_json::to_string_pretty(&json_report(&report, &graph, &plan))
+                .map_err(|e| format!("cannot serialise the report: {e}"))?;
+            s.push('\n');
+            s
+        }
+    };
+    Output::stdout().write(text.as_bytes())?;
+    match report.first_failure() {
+        Some(failure) => Err(Failure::Error(format!("check failed: {failure}"))),
+        None => Ok(()),
+    }
+}
+
+/// One job per rank. Rank r runs its own graph `STEM.rank<r>.pb` where one lies beside the
+/// graph (ranks whose graphs differ, e.g. by the sequence positions each rank holds), with its
+/// own plan (`--plan`'s `STEM.rank<r>.EXT`, or planned here), else rank 0's graph and plan;
+/// every rank reads its own tensors (`STEM.rank<r>.safetensors` beside rank 0's).
+fn rank_jobs(args: &RunArgs, planning: &PlanConfig) -> Result<Vec<RankJob>, Failure> {
+    let load = |path: &Path| ir::io::load(path).map_err(|e| e.to_string());
+    let first = Arc::new(load(&args.graph)?);
+    let ranks = world_size(&first, args.ranks)?;
+    let inputs = args
+        .inputs
+        .clone()
+        .unwrap_or_else(|| runtime::inputs::twin(&args.graph));
+    let mut jobs: Vec<RankJob> = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let own = rank_file(&args.graph, rank);
+        let job = match (&own, jobs.first()) {
+            (None, Some(rank0)) => rank0.clone(),
+            _ => {
+                let graph = match &own {
+                    Some(path) => Arc::new(load(path)?),
+                    None => Arc::clone(&first),
+                };
+                let plan = match &args.plan {
+                    Some(path) => read_rank_plan(path, rank, own.is_some(), &graph)?,
+                    None => make_plan(&graph, planning, args.planning.hw.as_deref())?,
+                };
+                let whole_layer = (args.check && plan.joint)
+                    .then(|| make_plan(&graph, &PlanConfig::default(), None))
+                    .transpose()?;
+                RankJob {
+                    graph,
+                    plan: Arc::new(plan),
+                    whole_layer: whole_layer.map(Arc::new),
+                    inputs: inputs.clone(),
+                }
+            }
+        };
+        jobs.push(job);
+    }
+    Ok(jobs)
+}
+
+/// Rank `rank`'s own file beside `path` (`STEM.rank<r>.EXT`), if there is one.
+fn rank_file(path: &Path, rank: usize) -> Option<PathBuf> {
+    (rank > 0)
+        .then(|| runtime::inputs::rank_path(path, rank))
+        .filter(|p| p.exists())
+}
+
+/// The plan of a rank: `--plan` itself, or `STEM.rank<r>.EXT` for a rank with its own graph.
+fn read_rank_plan(
+    path: &Path,
+    rank: usize,
+    own_graph: bool,
+    graph: &Graph,
+) -> Result<Plan, String> {
+    let path = if own_graph {
+        runtime::inputs::rank_path(path, rank)
+    } else {
+        path.to_owned()
+    };
+    Plan::read_for(&path, graph).map_err(|e| {
+        let whose = if own_graph {
+            format!(" (rank {rank} runs its own graph `{}`)", graph.name())
+        } else {
+            String::new()
+        };
+        format!("{}{whose}: {e}", path.display())
+    })
+}
+
+/// Runs the ranks: threads over the loopback communicator on the CPU; on CUDA, NCCL ranks as
+/// threads (one GPU each), or this process's rank of a job launched like PyTorch's (`RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set, as `torchrun` does).
+fn execute(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, String> {
+    let ranks = jobs.len();
+    let runtime::Device::Cuda(base) = config.device else {
+        return run::run_loopback(jobs, config).map_err(|e| e.to_string());
+    };
+    if !runtime::cuda_available() {
+        return Err("--device cuda: no CUDA device is available".to_owned());
+    }
+    match launcher()? {
+        None => run::run_nccl_threads(jobs, config).map_err(|e| e.to_string()),
+        Some(launch) => {
+            if launch.world != ranks {
+                return Err(format!(
+                    "WORLD_SIZE is {} but the run has {ranks} rank(s)",
+                    launch.world
+                ));
+            }
+            let device = runtime::Device::Cuda(base + launch.local_rank);
+            let job = jobs
+                .into_iter()
+                .nth(launch.rank)
+                .ok_or_else(|| format!("RANK={} is not below WORLD_SIZE", launch.rank))?;
+            run::run_nccl_process(job, launch.rank, launch.world, device, launch.hub, config)
+                .map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// This process's place in a job launched like PyTorch's.
+struct Launch {
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    /// `MASTER_ADDR`, one port above `MASTER_PORT` (torchrun's own store holds that one).
+    hub: std::net::SocketAddr,
+}
+
+/// `None` unless `RANK` and `WORLD_SIZE` are set.
+fn launcher() -> Result<Option<Launch>, String> {
+    let var = |name: &str| std::env::var(name).ok();
+    let (Some(rank), Some(world)) = (var("RANK"), var("WORLD_SIZE")) else {
+        return Ok(None);
+    };
+    let number = |name: &str, text: Option<String>| -> Result<usize, String> {
+        let text = text.ok_or_else(|| format!("{name} is not set"))?;
+        text.parse()
+            .map_err(|_| format!("{name}=`{text}` is not a number"))
+    };
+    let port: u16 = number("MASTER_PORT", var("MASTER_PORT"))?
+        .try_into()
+        .map_err(|_| "MASTER_PORT is not a port".to_owned())?;
+    let address = var("MASTER_ADDR").ok_or("MASTER_ADDR is not set")?;
+    let hub = std::net::ToSocketAddrs::to_socket_addrs(&(address.as_str(), port.wrapping_add(1)))
+        .map_err(|e| format!("MASTER_ADDR `{address}`: {e}"))?
+        .next()
+        .ok_or_else(|| format!("MASTER_ADDR `{address}` resolves to nothing"))?;
+    Ok(Some(Launch {
+        rank: number("RANK", Some(rank))?,
+        world: number("WORLD_SIZE", Some(world))?,
+        local_rank: var("LOCAL_RANK").map_or(Ok(0), |l| number("LOCAL_RANK", Some(l)))?,
+        hub,
+    }))
+}
+
+fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
+    Ok(PlanConfig {
+        keep: config::parse_keep(&args.keep).map_err(|e| e.to_string())?,
+        ..args.planning.config()
+    })
+}
+
+fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Plan, Failure> {
+    let hw = crate::load_hw(hw)?;
+    let plan = plan::plan(graph, config, &hw).map_err(|e| e.to_string())?;
+    if plan.has_errors() {
+        report_errors(&plan);
+        return Err(Failure::Status(1));
+    }
+    Ok(plan)
+}
+
+/// `--ranks`, or the world size the graph was exported for; they must agree.
+fn world_size(graph: &Graph, ranks: Option<usize>) -> Result<usize, String> {
+    let exported = graph.metadata().world_size.max(1) as usize;
+    match ranks {
+        None => Ok(exported),
+        Some(0) => Err("--ranks must be at least 1".to_owned()),
+        Some(n) if n == exported => Ok(n),
+        Some(n) => Err(format!(
+            "graph `{}` was exported for {exported} rank(s); it cannot run on --ranks {n}",
+            graph.name()
+        )),
+    }
+}
+
+fn parse_device(text: &str) -> Result<runtime::Device, String> {
+    program::parse_device(text)
+        .ok_or_else(|| format!("--device must be `cpu`, `cuda` or `cuda:N`, not `{text}`"))
+}
+
+fn parse_fault(text: &str) -> Result<Fault, String> {
+    let bad =
+        || format!("--inject-fault takes `fail:RANK:N` or `stall:RANK:N:SECONDS`, not `{text}`");
+    let parts: Vec<&str> = text.split(':').collect();
+    let number = |i: usize| -> Result<u64, String> {
+        parts.get(i).and_then(|p| p.parse().ok()).ok_or_else(bad)
+    };
+    let kind = match (parts.first().copied(), parts.len()) {
+        (Some("fail"), 3) => FaultKind::Fail,
+        (Some("stall"), 4) => {
+            let seconds: f64 = parts[3].parse().map_err(|_| bad())?;
+            FaultKind::Stall(Duration::try_from_secs_f64(seconds).map_err(|_| bad())?)
+        }
+        _ => return Err(bad()),
+    };
+    Ok(Fault {
+        rank: number(1)? as usize,
+        before_collective: number(2)?,
+        kind,
+    })
+}
+
+/// Signed difference of `measured` from `predicted`, in percent.
+fn diff_percent(measured: u64, predicted: u64) -> Option<f64> {
+    (predicted > 0).then(|| (measured as f64 - predicted as f64) / predicted as f64 * 100.0)
+}
+
+/// Per op, how many times it ran in `stage`, most first.
+fn ops_in(graph: &Graph, run: &VariantRun, stage: Stage) -> Vec<(String, u64)> {
+    let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
+    for (id, node) in graph.nodes().iter() {
+        let n = u64::from(run.counts.of(id, stage));
+        if n > 0 {
+            *counts.entry(node.op.as_str()).or_default() += n;
+        }
+    }
+    let mut out: Vec<(String, u64)> = counts.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    out
+}
+
+/// The forward nodes the plan keeps (decision save), per unit name (`-` for none).
+fn kept_nodes(plan: &Plan, graph: &Graph) -> Vec<(String, Vec<NodeId>)> {
+    let mut by_unit: std::collections::BTreeMap<String, Vec<NodeId>> = Default::default();
+    for d in plan.nodes.iter().filter(|d| d.decision == Decision::Save) {
+        let unit = d
+            .unit
+            .map(|u| graph.model(d.model).units[u].name.clone())
+            .unwrap_or_else(|| "-".to_owned());
+        by_unit.entry(unit).or_default().push(d.node);
+    }
+    by_unit.into_iter().collect()
+}
+
+fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
+    let mut out = String::new();
+    let device = report
+        .ranks
+        .first()
+        .map_or_else(String::new, |r| program::device_name(r.device));
+    out += &format!(
+        "run: {} on {device}, {} rank(s) ({}), keep {}\n",
+        report.graph,
+        report.ranks.len(),
+        report.communicator,
+        keep_text(plan)
+    );
+    out += &format!(
+        "  graph structure {}, plan {}: agreed by every rank\n",
+        report.structure, report.plan
+    );
+    for rank in &report.ranks {
+        rank_text(&mut out, rank, graph, plan, report.check);
+    }
+    out
+}
+
+fn keep_text(plan: &Plan) -> String {
+    let names = plan.config.keep.names();
+    let keep = if names.is_empty() {
+        "none".to_owned()
+    } else {
+        names.join(",")
+    };
+    format!(
+        "{keep}, recompute ratio {}, collectives {}",
+        plan.config.recompute_ratio, plan.config.collectives
+    )
+}
+
+fn rank_text(out: &mut String, rank: &RankReport, graph: &Graph, plan: &Plan, check: bool) {
+    *out += &format!("\nrank {}\n", rank.rank);
+    *out += &format!(
+        "  {:<14} {:>8} {:>7} {:>9}   {:>26}   {:>26}  {:>7}  {:>10}\n",
+        "step", "forward", "replay", "backward", "measured peak", "predicted peak", "diff", "time"
+    );
+    for run in &rank.runs {
+        let predicted = run
+            .predicted_peak_bytes
+            .map_or_else(|| "-".to_owned(), format_bytes);
+        let diff = run
+            .predicted_peak_bytes
+            .and_then(|p| diff_percent(run.measured_peak_bytes, p))
+            .map_or_else(|| "-".to_owned(), |d| format!("{d:+.1}%"));
+        *out += &format!(
+            "  {:<14} {:>8} {:>7} {:>9}   {:>26}   {:>26}  {:>7}  {:>10}\n",
+            run.variant.name(),
+            run.counts.total(Stage::Forward),
+            run.counts.total(Stage::Replay),
+            run.counts.total(Stage::Backward),
+            format_bytes(run.measured_peak_bytes),
+            predicted,
+            diff,
+            format_seconds(run.seconds)
+        );
+        if let Some(peak) = run.allocator_peak_bytes {
+            *out += &format!(
+                "  {:<14} CUDA caching allocator peak: {}\n",
+                "",
+                format_bytes(peak)
+            );
+        }
+    }
+    if let Some(run) = rank.runs.first() {
+        let replayed = ops_in(graph, run, Stage::Replay);
+        *out += &format!("  replayed ops: {}\n", top_ops(&replayed, 8));
+        for (unit, nodes) in kept_nodes(plan, graph) {
+            let replays = run::replayed(&run.counts, nodes.iter().copied());
+            *out += &format!(
+                "  kept by {unit}: {} ops ({}), run in replay {replays} times\n",
+                nodes.len(),
+                op_summary(graph, &nodes)
+            );
+        }
+    }
+    if !check {
+        return;
+    }
+    let others: Vec<&str> = rank.runs[1..].iter().map(|r| r.variant.name()).collect();
+    let differing: Vec<&str> = rank
+        .tensors
+        .iter()
+        .filter(|t| t.identical.iter().any(|(_, same)| !same))
+        .map(|t| t.name.as_str())
+        .collect();
+    *out += &if differing.is_empty() {
+        format!(
+            "  parity: all {} outputs (loss, gradients) bit-identical to {}\n",
+            rank.tensors.len(),
+            others.join(" and ")
+        )
+    } else {
+        format!("  parity: FAILED, differing: {}\n", differing.join(", "))
+    };
+    match &rank.reference_skipped {
+        Some(why) => *out += &format!("  reference: not compared ({why})\n"),
+        None => {
+            *out += &format!(
+                "  reference (PyTorch): |a - e| <= {:e} + {:e}·|e| per element\n",
+                check::ATOL,
+                check::RTOL
+            );
+            for t in &rank.tensors {
+                let Some(e) = t.reference else {
+                    *out += &format!("    {:<40} no reference\n", t.name);
+                    continue;
+                };
+                *out += &format!(
+                    "    {:<40} max abs {:.2e}  max rel {:.2e}  {}\n",
+                    t.name,
+                    e.max_abs,
+                    e.max_rel,
+                    if e.within { "ok" } else { "FAILED" }
+                );
+            }
+        }
+    }
+}
+
+/// The `limit` most frequent ops (`aten.mm.default ×12, ... (+3 more)`), or `none`.
+fn top_ops(counts: &[(String, u64)], limit: usize) -> String {
+    if counts.is_empty() {
+        return "none".to_owned();
+    }
+    let mut text: Vec<String> = counts
+        .iter()
+        .take(limit)
+        .map(|(op, n)| format!("{op} ×{n}"))
+        .collect();
+    if counts.len() > limit {
+        text.push(format!("(+{} more ops)", counts.len() - limit));
+    }
+    text.join(", ")
+}
+
+/// `aten.topk.default ×2, aten.mm.default ×1`
+fn op_summary(graph: &Graph, nodes: &[NodeId]) -> String {
+    let mut counts: std::collections::BTreeMap<&str, u64> = Default::default();
+    for &n in nodes {
+        *counts.entry(graph.node(n).op.as_str()).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .map(|(op, n)| format!("{op} ×{n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn json_report(report: &RunReport, graph: &Graph, plan: &Plan) -> Json {
+    json!({
+        "graph": {"name": report.graph, "structure": report.structure},
+        "plan": {"fingerprint": report.plan, "keep": plan.config.keep.names(),
+                 "recompute_ratio": plan.config.recompute_ratio,
+                 "collectives": plan.config.collectives.name()},
+        "check": report.check,
+        "tolerance": {"atol": check::ATOL, "rtol": check::RTOL},
+        "passed": report.first_failure().is_none(),
+        "first_failure": report.first_failure(),
+        "ranks": report.ranks.iter().map(|r| rank_json(r, graph, plan)).collect::<Vec<_>>(),
+    })
+}
+
+fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan) -> Json {
+    let runs: Vec<Json> = rank
+        .runs
+        .iter()
+        .map(|run| {
+            let stage_ops = |stage| {
+                ops_in(graph, run, stage)
+                    .into_iter()
+                    .map(|(op, n)| json!({"op": op, "count": n}))
+                    .collect::<Vec<_>>()
+            };
+            json!({
+                "variant": run.variant.name(),
+                "ops": {"forward": run.counts.total(Stage::Forward),
+                        "replay": run.counts.total(Stage::Replay),
+                        "backward": run.counts.total(Stage::Backward)},
+                "replay_ops": stage_ops(Stage::Replay),
+                "measured_peak_bytes": run.measured_peak_bytes,
+                "predicted_peak_bytes": run.predicted_peak_bytes,
+                "peak_diff_percent": run.predicted_peak_bytes.and_then(|p| diff_percent(run.measured_peak_bytes, p)),
+                "allocator_peak_bytes": run.allocator_peak_bytes,
+                "seconds": run.seconds,
+            })
+        })
+        .collect();
+    let kept: Vec<Json> = match rank.runs.first() {
+        Some(run) => kept_nodes(plan, graph)
+            .into_iter()
+            .map(|(unit, nodes)| {
+                json!({"unit": unit, "kept_ops": nodes.len(),
+                       "replayed": run::replayed(&run.counts, nodes.iter().copied())})
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let tensors: Vec<Json> = rank
+        .tensors
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "identical": t.identical.iter().map(|(v, same)| json!({"variant": v.name(), "identical": same})).collect::<Vec<_>>(),
+                "reference": t.reference.map(|e| json!({"max_abs": finite(e.max_abs), "max_rel": finite(e.max_rel), "within": e.within})),
+            })
+        })
+        .collect();
+    json!({
+        "rank": rank.rank,
+        "device": program::device_name(rank.device),
+        "runs": runs,
+        "kept": kept,
+        "tensors": tensors,
+        "reference_skipped": rank.reference_skipped,
+    })
+}
+
+/// JSON has no infinity: a shape mismatch's error is written as null.
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}

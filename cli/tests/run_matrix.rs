@@ -1,0 +1,290 @@
+//! Every golden executes under the runtime with `--check` for every configuration the planner
+//! offers it, every rank on its own exported tensors: results bit-identical to no checkpointing
+//! and to whole-layer recompute, within tolerance of PyTorch's reference, measured peak within
+//! 5% of the prediction, and no op a plan keeps ever re-runs in replay.
+
+#![cfg(feature = "run")]
+
+use std::{sync::Arc, time::Duration};
+
+use ir::{
+    plan::{Collectives, Decision, Keep, Plan, RandomOps, Stage},
+    Graph, NodeId,
+};
+use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
+use runtime::{
+    run::{self, RankJob, RunConfig, RunReport, Variant},
+    Device,
+};
+
+/// How far a measured peak may be from the planner's prediction.
+const PEAK_TOLERANCE_PERCENT: f64 = 5.0;
+
+fn make_plan(graph: &Graph, config: &PlanConfig) -> Plan {
+    plan(graph, config, &HwProfile::default()).expect("the golden plans")
+}
+
+/// The configurations every golden runs under: `--keep none`, `all`, each declared unit the
+/// seeds name (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save`,
+/// `--recompute-ratio 0.5`, and `--keep all --random-ops replay` for a graph with random ops.
+fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
+    let base = PlanConfig::default();
+    let mut out = vec![
+        ("keep none".to_owned(), base.clone()),
+        (
+            "keep all".to_owned(),
+            PlanConfig {
+                keep: Keep::All,
+                ..base.clone()
+            },
+        ),
+    ];
+    for unit in ["SAVE_DSA_INDEXER", "SAVE_MOE_DISPATCH"] {
+        let declared = graph
+            .models()
+            .values()
+            .any(|m| m.units.values().any(|u| u.name == unit));
+        if declared {
+            out.push((
+                format!("keep {unit}"),
+                PlanConfig {
+                    keep: Keep::Units(vec![unit.to_owned()]),
+                    ..base.clone()
+                },
+            ));
+        }
+    }
+    out.push((
+        "collectives save".to_owned(),
+        PlanConfig {
+            collectives: Collectives::Save,
+            ..base.clone()
+        },
+    ));
+    out.push((
+        "recompute ratio 0.5".to_owned(),
+        PlanConfig {
+            recompute_ratio: 0.5,
+            ..base.clone()
+        },
+    ));
+    if graph.nodes().values().any(|n| n.effects.random) {
+        out.push((
+            "keep all, random ops replay".to_owned(),
+            PlanConfig {
+                keep: Keep::All,
+                random_ops: RandomOps::Replay,
+                ..base
+            },
+        ));
+    }
+    out
+}
+
+/// Rank `rank`'s graph: its own `NAME.rank<r>.pb` where the ranks' graphs differ, else rank 0's.
+fn rank_graph(golden: &str, rank: usize) -> Arc<Graph> {
+    let path = runtime::inputs::rank_path(&testkit::golden_graph(golden), rank);
+    let path = if path.exists() {
+        path
+    } else {
+        testkit::golden_graph(golden)
+    };
+    Arc::new(ir::io::load(&path).expect("the golden loads"))
+}
+
+/// Runs `config` planned on every rank's graph of `golden` with `--check`.
+fn run_checked(golden: &str, config: &PlanConfig) -> RunReport {
+    let ranks = rank_graph(golden, 0).metadata().world_size.max(1) as usize;
+    let jobs = (0..ranks)
+        .map(|rank| {
+            let graph = rank_graph(golden, rank);
+            let plan = make_plan(&graph, config);
+            let whole_layer = plan
+                .joint
+                .then(|| Arc::new(make_plan(&graph, &PlanConfig::default())));
+            RankJob {
+                graph,
+                plan: Arc::new(plan),
+                whole_layer,
+                inputs: testkit::golden_graph(golden).with_extension("safetensors"),
+            }
+        })
+        .collect();
+    let config = RunConfig {
+        device: Device::Cpu,
+        seed: None,
+        check: true,
+        timeout: Duration::from_secs(120),
+        fault: None,
+    };
+    run::run_loopback(jobs, &config).unwrap_or_else(|e| panic!("{golden}: the run fails:\n{e}"))
+}
+
+fn kept(plan: &Plan) -> Vec<NodeId> {
+    plan.nodes
+        .iter()
+        .filter(|d| d.decision == Decision::Save)
+        .map(|d| d.node)
+        .collect()
+}
+
+fn check_golden(golden: &str) {
+    let graph = rank_graph(golden, 0);
+    for (label, config) in configurations(&graph) {
+        let plan = make_plan(&graph, &config);
+        if plan.has_errors() {
+            // The one golden built to be refused: an in-place write of a kept tensor.
+            assert_eq!(
+                golden, "moe_ep2_inplace",
+                "{golden} / {label}: {:?}",
+                plan.diagnostics
+            );
+            continue;
+        }
+        let kept = kept(&plan);
+        let report = run_checked(golden, &config);
+        let context = format!("{golden} / {label}");
+        assert_eq!(report.first_failure(), None, "{context}");
+        for rank in &report.ranks {
+            if plan.joint {
+                assert_eq!(
+                    rank.reference_skipped, None,
+                    "{context}: compared with PyTorch"
+                );
+                assert!(
+                    rank.tensors.iter().all(|t| t.reference.is_some()),
+                    "{context}"
+                );
+            }
+            assert!(
+                rank.tensors
+                    .iter()
+                    .all(|t| t.identical.iter().all(|(_, same)| *same)),
+                "{context}"
+            );
+            for run in &rank.runs {
+                if let Some(predicted) = run.predicted_peak_bytes {
+                    let diff = (run.measured_peak_bytes as f64 - predicted as f64).abs()
+                        / predicted as f64
+                        * 100.0;
+                    assert!(
+                        diff <= PEAK_TOLERANCE_PERCENT,
+                        "{context}, rank {}, {}: measured {} vs predicted {predicted} bytes",
+                        rank.rank,
+                        run.variant.name(),
+                        run.measured_peak_bytes
+                    );
+                }
+            }
+            let plan_run = &rank.runs[0];
+            assert_eq!(plan_run.variant, Variant::Plan);
+            assert_eq!(
+                run::replayed(&plan_run.counts, kept.iter().copied()),
+                0,
+                "{context}: a kept op ran in replay"
+            );
+        }
+    }
+}
+
+macro_rules! goldens {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                check_golden(stringify!($name));
+            }
+        )*
+    };
+}
+
+goldens!(
+    dense,
+    dense_dropout,
+    dense_forward,
+    dsv3_kv_expand,
+    moe_hf_router,
+    moe_ep2,
+    moe_ep2_compiled,
+    moe_ep4,
+    moe_layer_compiled,
+    moe_domino,
+    moe_ep2_inplace,
+    moe_ep2_unbalanced,
+    glm_dsa_ep2,
+    glm_dsa_ep2_compiled,
+);
+
+/// With `--keep save_dsa_indexer` the indexer's `aten.topk` (kept by the unit) runs zero times
+/// in replay, where whole-layer recompute re-runs it in every layer.
+fn check_indexer_topk_is_not_replayed(golden: &str) {
+    let graph = rank_graph(golden, 0);
+    let config = PlanConfig {
+        keep: Keep::Units(vec!["SAVE_DSA_INDEXER".to_owned()]),
+        ..PlanConfig::default()
+    };
+    let plan = make_plan(&graph, &config);
+    let topk: Vec<NodeId> = plan
+        .nodes
+        .iter()
+        .filter(|d| {
+            d.unit
+                .is_some_and(|u| graph.model(d.model).units[u].name == "SAVE_DSA_INDEXER")
+                && graph.node(d.node).op == "aten.topk.default"
+        })
+        .map(|d| d.node)
+        .collect();
+    assert!(!topk.is_empty(), "{golden}: the indexer keeps its top-k");
+    let report = run_checked(golden, &config);
+    for rank in &report.ranks {
+        let count = |variant| {
+            let run = rank
+                .runs
+                .iter()
+                .find(|r| r.variant == variant)
+                .expect("ran");
+            run::replayed(&run.counts, topk.iter().copied())
+        };
+        assert_eq!(count(Variant::Plan), 0, "{golden}: indexer top-k replayed");
+        assert!(
+            count(Variant::WholeLayer) >= topk.len() as u64,
+            "{golden}: whole-layer recompute replays the indexer's top-k"
+        );
+        let plan_run = &rank.runs[0];
+        assert!(
+            plan_run.counts.total(Stage::Replay) > 0,
+            "{golden}: the rest replays"
+        );
+    }
+}
+
+#[test]
+fn indexer_topk_runs_zero_times_in_replay_with_save_dsa_indexer() {
+    check_indexer_topk_is_not_replayed("glm_dsa_ep2");
+    check_indexer_topk_is_not_replayed("glm_dsa_ep2_compiled");
+}
+
+#[test]
+fn dropout_replays_with_the_forward_generator_state_bit_for_bit() {
+    let graph = rank_graph("dense_dropout", 0);
+    let config = PlanConfig {
+        keep: Keep::All,
+        random_ops: RandomOps::Replay,
+        ..PlanConfig::default()
+    };
+    let dropouts: Vec<NodeId> = graph
+        .nodes()
+        .iter()
+        .filter(|(_, n)| n.op == "aten.native_dropout.default")
+        .map(|(id, _)| id)
+        .collect();
+    assert!(!dropouts.is_empty());
+    let report = run_checked("dense_dropout", &config);
+    assert_eq!(report.first_failure(), None);
+    let rank = &report.ranks[0];
+    assert!(run::replayed(&rank.runs[0].counts, dropouts.iter().copied()) > 0);
+    assert!(rank
+        .tensors
+        .iter()
+        .all(|t| t.identical.iter().all(|(_, same)| *same)));
+}

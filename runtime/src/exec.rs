@@ -1,0 +1,335 @@
+//! One rank runs one training step: the schedule's steps in order, each node's kernel on the
+//! copies of its inputs the schedule names, every copy freed after its last read.
+
+use std::time::{Duration, Instant};
+
+use ir::{plan::Stage, EntityId, NodeId, ValueId};
+use tch::{Device, Tensor};
+use thiserror::Error;
+
+use crate::{
+    comm::{CommError, Communicator, Site},
+    ffi,
+    inputs::RankInputs,
+    memory::LiveBytes,
+    program::{Kernel, Program},
+    rng::RankRng,
+    schedule::Schedule,
+};
+
+/// A failure injected into one rank, to prove that the others end with an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    /// Before this collective (counted from 0 on the rank).
+    pub before_collective: u64,
+    pub kind: FaultKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The rank fails with an error.
+    Fail,
+    /// The rank stops for this long before calling the collective.
+    Stall(Duration),
+}
+
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error("{stage} node `{node}` ({op}): {message}")]
+    Op {
+        stage: Stage,
+        node: String,
+        op: String,
+        message: String,
+    },
+    #[error("{stage} node `{node}`: {source}")]
+    Collective {
+        stage: Stage,
+        node: String,
+        source: CommError,
+    },
+    #[error("fault injected before {site}")]
+    Injected { site: String },
+}
+
+impl StepError {
+    /// Whether this error only reports another rank's failure (not this rank's own).
+    pub fn is_from_another_rank(&self) -> bool {
+        matches!(self, StepError::Collective { .. })
+    }
+}
+
+/// How many times each node ran in each stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpCounts {
+    /// Per node: forward, replay, backward.
+    per_node: Vec<[u32; 3]>,
+}
+
+impl OpCounts {
+    fn new(nodes: usize) -> OpCounts {
+        OpCounts {
+            per_node: vec![[0; 3]; nodes],
+        }
+    }
+
+    fn slot(stage: Stage) -> usize {
+        match stage {
+            Stage::Forward => 0,
+            Stage::Replay => 1,
+            Stage::Backward => 2,
+        }
+    }
+
+    fn count(&mut self, stage: Stage, node: NodeId) {
+        self.per_node[node.index()][Self::slot(stage)] += 1;
+    }
+
+    /// How many times `node` ran in `stage`.
+    pub fn of(&self, node: NodeId, stage: Stage) -> u32 {
+        self.per_node
+            .get(node.index())
+            .map_or(0, |c| c[Self::slot(stage)])
+    }
+
+    /// Ops run in `stage`, all nodes together.
+    pub fn total(&self, stage: Stage) -> u64 {
+        self.per_node
+            .iter()
+            .map(|c| u64::from(c[Self::slot(stage)]))
+            .sum()
+    }
+}
+
+/// What one rank's step produced.
+#[derive(Debug)]
+pub struct StepResult {
+    /// The graph's outputs (loss, gradients), in the graph's output order.
+    pub outputs: Vec<(ValueId, Tensor)>,
+    /// Peak bytes of the storages the runtime held (parameters excluded).
+    pub peak_bytes: u64,
+    /// CUDA only: the caching allocator's peak during the step, parameters excluded.
+    pub allocator_peak_bytes: Option<u64>,
+    pub counts: OpCounts,
+    /// Wall time of the step (on CUDA, until the device finished).
+    pub seconds: f64,
+}
+
+/// Runs one step on this rank.
+pub fn run_step(
+    program: &Program<'_>,
+    schedule: &Schedule,
+    inputs: &RankInputs,
+    comm: &mut dyn Communicator,
+    rng: &mut RankRng,
+    fault: Option<Fault>,
+) -> Result<StepResult, StepError> {
+    let graph = program.graph();
+    let device = program.device();
+    let n = graph.values().len();
+    let mut env = Env {
+        copies: [empty(n), empty(n), empty(n)],
+        memory: LiveBytes::default(),
+    };
+    let mut resident_bytes = 0u64;
+    for (id, tensor) in &inputs.values {
+        if graph.value(*id).role == ir::Role::Parameter {
+            env.memory.resident(tensor);
+            resident_bytes += ffi::storage(tensor).map_or(0, |(_, b)| b);
+        }
+        env.put(Slot(Stage::Forward, *id), tensor.shallow_clone());
+    }
+    let allocator = matches!(device, Device::Cuda(_));
+    if allocator {
+        ffi::synchronize(device).map_err(|m| op_error(program, Stage::Forward, None, m))?;
+        ffi::cuda_reset_peak(device).map_err(|m| op_error(program, Stage::Forward, None, m))?;
+    }
+    let started = Instant::now();
+    let mut counts = OpCounts::new(graph.nodes().len());
+    let mut collectives = 0u64;
+    for (step, &(stage, id)) in schedule.steps().iter().enumerate() {
+        let node = graph.node(id);
+        let inputs: Vec<&Tensor> = node
+            .inputs
+            .iter()
+            .zip(schedule.reads(step))
+            .map(|(&v, &copy)| env.get(Slot(copy, v)))
+            .collect::<Option<_>>()
+            .ok_or_else(|| {
+                op_error(
+                    program,
+                    stage,
+                    Some(id),
+                    "an input was freed before its last read".into(),
+                )
+            })?;
+        let outputs = match program.kernel(id) {
+            Kernel::Identity => inputs
+                .first()
+                .map(|t| vec![t.shallow_clone()])
+                .unwrap_or_default(),
+            Kernel::Aten(call) if node.effects.random => rng
+                .run(stage, id, || call.run(&inputs, node.outputs.len()))
+                .map_err(|m| op_error(program, stage, Some(id), m))?,
+            Kernel::Aten(call) => call
+                .run(&inputs, node.outputs.len())
+                .map_err(|m| op_error(program, stage, Some(id), m))?,
+            Kernel::Collective(collective) => {
+                let site = Site {
+                    seq: collectives,
+                    op: collective.name(),
+                    node: node.name.to_string(),
+                };
+                collectives += 1;
+                inject(fault, comm.rank(), &site)?;
+                let input = inputs.first().copied().ok_or_else(|| {
+                    op_error(
+                        program,
+                        stage,
+                        Some(id),
+                        "a collective needs an input".into(),
+                    )
+                })?;
+                vec![comm.run(&site, collective, input).map_err(|source| {
+                    StepError::Collective {
+                        stage,
+                        node: node.name.to_string(),
+                        source,
+                    }
+                })?]
+            }
+        };
+        if outputs.len() != node.outputs.len() {
+            let message = format!(
+                "the op returned {} tensors, the node has {} outputs",
+                outputs.len(),
+                node.outputs.len()
+            );
+            return Err(op_error(program, stage, Some(id), message));
+        }
+        for (&v, tensor) in node.outputs.iter().zip(&outputs) {
+            check_output(graph.value(v), tensor)
+                .map_err(|m| op_error(program, stage, Some(id), m))?;
+        }
+        counts.count(stage, id);
+        for (&v, tensor) in node.outputs.iter().zip(outputs) {
+            env.put(Slot(stage, v), tensor);
+        }
+        env.memory.sample();
+        for slot in schedule.frees(step) {
+            env.take(Slot(slot.copy, slot.value));
+        }
+    }
+    if allocator {
+        ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let allocator_peak_bytes = if allocator {
+        let peak = ffi::cuda_peak_allocated(device)
+            .map_err(|m| op_error(program, Stage::Backward, None, m))?;
+        Some(peak.saturating_sub(resident_bytes))
+    } else {
+        None
+    };
+    let outputs = schedule
+        .outputs()
+        .iter()
+        .filter_map(|slot| {
+            env.get(Slot(slot.copy, slot.value))
+                .map(|t| (slot.value, t.shallow_clone()))
+        })
+        .collect();
+    Ok(StepResult {
+        outputs,
+        peak_bytes: env.memory.peak(),
+        allocator_peak_bytes,
+        counts,
+        seconds,
+    })
+}
+
+fn inject(fault: Option<Fault>, rank: usize, site: &Site) -> Result<(), StepError> {
+    match fault {
+        Some(f) if f.rank == rank && f.before_collective == site.seq => match f.kind {
+            FaultKind::Fail => Err(StepError::Injected {
+                site: site.to_string(),
+            }),
+            FaultKind::Stall(pause) => {
+                std::thread::sleep(pause);
+                Ok(())
+            }
+        },
+        _ => Ok(()),
+    }
+}
+
+fn op_error(
+    program: &Program<'_>,
+    stage: Stage,
+    node: Option<NodeId>,
+    message: String,
+) -> StepError {
+    let node = node.map(|id| program.graph().node(id));
+    StepError::Op {
+        stage,
+        node: node.map_or_else(|| "-".to_owned(), |n| n.name.to_string()),
+        op: node.map_or_else(|| "device".to_owned(), |n| n.op.to_string()),
+        message,
+    }
+}
+
+/// A value copy: the stage that made it and the value.
+#[derive(Clone, Copy)]
+struct Slot(Stage, ValueId);
+
+/// The tensors the rank holds, by copy, with their storages counted.
+struct Env {
+    copies: [Vec<Option<Tensor>>; 3],
+    memory: LiveBytes,
+}
+
+impl Env {
+    fn table(&mut self, stage: Stage) -> &mut Vec<Option<Tensor>> {
+        &mut self.copies[OpCounts::slot(stage)]
+    }
+
+    fn get(&self, Slot(stage, value): Slot) -> Option<&Tensor> {
+        self.copies[OpCounts::slot(stage)][value.index()].as_ref()
+    }
+
+    fn put(&mut self, slot: Slot, tensor: Tensor) {
+        self.memory.hold(&tensor);
+        if let Some(old) = self.table(slot.0)[slot.1.index()].replace(tensor) {
+            self.memory.release(&old);
+        }
+    }
+
+    fn take(&mut self, slot: Slot) {
+        if let Some(old) = self.table(slot.0)[slot.1.index()].take() {
+            self.memory.release(&old);
+        }
+    }
+}
+
+fn empty(n: usize) -> Vec<Option<Tensor>> {
+    (0..n).map(|_| None).collect()
+}
+
+/// An output must have the dtype and shape the IR declares for its value: anything else means
+/// the op ran with other arguments than the exported step did.
+fn check_output(value: &ir::Value, tensor: &Tensor) -> Result<(), String> {
+    let kind = crate::tensor::kind_of(value.dtype);
+    let sizes = crate::tensor::sizes_of(value).map_err(|e| e.to_string())?;
+    if tensor.kind() == kind && tensor.size() == sizes {
+        return Ok(());
+    }
+    Err(format!(
+        "output `{}` is {:?}{:?}, but the graph declares {}{:?}",
+        value.name,
+        tensor.kind(),
+        tensor.size(),
+        value.dtype,
+        value.shape.as_slice()
+    ))
+}

@@ -1,0 +1,71 @@
+//! Measured memory: the bytes of the storages the runtime holds, counted once per storage.
+//!
+//! Every live tensor (value copy) the executor holds is registered by its storage; a view or
+//! an alias shares its base's storage and adds nothing; a storage counts until the last tensor
+//! holding it is released. Parameters (and views of them) are resident for the whole step and
+//! counted apart, as the planner's prediction does. The peak is sampled after each step's
+//! outputs exist and before its last-used inputs are freed, the instant the planner's liveness
+//! simulation counts.
+
+use std::collections::{HashMap, HashSet};
+
+use tch::Tensor;
+
+use crate::ffi;
+
+#[derive(Debug, Default)]
+pub struct LiveBytes {
+    /// Storage -> (tensors holding it, bytes).
+    held: HashMap<usize, (u32, u64)>,
+    /// Storages of parameters: never counted.
+    resident: HashSet<usize>,
+    live: u64,
+    peak: u64,
+}
+
+impl LiveBytes {
+    /// Marks `tensor`'s storage as resident (a parameter's): never counted.
+    pub fn resident(&mut self, tensor: &Tensor) {
+        if let Some((key, _)) = ffi::storage(tensor) {
+            self.resident.insert(key);
+        }
+    }
+
+    /// The runtime now holds `tensor`.
+    pub fn hold(&mut self, tensor: &Tensor) {
+        let Some((key, bytes)) = ffi::storage(tensor) else {
+            return;
+        };
+        if self.resident.contains(&key) {
+            return;
+        }
+        let entry = self.held.entry(key).or_insert((0, bytes));
+        if entry.0 == 0 {
+            self.live += entry.1;
+        }
+        entry.0 += 1;
+    }
+
+    /// The runtime no longer holds `tensor`.
+    pub fn release(&mut self, tensor: &Tensor) {
+        let Some((key, _)) = ffi::storage(tensor) else {
+            return;
+        };
+        if let Some(entry) = self.held.get_mut(&key) {
+            entry.0 -= 1;
+            if entry.0 == 0 {
+                self.live -= entry.1;
+                self.held.remove(&key);
+            }
+        }
+    }
+
+    /// Records the bytes live now as a candidate peak.
+    pub fn sample(&mut self) {
+        self.peak = self.peak.max(self.live);
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak
+    }
+}

@@ -1,0 +1,624 @@
+//! `planner run`: every rank runs the plan's training step (and, with `--check`, the same step
+//! without checkpointing and with whole-layer recompute) and compares the results.
+//!
+//! Ranks are threads of this process, each with its own communicator end. The main thread
+//! never waits on a rank without a deadline: once a rank fails, the others get the abort
+//! through their communicator, and a rank that still has not stopped after the timeout is
+//! reported as hung rather than waited for.
+
+use std::{
+    path::PathBuf,
+    sync::{mpsc, Arc},
+    time::{Duration, Instant},
+};
+
+use ir::{
+    plan::{Plan, Stage},
+    EntityId, Graph, NodeId, Role,
+};
+use tch::Device;
+use thiserror::Error;
+
+use crate::{
+    check,
+    comm::{loopback::LoopbackGroup, nccl, CommError, Communicator, Identity},
+    exec::{self, Fault, OpCounts, StepError},
+    fingerprint,
+    inputs::{self, InputError, RankInputs},
+    program::{PrepareError, Program},
+    rng::RankRng,
+    schedule::{ReplaySpec, Schedule, ScheduleError},
+};
+
+/// A variant of the training step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// The plan under test.
+    Plan,
+    /// No checkpointing: everything backward reads stays from forward.
+    NoCheckpoint,
+    /// Whole-layer recompute (`--keep none` at ratio 1).
+    WholeLayer,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Plan => "plan",
+            Variant::NoCheckpoint => "no-checkpoint",
+            Variant::WholeLayer => "whole-layer",
+        }
+    }
+}
+
+/// What one rank runs.
+#[derive(Clone)]
+pub struct RankJob {
+    pub graph: Arc<Graph>,
+    pub plan: Arc<Plan>,
+    /// The whole-layer-recompute plan of the same graph, run by `--check`.
+    pub whole_layer: Option<Arc<Plan>>,
+    /// The rank's safetensors (weights, inputs, tangents, reference).
+    pub inputs: PathBuf,
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The device of rank 0; with several ranks on CUDA, rank `r` uses `cuda:r`.
+    pub device: Device,
+    /// Fills missing inputs when given.
+    pub seed: Option<u64>,
+    /// Also run without checkpointing (and whole-layer) and compare.
+    pub check: bool,
+    /// How long a rank waits in a collective before it gives up.
+    pub timeout: Duration,
+    pub fault: Option<Fault>,
+}
+
+/// One variant's run on one rank.
+#[derive(Debug, Clone)]
+pub struct VariantRun {
+    pub variant: Variant,
+    /// The planner's prediction of this variant's peak, if any.
+    pub predicted_peak_bytes: Option<u64>,
+    pub measured_peak_bytes: u64,
+    /// CUDA only: the caching allocator's peak, parameters excluded.
+    pub allocator_peak_bytes: Option<u64>,
+    pub seconds: f64,
+    pub counts: OpCounts,
+}
+
+/// One checked output tensor (the loss or a gradient) of one rank.
+#[derive(Debug, Clone)]
+pub struct TensorCheck {
+    pub name: String,
+    /// Per other variant run (no-checkpoint, whole-layer): whether the plan's result is
+    /// bit-identical to it.
+    pub identical: Vec<(Variant, bool)>,
+    /// Against PyTorch's reference, when the rank has one.
+    pub reference: Option<check::Error>,
+}
+
+#[derive(Debug, Clone)]
+pub struct RankReport {
+    pub rank: usize,
+    pub device: Device,
+    pub runs: Vec<VariantRun>,
+    pub tensors: Vec<TensorCheck>,
+    /// Why the reference was not compared, when it was not.
+    pub reference_skipped: Option<String>,
+    /// Graph inputs this rank filled from the seed.
+    pub seeded: usize,
+}
+
+/// Everything `planner run` found.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// `loopback` or `nccl`.
+    pub communicator: &'static str,
+    pub graph: String,
+    pub structure: String,
+    pub plan: String,
+    pub check: bool,
+    pub ranks: Vec<RankReport>,
+}
+
+impl RunReport {
+    /// The first check that failed, as `rank R: what`; `None` when all passed.
+    pub fn first_failure(&self) -> Option<String> {
+        for rank in &self.ranks {
+            for t in &rank.tensors {
+                for (variant, same) in &t.identical {
+                    if !same {
+                        return Some(format!(
+                            "rank {}: `{}` differs from the {} run",
+                            rank.rank,
+                            t.name,
+                            variant.name()
+                        ));
+                    }
+                }
+                if let Some(e) = t.reference.filter(|e| !e.within) {
+                    return Some(format!(
+                        "rank {}: `{}` differs from PyTorch's reference (max abs {:.3e}, max rel {:.3e})",
+                        rank.rank, t.name, e.max_abs, e.max_rel
+                    ));
+                }
+            }
+        }
+        None
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    #[error("{0}")]
+    Prepare(#[from] PrepareError),
+    #[error("{0}")]
+    Schedule(#[from] ScheduleError),
+    #[error("{0}")]
+    Plan(#[from] ir::plan::GraphMismatch),
+    #[error("{0}")]
+    Inputs(#[from] InputError),
+    #[error("{}", .0.iter().map(|(r, m)| format!("rank {r}: {m}")).collect::<Vec<_>>().join("\n"))]
+    Ranks(Vec<(usize, String)>),
+}
+
+/// The step of `plan` on `graph` as a schedule (refused if the plan is for another graph).
+pub fn schedule_of(graph: &Graph, plan: &Plan) -> Result<Schedule, RunError> {
+    plan.check_graph(graph)?;
+    let mut saved = vec![false; graph.values().len()];
+    for s in &plan.saved {
+        saved[s.value.index()] = true;
+    }
+    let replays: Vec<ReplaySpec> = plan
+        .replay
+        .iter()
+        .map(|r| ReplaySpec {
+            nodes: r.nodes.clone(),
+            before: r.before,
+        })
+        .collect();
+    Ok(Schedule::new(graph, &saved, &replays)?)
+}
+
+/// Makes a rank's communicator once it knows what the rank runs (NCCL ranks meet and compare
+/// at the rendezvous).
+pub type Connect =
+    Box<dyn FnOnce(&Identity) -> Result<Box<dyn Communicator>, CommError> + Send + 'static>;
+
+/// One rank of a run: which, on which device, what it runs and how it communicates.
+pub struct RankSpec {
+    pub rank: usize,
+    pub device: Device,
+    pub job: RankJob,
+    pub connect: Connect,
+}
+
+/// The device rank `rank` of this process runs on: CUDA ranks take consecutive GPUs.
+pub fn rank_device(device: Device, rank: usize) -> Device {
+    match device {
+        Device::Cuda(base) => Device::Cuda(base + rank),
+        other => other,
+    }
+}
+
+/// What a rank announces to the others before the first collective.
+pub fn identity(job: &RankJob) -> Identity {
+    Identity {
+        structure: fingerprint::structure(&job.graph),
+        plan: fingerprint::plan(&job.plan, &job.graph),
+    }
+}
+
+/// Checks everything that can be checked before a rank starts: every op runs on the device,
+/// the plans fit their graphs and are closed.
+fn preflight(specs: &[RankSpec], world: usize) -> Result<(), RunError> {
+    for spec in specs {
+        let job = &spec.job;
+        Program::prepare(&job.graph, spec.device, world)?;
+        schedule_of(&job.graph, &job.plan)?;
+        if let Some(whole) = &job.whole_layer {
+            schedule_of(&job.graph, whole)?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs every rank of `jobs` (one per rank) as threads through the loopback communicator.
+pub fn run_loopback(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, RunError> {
+    let group = LoopbackGroup::new(jobs.len(), config.timeout);
+    let specs = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, job)| {
+            let comm = group.rank(rank);
+            RankSpec {
+                rank,
+                device: rank_device(config.device, rank),
+                job,
+                connect: Box::new(move |_: &Identity| Ok(Box::new(comm) as Box<dyn Communicator>)),
+            }
+        })
+        .collect();
+    run_ranks(specs, config, "loopback")
+}
+
+/// Runs every rank of `jobs` as threads of this process, one GPU each (from `config.device`
+/// on), through NCCL; the rendezvous runs on this host's loopback interface.
+pub fn run_nccl_threads(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, RunError> {
+    let world = jobs.len();
+    let any_port = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let hub = nccl::host(any_port, world, config.timeout)
+        .map_err(|e| RunError::Ranks(vec![(0, e.to_string())]))?;
+    let specs = jobs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, job)| {
+            let device = rank_device(config.device, rank);
+            nccl_rank(hub.address, rank, world, device, job, config)
+        })
+        .collect();
+    run_ranks(specs, config, "nccl")
+}
+
+/// The rank of this process in a job launched like PyTorch's (`torchrun`): rank 0 hosts the
+/// rendezvous at `hub`, every rank joins it.
+pub fn run_nccl_process(
+    job: RankJob,
+    rank: usize,
+    world: usize,
+    device: Device,
+    hub: std::net::SocketAddr,
+    config: &RunConfig,
+) -> Result<RunReport, RunError> {
+    if rank == 0 {
+        // The hub's thread lives on for the whole run: it relays the ranks' aborts.
+        nccl::host(hub, world, config.timeout)
+            .map_err(|e| RunError::Ranks(vec![(rank, e.to_string())]))?;
+    }
+    let spec = nccl_rank(hub, rank, world, device, job, config);
+    run_ranks(vec![spec], config, "nccl")
+}
+
+fn nccl_rank(
+    hub: std::net::SocketAddr,
+    rank: usize,
+    world: usize,
+    device: Device,
+    job: RankJob,
+    config: &RunConfig,
+) -> RankSpec {
+    let timeout = config.timeout;
+    RankSpec {
+        rank,
+        device,
+        job,
+        connect: Box::new(move |identity: &Identity| {
+            let comm = nccl::Nccl::connect(hub, rank, world, device, identity.clone(), timeout)?;
+            Ok(Box::new(comm) as Box<dyn Communicator>)
+        }),
+    }
+}
+
+/// Runs each rank on its own thread; every rank's result or error. `world` is the number of
+/// ranks of the whole run (this process may run fewer).
+fn run_ranks(
+    specs: Vec<RankSpec>,
+    config: &RunConfig,
+    communicator: &'static str,
+) -> Result<RunReport, RunError> {
+    let world = specs.len();
+    let header = specs.first().map(|spec| {
+        let id = identity(&spec.job);
+        (spec.job.graph.name().to_owned(), id.structure, id.plan)
+    });
+    let total = specs
+        .first()
+        .map_or(0, |s| s.job.graph.metadata().world_size.max(1) as usize)
+        .max(world);
+    preflight(&specs, total)?;
+    let (sender, receiver) = mpsc::channel();
+    let ranks: Vec<usize> = specs.iter().map(|s| s.rank).collect();
+    for (slot, spec) in specs.into_iter().enumerate() {
+        let sender = sender.clone();
+        let config = config.clone();
+        let rank = spec.rank;
+        std::thread::Builder::new()
+            .name(format!("rank-{rank}"))
+            .spawn(move || {
+                let result = rank_thread(spec, &config);
+                // The receiver may be gone when the run already gave up on this rank.
+                let _ = sender.send((slot, result));
+            })
+            .map_err(|e| RunError::Ranks(vec![(rank, format!("cannot start a thread: {e}"))]))?;
+    }
+    drop(sender);
+    let results = collect(&receiver, world, config.timeout);
+    let mut reports = Vec::with_capacity(world);
+    let mut failures = Vec::new();
+    for (slot, result) in results.into_iter().enumerate() {
+        match result {
+            Some(Ok(report)) => reports.push(report),
+            Some(Err(e)) => failures.push((ranks[slot], e)),
+            None => failures.push((ranks[slot], RankFailure::Hung(config.timeout.as_secs_f64()))),
+        }
+    }
+    if !failures.is_empty() {
+        return Err(RunError::Ranks(order_failures(failures)));
+    }
+    skip_reference_if_seeded(&mut reports);
+    let (graph, structure, plan) = header.unwrap_or_default();
+    Ok(RunReport {
+        communicator,
+        graph,
+        structure,
+        plan,
+        check: config.check,
+        ranks: reports,
+    })
+}
+
+/// One rank's thread: connect, run, and tell the others when this rank failed.
+fn rank_thread(spec: RankSpec, config: &RunConfig) -> Result<RankReport, RankFailure> {
+    let mut comm = (spec.connect)(&identity(&spec.job))?;
+    match rank_main(spec.rank, spec.device, &spec.job, comm.as_mut(), config) {
+        Ok(report) => {
+            comm.finish()?;
+            Ok(report)
+        }
+        Err(e) => {
+            comm.abort(&e.to_string());
+            Err(e)
+        }
+    }
+}
+
+/// Every rank's result; after the first failure, the others get `grace` to stop.
+fn collect(
+    receiver: &mpsc::Receiver<(usize, Result<RankReport, RankFailure>)>,
+    world: usize,
+    grace: Duration,
+) -> Vec<Option<Result<RankReport, RankFailure>>> {
+    let mut results: Vec<Option<Result<RankReport, RankFailure>>> =
+        (0..world).map(|_| None).collect();
+    let mut deadline: Option<Instant> = None;
+    for _ in 0..world {
+        let received = match deadline {
+            None => receiver.recv().ok(),
+            Some(d) => receiver
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+        };
+        let Some((rank, result)) = received else {
+            break;
+        };
+        if result.is_err() && deadline.is_none() {
+            deadline = Some(Instant::now() + grace);
+        }
+        results[rank] = Some(result);
+    }
+    results
+}
+
+/// A rank's own failure first, then the ranks that only saw it; the rank order otherwise.
+fn order_failures(failures: Vec<(usize, RankFailure)>) -> Vec<(usize, String)> {
+    let (mut own, mut others): (Vec<_>, Vec<_>) = failures
+        .into_iter()
+        .partition(|(_, f)| !f.is_from_another_rank());
+    own.append(&mut others);
+    own.into_iter().map(|(r, f)| (r, f.to_string())).collect()
+}
+
+/// Why a rank did not finish.
+#[derive(Debug, Error)]
+pub enum RankFailure {
+    #[error("{0}")]
+    Inputs(#[from] InputError),
+    #[error("{0}")]
+    Prepare(#[from] PrepareError),
+    #[error("{0}")]
+    Schedule(#[from] RunError),
+    #[error("{0}")]
+    Comm(#[from] CommError),
+    #[error("{0}")]
+    Step(#[from] StepError),
+    #[error("did not stop within {0} s after the run failed (hung); left behind")]
+    Hung(f64),
+}
+
+impl RankFailure {
+    fn is_from_another_rank(&self) -> bool {
+        match self {
+            RankFailure::Comm(e) => !matches!(e, CommError::Mismatch { .. }),
+            RankFailure::Step(e) => e.is_from_another_rank(),
+            RankFailure::Hung(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// The variants a rank runs, in order, with their schedules and predicted peaks.
+fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Option<u64>)>, RunError> {
+    let graph = &job.graph;
+    let memory = &job.plan.memory;
+    let mut out = vec![(
+        Variant::Plan,
+        schedule_of(graph, &job.plan)?,
+        memory.peak_bytes,
+    )];
+    if check {
+        out.push((
+            Variant::NoCheckpoint,
+            Schedule::no_checkpoint(graph),
+            memory.no_checkpoint_peak_bytes,
+        ));
+        if let Some(whole) = &job.whole_layer {
+            out.push((
+                Variant::WholeLayer,
+                schedule_of(graph, whole)?,
+                memory.full_recompute_peak_bytes,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn rank_main(
+    rank: usize,
+    device: Device,
+    job: &RankJob,
+    comm: &mut dyn Communicator,
+    config: &RunConfig,
+) -> Result<RankReport, RankFailure> {
+    let graph = &job.graph;
+    crate::ffi::set_device(device).map_err(|m| {
+        RankFailure::Step(StepError::Op {
+            stage: Stage::Forward,
+            node: "-".to_owned(),
+            op: "device".to_owned(),
+            message: m,
+        })
+    })?;
+    let path = inputs::rank_path(&job.inputs, rank);
+    let inputs = inputs::load(graph, &path, rank, config.seed, device)?;
+    let program = Program::prepare(graph, device, comm.world_size())?;
+    let variants = variants(job, config.check)?;
+    comm.agree(&identity(job))?;
+    let mut runs = Vec::new();
+    let mut outputs = Vec::new();
+    for (variant, schedule, predicted) in &variants {
+        let mut rng = initial_rng(&inputs, device, config.seed, rank)?;
+        let step = exec::run_step(&program, schedule, &inputs, comm, &mut rng, config.fault)?;
+        runs.push(VariantRun {
+            variant: *variant,
+            predicted_peak_bytes: *predicted,
+            measured_peak_bytes: step.peak_bytes,
+            allocator_peak_bytes: step.allocator_peak_bytes,
+            seconds: step.seconds,
+            counts: step.counts,
+        });
+        outputs.push((*variant, step.outputs));
+    }
+    let (tensors, reference_skipped) = compare(graph, device, &inputs, &outputs, config.check);
+    Ok(RankReport {
+        rank,
+        device,
+        runs,
+        tensors,
+        reference_skipped,
+        seeded: inputs.seeded.len(),
+    })
+}
+
+/// The reference is the step PyTorch ran on every rank's real tensors: once any rank ran on
+/// tensors filled from the seed, no rank computes that step (they exchange data).
+fn skip_reference_if_seeded(reports: &mut [RankReport]) {
+    let seeded: Vec<String> = reports
+        .iter()
+        .filter(|r| r.seeded > 0)
+        .map(|r| r.rank.to_string())
+        .collect();
+    if seeded.is_empty() {
+        return;
+    }
+    for report in reports {
+        if report.reference_skipped.is_none() {
+            report.reference_skipped = Some(format!(
+                "rank(s) {} ran on inputs filled from the seed, so no rank runs the reference's step",
+                seeded.join(", ")
+            ));
+            for t in &mut report.tensors {
+                t.reference = None;
+            }
+        }
+    }
+}
+
+/// The rank's generator stream at the start of a step: seeded as the reference step's CPU
+/// generator was when the inputs say (so random ops draw what PyTorch drew), else from
+/// `--seed` and the rank.
+fn initial_rng(
+    inputs: &RankInputs,
+    device: Device,
+    seed: Option<u64>,
+    rank: usize,
+) -> Result<RankRng, RankFailure> {
+    let seed = inputs
+        .rng_seed
+        .unwrap_or_else(|| seed.unwrap_or(0).wrapping_add(rank as u64));
+    RankRng::seeded(device, seed).map_err(|m| {
+        RankFailure::Step(StepError::Op {
+            stage: Stage::Forward,
+            node: "-".to_owned(),
+            op: "generator".to_owned(),
+            message: m,
+        })
+    })
+}
+
+type Outputs = Vec<(ir::ValueId, tch::Tensor)>;
+
+/// Compares the plan's outputs with the other variants' (bit for bit) and with the reference.
+fn compare(
+    graph: &Graph,
+    device: Device,
+    inputs: &RankInputs,
+    outputs: &[(Variant, Outputs)],
+    check: bool,
+) -> (Vec<TensorCheck>, Option<String>) {
+    let Some((_, mine)) = outputs.first() else {
+        return (Vec::new(), None);
+    };
+    let reference_skipped = if !check {
+        Some("run with --check to compare".to_owned())
+    } else if !inputs.seeded.is_empty() {
+        Some(format!(
+            "{} input tensors were filled from the seed",
+            inputs.seeded.len()
+        ))
+    } else if device != Device::Cpu && graph.nodes().values().any(|n| n.effects.random) {
+        Some(
+            "random ops draw from the GPU's generator, not the CPU one the reference used"
+                .to_owned(),
+        )
+    } else if inputs.reference.loss.is_none() && inputs.reference.grads.is_empty() {
+        Some("the inputs hold no reference".to_owned())
+    } else {
+        None
+    };
+    let mut tensors = Vec::new();
+    for (k, (value, tensor)) in mine.iter().enumerate() {
+        let v = graph.value(*value);
+        let identical = outputs[1..]
+            .iter()
+            .filter_map(|(variant, theirs)| {
+                theirs
+                    .get(k)
+                    .map(|(_, t)| (*variant, check::identical(tensor, t)))
+            })
+            .collect();
+        let expected = match v.role {
+            Role::Loss => inputs.reference.loss.as_ref(),
+            _ => inputs.reference.grads.get(v.name.as_str()),
+        };
+        let reference = expected
+            .filter(|_| reference_skipped.is_none())
+            .map(|e| check::error(tensor, e));
+        tensors.push(TensorCheck {
+            name: v.name.to_string(),
+            identical,
+            reference,
+        });
+    }
+    (tensors, reference_skipped)
+}
+
+/// Replay counts of the nodes in `nodes`, all together.
+pub fn replayed(counts: &OpCounts, nodes: impl IntoIterator<Item = NodeId>) -> u64 {
+    nodes
+        .into_iter()
+        .map(|n| u64::from(counts.of(n, Stage::Replay)))
+        .sum()
+}

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The CUDA and NCCL paths of `planner run`, on a machine with one or more NVIDIA GPUs: every
+# joint golden whose world size fits the GPUs runs on CUDA with --check (NCCL ranks as
+# threads, one GPU each; a single-rank golden is NCCL with world size 1), then, with two or
+# more GPUs, one golden runs as two processes launched the way torchrun launches them. Prints,
+# per golden, measured (tracked storages and the CUDA caching allocator) vs predicted peak and
+# step time of the plan, no checkpointing and whole-layer recompute. Exits 1 when a run fails.
+#
+#     bash scripts/gpu_check.sh [GOLDEN ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh
+# shellcheck source=scripts/env.sh
+source scripts/env.sh
+
+echo "== building planner with the runtime (release)" >&2
+cargo build --release --quiet -p planner-cli --features run
+PLANNER="$PWD/target/release/planner"
+
+# cudarc loads NCCL as libnccl.so; the torch wheel ships libnccl.so.2.
+NCCL_DIR="$(python -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib"))')"
+LINKS="$PWD/target/nccl-lib"
+mkdir -p "$LINKS"
+ln -sf "$NCCL_DIR/libnccl.so.2" "$LINKS/libnccl.so"
+export LD_LIBRARY_PATH="$LINKS:$NCCL_DIR:$LD_LIBRARY_PATH"
+
+GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$GPUS" -lt 1 ]; then
+  echo "gpu_check: no CUDA device is visible" >&2
+  exit 1
+fi
+echo "== $GPUS GPU(s): $(python -c 'import torch; print(torch.cuda.get_device_name(0))')" >&2
+
+if [ "$#" -gt 0 ]; then
+  GOLDENS=("$@")
+else
+  GOLDENS=(dense moe_layer_compiled moe_ep2 moe_ep2_compiled moe_domino moe_ep2_unbalanced
+           moe_ep4 glm_dsa_ep2 glm_dsa_ep2_compiled)
+fi
+
+world_size() {
+  "$PLANNER" inspect "tests/golden/$1.pb" --format json |
+    python -c 'import json, sys; print(max(1, json.load(sys.stdin).get("world_size", 1)))'
+}
+
+# The units a golden's check keeps: the DSA indexer where declared, else everything.
+keep_for() {
+  if "$PLANNER" inspect "tests/golden/$1.pb" | grep -q SAVE_DSA_INDEXER; then
+    echo save_dsa_indexer
+  else
+    echo all
+  fi
+}
+
+# One table row per step variant of a JSON report on stdin; exits 1 when its checks failed.
+SUMMARY_PY="$(cat <<'PY'
+import json, sys
+name, keep = sys.argv[1], sys.argv[2]
+report = json.load(sys.stdin)
+mib = lambda b: f"{'-':>9}" if b is None else f"{b / 2**20:9.3f}"
+for rank in report["ranks"]:
+    for run in rank["runs"]:
+        step = f"keep {keep}" if run["variant"] == "plan" else run["variant"]
+        diff = run["peak_diff_percent"]
+        diff = "-" if diff is None else f"{diff:+.1f}%"
+        print(f"{name:<22} {rank['rank']:>4} {step:<24} {mib(run['measured_peak_bytes'])} "
+              f"{mib(run['allocator_peak_bytes'])} {mib(run['predicted_peak_bytes'])} "
+              f"{diff:>8} {run['seconds'] * 1e3:10.2f}")
+if not report["passed"]:
+    print(f"{name}: FAILED: {report['first_failure']}", file=sys.stderr)
+sys.exit(0 if report["passed"] else 1)
+PY
+)"
+summarise() {
+  python -c "$SUMMARY_PY" "$@"
+}
+
+FAILED=0
+printf '%-22s %4s %-24s %9s %9s %9s %8s %10s\n' golden rank step "tracked" "allocator" \
+  "predicted" diff "time (ms)"
+echo "(peaks in MiB; tracked: storages the runtime holds; allocator: CUDA caching allocator peak)"
+for golden in "${GOLDENS[@]}"; do
+  world="$(world_size "$golden")"
+  if [ "$world" -gt "$GPUS" ]; then
+    echo "$golden: needs $world GPUs, skipped" >&2
+    continue
+  fi
+  keep="$(keep_for "$golden")"
+  if ! "$PLANNER" run "tests/golden/$golden.pb" --device cuda --ranks "$world" --keep "$keep" \
+      --check --format json --timeout 120 > "target/gpu_check_$golden.json"; then
+    echo "$golden: run failed" >&2
+  fi
+  summarise "$golden" "$keep" < "target/gpu_check_$golden.json" || FAILED=1
+done
+
+if [ "$GPUS" -ge 2 ]; then
+  echo "== two processes launched like torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)" >&2
+  pids=()
+  for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+      "$PLANNER" run tests/golden/glm_dsa_ep2.pb --device cuda --keep save_dsa_indexer \
+      --check --format json --timeout 120 > "target/gpu_check_process_$rank.json" &
+    pids+=($!)
+  done
+  for rank in 0 1; do
+    if wait "${pids[$rank]}"; then
+      summarise "glm_dsa_ep2 (process)" save_dsa_indexer < "target/gpu_check_process_$rank.json" \
+        || FAILED=1
+    else
+      echo "process of rank $rank failed" >&2
+      FAILED=1
+    fi
+  done
+fi
+
+exit "$FAILED"
