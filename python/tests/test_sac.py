@@ -1,0 +1,216 @@
+"""Eager selective checkpointing from a plan (`recompute_planner.sac`).
+
+Each zoo model runs every checkpointed layer under `torch.utils.checkpoint` with the
+`context_fn` the plan gives that layer. Checked against the plan:
+
+- what SAC's cache holds after forward is, byte for byte, the whole outputs of every op the
+  plan keeps in that layer (the eager executor's saved set: SAC caches an op's whole output
+  tuple). The planner's eager-executor option is not merged on this branch, so the bytes are
+  summed from the golden graph's values of the plan's kept nodes;
+- loss and gradients are bit-identical to the plain step (CPU, single-rank models, same
+  process and kernels);
+- kept ops never re-run in recompute (counted by `RecomputeCounter`, a dispatch mode under
+  SAC's cache): the DSA indexer's top-k under SAVE_DSA_INDEXER, the all-to-alls under
+  `collectives="save"`;
+- an eager op stream that does not match the plan's graph raises, naming the kept op.
+
+Multi-rank goldens run as rank 0 of the fake process group they were traced with (as the
+memory test does); their collectives exchange nothing, so only bytes and counts are compared
+there, never values.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompute_planner as rp
+from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner import measure, sac
+from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner.markers import checkpoint_record, layer_scope
+from recompute_planner.zoo.catalog import make_inputs
+from recompute_planner.zoo.goldens import GOLDENS, golden, traced_group
+
+JOINT = [g.name for g in GOLDENS if g.joint]
+# Keeping the in-place dispatch is refused (inplace-in-kept-interval).
+KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
+
+
+def planned(name: str, keep, **options) -> rp.Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        return rp.plan(GOLDEN_DIR / f"{name}.pb", keep, **options)
+
+
+def run_step(name: str, plan: rp.Plan | None):
+    """One training step of golden `name` (rank 0), every checkpointed layer under the plan's
+    SAC policy (no checkpointing without a plan); returns (loss, grads, policies)."""
+    gold = golden(name)
+    inputs = make_inputs(gold.entry.config)
+    with traced_group(gold.world_size):
+        model = gold.entry.build()
+        policies = {}
+        if plan is not None:
+            policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
+            measure.checkpoint_layers(model, policies)
+        params = [p for p in model.parameters()]
+        loss = model(*inputs)
+        held = {key: policy.held_bytes() for key, policy in policies.items()}
+        grads = torch.autograd.grad(loss, params)
+    return loss.detach(), grads, policies, held
+
+
+def kept_output_bytes(name: str, plan: rp.Plan) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, the bytes of every output of every op the plan keeps there."""
+    graph = load_graph(GOLDEN_DIR / f"{name}.pb")
+    sizes = {v.name: _bytes(v) for v in graph.values}
+    outputs = {n.name: n.outputs for n in graph.nodes}
+    held = {key: 0 for key in plan.layers()}
+    for node in plan.nodes:
+        if node.decision == "save" and node.layer is not None:
+            held[(node.model, node.layer)] += sum(sizes[v] for v in outputs[node.name])
+    return held
+
+
+def _bytes(value) -> int:
+    from recompute_planner.proto import graph_pb2
+
+    width = {
+        graph_pb2.DTYPE_FLOAT32: 4, graph_pb2.DTYPE_INT64: 8, graph_pb2.DTYPE_BOOL: 1,
+        graph_pb2.DTYPE_INT32: 4, graph_pb2.DTYPE_BFLOAT16: 2, graph_pb2.DTYPE_FLOAT16: 2,
+    }[value.dtype]
+    count = 1
+    for size in value.shape:
+        count *= size
+    return width * count
+
+
+def held_cases():
+    for name in JOINT:
+        yield pytest.param(name, KEEP_ALL.get(name, "all"), "recompute", id=f"{name}-all")
+    yield pytest.param("glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "recompute", id="glm-indexer")
+    yield pytest.param("moe_ep2", None, "save", id="moe_ep2-collectives-save")
+
+
+@pytest.mark.parametrize("name, keep, collectives", list(held_cases()))
+def test_sac_holds_every_kept_output_byte_for_byte(name, keep, collectives):
+    plan = planned(name, keep, collectives=collectives)
+    _, _, _, held = run_step(name, plan)
+    expected = kept_output_bytes(name, plan)
+    assert held == expected
+    assert (sum(held.values()) > 0) == any(n.decision == "save" for n in plan.nodes)
+
+
+@pytest.mark.parametrize(
+    "name, keep", [("dense", "all"), ("dense", None), ("moe_layer_compiled", "all")]
+)
+def test_sac_gradients_are_bit_identical_to_the_plain_step(name, keep):
+    loss, grads, _, _ = run_step(name, planned(name, keep))
+    plain_loss, plain_grads, _, _ = run_step(name, None)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
+def recomputed(policies, op: str) -> dict[tuple[str, int], int]:
+    return {key: policy.recomputed.count(op) for key, policy in policies.items()}
+
+
+def test_kept_indexer_topk_is_not_rerun_in_recompute():
+    """Per layer, the top-k re-runs are the layer's top-k ops the plan does not keep: the
+    MoE router's, never the indexer's."""
+    kept_plan = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"])
+    *_, kept_policies, _ = run_step("glm_dsa_ep2", kept_plan)
+    *_, whole_policies, _ = run_step("glm_dsa_ep2", planned("glm_dsa_ep2", None))
+    topk = "aten.topk"
+    indexer = {key: 0 for key in kept_plan.layers()}
+    for node in kept_plan.nodes:
+        if node.op.startswith(topk) and node.unit == "SAVE_DSA_INDEXER":
+            indexer[(node.model, node.layer)] += 1
+    assert all(count == 1 for count in indexer.values())
+    whole = recomputed(whole_policies, topk)
+    assert recomputed(kept_policies, topk) == {k: whole[k] - indexer[k] for k in whole}
+    assert all(whole[k] >= 1 for k in whole)
+
+
+def test_saved_collectives_are_not_rerun_in_recompute():
+    all_to_all = "_c10d_functional.all_to_all_single"
+    *_, saving, _ = run_step("moe_ep2", planned("moe_ep2", None, collectives="save"))
+    *_, rerunning, _ = run_step("moe_ep2", planned("moe_ep2", None))
+    assert set(recomputed(saving, all_to_all).values()) == {0}
+    assert all(n >= 1 for n in recomputed(rerunning, all_to_all).values())
+
+
+def test_a_plan_for_another_graph_raises_naming_the_kept_op():
+    """The GLM plan's layer 0 applied to the dense model's layer 0: the first kept op the
+    dense layer never runs is named."""
+    glm = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"])
+    gold = golden("dense")
+    model = gold.entry.build()
+    measure.checkpoint_layers(model, {("main", 0): sac.context_fn(glm, "main", 0)})
+    with pytest.raises(rp.SacMismatchError, match=r"the plan keeps `bmm` \(aten\.bmm\.default"):
+        model(*make_inputs(gold.entry.config))
+
+
+# --------------------------------------------------------------------------------------------
+# Eager and traced op streams that differ
+
+
+class OneHotLayer(nn.Module):
+    """A layer whose kept unit holds `F.one_hot`: eager dispatches `aminmax`,
+    `_local_scalar_dense`, `zeros`, `scatter_` where the trace has `arange`/`eq`/`_to_copy`."""
+
+    def __init__(self, index: int, dim: int = 8):
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mix = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with layer_scope("main", self.index):
+            h = checkpoint_record("route.begin", torch.tanh(self.proj(x)))
+            chosen = F.one_hot(h.argmax(-1), h.shape[-1]).to(h.dtype)
+            mixed = self.mix(h * chosen)
+            return x + checkpoint_record("route.end", torch.sigmoid(mixed))
+
+
+class OneHotModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(OneHotLayer(i) for i in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
+    inputs = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
+    models = [ModelDecl("main", 2, {"SAVE_ROUTE": [("route.begin", "route.end")]})]
+    graph = export_joint(OneHotModel(), inputs, name="one_hot", models=models).graph
+    assert any(n.op == "aten.eq.Tensor" for n in graph.nodes)  # the traced one_hot
+    plan = rp.plan(graph, "all")
+
+    model = OneHotModel()
+    policies = sac.checkpoint_layers(model.layers, plan)
+    loss = model(*inputs)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    plain = OneHotModel()
+    plain_loss = plain(*inputs)
+    plain_grads = torch.autograd.grad(plain_loss, list(plain.parameters()))
+
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    kept = {n.op for n in plan.nodes if n.decision == "save"}
+    assert {"aten.arange.default", "aten.eq.Tensor", "aten.mm.default"} <= kept
+    for policy in policies.values():
+        # proj (before the interval) re-runs, the kept mix does not; sigmoid is kept.
+        assert policy.recomputed.count("aten.mm") == 1
+        assert policy.recomputed.count("aten.sigmoid") == 0
+        assert policy.recomputed.count("aten.scatter_") == 1  # one_hot re-runs in eager
