@@ -50,9 +50,9 @@ from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTIn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import export, markers
+from . import markers
 from .api import HwLike, check_plan, plan as plan_graph
-from .export import ModelDecl
+from .export import EXPORTER_VERSION, ModelDecl, _build_graph, _FlatInput, _metadata
 from .plans import DECISION_NO_CHECKPOINT, DECISION_SAVE, Plan
 from .proto import graph_pb2
 
@@ -89,13 +89,13 @@ def joint_graph_to_ir(
             1 for desc in output_descs if desc is not None and not isinstance(desc, GradAOTOutput)
         )
     world_size, rank = _world()
-    built = export._build_graph(
+    built = _build_graph(
         graph_module,
         num_fwd_outputs,
         _flat_inputs(graph_module, output_descs),
         name=name,
         models=models,
-        metadata=export._metadata(export.EXPORTER_VERSION, world_size, rank),
+        metadata=_metadata(EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
 
@@ -122,7 +122,7 @@ def _flat_inputs(graph_module: fx.GraphModule, output_descs: list[Any]) -> list[
         desc = node.meta.get("desc")
         if isinstance(desc, PlainAOTInput):
             role = graph_pb2.ROLE_PARAMETER if desc.idx in with_grad else graph_pb2.ROLE_INPUT
-            by_index[desc.idx] = export._FlatInput(node.name, role, node.meta.get("val"))
+            by_index[desc.idx] = _FlatInput(node.name, role, node.meta.get("val"))
         elif not _is_tangent(desc):
             raise ValueError(
                 f"placeholder `{node.name}` is {desc!r}: the planning stage handles plain tensor "

@@ -52,3 +52,7 @@ class PlannerWarning(UserWarning):
 
 class SacMismatchError(RuntimeError):
     """The model's eager op stream does not match the graph a plan was made for."""
+
+
+class ExportError(RuntimeError):
+    """A model could not be exported; the message names the cause and the fix."""
