@@ -7,7 +7,7 @@ forward hooks, no source edit:
   a pre-hook entering ``layer_scope(name, i)`` and a hook leaving it, so every op of layer
   ``i`` belongs to it;
 - on each unit's submodules (paths relative to a layer: ``"self_attn"``, ``"mlp.gate"``), a
-  pre-hook putting the marker ``<path>.begin`` on the module's tensor inputs and a hook
+  pre-hook putting the marker ``<path>.begin`` on the module's (first) tensor input and a hook
   putting ``<path>.end`` on its tensor outputs, so the unit's interval encloses exactly that
   module's ops.
 
@@ -131,19 +131,21 @@ def _scope_hooks(layer: nn.Module, name: str, index: int) -> list[RemovableHandl
 
 
 def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
-    """``<path>.begin`` on every floating-point tensor input, ``<path>.end`` on every
-    floating-point tensor output (top level of a tuple or list).
+    """``<path>.begin`` on the first floating-point tensor input (the data: positional, else
+    keyword), ``<path>.end`` on every floating-point tensor output (top level of a tuple or
+    list).
 
-    Every one, not the first: which of a module's tensors the rest of the layer reads is not
-    known here (a router returns logits, weights and indices, and only the weights flow on),
-    and a marker whose output nothing reads leaves the graph. The planner opens an interval
-    at its first begin and closes it at its first end, ignoring the repeats.
+    Every output, not the first: which of them the rest of the layer reads is not known here
+    (a router returns logits, weights and indices, and only the weights flow on), and a marker
+    whose output nothing reads leaves the graph. The planner closes the interval at the first
+    end and ignores the repeats.
     """
 
     def begin(_module, args, kwargs):
-        args, marked = _mark_all(list(args), f"{path}.begin")
-        kwargs, marked_kw = _mark_all(dict(kwargs), f"{path}.begin")
-        if not (marked or marked_kw):
+        args, marked = _mark_all(list(args), f"{path}.begin", first_only=True)
+        if not marked:
+            kwargs, marked = _mark_all(dict(kwargs), f"{path}.begin", first_only=True)
+        if not marked:
             raise ValueError(f"`{path}` was called without a tensor input to put its marker on")
         return tuple(args), kwargs
 
@@ -165,8 +167,11 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     ]
 
 
-def _mark_all(items: list | dict, marker: str) -> tuple[list | dict, bool]:
-    """Puts ``marker`` on every floating-point tensor of ``items`` (a list or a dict)."""
+def _mark_all(
+    items: list | dict, marker: str, *, first_only: bool = False
+) -> tuple[list | dict, bool]:
+    """Puts ``marker`` on every (or the first) floating-point tensor of ``items`` (a list or
+    a dict)."""
     keys = range(len(items)) if isinstance(items, list) else list(items)
     marked = False
     for key in keys:
@@ -174,4 +179,6 @@ def _mark_all(items: list | dict, marker: str) -> tuple[list | dict, bool]:
         if isinstance(item, torch.Tensor) and item.is_floating_point():
             items[key] = checkpoint_record(marker, item)
             marked = True
+            if first_only:
+                break
     return items, marked

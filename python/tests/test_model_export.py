@@ -75,6 +75,7 @@ def test_hooks_place_layers_and_units_on_a_stock_model(build, units):
     assert layers == {0, 1}
     plan = planned(result.graph, list(units))
     assert kept_units_by_layer(plan) == {(layer, unit) for layer in (0, 1) for unit in units}
+    assert not [d for d in plan.diagnostics if d.code.startswith("interval")]
     # Without the hooks the same export has no layers and no markers.
     annotation.remove()
     bare = rp.export(model, inputs)
