@@ -1,5 +1,5 @@
 # Source this file: puts the project venv's python first on PATH and points tch at its libtorch.
-# Expects scripts/setup.sh to have run (scripts/test.sh and scripts/demo.sh do that first).
+# Expects scripts/setup.sh to have run (scripts/test.sh runs it first).
 PLANNER_TORCH_VERSION=2.13.0
 export PLANNER_VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$PLANNER_TORCH_VERSION}"
 export PATH="$PLANNER_VENV/bin:$PATH"

@@ -44,7 +44,7 @@ fn main() {
     clock.lap("verify");
     let sim = memory::simulate(&graph, &part.order, &part.replays);
     clock.lap("simulate");
-    let diags = diagnostics::diagnose(&graph, &config, &resolved, &policy.findings, Some(&part));
+    let diags = diagnostics::diagnose(&graph, &config, &resolved, &policy, Some(&part));
     clock.lap(&format!("diagnose ({})", diags.len()));
     let p = plan::plan(&graph, &config, &hw).unwrap_or_else(|e| panic!("{e}"));
     clock.lap(&format!("plan::plan (peak {})", sim.peak_bytes));

@@ -1,156 +1,34 @@
-//! The `planner` command line (SPEC §8). Exit codes: 0 success (warnings allowed), 1 bad input
-//! or configuration (`error: ...` on stderr) or, for `diff`, plans that differ, 2 usage, 3
-//! `--deny-warnings` with warnings present.
-
-use std::{fs, io::Write, path::PathBuf, process::ExitCode};
-
-use clap::{Parser, Subcommand, ValueEnum};
+//! The `planner` command line. Exit codes: 0 success (warnings allowed), 1 bad input or
+//! configuration (`error: ...` on stderr) or, for `diff`, plans whose decisions differ, 2
+//! usage, 3 `--deny-warnings` with warnings present.
 
 mod allocator;
+mod args;
+mod output;
+mod progress;
+
+use std::{path::Path, process::ExitCode};
+
+use clap::Parser;
+use ir::plan::{Code, Format as PlanFile, Level, Plan};
+use planner::{
+    budget::Search,
+    config::{self, PlanConfig},
+    convert,
+    cost::HwProfile,
+    diff, inspect, pareto, plan, render,
+};
+
+use args::{
+    BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, Granularity, InspectArgs, ParetoArgs,
+    ParetoFormat, PlanArgs, PlanFormat, SummaryFormat,
+};
+use output::Output;
 
 /// Loading and planning allocate millions of small strings and vectors: mimalloc does that
 /// faster than the system allocator, above all across threads.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use ir::plan::{Collectives, Format as PlanFile, Keep, Level, Plan};
-use planner::{
-    budget,
-    config::{self, PlanConfig},
-    convert,
-    cost::HwProfile,
-    diff, inspect, pareto, plan, render, units,
-};
-
-#[derive(Parser)]
-#[command(
-    name = "planner",
-    version,
-    about = "Static planner for selective activation checkpointing"
-)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Plan selective checkpointing: per-op decisions, saved set, replay, diagnostics
-    Plan(PlanArgs),
-    /// Per-node changes between two plans (`.json` or `.pb`); exits 1 on decision changes
-    Diff {
-        /// The plan to compare against (`.json` or `.pb`)
-        old: PathBuf,
-        /// The new plan (`.json` or `.pb`)
-        new: PathBuf,
-        /// Exit 1 on reason-only changes too (same decision, another reason or unit)
-        #[arg(long)]
-        strict: bool,
-    },
-    /// The peak-memory / replay-time trade-off of every configuration on the frontier
-    Pareto(ParetoArgs),
-    /// Summarise a graph: models, layers, markers, units, compiled regions, ops
-    Inspect {
-        /// Graph file (`.pb` or `.json`)
-        graph: PathBuf,
-        #[arg(long, value_enum, default_value_t = Format::Text)]
-        format: Format,
-    },
-    /// Convert a graph between `.pb` and `.json` (by extension), losslessly
-    Convert {
-        input: PathBuf,
-        output: PathBuf,
-        /// Convert even a graph that does not validate (to read a broken file as JSON)
-        #[arg(long)]
-        no_validate: bool,
-    },
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Format {
-    Text,
-    Json,
-}
-
-#[derive(clap::Args)]
-struct PlanArgs {
-    /// Graph file (`.pb` or `.json`)
-    graph: PathBuf,
-    /// Units to keep: `none` (default: whole-layer recompute), `all`, or names such as
-    /// `save_attn,save_dsa_indexer` (case-insensitive; repeatable)
-    #[arg(long, value_name = "UNITS")]
-    keep: Vec<String>,
-    /// Checkpoint layers with index < floor(RATIO × layers) of each model
-    #[arg(long, value_name = "RATIO", default_value_t = 1.0)]
-    recompute_ratio: f64,
-    /// Whether functional collectives and device-to-host syncs re-run in replay or are saved
-    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
-    collectives: CollectivesArg,
-    #[arg(long, value_enum, default_value_t = PlanFormat::Text)]
-    format: PlanFormat,
-    /// Write the plan to FILE instead of stdout
-    #[arg(short = 'o', long = "output", value_name = "FILE")]
-    output: Option<PathBuf>,
-    /// Exit 3 when the plan has warnings
-    #[arg(long)]
-    deny_warnings: bool,
-    /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
-    #[arg(long, value_name = "FILE.json")]
-    hw: Option<PathBuf>,
-    /// Choose the units per layer that minimise replay time with the peak within SIZE
-    /// (e.g. `40GiB`); replaces --keep
-    #[arg(long, value_name = "SIZE", conflicts_with = "keep")]
-    budget: Option<String>,
-    /// With --budget: choose whole units per layer, or also single ops
-    #[arg(long, value_enum, default_value_t = Granularity::Unit, requires = "budget")]
-    granularity: Granularity,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Granularity {
-    Unit,
-    Op,
-}
-
-#[derive(clap::Args)]
-struct ParetoArgs {
-    /// Graph file (`.pb` or `.json`)
-    graph: PathBuf,
-    #[arg(long, value_name = "RATIO", default_value_t = 1.0)]
-    recompute_ratio: f64,
-    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
-    collectives: CollectivesArg,
-    #[arg(long, value_name = "FILE.json")]
-    hw: Option<PathBuf>,
-    /// Budgets tried between keeping nothing and keeping everything
-    #[arg(long, default_value_t = 32)]
-    steps: u64,
-    #[arg(long, value_enum, default_value_t = ParetoFormat::Text)]
-    format: ParetoFormat,
-    /// Write to FILE instead of stdout
-    #[arg(short = 'o', long = "output", value_name = "FILE")]
-    output: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ParetoFormat {
-    Text,
-    Json,
-    Svg,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum CollectivesArg {
-    Recompute,
-    Save,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum PlanFormat {
-    Text,
-    Json,
-    Pb,
-    Dot,
-}
 
 /// How a command ended, when not in plain success.
 enum Failure {
@@ -182,82 +60,108 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Plan(args) => run_plan(args),
-        Command::Diff { old, new, strict } => run_diff(&old, &new, strict),
+        Command::Diff(args) => run_diff(args),
         Command::Pareto(args) => run_pareto(args),
-        Command::Inspect { graph, format } => {
-            let graph = ir::io::load(&graph).map_err(|e| e.to_string())?;
-            let summary = inspect::summarize(&graph);
-            skip_teardown(graph);
-            let text = match format {
-                Format::Text => inspect::render_text(&summary),
-                Format::Json => {
-                    let mut json = serde_json::to_string_pretty(&summary)
-                        .map_err(|e| format!("cannot serialise the summary: {e}"))?;
-                    json.push('\n');
-                    json
-                }
-            };
-            Ok(write_stdout(text.as_bytes())?)
-        }
-        Command::Convert {
-            input,
-            output,
-            no_validate,
-        } => Ok(convert::convert(&input, &output, !no_validate).map_err(|e| e.to_string())?),
+        Command::Inspect(args) => run_inspect(args),
+        Command::Convert(args) => run_convert(args),
     }
 }
 
 fn run_plan(args: PlanArgs) -> Result<(), Failure> {
-    // Configuration errors come before any other work (R2).
+    // Configuration errors come before any other work.
     let keep = config::parse_keep(&args.keep).map_err(|e| e.to_string())?;
-    let recompute_ratio = config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?;
-    let budget = args.budget.as_deref().map(units::parse_bytes).transpose()?;
     let config = PlanConfig {
         keep,
-        recompute_ratio,
-        collectives: args.collectives.into(),
+        ..args.planning.config()
     };
-    let hw = load_hw(args.hw.as_deref())?;
+    let format = args
+        .format
+        .or_else(|| args.output.as_deref().and_then(PlanFormat::of_path));
+    let out = Output::new(args.output.as_deref(), &args.inputs())?;
+    let hw = load_hw(args.planning.hw.as_deref())?;
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
-    let plan = match budget {
-        Some(bytes) => {
-            let search = budget::Search::new(&graph, &config, &hw).map_err(|e| e.to_string())?;
-            let mut plan = match args.granularity {
-                Granularity::Unit => search.within(bytes),
-                Granularity::Op => search.within_ops(bytes),
-            }
-            .map_err(|e| e.to_string())?;
-            plan.config.budget_bytes = Some(bytes);
-            plan
-        }
-        None => plan::plan(&graph, &config, &hw).map_err(|e| e.to_string())?,
-    };
+    let plan = make_plan(&args, &config, &graph, &hw)?;
     if plan.has_errors() {
         report_errors(&plan);
         return Err(Failure::Status(1));
     }
-    let bytes = match args.format {
+    let bytes = match format.unwrap_or(PlanFormat::Text) {
         PlanFormat::Text => render::text(&plan, &graph).into_bytes(),
         PlanFormat::Json => plan.encode(&graph, PlanFile::Json),
         PlanFormat::Pb => plan.encode(&graph, PlanFile::Protobuf),
         PlanFormat::Dot => render::dot(&graph, &plan).into_bytes(),
     };
-    match &args.output {
-        Some(path) => {
-            fs::write(path, &bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?
-        }
-        None => write_stdout(&bytes)?,
-    }
-    if args.format != PlanFormat::Text || args.output.is_some() {
+    out.write(&bytes)?;
+    if format.is_some_and(|f| f != PlanFormat::Text) || args.output.is_some() {
         report_warnings(&plan);
     }
-    let denied = args.deny_warnings && plan.has_warnings();
+    let denied = args.deny_warnings && has_denied_warnings(&plan, &args.allow);
     skip_teardown((graph, plan));
     if denied {
-        eprintln!("error: the plan has warnings and --deny-warnings is set");
+        eprintln!("error: the plan has warnings and --deny-warnings is set (waive a code with --allow CODE)");
         return Err(Failure::Status(3));
     }
     Ok(())
+}
+
+/// The plan the arguments ask for: under `--budget`, `--choices`, or the configuration.
+fn make_plan(
+    args: &PlanArgs,
+    config: &PlanConfig,
+    graph: &ir::Graph,
+    hw: &HwProfile,
+) -> Result<Plan, Failure> {
+    if let Some(size) = args.budget {
+        let activations = activation_budget(size, args.budget_includes, graph)?;
+        let bar = progress::Bar::new(args.quiet);
+        let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
+        let mut plan = match args.granularity {
+            Granularity::Unit => search.within(activations),
+            Granularity::Op => search.within_ops(activations),
+        }
+        .map_err(|e| e.to_string())?;
+        plan.config.budget_bytes = Some(activations);
+        return Ok(plan);
+    }
+    let mut resolved = config::resolve(graph, config).map_err(|e| e.to_string())?;
+    if let Some(path) = &args.choices {
+        let bytes = output::read_file(path)?;
+        let choices =
+            config::parse_choices(graph, &bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        resolved = resolved.with_layer_units(choices);
+    }
+    Ok(plan::plan_resolved(graph, config, resolved, hw).map_err(|e| e.to_string())?)
+}
+
+/// The activation peak `--budget SIZE` allows: SIZE itself, or SIZE less the parameters when
+/// it is a device total (`--budget-includes params`).
+fn activation_budget(size: u64, basis: BudgetBasis, graph: &ir::Graph) -> Result<u64, String> {
+    match basis {
+        BudgetBasis::Activations => Ok(size),
+        BudgetBasis::Params => {
+            let params = graph
+                .values()
+                .values()
+                .filter(|v| v.role == ir::Role::Parameter)
+                .fold(0u64, |acc, v| acc.saturating_add(v.bytes));
+            size.checked_sub(params)
+                .filter(|&left| left > 0)
+                .ok_or_else(|| {
+                    format!(
+                        "budget {} is not above the parameters alone ({})",
+                        planner::units::format_bytes(size),
+                        planner::units::format_bytes(params)
+                    )
+                })
+        }
+    }
+}
+
+/// Whether the plan has a warning whose code `--allow` does not waive.
+fn has_denied_warnings(plan: &Plan, allowed: &[Code]) -> bool {
+    plan.diagnostics
+        .iter()
+        .any(|d| d.level == Level::Warning && !allowed.contains(&d.code))
 }
 
 /// The process exits next, and the OS takes its memory back at once: freeing a million-node
@@ -282,56 +186,58 @@ fn report_warnings(plan: &Plan) {
 }
 
 fn run_pareto(args: ParetoArgs) -> Result<(), Failure> {
-    let config = PlanConfig {
-        keep: Keep::Nothing,
-        recompute_ratio: config::check_ratio(args.recompute_ratio).map_err(|e| e.to_string())?,
-        collectives: args.collectives.into(),
-    };
-    let hw = load_hw(args.hw.as_deref())?;
+    let config = args.planning.config();
+    let format = args
+        .format
+        .or_else(|| args.output.as_deref().and_then(ParetoFormat::of_path));
+    let out = Output::new(args.output.as_deref(), &args.inputs())?;
+    let hw = load_hw(args.planning.hw.as_deref())?;
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
-    let search = budget::Search::new(&graph, &config, &hw).map_err(|e| e.to_string())?;
+    let bar = progress::Bar::new(args.quiet);
+    let search = Search::with_progress(&graph, &config, &hw, &bar).map_err(|e| e.to_string())?;
     let points = pareto::frontier(&search, args.steps).map_err(|e| e.to_string())?;
-    let text = match args.format {
+    drop(bar);
+    let text = match format.unwrap_or(ParetoFormat::Text) {
         ParetoFormat::Text => pareto::table(&graph, &hw.name, &points),
         ParetoFormat::Json => pareto::json(&graph, &points),
         ParetoFormat::Svg => pareto::svg(&graph, &points),
     };
-    emit(args.output.as_deref(), text.as_bytes())
+    Ok(out.write(text.as_bytes())?)
 }
 
-/// Writes to `path`, or to stdout without one.
-fn emit(path: Option<&std::path::Path>, bytes: &[u8]) -> Result<(), Failure> {
-    match path {
-        Some(path) => {
-            Ok(fs::write(path, bytes)
-                .map_err(|e| format!("cannot write {}: {e}", path.display()))?)
+fn run_inspect(args: InspectArgs) -> Result<(), Failure> {
+    let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
+    let summary = inspect::summarize(&graph);
+    skip_teardown(graph);
+    let text = match args.format {
+        SummaryFormat::Text => inspect::render_text(&summary),
+        SummaryFormat::Json => {
+            let mut json = serde_json::to_string_pretty(&summary)
+                .map_err(|e| format!("cannot serialise the summary: {e}"))?;
+            json.push('\n');
+            json
         }
-        None => Ok(write_stdout(bytes)?),
-    }
+    };
+    Ok(Output::stdout().write(text.as_bytes())?)
 }
 
-fn load_hw(path: Option<&std::path::Path>) -> Result<HwProfile, String> {
-    path.map_or_else(|| Ok(HwProfile::default()), HwProfile::from_file)
+fn run_convert(args: ConvertArgs) -> Result<(), Failure> {
+    Output::new(Some(&args.output), &[&args.input])?;
+    Ok(
+        convert::convert(&args.input, &args.output, !args.no_validate)
+            .map_err(|e| e.to_string())?,
+    )
 }
 
-impl From<CollectivesArg> for Collectives {
-    fn from(arg: CollectivesArg) -> Self {
-        match arg {
-            CollectivesArg::Recompute => Collectives::Recompute,
-            CollectivesArg::Save => Collectives::Save,
-        }
-    }
-}
-
-fn run_diff(old: &std::path::Path, new: &std::path::Path, strict: bool) -> Result<(), Failure> {
-    let read = |path: &std::path::Path| -> Result<diff::PlanFile, String> {
+fn run_diff(args: DiffArgs) -> Result<(), Failure> {
+    let read = |path: &Path| -> Result<diff::PlanFile, String> {
         let (plan, names) = Plan::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
         Ok(diff::PlanFile { plan, names })
     };
-    let (old, new) = (read(old)?, read(new)?);
+    let (old, new) = (read(&args.old)?, read(&args.new)?);
     let changes = diff::diff(&old, &new);
-    write_stdout(diff::report(&old.plan, &new.plan, &changes).as_bytes())?;
-    let failed = !changes.decisions.is_empty() || (strict && !changes.reasons.is_empty());
+    Output::stdout().write(diff::report(&old.plan, &new.plan, &changes).as_bytes())?;
+    let failed = !changes.decisions.is_empty() || (args.strict && !changes.reasons.is_empty());
     if failed {
         Err(Failure::Status(1))
     } else {
@@ -339,11 +245,6 @@ fn run_diff(old: &std::path::Path, new: &std::path::Path, strict: bool) -> Resul
     }
 }
 
-/// Writes to stdout; a closed pipe (`planner inspect g.pb | head`) is not an error.
-fn write_stdout(bytes: &[u8]) -> Result<(), String> {
-    match std::io::stdout().lock().write_all(bytes) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        Err(e) => Err(format!("cannot write to stdout: {e}")),
-    }
+fn load_hw(path: Option<&Path>) -> Result<HwProfile, String> {
+    path.map_or_else(|| Ok(HwProfile::default()), HwProfile::from_file)
 }

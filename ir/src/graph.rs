@@ -1,7 +1,7 @@
 //! The core graph model: what the rest of the project works on once a file has loaded.
 //!
 //! A [`Graph`] is immutable and valid by construction: it is only built by
-//! [`Graph::from_wire`], which validates everything SPEC §3 promises (names resolve, each value
+//! [`Graph::from_wire`], which validates everything the IR promises (names resolve, each value
 //! has one producer that runs before its consumers, no cycle, shapes fit in bytes, ...).
 
 use std::fmt;
@@ -172,7 +172,7 @@ pub struct Effects {
 }
 
 impl Effects {
-    /// A mutable schema (R5): writes an input, an out buffer, or is a mutating collective.
+    /// A mutable schema: writes an input, an out buffer, or is a mutating collective.
     pub fn is_mutable(&self) -> bool {
         !self.mutates.is_empty()
             || self.writes_out
@@ -219,6 +219,40 @@ impl Node {
             && matches!(self.attribute("device"), Some(AttrValue::Str(d)) if d == "cpu" || d.starts_with("cpu:"))
     }
 
+    /// The input whose storage output `output` shares: every output of a view aliases the
+    /// view's base; the first output of an in-place op is the tensor it wrote.
+    pub fn aliased_input(&self, output: usize) -> Option<usize> {
+        match (self.effects.view_of, self.effects.mutates.first()) {
+            (Some(base), _) => Some(base),
+            (None, Some(&written)) if output == 0 => Some(written),
+            _ => None,
+        }
+    }
+
+    /// Whether running the node draws random numbers: its schema or the op knowledge base says
+    /// it is random, unless it is a dropout switched off (probability 0, as attention kernels
+    /// are called with `dropout_p=0.0` outside training, or `train=False`).
+    pub fn draws_random(&self) -> bool {
+        self.effects.random && !self.is_dropout_off()
+    }
+
+    /// Whether re-running the node may give another result than forward did, one that fixes
+    /// shapes or indices downstream (a `topk` breaking ties, routing counts): what the op
+    /// knowledge base says, unless the call asks for a stable sort, which breaks ties by
+    /// position and so always the same way.
+    pub fn replay_may_differ(&self) -> bool {
+        self.info.replay_nondeterministic
+            && !matches!(self.attribute("stable"), Some(AttrValue::Bool(true)))
+    }
+
+    fn is_dropout_off(&self) -> bool {
+        let zero =
+            |name: &str| matches!(self.attribute(name), Some(AttrValue::Float(p)) if *p == 0.0);
+        zero("dropout_p")
+            || (self.op.contains("dropout") && zero("p"))
+            || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
+    }
+
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()
@@ -227,7 +261,7 @@ impl Node {
     }
 }
 
-/// One recompute unit of a model and the half-open marker intervals it resolves to (R1).
+/// One recompute unit of a model and the half-open marker intervals it resolves to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unit {
     pub name: String,
@@ -271,8 +305,7 @@ pub struct Graph {
     pub(crate) metadata: Metadata,
     pub(crate) producers: IdVec<ValueId, Option<NodeId>>,
     pub(crate) consumers: Consumers,
-    /// Nodes that write a value in place, in execution order (sparse: few values are written).
-    pub(crate) mutators: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
+    pub(crate) storage: Storage,
     /// [`Graph::backward_order`], computed on first use.
     pub(crate) backward_order: std::sync::OnceLock<Vec<NodeId>>,
 }
@@ -283,7 +316,7 @@ impl Graph {
     }
 
     /// A stable hash of the graph's canonical encoding (32 hex digits): the same graph has the
-    /// same fingerprint whether it was read from `.pb` or `.json` (R11).
+    /// same fingerprint whether it was read from `.pb` or `.json`.
     pub fn fingerprint(&self) -> &str {
         &self.fingerprint
     }
@@ -386,11 +419,19 @@ impl Graph {
         order
     }
 
-    /// The nodes that write `value` in place (its schema says `mutates`), in execution order.
-    /// Functionalization is off in the exporter, so a later node may read the written tensor
-    /// under its old name: data flow alone does not show that it depends on these writes.
-    pub fn mutators(&self, value: ValueId) -> &[NodeId] {
-        self.mutators.get(&value).map_or(&[], Vec::as_slice)
+    /// The value whose storage `value` shares: itself unless it is a view, or the result of an
+    /// in-place op, of another value (followed to the end of the chain).
+    pub fn storage_root(&self, value: ValueId) -> ValueId {
+        self.storage.roots[value]
+    }
+
+    /// The nodes that write `value`'s storage in place, through `value` or any view or alias
+    /// of it, in execution order. Functionalization is off in the exporter, so a later node
+    /// may read a written tensor under its old name (or through a view made before the
+    /// write): data flow alone does not show that it depends on these writes.
+    pub fn storage_writers(&self, value: ValueId) -> &[NodeId] {
+        let root = self.storage.roots[value];
+        self.storage.writers.get(&root).map_or(&[], Vec::as_slice)
     }
 
     /// Nodes whose outputs `node` reads (each once), in execution order.
@@ -426,6 +467,14 @@ fn sorted_unique(mut ids: Vec<NodeId>) -> Vec<NodeId> {
     ids.sort_unstable();
     ids.dedup();
     ids
+}
+
+/// Which storage each value lives in (its root value), and the nodes writing each storage in
+/// place (sparse: few storages are written).
+#[derive(Debug, Default)]
+pub(crate) struct Storage {
+    pub(crate) roots: IdVec<ValueId, ValueId>,
+    pub(crate) writers: rustc_hash::FxHashMap<ValueId, Vec<NodeId>>,
 }
 
 /// Consumers of every value in one flat array (compressed rows), in execution order.

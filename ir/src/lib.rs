@@ -1,4 +1,4 @@
-//! The graph IR of the recompute planner (SPEC §3): wire format, validated loading into a
+//! The graph IR of the recompute planner (docs/ir.md): wire format, validated loading into a
 //! typed core model, the data-dependency DAG and the op knowledge base.
 //!
 //! **Architecture invariant:** this crate never links libtorch; it knows graphs, not tensors.

@@ -485,6 +485,8 @@ const TABLE: &[(&str, OpInfo)] = &[
     ("aten.__rshift__", ARITH),
     ("aten.__xor__", ARITH),
     ("aten._addmm_activation", ADDMM),
+    // A device-side check (`F.one_hot` bounds its indices): no output, reads one scalar.
+    ("aten._assert_async", MEMORY),
     ("aten._convolution", CONVOLUTION),
     ("aten._fused_dropout", RANDOM),
     ("aten._fused_rms_norm", NORM),
@@ -737,6 +739,7 @@ const TABLE: &[(&str, OpInfo)] = &[
     ("aten.silu_backward", TRANSCENDENTAL),
     ("aten.sin", TRANSCENDENTAL),
     ("aten.slice", VIEW),
+    ("aten.slice_backward", MEMORY),
     ("aten.slice_copy", MEMORY),
     ("aten.slice_scatter", MEMORY),
     ("aten.softmax", SOFTMAX),

@@ -11,7 +11,8 @@ use crate::{
     error::ValidationError as E,
     graph::{
         AttrValue, Attribute, Consumers, DType, Effects, Graph, MarkerInterval, Metadata, Model,
-        Name, Node, Phase, Role, Shape, Unit, Value, ValueIds, MARKER_NAME_ATTR, MARKER_OP,
+        Name, Node, Phase, Role, Shape, Storage, Unit, Value, ValueIds, MARKER_NAME_ATTR,
+        MARKER_OP,
     },
     id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
     name_index::{NameIndex, RecentFirst},
@@ -151,7 +152,7 @@ fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
     let Structure {
         producers,
         consumers,
-        mutators,
+        storage,
     } = structure?;
     Ok(Graph {
         name: header.name,
@@ -163,7 +164,7 @@ fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
         metadata: convert_metadata(header.metadata.unwrap_or_default()),
         producers,
         consumers,
-        mutators,
+        storage,
         backward_order: std::sync::OnceLock::new(),
     })
 }
@@ -179,7 +180,7 @@ pub fn fingerprint(canonical_encoding: &[u8]) -> String {
 struct Structure {
     producers: IdVec<ValueId, Option<NodeId>>,
     consumers: Consumers,
-    mutators: HashMap<ValueId, Vec<NodeId>>,
+    storage: Storage,
 }
 
 impl Structure {
@@ -196,12 +197,14 @@ impl Structure {
                 None => misordered,
             });
         }
-        let (consumers, mutators) =
-            rayon::join(|| Consumers::build(values.len(), nodes), || mutators(nodes));
+        let (consumers, storage) = rayon::join(
+            || Consumers::build(values.len(), nodes),
+            || storage(nodes, values.len()),
+        );
         Ok(Structure {
             producers,
             consumers,
-            mutators,
+            storage,
         })
     }
 }
@@ -730,14 +733,27 @@ fn check_execution_order(
 }
 
 /// Per written value, the nodes that write it, in execution order.
-fn mutators(nodes: &IdVec<NodeId, Node>) -> HashMap<ValueId, Vec<NodeId>> {
-    let mut mutators: HashMap<ValueId, Vec<NodeId>> = HashMap::default();
+/// Which storage each value lives in, and the nodes that write each storage in place.
+fn storage(nodes: &IdVec<NodeId, Node>, num_values: usize) -> Storage {
+    let mut roots: IdVec<ValueId, ValueId> =
+        IdVec::from_vec((0..num_values).map(ValueId::from_index).collect());
+    let mut writers: HashMap<ValueId, Vec<NodeId>> = HashMap::default();
+    // In execution order an aliased input's root is final before its aliases are made.
     for (id, node) in nodes.iter() {
+        for (k, &out) in node.outputs.iter().enumerate() {
+            if let Some(p) = node.aliased_input(k) {
+                roots[out] = roots[node.inputs[p]];
+            }
+        }
         for &p in &node.effects.mutates {
-            mutators.entry(node.inputs[p]).or_default().push(id);
+            let root = roots[node.inputs[p]];
+            let list = writers.entry(root).or_default();
+            if list.last() != Some(&id) {
+                list.push(id);
+            }
         }
     }
-    mutators
+    Storage { roots, writers }
 }
 
 fn convert_metadata(m: pb::Metadata) -> Metadata {

@@ -1,6 +1,6 @@
 //! Every committed `.pb` is in canonical encoding: decoding and re-encoding gives the same
 //! bytes. `load` fingerprints a `.pb` as read, so this is what makes a graph's fingerprint the
-//! same from `.pb` and `.json` (R11), and pb -> json -> pb byte-identical.
+//! same from `.pb` and `.json`, and pb -> json -> pb byte-identical.
 
 use std::{fs, path::Path};
 

@@ -1,4 +1,4 @@
-//! `--budget SIZE` (M3): per checkpointed layer, the set of units that minimises predicted
+//! `--budget SIZE`: per checkpointed layer, the set of units that minimises predicted
 //! replay time with the predicted peak within the budget.
 //!
 //! Method:
@@ -8,7 +8,7 @@
 //!    layers (same forward op, marker and region sequence) share the representative's figures,
 //!    so each distinct layer is solved once.
 //! 2. Small searches are exact: with at most [`EXHAUSTIVE_LIMIT`] per-layer combinations every
-//!    one is planned and simulated (M1), and the fastest that fits wins.
+//!    one is planned and simulated, and the fastest that fits wins.
 //! 3. Larger ones: a multiple-choice knapsack over the linear peak model
 //!    `peak ≈ peak(nothing kept) + Σ_l (m(l, o_l) − m(l, ∅))`, solved exactly by dynamic
 //!    programming over the headroom `budget − peak(∅)` quantised into [`BUCKETS`] steps (costs
@@ -46,6 +46,7 @@ use crate::{
     cost::HwProfile,
     partition,
     plan::{self, Baselines, PlanError},
+    progress::{Progress, Silent},
 };
 
 /// Quantisation of the headroom for the knapsack.
@@ -74,10 +75,27 @@ pub enum BudgetError {
 }
 
 /// One checkpointed layer's figures under one option.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Figures {
     saved_bytes: u64,
     replay_s: f64,
+    /// False when planning the option is rejected (an error diagnostic): never chosen.
+    allowed: bool,
+}
+
+impl Default for Figures {
+    fn default() -> Self {
+        Figures {
+            saved_bytes: 0,
+            replay_s: 0.0,
+            allowed: true,
+        }
+    }
+}
+
+/// A candidate answer for `budget`: its peak fits and `plan` accepts it (no error).
+fn fits(plan: &Plan, budget: u64) -> bool {
+    plan.memory.peak_bytes.unwrap_or(0) <= budget && !plan.has_errors()
 }
 
 /// A layer to decide and the option table of its class.
@@ -98,6 +116,7 @@ pub struct Search<'g> {
     pub nothing: Plan,
     slots: Vec<Slot>,
     options: Vec<Vec<Figures>>,
+    progress: &'g dyn Progress,
 }
 
 impl<'g> Search<'g> {
@@ -106,6 +125,16 @@ impl<'g> Search<'g> {
         graph: &'g Graph,
         config: &PlanConfig,
         hw: &'g HwProfile,
+    ) -> Result<Self, BudgetError> {
+        Search::with_progress(graph, config, hw, &Silent)
+    }
+
+    /// [`Search::new`], reporting each candidate plan to `progress`.
+    pub fn with_progress(
+        graph: &'g Graph,
+        config: &PlanConfig,
+        hw: &'g HwProfile,
+        progress: &'g dyn Progress,
     ) -> Result<Self, BudgetError> {
         let base = PlanConfig {
             keep: Keep::Nothing,
@@ -118,7 +147,15 @@ impl<'g> Search<'g> {
         let baselines = Baselines::of(graph)?;
         let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
-        let plan = |resolved| plan::plan_against(graph, &base, resolved, hw, &baselines);
+        let tables: u64 = distinct_models(&slots)
+            .iter()
+            .map(|&m| 1u64 << graph.model(m).units.len().min(MAX_UNITS + 1))
+            .sum();
+        progress.stage("option tables", Some(tables));
+        let plan = |resolved| {
+            progress.advance();
+            plan::plan_against(graph, &base, resolved, hw, &baselines)
+        };
         let options = evaluate_options(graph, plan, &resolved, &slots, classes)?;
         Ok(Search {
             graph,
@@ -129,7 +166,13 @@ impl<'g> Search<'g> {
             nothing,
             slots,
             options,
+            progress,
         })
+    }
+
+    /// Reports the start of a search stage.
+    pub fn stage(&self, what: &str, total: Option<u64>) {
+        self.progress.stage(what, total);
     }
 
     /// Distinct layer classes (identical layers share one).
@@ -150,6 +193,7 @@ impl<'g> Search<'g> {
                 let table = &self.options[s.class];
                 table
                     .iter()
+                    .filter(|f| f.allowed)
                     .map(|f| f.saved_bytes.saturating_sub(table[0].saved_bytes))
                     .max()
                     .unwrap_or(0)
@@ -174,6 +218,7 @@ impl<'g> Search<'g> {
     }
 
     fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
+        self.progress.advance();
         let plan = plan::plan_against(self.graph, &self.base, resolved, self.hw, &self.baselines);
         Ok(plan?)
     }
@@ -183,8 +228,10 @@ impl<'g> Search<'g> {
     /// [`Search::heuristic_within`].
     pub fn within(&self, budget: u64) -> Result<Plan, BudgetError> {
         if self.combinations() <= EXHAUSTIVE_LIMIT {
+            self.stage("every combination", Some(self.combinations()));
             self.exhaustive_within(budget)
         } else {
+            self.stage("knapsack and local search", None);
             self.heuristic_within(budget)
         }
     }
@@ -202,7 +249,7 @@ impl<'g> Search<'g> {
         let mut best: Option<Plan> = None;
         for plan in self.every_combination() {
             let plan = plan?;
-            if plan.memory.peak_bytes.unwrap_or(0) <= budget && is_better(&plan, best.as_ref()) {
+            if fits(&plan, budget) && is_better(&plan, best.as_ref()) {
                 best = Some(plan);
             }
         }
@@ -342,7 +389,7 @@ impl<'g> Search<'g> {
                 let table = &self.options[slot.class];
                 let now = table[choice[i]].replay_s;
                 for (o, f) in table.iter().enumerate() {
-                    if f.replay_s < now {
+                    if f.allowed && f.replay_s < now {
                         moves.push((now - f.replay_s, i, o));
                     }
                 }
@@ -367,9 +414,7 @@ impl<'g> Search<'g> {
                 let plans: Vec<_> = batch.par_iter().map(|c| self.plan_of(c)).collect();
                 for (k, (candidate, next)) in batch.iter().zip(plans).enumerate() {
                     let next = next?;
-                    if next.memory.peak_bytes.unwrap_or(0) <= budget
-                        && is_better(&next, Some(&plan))
-                    {
+                    if fits(&next, budget) && is_better(&next, Some(&plan)) {
                         tries += k + 1;
                         (choice, plan) = (candidate.clone(), next);
                         continue 'improve;
@@ -432,7 +477,7 @@ impl Search<'_> {
                     .with_chosen_ops(chosen),
             )
         };
-        let fits = |p: &Plan| p.memory.peak_bytes.unwrap_or(0) <= budget;
+        let fits = |p: &Plan| fits(p, budget);
         let (mut lo, mut hi) = (0usize, ranked.len());
         let mut best = units;
         while lo < hi {
@@ -462,7 +507,7 @@ impl Search<'_> {
             && node
                 .outputs
                 .iter()
-                .all(|&v| self.graph.mutators(v).is_empty())
+                .all(|&v| self.graph.storage_writers(v).is_empty())
     }
 }
 
@@ -476,7 +521,7 @@ struct Best {
 impl Best {
     /// Takes `plan` if it fits and is better; says whether it fits.
     fn offer(&mut self, choice: Vec<usize>, plan: Plan) -> bool {
-        let fits = plan.memory.peak_bytes.unwrap_or(0) <= self.budget;
+        let fits = fits(&plan, self.budget);
         if fits && is_better(&plan, Some(&self.plan)) {
             (self.choice, self.plan) = (choice, plan);
         }
@@ -547,6 +592,13 @@ fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
     (slots, classes.len())
 }
 
+/// The models that own the slots, each once, in slot order.
+fn distinct_models(slots: &[Slot]) -> Vec<ModelId> {
+    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
+    models.dedup();
+    models
+}
+
 /// `options[class][o]`: the figures of the class's representative layer under subset `o`.
 /// The option tables: `plan` plans the graph under per-layer choices.
 fn evaluate_options(
@@ -557,9 +609,7 @@ fn evaluate_options(
     classes: usize,
 ) -> Result<Vec<Vec<Figures>>, BudgetError> {
     let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
-    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
-    models.dedup();
-    for model in models {
+    for model in distinct_models(slots) {
         let units = graph.model(model).units.len();
         if units > MAX_UNITS {
             return Err(BudgetError::TooManyUnits {
@@ -585,9 +635,12 @@ fn evaluate_options(
             })
             .collect();
         for plan in plans {
-            let figures = figures_by_layer(&plan?);
+            let plan = plan?;
+            let allowed = !plan.has_errors();
+            let figures = figures_by_layer(&plan);
             for (&class, at) in &representatives {
-                options[class].push(figures.get(at).copied().unwrap_or_default());
+                let f = figures.get(at).copied().unwrap_or_default();
+                options[class].push(Figures { allowed, ..f });
             }
         }
     }
@@ -601,7 +654,8 @@ fn figures_by_layer(plan: &Plan) -> rustc_hash::FxHashMap<LayerRef, Figures> {
         let (Some(model), Some(layer)) = (s.model, s.layer) else {
             continue;
         };
-        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) {
+        // An alias adds no storage of its own.
+        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) && s.alias_of.is_none() {
             let f = figures.entry(LayerRef { model, layer }).or_default();
             f.saved_bytes = f.saved_bytes.saturating_add(s.bytes);
         }
@@ -631,7 +685,7 @@ fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usiz
         let mut pick = vec![0u8; capacity + 1];
         for c in 0..=capacity {
             for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
-                if k <= c && best[c - k] + f.replay_s < next[c] {
+                if f.allowed && k <= c && best[c - k] + f.replay_s < next[c] {
                     next[c] = best[c - k] + f.replay_s;
                     pick[c] = o as u8;
                 }

@@ -1,10 +1,10 @@
-//! What the user asked for (R1–R3, R5), resolved against the graph's models before any
+//! What the user asked for, resolved against the graph's models before any
 //! planning work.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Keep, LayerRef},
+    plan::{Collectives, Keep, LayerRef, RandomOps},
     Graph, IdVec, Model, ModelId, NodeId, UnitId,
 };
 use thiserror::Error;
@@ -34,9 +34,10 @@ pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanConfig {
     pub keep: Keep,
-    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed (R3).
+    /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed.
     pub recompute_ratio: f64,
     pub collectives: Collectives,
+    pub random_ops: RandomOps,
 }
 
 impl Default for PlanConfig {
@@ -45,6 +46,7 @@ impl Default for PlanConfig {
             keep: Keep::Nothing,
             recompute_ratio: 1.0,
             collectives: Collectives::Recompute,
+            random_ops: RandomOps::Save,
         }
     }
 }
@@ -64,6 +66,10 @@ pub enum ConfigError {
     MixedKeep { values: Vec<String> },
     #[error("--recompute-ratio must be between 0 and 1, got {ratio}")]
     Ratio { ratio: String },
+    #[error("not a choices file: {reason} (expected the JSON of a `pareto` point or of a plan, with `layer_keep`)")]
+    ChoicesFormat { reason: String },
+    #[error("the choices name {what}, which this graph does not have")]
+    ChoicesUnknown { what: String },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -147,7 +153,7 @@ impl Resolved {
     }
 }
 
-/// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones (R2).
+/// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones.
 pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigError> {
     if let Keep::Units(requested) = &config.keep {
         let valid = declared_units(graph);
@@ -197,10 +203,76 @@ pub fn kept_units_of(model: &Model, keep: &Keep) -> Vec<UnitId> {
         .collect()
 }
 
-/// `floor(ratio × num_layers)`, as the first seed's framework computes it.
+/// `floor(ratio × num_layers)`: the first layers of each model, as Megatron-style `recompute_ratio`
+/// options select them.
 pub fn checkpointed_layer_count(ratio: f64, num_layers: u32) -> u32 {
     // ratio is in [0, 1], so the product is in [0, num_layers].
     (ratio * f64::from(num_layers)).floor() as u32
+}
+
+/// Per-layer unit choices from JSON: a `pareto --format json` point, or a plan, whose
+/// `layer_keep` (top level, or under `config`) lists `{"model", "layer", "keep": [units]}`.
+/// Unit names match case-insensitively; every model, layer and unit must exist.
+pub fn parse_choices(
+    graph: &Graph,
+    json: &[u8],
+) -> Result<BTreeMap<LayerRef, Vec<UnitId>>, ConfigError> {
+    let format = |reason: String| ConfigError::ChoicesFormat { reason };
+    let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| format(e.to_string()))?;
+    let list = doc
+        .get("layer_keep")
+        .or_else(|| doc.get("config").and_then(|c| c.get("layer_keep")))
+        .ok_or_else(|| format("no `layer_keep`".to_owned()))?;
+    let entries: Vec<ChoiceEntry> =
+        serde_json::from_value(list.clone()).map_err(|e| format(e.to_string()))?;
+    entries
+        .into_iter()
+        .map(|entry| entry.resolve(graph))
+        .collect()
+}
+
+/// One layer's choice as the JSON spells it.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChoiceEntry {
+    model: String,
+    layer: u32,
+    keep: Vec<String>,
+}
+
+impl ChoiceEntry {
+    fn resolve(self, graph: &Graph) -> Result<(LayerRef, Vec<UnitId>), ConfigError> {
+        let unknown = |what: String| ConfigError::ChoicesUnknown { what };
+        let model = graph
+            .model_by_name(&self.model)
+            .ok_or_else(|| unknown(format!("model `{}`", self.model)))?;
+        let declared = graph.model(model);
+        if self.layer >= declared.num_layers {
+            return Err(unknown(format!(
+                "layer {} of model `{}` ({} layers)",
+                self.layer, self.model, declared.num_layers
+            )));
+        }
+        let units = self
+            .keep
+            .iter()
+            .map(|name| {
+                declared
+                    .units
+                    .iter()
+                    .find(|(_, u)| u.name.eq_ignore_ascii_case(name))
+                    .map(|(id, _)| id)
+                    .ok_or_else(|| unknown(format!("unit `{name}` of model `{}`", self.model)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((
+            LayerRef {
+                model,
+                layer: self.layer,
+            },
+            units,
+        ))
+    }
 }
 
 /// Upper-case unit names declared by any model of the graph, sorted.

@@ -1,4 +1,4 @@
-//! Recompute cost (M2): FLOPs, bytes and bytes re-communicated by replay, and an estimated time
+//! Recompute cost (docs/cost-and-memory.md): FLOPs, bytes and bytes re-communicated by replay, and an estimated time
 //! from a hardware profile.
 //!
 //! Each op is timed with a roofline, `max(flops / rate, bytes / hbm)`, where the rate is the

@@ -1,4 +1,4 @@
-//! Diagnostics (R7): every way a configuration silently fails to do what the user asked,
+//! Diagnostics: every way a configuration silently fails to do what the user asked,
 //! aggregated over the owning model and deduplicated per diagnosis (code + model + unit),
 //! never keyed globally on an interval name.
 
@@ -6,19 +6,22 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
     plan::{Code, Diagnostic, Keep, Level, Reason},
-    Graph, ModelId, UnitId,
+    EntityId, Graph, ModelId, Phase, UnitId,
 };
 
 use crate::{
     config::{PlanConfig, Resolved},
     partition::Partition,
-    policy::{Enclosed, Findings, InplaceWrite, Unbalance, UnitKey},
+    policy::{Demotion, Enclosed, Findings, InplaceWrite, Policy, Unbalance, UnitKey},
 };
 
 /// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
-fn level_of(code: Code) -> Level {
+pub fn level_of(code: Code) -> Level {
     match code {
         Code::InplaceInKeptInterval => Level::Error,
+        Code::KeptOutputWrittenInPlace | Code::RandomOpSaved | Code::RandomOpReplayed => {
+            Level::Info
+        }
         _ => Level::Warning,
     }
 }
@@ -61,19 +64,23 @@ pub fn diagnose(
     graph: &Graph,
     config: &PlanConfig,
     resolved: &Resolved,
-    findings: &Findings,
+    policy: &Policy,
     partition: Option<&Partition>,
 ) -> Vec<Diagnostic> {
+    let findings = &policy.findings;
     let mut out = Collector::default();
+    no_layers_annotated(graph, &mut out);
+    random_ops(graph, policy, &mut out);
     no_units_declared(graph, config, &mut out);
     marker_missing(graph, resolved, &mut out);
     interval_inert(graph, resolved, findings, &mut out);
     unbalanced(graph, findings, &mut out);
     crossings(graph, findings, &mut out);
     inplace(graph, findings, &mut out);
+    demoted(graph, findings, &mut out);
     compiled_whole(graph, findings, &mut out);
     if let Some(partition) = partition {
-        nondeterministic_replay(graph, findings, partition, &mut out);
+        nondeterministic_replay(graph, (config, resolved), findings, partition, &mut out);
     }
     out.finish()
 }
@@ -345,6 +352,39 @@ fn inplace(graph: &Graph, findings: &Findings, out: &mut Collector) {
     }
 }
 
+fn demoted(graph: &Graph, findings: &Findings, out: &mut Collector) {
+    let mut grouped: BTreeMap<UnitKey, Vec<&Demotion>> = BTreeMap::new();
+    for d in &findings.demoted {
+        grouped.entry(d.unit).or_default().push(d);
+    }
+    for (UnitKey { model, unit }, demoted) in grouped {
+        let first = demoted[0];
+        let (kept, writer) = (graph.node(first.node), graph.node(first.writer));
+        let layers: BTreeSet<u32> = demoted
+            .iter()
+            .filter_map(|d| graph.node(d.node).layer)
+            .collect();
+        let more = match demoted.len() {
+            1 => String::new(),
+            k => format!(" ({} more such ops)", k - 1),
+        };
+        out.add(
+            Code::KeptOutputWrittenInPlace,
+            (model, Some(unit)),
+            format!(
+                "unit {} keeps `{}` ({}) in {}, but `{}` ({}) writes its output in place later{more}: it is recomputed and replays with its writers instead of being saved",
+                unit_name(graph, model, unit),
+                kept.name,
+                kept.op,
+                layers_phrase(layers),
+                writer.name,
+                writer.op,
+            ),
+            "make the write out-of-place (`w = w / s` instead of `w /= s`) if the op should be kept".to_owned(),
+        );
+    }
+}
+
 fn compiled_whole(graph: &Graph, findings: &Findings, out: &mut Collector) {
     for (&model, layers) in &findings.layers_compiled_whole {
         let regions: BTreeSet<&String> = layers.values().collect();
@@ -376,6 +416,7 @@ struct Replayed<'g> {
 /// hint names the unit whose interval encloses the op, as the policy's marker walk saw it.
 fn nondeterministic_replay(
     graph: &Graph,
+    (config, resolved): (&PlanConfig, &Resolved),
     findings: &Findings,
     partition: &Partition,
     out: &mut Collector,
@@ -406,17 +447,43 @@ fn nondeterministic_replay(
                 layers_phrase(replayed.layers.iter().copied()),
                 graph.model(model).name
             ),
-            nondeterministic_hint(graph, model, unit, &replayed.regions),
+            nondeterministic_hint(graph, (config, resolved), model, unit, &replayed.regions),
         );
     }
 }
 
+/// Whether keeping `unit` of `model` everywhere would be rejected (an in-place write in its
+/// interval that cannot replay): a hint must not recommend it. Answered by the policy itself,
+/// run with the unit kept.
+fn keeping_is_rejected(
+    graph: &Graph,
+    (config, resolved): (&PlanConfig, &Resolved),
+    model: ModelId,
+    unit: UnitId,
+) -> bool {
+    let mut with_unit = resolved.clone();
+    with_unit.layer_units.clear();
+    if !with_unit.kept_units[model].contains(&unit) {
+        with_unit.kept_units[model].push(unit);
+    }
+    let what_if = crate::policy::apply(graph, config, &with_unit);
+    let key = UnitKey { model, unit };
+    what_if.findings.inplace_kept.iter().any(|w| w.unit == key)
+}
+
 fn nondeterministic_hint(
     graph: &Graph,
+    configs: (&PlanConfig, &Resolved),
     model: ModelId,
     unit: Option<UnitId>,
     regions: &BTreeSet<String>,
 ) -> String {
+    if let Some(u) = unit.filter(|&u| keeping_is_rejected(graph, configs, model, u)) {
+        return format!(
+            "unit {} encloses the op, but keeping it is rejected here (an in-place write in its interval cannot replay): make that write out-of-place, or enclose the op in an interval of its own",
+            unit_name(graph, model, u)
+        );
+    }
     match (unit, regions.is_empty()) {
         (Some(u), false) => format!(
             "unit {} encloses the op, but it runs in compiled region {}, where nothing is kept: compile less so that it runs in eager, then keep {}",
@@ -429,5 +496,73 @@ fn nondeterministic_hint(
             unit_name(graph, model, u)
         ),
         (None, _) => "enclose the op in a unit's marker interval and keep that unit".to_owned(),
+    }
+}
+
+/// Random ops in checkpointed layers, by model and by what happens to them: saved, or replayed
+/// with the generator state forward saw (which every executor must restore).
+fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
+    let mut grouped: BTreeMap<(ModelId, Reason), Replayed> = BTreeMap::new();
+    for (id, p) in policy.nodes.iter() {
+        let Some(p) = p.filter(|p| matches!(p.reason, Reason::Random | Reason::RandomReplayed))
+        else {
+            continue;
+        };
+        let node = graph.node(id);
+        let entry = grouped.entry((node.model, p.reason)).or_default();
+        entry.ops.insert(node.op.as_str());
+        entry.layers.extend(node.layer);
+    }
+    for ((model, reason), found) in grouped {
+        let ops: Vec<String> = found.ops.iter().map(|o| format!("`{o}`")).collect();
+        let (code, what, hint) = if reason == Reason::Random {
+            (
+                Code::RandomOpSaved,
+                "are saved, so replay never draws other random numbers",
+                "`--random-ops replay` replays them instead, with the generator state forward saw restored (less memory; the executor must restore the state)",
+            )
+        } else {
+            (
+                Code::RandomOpReplayed,
+                "replay with the generator state forward saw: the executor must restore it (the runtime does; eager checkpoint does with preserve_rng_state=True; torch.compile needs functionalize_rng_ops)",
+                "`--random-ops save` saves their outputs instead, which every executor honours",
+            )
+        };
+        out.add(
+            code,
+            (model, None),
+            format!(
+                "random ops {} in {} of model `{}` {what}",
+                ops.join(", "),
+                layers_phrase(found.layers.iter().copied()),
+                graph.model(model).name
+            ),
+            hint.to_owned(),
+        );
+    }
+}
+
+/// A model that declares decoder layers but none of whose forward nodes carries a layer
+/// index: nothing of it can be checkpointed, which is almost always a forgotten annotation.
+fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
+    let mut annotated = vec![false; graph.models().len()];
+    for node in graph.nodes().values() {
+        if node.phase == Phase::Forward && node.layer.is_some() {
+            annotated[node.model.index()] = true;
+        }
+    }
+    for (id, model) in graph.models().iter() {
+        if model.num_layers == 0 || annotated[id.index()] {
+            continue;
+        }
+        out.add(
+            Code::NoLayersAnnotated,
+            (id, None),
+            format!(
+                "model `{}` declares {} layers, but none of its forward ops carries a layer index: nothing of it is checkpointed",
+                model.name, model.num_layers
+            ),
+            "when exporting, run each decoder layer inside `layer_scope(model, index)` (or call `recompute_planner.annotate(model, layers=...)`) so its ops carry their layer".to_owned(),
+        );
     }
 }

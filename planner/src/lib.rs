@@ -15,5 +15,6 @@ pub mod pareto;
 pub mod partition;
 pub mod plan;
 pub mod policy;
+pub mod progress;
 pub mod render;
 pub mod units;

@@ -1,4 +1,4 @@
-//! Peak memory from a liveness simulation (M1).
+//! Peak memory from a liveness simulation (docs/cost-and-memory.md).
 //!
 //! The step runs forward in execution order, then backward in order with each replay subgraph
 //! materialised just before the backward node it is scheduled for. Every op output is a new
@@ -14,7 +14,7 @@
 
 use ir::{
     plan::{Peak, Stage},
-    EntityId, Graph, Node, NodeId, Phase, ValueId,
+    EntityId, Graph, NodeId, Phase, ValueId,
 };
 
 use crate::partition::Replay;
@@ -155,16 +155,12 @@ impl Simulator<'_> {
                 self.storages[s as usize].last = step;
             }
         }
-        let alias_pos = alias_input(node);
-        let alias = alias_pos.and_then(|p| self.read(stage, node.inputs[p]));
-        // A view op's outputs all alias its base (`unbind`, `split`); an in-place op's first.
-        let all_alias = node.effects.view_of.is_some();
         for (k, &v) in node.outputs.iter().enumerate() {
-            let storage = match alias_pos {
-                // `alias` is None when the base is a parameter (no storage): the view is
-                // resident memory too, counted in `parameter_bytes`.
-                Some(_) if k == 0 || all_alias => alias,
-                _ => Some(self.new_storage(self.graph.value(v).bytes, step)),
+            let storage = match node.aliased_input(k) {
+                // None when the base is a parameter (no storage): the view is resident memory
+                // too, counted in `parameter_bytes`.
+                Some(p) => self.read(stage, node.inputs[p]),
+                None => Some(self.new_storage(self.graph.value(v).bytes, step)),
             };
             let slot = match stage {
                 Stage::Forward => &mut self.inst.forward,
@@ -190,13 +186,6 @@ impl Simulator<'_> {
         let (peak_bytes, peak_step) = peak(&self.storages, self.steps);
         (peak_bytes, peak_step, gradient_bytes)
     }
-}
-
-/// The input an op's first output aliases: a view's base, or the tensor an in-place op writes.
-fn alias_input(node: &Node) -> Option<usize> {
-    node.effects
-        .view_of
-        .or_else(|| node.effects.mutates.first().copied())
 }
 
 /// The largest sum of live bytes over steps, and the first step where it is reached.

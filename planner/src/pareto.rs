@@ -1,4 +1,4 @@
-//! `planner pareto`: the whole memory / recompute trade-off (M3). Candidates are every per-layer
+//! `planner pareto`: the whole memory / recompute trade-off. Candidates are every per-layer
 //! combination when there are few (exact), else the budget solver's choices for evenly spaced
 //! headrooms from "keep nothing" to "keep every unit that saves anything", plus every uniform
 //! `--keep` (the same units in every layer); each is simulated exactly, and the points no other
@@ -28,13 +28,14 @@ pub struct Point {
 }
 
 impl Point {
-    fn of(plan: &Plan) -> Point {
-        Point {
+    /// The point of a candidate plan; none when `plan` rejects it (an error diagnostic).
+    fn of(plan: &Plan) -> Option<Point> {
+        (!plan.has_errors()).then(|| Point {
             peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
             replay_time_s: plan.cost.replay_time_s,
             saved_bytes: plan.memory.saved_bytes,
             layer_keep: plan.config.layer_keep.clone(),
-        }
+        })
     }
 
     /// At least as good on both axes and better on one.
@@ -51,13 +52,15 @@ impl Point {
 pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
     let mut points: Vec<Point> = Vec::new();
     if search.combinations() <= EXHAUSTIVE_LIMIT {
+        search.stage("every combination", Some(search.combinations()));
         for plan in search.every_combination() {
-            points.push(Point::of(&plan?));
+            points.extend(Point::of(&plan?));
         }
     } else {
         let max = search.max_headroom();
         let steps = steps.max(1);
-        let swept: Vec<Result<Point, BudgetError>> = (0..=steps)
+        search.stage("frontier candidates", None);
+        let swept: Vec<Result<Option<Point>, BudgetError>> = (0..=steps)
             .into_par_iter()
             .map(|k| {
                 let headroom = u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps))
@@ -66,7 +69,7 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
             })
             .collect();
         for point in swept {
-            let point = point?;
+            let Some(point) = point? else { continue };
             if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
                 points.push(point);
             }
@@ -74,7 +77,7 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
         // The knapsack's tables come from one layer per class and can miss what a plain
         // `--keep` achieves: those points join the candidates.
         for plan in search.uniform_plans() {
-            points.push(Point::of(&plan?));
+            points.extend(Point::of(&plan?));
         }
     }
     let mut front: Vec<Point> = points
@@ -170,72 +173,121 @@ pub fn json(graph: &Graph, points: &[Point]) -> String {
     text
 }
 
-/// The frontier as an SVG plot: peak (x) against replay time (y), points joined by steps.
+/// The frontier as an SVG plot: peak (x) against replay time (y), points joined by steps,
+/// with ticks on both axes and every label inside the image.
 pub fn svg(graph: &Graph, points: &[Point]) -> String {
-    const W: f64 = 640.0;
-    const H: f64 = 400.0;
-    const M: f64 = 60.0;
-    let (x0, x1) = bounds(points.iter().map(|p| p.peak_bytes as f64));
-    let (y0, y1) = bounds(points.iter().map(|p| p.replay_time_s));
-    let x = |v: f64| M + (v - x0) / (x1 - x0) * (W - 2.0 * M);
-    let y = |v: f64| H - M - (v - y0) / (y1 - y0) * (H - 2.0 * M);
+    let plot = Plot::of(points);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="{FONT}">"#
     );
     let _ = writeln!(out, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
     let _ = writeln!(
         out,
-        r#"<text x="{}" y="24" text-anchor="middle" font-size="14">{}: peak memory vs replay time</text>"#,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="14">{}</text>"#,
         W / 2.0,
-        escape(graph.name())
+        escape(&clip(
+            &format!("{}: peak memory vs replay time", graph.name()),
+            80
+        ))
     );
+    svg_axes(&mut out, &plot);
+    svg_points(&mut out, &plot, points, graph);
+    let _ = writeln!(out, "</svg>");
+    out
+}
+
+const W: f64 = 720.0;
+const H: f64 = 440.0;
+const FONT: f64 = 11.0;
+/// Margins: room for the y tick labels on the left and the x tick labels below.
+const LEFT: f64 = 90.0;
+const RIGHT: f64 = 40.0;
+const TOP: f64 = 44.0;
+const BOTTOM: f64 = 64.0;
+const TICKS: usize = 5;
+
+/// The data ranges and their mapping to the drawing area.
+struct Plot {
+    x: (f64, f64),
+    y: (f64, f64),
+}
+
+impl Plot {
+    fn of(points: &[Point]) -> Plot {
+        Plot {
+            x: bounds(points.iter().map(|p| p.peak_bytes as f64)),
+            y: bounds(points.iter().map(|p| p.replay_time_s)),
+        }
+    }
+
+    fn px(&self, v: f64) -> f64 {
+        LEFT + (v - self.x.0) / (self.x.1 - self.x.0) * (W - LEFT - RIGHT)
+    }
+
+    fn py(&self, v: f64) -> f64 {
+        H - BOTTOM - (v - self.y.0) / (self.y.1 - self.y.0) * (H - TOP - BOTTOM)
+    }
+}
+
+/// Both axes with [`TICKS`] evenly spaced ticks and labels, and the axis titles.
+fn svg_axes(out: &mut String, plot: &Plot) {
+    let (x0, x1, y0) = (LEFT, W - RIGHT, H - BOTTOM);
     let _ = writeln!(
         out,
-        r#"<path d="M{M} {} H{} M{M} {} V{M}" stroke="black" fill="none"/>"#,
-        H - M,
-        W - M,
-        H - M
+        r#"<path d="M{x0} {y0} H{x1} M{x0} {y0} V{TOP}" stroke="black" fill="none"/>"#
     );
-    for (v, anchor) in [(x0, "start"), (x1, "end")] {
+    for k in 0..TICKS {
+        let t = k as f64 / (TICKS - 1) as f64;
+        let xv = plot.x.0 + t * (plot.x.1 - plot.x.0);
+        let x = plot.px(xv);
+        // The end labels hang inward so they stay inside the image.
+        let anchor = match k {
+            0 => "start",
+            k if k == TICKS - 1 => "end",
+            _ => "middle",
+        };
         let _ = writeln!(
             out,
-            r#"<text x="{:.1}" y="{}" text-anchor="{anchor}">{}</text>"#,
-            x(v),
-            H - M + 18.0,
-            escape(&format_bytes(v as u64))
+            r#"<path d="M{x:.1} {y0} v5" stroke="black"/><text x="{x:.1}" y="{:.1}" text-anchor="{anchor}">{}</text>"#,
+            y0 + 18.0,
+            escape(&short_bytes(xv.max(0.0) as u64))
         );
-    }
-    for v in [y0, y1] {
+        let yv = plot.y.0 + t * (plot.y.1 - plot.y.0);
+        let y = plot.py(yv);
         let _ = writeln!(
             out,
-            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
-            M - 6.0,
-            y(v) + 4.0,
-            escape(&format_seconds(v))
+            r#"<path d="M{x0} {y:.1} h-5" stroke="black"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
+            x0 - 8.0,
+            y + 4.0,
+            escape(&format_seconds(yv))
         );
     }
     let _ = writeln!(
         out,
-        r#"<text x="{}" y="{}" text-anchor="middle">predicted peak</text>"#,
-        W / 2.0,
-        H - 16.0
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">predicted peak (activations)</text>"#,
+        (x0 + x1) / 2.0,
+        H - 18.0
     );
     let _ = writeln!(
         out,
-        r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">predicted replay time</text>"#,
-        H / 2.0,
-        H / 2.0
+        r#"<text x="16" y="{:.1}" transform="rotate(-90 16 {:.1})" text-anchor="middle">predicted replay time</text>"#,
+        (TOP + y0) / 2.0,
+        (TOP + y0) / 2.0
     );
+}
+
+/// The frontier as a staircase and its points, each with a tooltip of its choices.
+fn svg_points(out: &mut String, plot: &Plot, points: &[Point], graph: &Graph) {
     let path: Vec<String> = points
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let (px, py) = (x(p.peak_bytes as f64), y(p.replay_time_s));
+            let (x, y) = (plot.px(p.peak_bytes as f64), plot.py(p.replay_time_s));
             match i {
-                0 => format!("M{px:.1} {py:.1}"),
-                _ => format!("H{px:.1} V{py:.1}"),
+                0 => format!("M{x:.1} {y:.1}"),
+                _ => format!("H{x:.1} V{y:.1}"),
             }
         })
         .collect();
@@ -248,15 +300,27 @@ pub fn svg(graph: &Graph, points: &[Point]) -> String {
         let _ = writeln!(
             out,
             r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#1f77b4"><title>{}, {}: {}</title></circle>"##,
-            x(p.peak_bytes as f64),
-            y(p.replay_time_s),
+            plot.px(p.peak_bytes as f64),
+            plot.py(p.replay_time_s),
             escape(&format_bytes(p.peak_bytes)),
             escape(&format_seconds(p.replay_time_s)),
             escape(&describe(&p.layer_keep, graph))
         );
     }
-    let _ = writeln!(out, "</svg>");
-    out
+}
+
+/// `47.3 MiB`: the scaled part of [`format_bytes`], for tick labels.
+fn short_bytes(bytes: u64) -> String {
+    let long = format_bytes(bytes);
+    long.split(" (").next().unwrap_or(&long).to_owned()
+}
+
+/// At most `max` characters, an ellipsis marking the cut.
+fn clip(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
 }
 
 /// Min and max, widened so a single point still has a range.

@@ -1,4 +1,4 @@
-//! Partition of a joint graph into forward / replay / backward (R8, R9), and the verifier that
+//! Partition of a joint graph into forward / replay / backward, and the verifier that
 //! proves it closed.
 //!
 //! Saved = exactly the forward values backward needs, directly or through replay, that are
@@ -67,6 +67,12 @@ pub enum PartitionError {
         value: String,
         writer: String,
     },
+    #[error("replay node `{node}` reads resident `{value}`, which `{writer}` writes in place after it in forward: the replay would read the written value")]
+    ReplayReadsOverwritten {
+        node: String,
+        value: String,
+        writer: String,
+    },
 }
 
 /// Whether the graph has a backward phase to partition.
@@ -108,6 +114,15 @@ struct Builder<'a> {
     first_use: HashMap<LayerRef, usize>,
     /// The values [`Builder::need`] still has to visit (kept to reuse its allocation).
     stack: Vec<ValueId>,
+    /// Where each value comes from, once classified.
+    memo: std::cell::RefCell<Vec<Memo>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Memo {
+    Unknown,
+    InProgress,
+    Known(Source),
 }
 
 impl<'a> Builder<'a> {
@@ -119,6 +134,7 @@ impl<'a> Builder<'a> {
             in_replay: vec![false; graph.nodes().len()],
             first_use: HashMap::default(),
             stack: Vec::new(),
+            memo: std::cell::RefCell::new(vec![Memo::Unknown; graph.values().len()]),
         }
     }
 
@@ -157,8 +173,22 @@ impl<'a> Builder<'a> {
         self.stack = stack;
     }
 
-    /// Where `value` comes from, without replay if possible.
+    /// Where `value` comes from, without replay if possible (memoised).
     fn classify(&self, value: ValueId) -> Source {
+        match self.memo.borrow()[value.index()] {
+            Memo::Known(source) => return source,
+            // A cycle through in-place writes: assume the value replays; the verifier checks
+            // the partition that comes of it.
+            Memo::InProgress => return Source::Replayed,
+            Memo::Unknown => {}
+        }
+        self.memo.borrow_mut()[value.index()] = Memo::InProgress;
+        let source = self.classify_once(value);
+        self.memo.borrow_mut()[value.index()] = Memo::Known(source);
+        source
+    }
+
+    fn classify_once(&self, value: ValueId) -> Source {
         let graph = self.graph;
         let Some(producer) = graph.producer(value) else {
             return Source::Saved(match graph.value(value).role {
@@ -179,12 +209,18 @@ impl<'a> Builder<'a> {
             Some(Decision::Recompute) if self.writes_resident(producer) => {
                 Source::Saved(SavedKind::WritesResident)
             }
+            Some(Decision::Recompute) if self.reads_overwritten(producer) => {
+                Source::Saved(SavedKind::ReadsOverwritten)
+            }
+            Some(Decision::Recompute) if self.written_unreplayably(value) => {
+                Source::Saved(SavedKind::WrittenUnreplayably)
+            }
             Some(Decision::Recompute) => Source::Replayed,
         }
     }
 
     /// A recomputed value read by a forward node of another layer is that layer's input, which
-    /// whole-layer checkpointing saves (R9).
+    /// whole-layer checkpointing saves.
     fn leaves_its_layer(&self, value: ValueId, producer: NodeId) -> bool {
         let p = self.graph.node(producer);
         self.graph.consumers(value).iter().any(|&c| {
@@ -193,32 +229,79 @@ impl<'a> Builder<'a> {
         })
     }
 
-    /// Recomputed forward ops of `value`'s layer that write it in place.
-    fn in_place_writers(&self, value: ValueId) -> Vec<NodeId> {
-        let Some(producer) = self.graph.producer(value) else {
-            return Vec::new();
-        };
-        let p = self.graph.node(producer);
+    /// Forward ops of the layer that made `value`'s storage which write that storage in place,
+    /// through `value` or any view of it, and which the policy recomputes.
+    fn layer_writers(&self, value: ValueId) -> impl Iterator<Item = NodeId> + '_ {
+        let root = self.graph.storage_root(value);
+        let layer = self
+            .graph
+            .producer(root)
+            .map(|p| (self.graph.node(p).model, self.graph.node(p).layer));
         self.graph
-            .mutators(value)
+            .storage_writers(value)
             .iter()
             .copied()
-            .filter(|&m| {
+            .filter(move |&m| {
                 let n = self.graph.node(m);
                 n.phase == Phase::Forward
-                    && (n.model, n.layer) == (p.model, p.layer)
+                    && Some((n.model, n.layer)) == layer
                     && self.policy.decision(m) == Some(Decision::Recompute)
             })
-            .collect()
     }
 
-    /// Whether `node` writes in place a tensor that is resident rather than replayed.
+    /// The in-place writers a replay of `value` re-runs with it: those of its storage, when
+    /// the storage itself is replayed (a resident storage holds its writes already).
+    fn in_place_writers(&self, value: ValueId) -> Vec<NodeId> {
+        let root = self.graph.storage_root(value);
+        if self.classify(root) != Source::Replayed {
+            return Vec::new();
+        }
+        self.layer_writers(value).collect()
+    }
+
+    /// Whether replaying `node` reproduces what it did in forward.
+    fn replayable(&self, node: NodeId) -> bool {
+        !self.writes_resident(node) && !self.reads_overwritten(node)
+    }
+
+    /// Whether a fresh tensor's storage is written in place by an op that cannot replay: the
+    /// tensor must then stay resident, holding that write.
+    fn written_unreplayably(&self, value: ValueId) -> bool {
+        self.graph.storage_root(value) == value
+            && self.layer_writers(value).any(|w| !self.replayable(w))
+    }
+
+    /// Whether `node` writes in place the storage of a tensor that is resident rather than
+    /// replayed (directly or through a view): a replay would write it twice.
     fn writes_resident(&self, node: NodeId) -> bool {
         let node = self.graph.node(node);
-        node.effects
-            .mutates
-            .iter()
-            .any(|&p| matches!(self.classify(node.inputs[p]), Source::Saved(_)))
+        node.effects.mutates.iter().any(|&p| {
+            let root = self.graph.storage_root(node.inputs[p]);
+            matches!(self.classify(root), Source::Saved(_))
+        })
+    }
+
+    /// Whether `node` reads a resident tensor that forward writes in place after it: in
+    /// backward the resident tensor holds the written value, so a replay of `node` would read
+    /// something else than forward did. A view reads nothing: it aliases whatever its base
+    /// holds, in forward as in replay.
+    fn reads_overwritten(&self, node: NodeId) -> bool {
+        let n = self.graph.node(node);
+        if n.effects.view_of.is_some() {
+            return false;
+        }
+        n.inputs.iter().any(|&input| {
+            let written_later = self
+                .graph
+                .storage_writers(input)
+                .iter()
+                .any(|&w| w > node && self.graph.node(w).phase == Phase::Forward);
+            written_later
+                && matches!(
+                    self.classify(self.graph.storage_root(input)),
+                    Source::Saved(_)
+                )
+        })
     }
 
     /// The first backward use of a value produced by replay schedules its layer's replay.
@@ -284,7 +367,7 @@ impl<'a> Builder<'a> {
     }
 }
 
-/// Proves the partition closed (R8): every value a backward node reads is saved, a graph input,
+/// Proves the partition closed: every value a backward node reads is saved, a graph input,
 /// produced by a replay scheduled before it or produced earlier in backward; every replay input
 /// is saved, a graph input or produced earlier in the same replay; replay holds only recomputed
 /// ops, and a mutable op in replay writes only what that replay produced.
@@ -330,22 +413,38 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
     Ok(())
 }
 
-/// A replayed value read at `reader` must have been written, in this replay, by every forward
-/// op of its layer that wrote it in place before `reader` ran in forward.
-fn check_writes_replayed(
+/// What a replayed `reader` sees of `value` must be what it saw in forward. When `value`'s
+/// storage was made by this replay (`replayed`), every forward op of that storage's layer that
+/// wrote it in place before `reader` ran must be in the replay too; when the storage is
+/// resident, no forward op may write it after `reader` ran (backward holds the written value).
+fn check_reads_see_forward(
     graph: &Graph,
     replay: &Replay,
     reader: NodeId,
     value: ValueId,
+    replayed: bool,
 ) -> Result<(), PartitionError> {
-    let producer = graph.producer(value).map(|p| graph.node(p));
-    for &m in graph.mutators(value) {
+    let root = graph.storage_root(value);
+    let producer = graph.producer(root).map(|p| graph.node(p));
+    for &m in graph.storage_writers(value) {
         let writer = graph.node(m);
+        if writer.phase != Phase::Forward || m == reader {
+            continue;
+        }
         let same_layer =
             producer.is_some_and(|p| (p.model, p.layer) == (writer.model, writer.layer));
-        let replayed = replay.nodes.binary_search(&m).is_ok();
-        if m < reader && writer.phase == Phase::Forward && same_layer && !replayed {
+        let in_replay = replay.nodes.binary_search(&m).is_ok();
+        if replayed && m < reader && same_layer && !in_replay {
             return Err(PartitionError::ReplayMissesWrite {
+                node: graph.node(reader).name.to_string(),
+                value: graph.value(value).name.to_string(),
+                writer: writer.name.to_string(),
+            });
+        }
+        // A view reads nothing: it aliases whatever its base holds.
+        let reads_data = graph.node(reader).effects.view_of.is_none();
+        if !replayed && m > reader && reads_data {
+            return Err(PartitionError::ReplayReadsOverwritten {
                 node: graph.node(reader).name.to_string(),
                 value: graph.value(value).name.to_string(),
                 writer: writer.name.to_string(),
@@ -384,13 +483,14 @@ fn verify_replay(
                     value: graph.value(v).name.to_string(),
                 });
             }
-            if produced_here {
-                check_writes_replayed(graph, replay, id, v)?;
-            }
+            let root_here = here(graph.storage_root(v), produced_by);
+            check_reads_see_forward(graph, replay, id, v, root_here)?;
         }
         for &p in &node.effects.mutates {
             let written = node.inputs[p];
-            if !here(written, produced_by) {
+            // Writing a view of a resident tensor writes the resident tensor.
+            let root = graph.storage_root(written);
+            if !here(written, produced_by) || !here(root, produced_by) {
                 return Err(PartitionError::ReplayMutatesOutside {
                     node: node.name.to_string(),
                     value: graph.value(written).name.to_string(),

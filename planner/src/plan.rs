@@ -122,7 +122,7 @@ fn finish(
         graph,
         config,
         resolved,
-        &policy.findings,
+        &policy,
         joint.as_ref().map(|j| &j.partition),
     );
     let work = ForwardWork::of(graph, hw);
@@ -137,6 +137,7 @@ fn finish(
             keep: config.keep.clone(),
             recompute_ratio: config.recompute_ratio,
             collectives: config.collectives,
+            random_ops: config.random_ops,
             budget_bytes: None,
             layer_keep: layer_keep(resolved),
         },
@@ -247,14 +248,22 @@ fn replayed(partition: &Partition) -> impl Iterator<Item = NodeId> + '_ {
         .flat_map(|r| r.nodes.iter().copied())
 }
 
+/// Bytes of the activation storages the saved values hold, each storage once: a saved view
+/// of a weight or of the labels holds no activation, and two saved views of one tensor hold
+/// it once.
 fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
-    partition
+    let mut roots: Vec<ir::ValueId> = partition
         .saved
         .iter()
         .filter(|s| s.kind.is_activation())
-        .fold(0u64, |acc, s| {
-            acc.saturating_add(graph.value(s.value).bytes)
-        })
+        .map(|s| graph.storage_root(s.value))
+        .filter(|&root| graph.producer(root).is_some())
+        .collect();
+    roots.sort_unstable();
+    roots.dedup();
+    roots.into_iter().fold(0u64, |acc, root| {
+        acc.saturating_add(graph.value(root).bytes)
+    })
 }
 
 /// One decision per forward node, in node order.
@@ -283,8 +292,10 @@ fn saved_values(graph: &Graph, partition: &Partition) -> Vec<SavedValue> {
         .iter()
         .map(|s| {
             let producer = graph.producer(s.value).map(|p| graph.node(p));
+            let root = graph.storage_root(s.value);
             SavedValue {
                 value: s.value,
+                alias_of: (root != s.value).then_some(root),
                 bytes: graph.value(s.value).bytes,
                 model: producer.map(|p| p.model),
                 layer: producer.and_then(|p| p.layer),

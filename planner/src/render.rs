@@ -136,9 +136,16 @@ fn histogram(counts: Vec<(&str, usize)>) -> String {
         .join(", ")
 }
 
+/// The saved set by kind; views and in-place results of other tensors hold no storage of
+/// their own and are counted apart.
 fn text_saved(w: &mut String, saved: &[SavedValue], activation_bytes: u64) {
     let mut by_kind: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
+    let mut aliases = 0;
     for s in saved {
+        if s.alias_of.is_some() {
+            aliases += 1;
+            continue;
+        }
         let entry = by_kind.entry(s.kind.name()).or_default();
         entry.0 += 1;
         entry.1 = entry.1.saturating_add(s.bytes);
@@ -151,6 +158,13 @@ fn text_saved(w: &mut String, saved: &[SavedValue], activation_bytes: u64) {
     );
     for (kind, (n, bytes)) in by_kind {
         let _ = writeln!(w, "  {kind:<17} {n:>5} values  {}", format_bytes(bytes));
+    }
+    if aliases > 0 {
+        let _ = writeln!(
+            w,
+            "  {:<17} {aliases:>5} values  (views of the above or of inputs: no storage)",
+            "aliases"
+        );
     }
 }
 
@@ -227,7 +241,8 @@ fn text_diagnostics(w: &mut String, diagnostics: &[Diagnostic]) {
     }
 }
 
-/// Graphviz: forward nodes coloured by decision, replayed nodes outlined in red, backward grey.
+/// Graphviz: nodes clustered by model and layer (backward apart), forward nodes coloured by
+/// decision, replayed nodes outlined in red, and a legend.
 pub fn dot(graph: &Graph, plan: &Plan) -> String {
     let mut decisions: Vec<Option<Decision>> = vec![None; graph.nodes().len()];
     for n in &plan.nodes {
@@ -242,35 +257,115 @@ pub fn dot(graph: &Graph, plan: &Plan) -> String {
     let _ = writeln!(w, "digraph \"{}\" {{", escape(&plan.graph.name));
     let _ = writeln!(
         w,
-        "  node [shape=box, style=filled, fontname=\"monospace\"];"
+        "  compound=true; node [shape=box, style=filled, fontname=\"monospace\"];"
     );
-    for (id, node) in graph.nodes().iter() {
-        let fill = match (node.phase, decisions[id.index()]) {
-            (Phase::Backward, _) => "#dddddd",
-            (_, Some(Decision::Save)) => "#8fd18f",
-            (_, Some(Decision::Recompute)) => "#f5c27a",
-            _ => "#ffffff",
-        };
-        let outline = if replayed[id.index()] {
-            ", color=\"#d62728\", penwidth=3"
-        } else {
-            ""
-        };
-        let _ = writeln!(
-            w,
-            "  n{} [label=\"{}\\n{}\", fillcolor=\"{fill}\"{outline}];",
-            id.index(),
-            escape(&node.name),
-            escape(&node.op)
-        );
+    for (cluster, nodes) in dot_clusters(graph) {
+        let _ = writeln!(w, "{}", cluster.open(graph));
+        for id in nodes {
+            let _ = writeln!(
+                w,
+                "{}",
+                dot_node(graph, id, decisions[id.index()], replayed[id.index()])
+            );
+        }
+        let _ = writeln!(w, "{}", cluster.close());
     }
     for (id, _) in graph.nodes().iter() {
         for succ in graph.successors(id) {
             let _ = writeln!(w, "  n{} -> n{};", id.index(), succ.index());
         }
     }
+    dot_legend(w);
     let _ = writeln!(w, "}}");
     out
+}
+
+/// Where a node is drawn: its model (backward nodes apart), then its layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Cluster {
+    model: ir::ModelId,
+    backward: bool,
+    layer: Option<u32>,
+}
+
+impl Cluster {
+    fn open(&self, graph: &Graph) -> String {
+        let model = &graph.model(self.model).name;
+        let phase = if self.backward { " backward" } else { "" };
+        let layer = self
+            .layer
+            .map_or_else(String::new, |l| format!(" layer {l}"));
+        format!(
+            "  subgraph cluster_{}_{}_{} {{ label=\"{}{phase}{layer}\";",
+            self.model.index(),
+            u8::from(self.backward),
+            self.layer
+                .map_or_else(|| "none".to_owned(), |l| l.to_string()),
+            escape(model)
+        )
+    }
+
+    fn close(&self) -> &'static str {
+        "  }"
+    }
+}
+
+/// The nodes of each cluster, clusters in model, phase and layer order.
+fn dot_clusters(graph: &Graph) -> BTreeMap<Cluster, Vec<ir::NodeId>> {
+    let mut clusters: BTreeMap<Cluster, Vec<ir::NodeId>> = BTreeMap::new();
+    for (id, node) in graph.nodes().iter() {
+        let backward = node.phase == Phase::Backward;
+        let cluster = Cluster {
+            model: node.model,
+            backward,
+            layer: node.layer.filter(|_| !backward),
+        };
+        clusters.entry(cluster).or_default().push(id);
+    }
+    clusters
+}
+
+fn dot_node(graph: &Graph, id: ir::NodeId, decision: Option<Decision>, replayed: bool) -> String {
+    let node = graph.node(id);
+    let fill = match (node.phase, decision) {
+        (Phase::Backward, _) => "#dddddd",
+        (_, Some(Decision::Save)) => "#8fd18f",
+        (_, Some(Decision::Recompute)) => "#f5c27a",
+        _ => "#ffffff",
+    };
+    let outline = if replayed {
+        ", color=\"#d62728\", penwidth=3"
+    } else {
+        ""
+    };
+    format!(
+        "    n{} [label=\"{}\\n{}\", fillcolor=\"{fill}\"{outline}];",
+        id.index(),
+        escape(&node.name),
+        escape(&node.op)
+    )
+}
+
+/// What the colours and outlines mean.
+fn dot_legend(w: &mut String) {
+    let _ = writeln!(
+        w,
+        "  subgraph cluster_legend {{ label=\"legend\"; node [shape=box, style=filled];"
+    );
+    for (name, label, style) in [
+        ("save", "saved", "fillcolor=\"#8fd18f\""),
+        ("recompute", "recomputed", "fillcolor=\"#f5c27a\""),
+        (
+            "replayed",
+            "replayed in backward",
+            "fillcolor=\"#f5c27a\", color=\"#d62728\", penwidth=3",
+        ),
+        ("no_checkpoint", "not checkpointed", "fillcolor=\"#ffffff\""),
+        ("backward", "backward", "fillcolor=\"#dddddd\""),
+    ] {
+        let _ = writeln!(w, "    legend_{name} [label=\"{label}\", {style}];");
+    }
+    let _ = writeln!(w, "  }}");
 }
 
 fn escape(s: &str) -> String {

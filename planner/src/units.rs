@@ -29,8 +29,27 @@ pub fn format_seconds(seconds: f64) -> String {
     format!("{:.3} {unit}", seconds / scale)
 }
 
-/// Parses a size: `40GiB`, `512 MiB`, `1.5GB`, `4096` (bytes). Binary (`KiB`..`TiB`) and
-/// decimal (`KB`..`TB`) units, case-insensitive.
+/// Binary and decimal size units, as `parse_bytes` reads them (lower case) and the output
+/// prints the binary ones.
+const SIZE_UNITS: [(&str, f64); 14] = [
+    ("b", 1.0),
+    ("kib", 1024.0),
+    ("mib", 1_048_576.0),
+    ("gib", 1_073_741_824.0),
+    ("tib", 1_099_511_627_776.0),
+    ("pib", 1_125_899_906_842_624.0),
+    ("eib", 1_152_921_504_606_846_976.0),
+    ("kb", 1e3),
+    ("mb", 1e6),
+    ("gb", 1e9),
+    ("tb", 1e12),
+    ("pb", 1e15),
+    ("eb", 1e18),
+    ("", 1.0),
+];
+
+/// Parses a size: `40GiB`, `512 MiB`, `1.5GB`, `4096` (bytes). Binary (`KiB`..`EiB`) and
+/// decimal (`KB`..`EB`) units, case-insensitive; at least 1 byte and below 2^64.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let split = t
@@ -40,28 +59,20 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let number: f64 = number
         .parse()
         .map_err(|_| format!("`{text}` is not a size (try `40GiB`)"))?;
-    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "kib" => 1024.0,
-        "mib" => 1024f64.powi(2),
-        "gib" => 1024f64.powi(3),
-        "tib" => 1024f64.powi(4),
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        other => {
-            return Err(format!(
-                "unknown size unit `{other}` in `{text}` (try `GiB`)"
-            ))
-        }
+    let unit = unit.trim().to_ascii_lowercase();
+    let Some(&(_, scale)) = SIZE_UNITS.iter().find(|(name, _)| *name == unit) else {
+        return Err(format!(
+            "unknown size unit `{unit}` in `{text}` (units: B, KiB, MiB, GiB, TiB, PiB, EiB, KB, MB, GB, TB, PB, EB)"
+        ));
     };
     let bytes = (number * scale).round();
-    if bytes.is_finite() && bytes < u64::MAX as f64 {
-        Ok(bytes as u64)
-    } else {
-        Err(format!("`{text}` is too large"))
+    if !(bytes.is_finite() && bytes < u64::MAX as f64) {
+        return Err(format!("`{text}` is too large (the limit is 16 EiB)"));
     }
+    if bytes < 1.0 {
+        return Err(format!("`{text}` is not a positive size"));
+    }
+    Ok(bytes as u64)
 }
 
 #[cfg(test)]
@@ -77,6 +88,19 @@ mod tests {
         assert!(parse_bytes("GiB").is_err());
         assert!(parse_bytes("12 parsecs").is_err());
         assert!(parse_bytes("1e300").is_err());
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("-1GiB").is_err());
+    }
+
+    #[test]
+    fn every_unit_the_output_prints_parses_back() {
+        for bytes in [1u64 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50, 1 << 60] {
+            let printed = format_bytes(bytes);
+            let short = printed.split(" (").next().unwrap();
+            assert_eq!(parse_bytes(short), Ok(bytes), "{printed}");
+        }
+        assert_eq!(parse_bytes("1PiB"), Ok(1 << 50));
+        assert_eq!(parse_bytes("2 EB"), Ok(2_000_000_000_000_000_000));
     }
 
     #[test]

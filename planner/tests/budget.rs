@@ -1,4 +1,4 @@
-//! The budget solver and the Pareto frontier (M3), checked against brute force on small graphs.
+//! The budget solver and the Pareto frontier, checked against brute force on small graphs.
 
 use std::collections::BTreeMap;
 
@@ -141,6 +141,7 @@ fn m3_the_pareto_frontier_is_the_brute_force_frontier() {
         .all(|w| w[0].peak_bytes < w[1].peak_bytes && w[0].replay_time_s > w[1].replay_time_s));
     let svg = pareto::svg(&graph, &front);
     assert_eq!(svg.matches("<circle").count(), front.len());
+    assert_svg_labels_fit(&svg);
 }
 
 #[test]
@@ -291,4 +292,115 @@ fn m3_on_large_searches_no_uniform_keep_lies_outside_the_pareto_frontier() {
             );
         }
     }
+}
+
+/// `layers` layers where keeping SAVE_ATTN is rejected (an in-place op writes its kept output
+/// and a running statistic, which no replay may write twice); keeping SAVE_MLP is fine and
+/// saves replay time.
+fn one_unit_rejected(layers: u32) -> Graph {
+    let mut b = Builder::new(layers, &UNITS);
+    let x = b.input("x");
+    let stats = b.input("running_stats");
+    let mut h = x;
+    let mut reads = Vec::new();
+    for l in 0..layers {
+        b.layer(Some(l));
+        let m = b.marker("attn.begin", &h);
+        let kept = b.node("aten.mm.default", &[&m, &m]).1;
+        let written = b
+            .node_with(
+                "mystery.normalise_.default",
+                &[&kept, &stats],
+                Some(ir::wire::graph::SchemaFacts {
+                    mutates: vec![0, 1],
+                    ..Default::default()
+                }),
+            )
+            .1;
+        // Worth keeping on its own: backward reads it.
+        let useful = b.node("aten.mm.default", &[&written, &written]).1;
+        let e = b.marker("attn.end", &useful);
+        let m = b.marker("mlp.begin", &e);
+        let a = b.node("aten.mm.default", &[&m, &m]).1;
+        let e = b.marker("mlp.end", &a);
+        h = b.op(&e);
+        reads.extend([kept, useful, a, h.clone()]);
+    }
+    b.layer(None);
+    reads.reverse();
+    b.backward_through("t", &reads);
+    b.build()
+}
+
+#[test]
+fn m3_searches_never_propose_a_configuration_plan_rejects() {
+    // Two layers are searched exhaustively, six by the knapsack and local search.
+    for layers in [2, 6] {
+        searches_skip_rejected_configurations(&one_unit_rejected(layers));
+    }
+}
+
+fn searches_skip_rejected_configurations(graph: &Graph) {
+    let hw = HwProfile::default();
+    let keep_attn = PlanConfig {
+        keep: config::parse_keep(&["save_attn".to_owned()]).unwrap(),
+        ..PlanConfig::default()
+    };
+    assert!(planner::plan::plan(graph, &keep_attn, &hw)
+        .unwrap()
+        .has_errors());
+    let search = Search::new(graph, &PlanConfig::default(), &hw).unwrap();
+    let front = pareto::frontier(&search, 16).unwrap();
+    let attn = ir::UnitId::from_index(0);
+    assert!(front.len() >= 2, "keeping SAVE_MLP is a trade-off");
+    for p in &front {
+        assert!(
+            p.layer_keep.iter().all(|l| !l.units.contains(&attn)),
+            "{:?}",
+            p.layer_keep
+        );
+    }
+    let plan = search.within(u64::MAX / 2).unwrap();
+    assert!(!plan.has_errors());
+    assert!(plan.cost.replay_time_s < search.nothing.cost.replay_time_s);
+}
+
+/// Every text label of the SVG lies inside its 720 × 440 image (width estimated at 0.6 em a
+/// character), and each axis has several tick labels.
+fn assert_svg_labels_fit(svg: &str) {
+    let attr = |tag: &str, name: &str| -> Option<String> {
+        let start = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+        Some(tag[start..].split('"').next()?.to_owned())
+    };
+    let (mut x_ticks, mut y_ticks) = (0, 0);
+    for piece in svg.split("<text").skip(1) {
+        let (tag, rest) = piece.split_once('>').unwrap();
+        let label = rest.split("</text>").next().unwrap();
+        if tag.contains("rotate") {
+            continue;
+        }
+        let size: f64 = attr(tag, "font-size").map_or(11.0, |s| s.parse().unwrap());
+        let x: f64 = attr(tag, "x").unwrap().parse().unwrap();
+        let y: f64 = attr(tag, "y").unwrap().parse().unwrap();
+        let width = label.chars().count() as f64 * size * 0.6;
+        let (left, right) = match attr(tag, "text-anchor").as_deref() {
+            Some("end") => (x - width, x),
+            Some("middle") => (x - width / 2.0, x + width / 2.0),
+            _ => (x, x + width),
+        };
+        assert!(
+            left >= 0.0 && right <= 720.0,
+            "`{label}` spans {left:.0}..{right:.0}"
+        );
+        assert!(y > size && y <= 440.0, "`{label}` at y {y}");
+        if label.ends_with('s') && attr(tag, "text-anchor").as_deref() == Some("end") {
+            y_ticks += 1;
+        } else if label.ends_with('B') {
+            x_ticks += 1;
+        }
+    }
+    assert!(
+        x_ticks >= 3 && y_ticks >= 3,
+        "{x_ticks} x ticks, {y_ticks} y ticks"
+    );
 }

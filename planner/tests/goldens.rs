@@ -215,20 +215,25 @@ fn r5_collectives_re_run_by_default_and_functional_ones_are_saved_on_request() {
 }
 
 #[test]
-fn r5_an_in_place_write_of_a_kept_tensor_is_an_error_naming_the_op() {
+fn r5_a_fresh_buffer_filled_in_place_is_recomputed_with_its_writes_not_kept() {
     let p = run(&golden("moe_ep2_inplace"), &keep(&["all"]));
-    assert!(has_errors(&p));
+    assert!(!has_errors(&p));
     let d = p
         .diagnostics
         .iter()
-        .find(|d| d.code == "inplace-in-kept-interval")
-        .expect("rejected");
+        .find(|d| d.code == "kept-output-written-in-place")
+        .expect("reported");
     assert!(d.message.contains("aten.index_add_"), "{}", d.message);
-    // Without keeping the unit there is nothing to corrupt.
-    assert!(!has_errors(&run(
-        &golden("moe_ep2_inplace"),
-        &keep(&["save_attn"])
-    )));
+    let demoted: Vec<&str> = p
+        .nodes
+        .iter()
+        .filter(|n| n.reason == "written-in-place")
+        .map(|n| n.op.as_str())
+        .collect();
+    assert_eq!(
+        demoted, ["aten.new_zeros.default"; 2],
+        "one buffer per layer"
+    );
 }
 
 #[test]
@@ -307,4 +312,102 @@ fn r11_a_plan_is_deterministic_and_refused_for_another_graph() {
         .check_graph(&other)
         .expect_err("a plan for another graph is refused");
     assert!(err.to_string().contains("re-plan"), "{err}");
+}
+
+/// The ops of forward nodes whose reason is `reason`.
+fn ops_with_reason<'p>(p: &'p Plan, reason: &str) -> Vec<&'p str> {
+    p.nodes
+        .iter()
+        .filter(|n| n.reason == reason)
+        .map(|n| n.op.as_str())
+        .collect()
+}
+
+#[test]
+fn r5_huggingface_routing_written_in_place_plans_cleanly_with_every_unit_kept() {
+    let g = golden("moe_hf_router");
+    for config in [
+        keep(&["all"]),
+        keep(&[]),
+        PlanConfig {
+            recompute_ratio: 0.0,
+            ..keep(&[])
+        },
+    ] {
+        let p = run(&g, &config);
+        assert!(!has_errors(&p), "{:?}", p.diagnostics);
+    }
+    let p = run(&g, &keep(&["all"]));
+    let demoted = ops_with_reason(&p, "written-in-place");
+    assert!(
+        demoted.contains(&"aten.topk.default"),
+        "the router's div_: {demoted:?}"
+    );
+    assert!(
+        demoted.contains(&"aten.empty_like.default"),
+        "index_put_ fills: {demoted:?}"
+    );
+    assert!(
+        diagnostic(&p, "kept-output-written-in-place", "SAVE_MOE_GATE").is_some(),
+        "{:?}",
+        p.diagnostics
+    );
+    // A stable sort breaks ties by position: replaying it is no hazard.
+    assert!(!p
+        .diagnostics
+        .iter()
+        .any(|d| d.message.contains("sort.stable")));
+}
+
+#[test]
+fn r8_keys_built_in_a_buffer_through_views_replay_with_their_slice_copies() {
+    let g = golden("dsv3_kv_expand");
+    let p = run(&g, &keep(&["all"]));
+    assert!(!has_errors(&p), "{:?}", p.diagnostics);
+    assert_eq!(
+        ops_with_reason(&p, "written-in-place"),
+        ["aten.new_empty.default"; 4]
+    );
+    let replayed = replayed_ops(&p);
+    let copies = replayed
+        .iter()
+        .filter(|&&o| o == "aten.copy_.default")
+        .count();
+    assert!(
+        copies > 0,
+        "the slice copies replay with their buffer: {replayed:?}"
+    );
+    for config in [
+        keep(&[]),
+        PlanConfig {
+            recompute_ratio: 0.0,
+            ..keep(&[])
+        },
+    ] {
+        assert!(!has_errors(&run(&g, &config)));
+    }
+}
+
+#[test]
+fn r12_real_dropout_is_saved_or_replayed_with_its_state_never_silently() {
+    let g = golden("dense_dropout");
+    let saved = run(&g, &keep(&["all"]));
+    assert_eq!(
+        ops_with_reason(&saved, "random").len(),
+        4,
+        "two dropouts per layer"
+    );
+    assert!(!replayed_ops(&saved).contains(&"aten.native_dropout.default"));
+    let replay = run(
+        &g,
+        &PlanConfig {
+            random_ops: ir::plan::RandomOps::Replay,
+            ..keep(&["all"])
+        },
+    );
+    assert_eq!(ops_with_reason(&replay, "random-replayed").len(), 4);
+    assert!(replay
+        .diagnostics
+        .iter()
+        .any(|d| d.code == "random-op-replayed"));
 }

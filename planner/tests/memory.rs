@@ -1,4 +1,4 @@
-//! The liveness simulation (M1) pinned on hand-built graphs. Every value is a `[4, 4]` float32
+//! The liveness simulation pinned on hand-built graphs. Every value is a `[4, 4]` float32
 //! tensor: 64 bytes.
 
 use ir::{
@@ -142,4 +142,38 @@ fn m1_checkpointing_lowers_the_peak_and_keeping_sits_between_the_baselines() {
         none.cost.full_recompute_replay_time_s
     );
     assert!(all.units[0].replay_time_avoided_s > 0.0);
+}
+
+#[test]
+fn m1_saved_bytes_count_each_activation_storage_once_and_no_views_of_inputs() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let w = b.param("w");
+    let wt = b.node("aten.t.default", &[&w]).1; // n1: a view of a weight, outside layers
+    let a = b.node("aten.mm.default", &[&x, &wt]).1; // n2: 64 B, outside layers
+    let at = b.node("aten.t.default", &[&a]).1; // n3: a view of n2
+    b.layer(Some(0));
+    let l = b.op(&a); // n4
+    b.layer(None);
+    b.backward_through("t", &[&wt, &a, &at, &l]);
+    let graph = b.build();
+    let p = plan(&graph, &PlanConfig::default(), &HwProfile::default()).unwrap();
+    let saved: Vec<(String, Option<String>)> = p
+        .saved
+        .iter()
+        .map(|s| {
+            let name = |v: ir::ValueId| graph.value(v).name.to_string();
+            (name(s.value), s.alias_of.map(name))
+        })
+        .collect();
+    assert!(
+        saved.contains(&("v1".into(), Some("w".into()))),
+        "{saved:?}"
+    );
+    assert!(
+        saved.contains(&("v3".into(), Some("v2".into()))),
+        "{saved:?}"
+    );
+    // n2's 64 bytes, once: its view shares them, and the weight's view is no activation.
+    assert_eq!(p.memory.saved_bytes, 64);
 }

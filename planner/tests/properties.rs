@@ -2,7 +2,7 @@
 //! ops and collectives: the partition verifier always passes (plan() runs it), every kept op is
 //! eager and non-mutable, and the output is deterministic.
 
-use ir::plan::{Collectives, Decision, Format, Keep};
+use ir::plan::{Collectives, Decision, Format, Keep, RandomOps, Reason};
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan, render};
 use proptest::prelude::*;
 use testkit::Builder;
@@ -28,6 +28,7 @@ enum Step {
     Op(usize),
     View(usize),
     TopK(usize),
+    Dropout(usize),
     Marker(usize, usize),
     InPlace(usize, usize),
     Functional(usize),
@@ -41,6 +42,7 @@ fn step() -> impl Strategy<Value = Step> {
         4 => any::<usize>().prop_map(Step::Op),
         1 => any::<usize>().prop_map(Step::View),
         1 => any::<usize>().prop_map(Step::TopK),
+        1 => any::<usize>().prop_map(Step::Dropout),
         3 => (0..MARKERS.len(), any::<usize>()).prop_map(|(m, x)| Step::Marker(m, x)),
         1 => (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Step::InPlace(a, b)),
         1 => any::<usize>().prop_map(Step::Functional),
@@ -57,6 +59,7 @@ struct Case {
     keep: Keep,
     ratio: f64,
     collectives: Collectives,
+    random_ops: RandomOps,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -71,14 +74,18 @@ fn case() -> impl Strategy<Value = Case> {
         ],
         prop_oneof![Just(1.0), Just(0.5), Just(0.0)],
         prop_oneof![Just(Collectives::Recompute), Just(Collectives::Save)],
+        prop_oneof![Just(RandomOps::Save), Just(RandomOps::Replay)],
     )
-        .prop_map(|(layers, backward_reads, keep, ratio, collectives)| Case {
-            layers,
-            backward_reads,
-            keep,
-            ratio,
-            collectives,
-        })
+        .prop_map(
+            |(layers, backward_reads, keep, ratio, collectives, random_ops)| Case {
+                layers,
+                backward_reads,
+                keep,
+                ratio,
+                collectives,
+                random_ops,
+            },
+        )
 }
 
 fn pick(pool: &[String], i: usize) -> &str {
@@ -100,6 +107,7 @@ fn build(case: &Case) -> ir::Graph {
                 Step::Op(i) => b.op(pick(&pool, i)),
                 Step::View(i) => b.node("aten.view.default", &[pick(&pool, i)]).1,
                 Step::TopK(i) => b.node("aten.topk.default", &[pick(&pool, i)]).1,
+                Step::Dropout(i) => b.node("aten.native_dropout.default", &[pick(&pool, i)]).1,
                 Step::Marker(m, i) => b.marker(MARKERS[m], pick(&pool, i)),
                 Step::InPlace(a, c) => {
                     let (target, src) = (pick(&pool, a).to_owned(), pick(&pool, c).to_owned());
@@ -151,6 +159,7 @@ fn config(case: &Case) -> PlanConfig {
         keep: case.keep.clone(),
         recompute_ratio: case.ratio,
         collectives: case.collectives,
+        random_ops: case.random_ops,
     }
 }
 
@@ -175,7 +184,22 @@ proptest! {
             prop_assert!(node.marker.is_none(), "{} is a marker", node.name);
             prop_assert!(node.effects.view_of.is_none(), "{} is a view", node.name);
         }
-        if case.keep == Keep::Nothing && case.collectives == Collectives::Recompute {
+        // A random op in a checkpointed layer is saved, or replays with its forward generator
+        // state, and the plan says which: never a silent replay.
+        for doc in p.nodes.iter().filter(|n| graph.node(n.node).draws_random()) {
+            match doc.decision {
+                Decision::Save => {
+                    prop_assert_eq!(doc.reason, Reason::Random);
+                    prop_assert_eq!(case.random_ops, RandomOps::Save);
+                }
+                Decision::Recompute => prop_assert_eq!(doc.reason, Reason::RandomReplayed),
+                Decision::NoCheckpoint => {}
+            }
+        }
+        if case.keep == Keep::Nothing
+            && case.collectives == Collectives::Recompute
+            && case.random_ops == RandomOps::Replay
+        {
             prop_assert!(p.nodes.iter().all(|n| n.decision != Decision::Save));
         }
     }

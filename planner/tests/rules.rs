@@ -1,5 +1,5 @@
-//! One test per SPEC rule (R1–R11) on small hand-built joint graphs. Each names the rule it
-//! proves and fails if that behaviour breaks.
+//! One test per policy rule of docs/policy.md (R1–R12) on small hand-built joint graphs. Each
+//! names the rule it proves and fails if that behaviour breaks.
 
 use ir::{
     plan::{Collectives, Format},
@@ -280,7 +280,7 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
     let zeros = b.node("aten.zeros_like.default", &[&m]).1; // n2: kept
     let other = b.op(&m); // n3: kept
     let _ = b.node_with(
-        "aten.add_.Tensor", // n4: writes a fresh, non-kept buffer... of a kept op: see below
+        "aten.add_.Tensor", // n4: writes the output of kept n3: see below
         &[&other, &m],
         None,
     );
@@ -298,14 +298,13 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
     assert_eq!(decision(&p, "n5"), ("recompute", "collective", None));
     assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
     assert_eq!(decision(&p, "n7"), ("recompute", "mutable", None));
-    // n4 writes `other`, the output of a kept op: rejected (R5).
-    assert!(has_errors(&p));
-    let d = &p.diagnostics[0];
-    assert_eq!(d.code, "inplace-in-kept-interval");
-    assert!(
-        d.message.contains("`n4` (aten.add_.Tensor) writes `v3`"),
-        "{}",
-        d.message
+    // n4 writes `other`, the output of kept n3, and nothing resident: n3 is recomputed and
+    // replays with n4 instead of being saved and written twice.
+    assert_eq!(decision(&p, "n3"), ("recompute", "written-in-place", None));
+    assert!(!has_errors(&p));
+    assert_eq!(
+        codes(&p),
+        vec![("kept-output-written-in-place", Some("SAVE_ATTN"))]
     );
 
     let save = PlanConfig {
@@ -313,16 +312,91 @@ fn r5_mutable_ops_and_collectives_are_never_kept_by_default() {
         ..config(&["save_attn"])
     };
     let p = plan_named(&graph, &save);
-    assert_eq!(
-        decision(&p, "n5"),
-        ("save", "saved-collective", Some("SAVE_ATTN"))
-    );
-    // wait_tensor aliases the saved collective's buffer: not saved on its own.
+    // `--collectives save` would keep the all-to-all, but the mutating collective n7 writes
+    // its buffer later (through the wait): it replays with its writer instead.
+    assert_eq!(decision(&p, "n5"), ("recompute", "written-in-place", None));
+    // wait_tensor aliases the collective's buffer: not saved on its own.
     assert_eq!(decision(&p, "n6"), ("recompute", "collective", None));
     assert_eq!(
         decision(&p, "n7"),
         ("recompute", "mutable", None),
         "mutating: never"
+    );
+}
+
+/// One layer under SAVE_ATTN: `kept = sin(m)`, a reader of `kept`, then `writer` writes
+/// `kept` in place (and, with `also_writes`, that tensor too); backward reads both.
+fn written_kept_output(also_writes: Option<&str>) -> Plan {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    let extra = also_writes.map(|name| b.input(name));
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x); // n1
+    let kept = b.op(&m); // n2: kept
+    let sum = b.node("aten.sum.default", &[&kept]).1; // n3: kept, reads n2 before the write
+    let mut inputs = vec![kept.as_str(), sum.as_str()];
+    let mut mutates = vec![0];
+    if let Some(extra) = &extra {
+        inputs.push(extra);
+        mutates.push(2);
+    }
+    let written = b
+        .node_with(
+            "mystery.normalise_.default", // n4: writes n2's output in place
+            &inputs,
+            Some(ir::wire::graph::SchemaFacts {
+                mutates,
+                ..Default::default()
+            }),
+        )
+        .1;
+    let end = b.marker("attn.end", &written); // n5
+    b.layer(None);
+    backward(&mut b, &[&kept, &sum, &end]);
+    run(&b, &config(&["save_attn"]))
+}
+
+#[test]
+fn r5_a_kept_op_whose_output_is_written_later_is_demoted_and_replays_with_its_writer() {
+    let p = written_kept_output(None);
+    assert!(!has_errors(&p));
+    assert_eq!(decision(&p, "n2"), ("recompute", "written-in-place", None));
+    // The reader of the unwritten value stays kept: it ran before the write.
+    assert_eq!(decision(&p, "n3").0, "save");
+    let replayed: Vec<&str> = p
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(|n| n.as_str())
+        .collect();
+    assert!(
+        replayed.contains(&"n2") && replayed.contains(&"n4"),
+        "{replayed:?}"
+    );
+    let d = &p.diagnostics[0];
+    assert_eq!(
+        (d.code.as_str(), d.level.as_str()),
+        ("kept-output-written-in-place", "info")
+    );
+    assert!(
+        d.message
+            .contains("`n4` (mystery.normalise_.default) writes its output"),
+        "{}",
+        d.message
+    );
+}
+
+#[test]
+fn r5_a_write_that_would_corrupt_a_resident_tensor_too_is_an_error_naming_the_op() {
+    let p = written_kept_output(Some("running_stats"));
+    assert!(has_errors(&p));
+    let d = &p.diagnostics[0];
+    assert_eq!(d.code, "inplace-in-kept-interval");
+    assert!(
+        d.message
+            .contains("`n4` (mystery.normalise_.default) writes `v2`"),
+        "{}",
+        d.message
     );
 }
 
@@ -584,4 +658,155 @@ fn forward_only_graphs_get_decisions_but_no_partition() {
     assert_eq!(decision(&p, "n3").0, "save");
     assert!(p.saved.is_empty() && p.replay.is_empty());
     assert!(text.contains("needs a joint forward+backward graph"));
+}
+
+#[test]
+fn r12_random_ops_are_saved_by_default_or_replay_with_their_state_and_the_plan_says_which() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1
+    let dropped = b.node("aten.native_dropout.default", &[&a]).1; // n2: outside any interval
+    let c = b.op(&dropped); // n3
+    b.layer(None);
+    backward(&mut b, &[&dropped, &c]);
+    let saved = run(&b, &config(&[]));
+    assert_eq!(decision(&saved, "n2"), ("save", "random", None));
+    assert_eq!(saved.config.as_ref().unwrap().random_ops, "save");
+    assert_eq!(codes(&saved), vec![("random-op-saved", None)]);
+    assert!(saved
+        .replay
+        .iter()
+        .all(|r| !r.nodes.contains(&"n2".to_owned())));
+
+    let replay = run(
+        &b,
+        &PlanConfig {
+            random_ops: ir::plan::RandomOps::Replay,
+            ..config(&[])
+        },
+    );
+    assert_eq!(
+        decision(&replay, "n2"),
+        ("recompute", "random-replayed", None)
+    );
+    assert_eq!(replay.config.as_ref().unwrap().random_ops, "replay");
+    assert_eq!(codes(&replay), vec![("random-op-replayed", None)]);
+    let d = &replay.diagnostics[0];
+    assert_eq!(d.level, "info");
+    assert!(d.message.contains("must restore it"), "{}", d.message);
+}
+
+#[test]
+fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
+    let mut b = Builder::new(2, &[ATTN]);
+    let x = b.input("x");
+    let a = b.op(&x); // layer annotations forgotten: every op is outside layers
+    let c = b.op(&a);
+    backward(&mut b, &[&a, &c]);
+    let p = run(&b, &config(&["all"]));
+    assert!(p.nodes.iter().all(|n| n.decision == "no-checkpoint"));
+    let d = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "no-layers-annotated")
+        .expect("warned");
+    assert_eq!(d.level, "warning");
+    assert!(d.message.contains("declares 2 layers"), "{}", d.message);
+    assert!(d.hint.contains("layer_scope"), "{}", d.hint);
+}
+
+#[test]
+fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
+    let plan_for = |corrupting: bool| {
+        let mut b = Builder::new(1, &[ATTN]);
+        let x = b.input("x");
+        let stats = b.input("running_stats");
+        b.layer(Some(0));
+        let m = b.marker("attn.begin", &x); // n1
+        let kept = b.op(&m); // n2
+        let mutates = if corrupting { vec![0, 1] } else { vec![0] };
+        let written = b
+            .node_with(
+                "mystery.normalise_.default",
+                &[&kept, &stats],
+                Some(ir::wire::graph::SchemaFacts {
+                    mutates,
+                    ..Default::default()
+                }),
+            )
+            .1; // n3
+        let top = b.node("aten.topk.default", &[&written]).1; // n4
+        let end = b.marker("attn.end", &top);
+        b.layer(None);
+        backward(&mut b, &[&top, &end]);
+        run(&b, &config(&[]))
+    };
+    let hint = |p: &Plan| {
+        let d = p
+            .diagnostics
+            .iter()
+            .find(|d| d.code == "nondeterministic-replay")
+            .expect("topk replays");
+        d.hint.clone()
+    };
+    assert!(hint(&plan_for(false)).starts_with("keep unit SAVE_ATTN"));
+    let rejected = hint(&plan_for(true));
+    assert!(!rejected.starts_with("keep unit"), "{rejected}");
+    assert!(rejected.contains("keeping it is rejected"), "{rejected}");
+}
+
+#[test]
+fn every_diagnostic_code_is_documented_with_its_level() {
+    let doc = std::fs::read_to_string(testkit::repo_root().join("docs/diagnostics.md")).unwrap();
+    for &code in ir::plan::Code::ALL {
+        let level = planner::diagnostics::level_of(code);
+        let heading = format!("### `{}` ({level})", code.name());
+        assert!(
+            doc.contains(&heading),
+            "docs/diagnostics.md lacks `{heading}`"
+        );
+    }
+}
+
+/// `graph` with attribute `name` = `value` added to node `node`.
+fn with_attribute(
+    mut wire: ir::wire::graph::Graph,
+    node: &str,
+    name: &str,
+    value: ir::wire::graph::attribute::Value,
+) -> ir::Graph {
+    let n = wire.nodes.iter_mut().find(|n| n.name == node).unwrap();
+    n.attributes.push(ir::wire::graph::Attribute {
+        name: name.to_owned(),
+        value: Some(value),
+    });
+    ir::Graph::from_wire(wire).unwrap()
+}
+
+#[test]
+fn a_stable_sort_replays_deterministically_and_a_zero_dropout_draws_nothing() {
+    use ir::wire::graph::attribute::Value as A;
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let sorted = b.node("aten.sort.stable", &[&x]).1; // n1
+    let dropped = b.node("aten.native_dropout.default", &[&sorted]).1; // n2
+    b.layer(None);
+    backward(&mut b, &[&sorted, &dropped]);
+    let plain = plan_named(&b.build(), &config(&[]));
+    assert_eq!(
+        codes(&plain),
+        vec![("nondeterministic-replay", None), ("random-op-saved", None)]
+    );
+    let stable = with_attribute(b.wire(), "n1", "stable", A::Bool(true));
+    let zero = with_attribute(b.wire(), "n2", "p", A::Float(0.0));
+    assert_eq!(
+        codes(&plan_named(&stable, &config(&[]))),
+        vec![("random-op-saved", None)]
+    );
+    assert_eq!(
+        codes(&plan_named(&zero, &config(&[]))),
+        vec![("nondeterministic-replay", None)]
+    );
 }

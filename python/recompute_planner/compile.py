@@ -52,7 +52,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import markers
 from .api import HwLike, check_plan, plan as plan_graph
-from .export import EXPORTER_VERSION, ModelDecl, _build_graph, _FlatInput, _metadata
+from .export import (
+    EXPORTER_VERSION,
+    ModelDecl,
+    _build_graph,
+    _FlatInput,
+    _forward_nodes,
+    _metadata,
+)
 from .plans import DECISION_NO_CHECKPOINT, DECISION_SAVE, Plan
 from .proto import graph_pb2
 
@@ -91,7 +98,7 @@ def joint_graph_to_ir(
     world_size, rank = _world()
     built = _build_graph(
         graph_module,
-        num_fwd_outputs,
+        _forward_nodes(graph_module, num_fwd_outputs),
         _flat_inputs(graph_module, output_descs),
         name=name,
         models=models,

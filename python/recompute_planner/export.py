@@ -5,12 +5,16 @@
 all we need, so it stops compilation there). ``export_forward`` captures the forward graph of the
 same step traced without autograd. Both map the FX graph to ``recompute.ir.v1.Graph`` and return
 the step's weights, inputs and, for the joint graph, the eager PyTorch reference loss and
-gradients from the same process.
+gradients from the same process. The reference step draws dropout masks with PyTorch's own
+Bernoulli kernel on every CPU (not MKL's on Intel), so its random ops give the same masks
+whatever the CPU's vendor.
 
 Capture runs with functionalization disabled, so in-place ops (``add_``, ``index_add_``, buffer
 updates, ``c10d.*_`` collectives) stay in the graph as eager runs them: the planner must see them
-to refuse keeping mutable ops (R5). The IR is SSA-like nevertheless: an in-place op's output is a
-new value (the mutated tensor after the write) and later readers use it.
+to refuse keeping mutable ops (R5). The IR is not fully SSA: an in-place op's output is a new
+value (the mutated tensor after the write), but later readers may read the tensor under its old
+name (a slice assignment writes a view, and readers read its base), so what a reader sees
+depends on the writes before it in execution order.
 
 IR mapping (the contract the Rust loader and planner rely on):
 
@@ -26,8 +30,23 @@ IR mapping (the contract the Rust loader and planner rely on):
   is an attribute by schema name (defaults are left to the schema; bool lists as 0/1 ints;
   dtypes, devices, layouts, memory formats and TorchBind objects as strings; ``None``
   omitted);
-- phase: forward iff the node is (an ancestor of) a forward output of the joint graph, the
-  partitioner's notion; nodes keep the joint graph's order, which is eager execution order;
+- phase: the pass that ran the op. AOTAutograd records the joint graph by running the forward,
+  then ``torch.autograd.grad``, under one tracer, and tags each node with the pass it was
+  recording (``meta["partitioner_tag"]``: ``is_forward`` before the backward call,
+  ``is_backward`` inside it). A node is forward iff it was recorded in the forward pass; nodes
+  keep the joint graph's order, which is eager execution order. So forward holds ops that reach
+  the loss only through an in-place write (a buffer from ``new_empty`` filled slice by slice
+  with ``copy_`` and read by later forward ops), ops that never reach the loss (the checks
+  ``F.one_hot`` runs: ``ge``, ``lt``, ``all``, ``_assert_async``) and the ``detach`` autograd
+  records when it saves an op's output; backward holds ops that read no tangent (the zeros a
+  gradient is scattered into). No structural rule gets all of these right: loss ancestry (the
+  partitioner's notion: what a compiled forward must compute) calls the first three backward,
+  dependence on a tangent calls the fresh zeros forward. The tags are checked against what
+  eager execution implies, and export fails naming the node where they disagree: the forward
+  nodes form a prefix of the node list (eager finishes the forward before backward starts),
+  every node reading a tangent is backward (with the prefix, so is every node depending on a
+  tangent through data or in-place writes), and every ancestor of a forward output is forward.
+  A forward-only graph (``export_forward``) is all forward, dead-end checks included;
 - ``node.meta["custom"]`` (``markers.layer_scope`` / ``compiled_region``) gives model, layer,
   micro-batch and compiled region; module forward hooks installed during capture record each
   op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``).
@@ -52,6 +71,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     TangentAOTInput,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, markers
 from .proto import graph_pb2
@@ -142,7 +162,7 @@ def export_joint(
     _restore(flat, snapshot)
     built = _build_graph(
         joint,
-        num_forward_outputs,
+        _forward_nodes(joint, num_forward_outputs),
         flat,
         name=name,
         models=models,
@@ -173,10 +193,10 @@ def export_forward(
     Every node is forward; the graph's only output is the loss; no tangents or gradients.
     """
     flat = _flat_inputs(module, args)
-    forward, num_outputs = _capture(module, args, joint=False)
+    forward, _ = _capture(module, args, joint=False)
     built = _build_graph(
         forward,
-        num_outputs,
+        set(_op_nodes(forward)),
         flat,
         name=name,
         models=models,
@@ -347,9 +367,10 @@ def _eager_reference(
     """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
 
     ``torch.autograd.grad`` leaves ``.grad`` of the module's parameters untouched; unused
-    inputs get zero gradients, as the joint graph would compute them.
+    inputs get zero gradients, as the joint graph would compute them. Bernoulli samples
+    (dropout masks) are drawn by ``_PortableBernoulli``.
     """
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _PortableBernoulli():
         torch.manual_seed(seed)
         loss = module(*args)
     _check_loss(loss)
@@ -358,6 +379,31 @@ def _eager_reference(
         loss, [flat[i].tensor for i in wanted], allow_unused=True, materialize_grads=True
     )
     return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads)}
+
+
+class _PortableBernoulli(TorchDispatchMode):
+    """Draws ``bernoulli_(p)`` (the mask of CPU dropout) as PyTorch's own CPU kernel does, on
+    every CPU.
+
+    PyTorch builds with MKL draw it from MKL's generator on Intel CPUs only (seeded from the
+    CPU generator), so the same seed gives other masks, and another reference loss and
+    gradients, on Intel than on any other CPU. PyTorch's own kernel takes one double from the
+    generator per element, in order, and compares it with ``p``: exactly ``torch.rand(...,
+    dtype=torch.float64) < p``, which has no vendor path and leaves the generator in the same
+    state.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.bernoulli_.float:
+            return func(*args, **kwargs)
+        out, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        if not out.is_contiguous():
+            raise NotImplementedError(
+                "the reference step draws a Bernoulli sample into a non-contiguous tensor"
+            )
+        draw = torch.rand(out.shape, dtype=torch.float64, generator=kwargs.get("generator"))
+        return out.copy_(draw < p)
 
 
 def _check_loss(loss: object) -> None:
@@ -429,13 +475,18 @@ def _plain_input_index(desc: object) -> int:
     return desc.idx
 
 
-def _tangent_name(graph_module: fx.GraphModule) -> str:
-    """The joint graph's one tangent placeholder: the incoming gradient of the loss."""
-    tangents = [
-        n.name
+def _tangents(graph_module: fx.GraphModule) -> list[fx.Node]:
+    """The joint graph's tangent placeholders (incoming gradients of its outputs)."""
+    return [
+        n
         for n in graph_module.graph.find_nodes(op="placeholder")
         if isinstance(n.meta.get("desc"), TangentAOTInput)
     ]
+
+
+def _tangent_name(graph_module: fx.GraphModule) -> str:
+    """The joint graph's one tangent placeholder: the incoming gradient of the loss."""
+    tangents = [n.name for n in _tangents(graph_module)]
     if len(tangents) != 1:
         raise RuntimeError(f"expected one tangent (of the loss), found {tangents}")
     return tangents[0]
@@ -455,6 +506,60 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
 
 def _is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def _op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that become IR nodes: op calls other than ``getitem``, in graph order."""
+    return [
+        n for n in graph_module.graph.nodes if n.op == "call_function" and not _is_getitem(n)
+    ]
+
+
+# Node meta key under which AOTAutograd records the pass that traced a joint-graph node.
+_PASS_TAG = "partitioner_tag"
+_FORWARD_PASS = "is_forward"
+_BACKWARD_PASS = "is_backward"
+
+
+def _forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
+    """The op nodes of a joint graph that the forward pass ran (the module docstring's phase
+    rule), after checking the pass tags against eager execution; errors name the node."""
+    forward = _forward_prefix(_op_nodes(graph_module))
+    for node in (user for tangent in _tangents(graph_module) for user in tangent.users):
+        if node in forward:
+            raise RuntimeError(f"forward node `{node.name}` ({node.target}) reads a tangent")
+    outputs = [a for a in _output_args(graph_module)[:num_forward_outputs] if a is not None]
+    needed = _ancestors(outputs)
+    for node in _op_nodes(graph_module):
+        if node in needed and node not in forward:
+            raise RuntimeError(
+                f"backward node `{node.name}` ({node.target}) computes a forward output"
+            )
+    return forward
+
+
+def _forward_prefix(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes tagged as traced in the forward pass, which must all come before the first
+    node traced in the backward pass (eager finishes the forward before backward starts)."""
+    forward: set[fx.Node] = set()
+    first_backward: fx.Node | None = None
+    for node in nodes:
+        tag = node.meta.get(_PASS_TAG)
+        if tag == _BACKWARD_PASS:
+            first_backward = first_backward or node
+        elif tag != _FORWARD_PASS:
+            raise RuntimeError(
+                f"node `{node.name}` ({node.target}) has no pass tag ({_PASS_TAG}={tag!r}): "
+                "cannot tell whether the forward or the backward pass ran it"
+            )
+        elif first_backward is not None:
+            raise RuntimeError(
+                f"node `{node.name}` ({node.target}) was traced in the forward pass after "
+                f"backward node `{first_backward.name}`: the graph is not in eager order"
+            )
+        else:
+            forward.add(node)
+    return forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,7 +636,7 @@ def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
 
 def _build_graph(
     graph_module: fx.GraphModule,
-    num_forward_outputs: int,
+    forward: set[fx.Node],
     flat: list[_FlatInput],
     *,
     name: str,
@@ -545,13 +650,10 @@ def _build_graph(
     inputs = _declare_inputs(graph, graph_module, flat)
     constants = _declare_constants(graph, graph_module)
     names = _ValueNames({**inputs, **{node: node.name for node in constants}})
-    forward = _ancestors([a for a in _output_args(graph_module)[:num_forward_outputs] if a])
     models_by_name = {m.name: m for m in models}
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
     # mutating ops), so every op node is emitted, in the graph's (execution) order.
-    for node in graph_module.graph.nodes:
-        if node.op != "call_function" or _is_getitem(node):
-            continue
+    for node in _op_nodes(graph_module):
         is_forward = node in forward
         produced = names.add_op(node)
         graph.nodes.append(

@@ -26,9 +26,10 @@ Three of the plan's numbers have an eager counterpart (``measure_golden``):
   ``recompute_planner.sac``; saving every op the plan keeps would also hold outputs nothing
   after forward reads).
 
-Checkpoints run with ``preserve_rng_state=False``: the zoo has no random ops, and the CPU
-generator state torch would stash per layer (5056 bytes, host memory on a GPU) is not an
-activation.
+Checkpoints run with ``preserve_rng_state=False``: the CPU generator state torch would stash
+per layer (5056 bytes, host memory on a GPU) is not an activation. In the one zoo model with
+random ops (dropout), recomputation then draws other masks than the forward did, which changes
+values, not the bytes measured.
 
 Measurement details that keep the numbers deterministic: one intra-op thread while measuring
 (some kernels size their scratch buffers by thread count), one warm-up step first (lazy

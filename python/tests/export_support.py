@@ -21,6 +21,8 @@ from recompute_planner.markers import checkpoint_record, compiled_region, layer_
 from recompute_planner.proto import graph_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PHASE_FORWARD = graph_pb2.PHASE_FORWARD
+PHASE_BACKWARD = graph_pb2.PHASE_BACKWARD
 
 UNITS = {
     "SAVE_ATTN": [("attn.begin", "attn.end")],
@@ -96,6 +98,33 @@ class Lambda(nn.Module):
 
 
 MAIN = [ModelDecl("main", 1, {})]
+# One checkpointed layer with an attention interval, for the phase patterns below.
+ONE_LAYER = [ModelDecl("main", 1, {"SAVE_ATTN": [("attn.begin", "attn.end")]})]
+
+
+def buffer_fill_step(self: Lambda, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's key expansion in miniature: a buffer from `new_empty` filled slice by
+    slice with `copy_`, then read by a later forward op. What is copied in reaches the loss
+    only through the writes."""
+    with layer_scope("main", 0):
+        h = checkpoint_record("attn.begin", self.lin(x))
+        k = h.new_empty(h.shape[0], h.shape[1] + 2)
+        k[:, : h.shape[1]] = h
+        k[:, h.shape[1] :] = torch.tanh(h[:, :2])
+        out = checkpoint_record("attn.end", k * 2)
+    with layer_scope("main", None):
+        return out.sum()
+
+
+def one_hot_step(self: Lambda, x: torch.Tensor) -> torch.Tensor:
+    """Routing through `F.one_hot`, whose range checks (`ge`, `lt`, `all`, `_assert_async`)
+    have no path to the loss."""
+    with layer_scope("main", 0):
+        h = torch.tanh(self.lin(x))
+        route = F.one_hot(h.argmax(dim=-1), h.shape[-1]).to(h.dtype)
+        out = h * route
+    with layer_scope("main", None):
+        return out.sum()
 
 
 def nodes_with_op(graph, op: str) -> list:
@@ -154,6 +183,3 @@ def planner_bin() -> Path:
 def run_planner(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(planner_bin()), *args], capture_output=True, text=True)
 
-
-PHASE_FORWARD = graph_pb2.PHASE_FORWARD
-PHASE_BACKWARD = graph_pb2.PHASE_BACKWARD

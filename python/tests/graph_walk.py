@@ -21,6 +21,27 @@ def load_graph(path: Path) -> graph_pb2.Graph:
     return graph
 
 
+def forward_then_backward(graph: graph_pb2.Graph) -> bool:
+    """True when the forward nodes form a prefix of the node list (eager finishes the forward
+    before backward starts)."""
+    phases = [n.phase for n in graph.nodes]
+    forward = phases.count(graph_pb2.PHASE_FORWARD)
+    backward = len(phases) - forward
+    return phases == [graph_pb2.PHASE_FORWARD] * forward + [graph_pb2.PHASE_BACKWARD] * backward
+
+
+def loss_ancestors(graph: graph_pb2.Graph) -> set[str]:
+    """Names of the nodes the loss (the graph's first output) depends on through data."""
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    stack, found = [graph.outputs[0]], set()
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and node.name not in found:
+            found.add(node.name)
+            stack.extend(node.inputs)
+    return found
+
+
 def marker_name(node: graph_pb2.Node) -> str | None:
     """The marker name of a `checkpoint_record` node, None for any other node."""
     if node.op != MARKER_OP:

@@ -12,18 +12,25 @@ import torch
 import torch.nn as nn
 from export_support import (
     MAIN,
+    ONE_LAYER,
     PHASE_BACKWARD,
     PHASE_FORWARD,
     UNITS,
     Lambda,
+    buffer_fill_step,
+    consumers,
+    nodes_with_op,
+    one_hot_step,
     only_node,
     run_planner,
     tiny_decoder,
     values_by_name,
 )
+from graph_walk import forward_then_backward, loss_ancestors
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from recompute_planner import __version__
+from recompute_planner import __version__, export
 from recompute_planner.export import (
     ABSENT_TENSOR_ARGS,
     export_forward,
@@ -106,20 +113,111 @@ def test_metadata_and_models(decoder):
     ]
 
 
-def test_phase_is_forward_iff_the_loss_depends_on_the_node(decoder):
+def test_phase_is_the_pass_that_ran_the_op(decoder):
+    """Forward nodes come first and hold every ancestor of the loss and the `detach` autograd
+    records when it saves an op's output (read by backward only); backward holds ops that read
+    no tangent, even transitively, too (`t` of the forward's transposed weights, `pow` of a
+    saved input for the RMSNorm gradient). Neither loss ancestry nor tangent dependence alone
+    gives these phases."""
     graph = decoder[3].graph
-    producer = {o: n for n in graph.nodes for o in n.outputs}
-    feeds_loss = set()
-    stack = [graph.outputs[0]]
-    while stack:
-        node = producer.get(stack.pop())
-        if node is not None and node.name not in feeds_loss:
-            feeds_loss.add(node.name)
-            stack.extend(node.inputs)
+    assert forward_then_backward(graph)
+    feeds_loss = loss_ancestors(graph)
+    phase = {n.name: n.phase for n in graph.nodes}
+    assert all(phase[name] == PHASE_FORWARD for name in feeds_loss)
+    saving = [n for n in graph.nodes if n.phase == PHASE_FORWARD and n.name not in feeds_loss]
+    assert saving and {n.op for n in saving} == {"aten.detach.default"}
+    readers = [c for n in saving for c in consumers(graph, n.outputs[0])]
+    assert readers and all(c.phase == PHASE_BACKWARD for c in readers)
+    from_tangent = {"tangents_1"}
+    no_tangent = set()
     for node in graph.nodes:
-        # The model mutates no input, so the loss is the only forward output.
-        assert (node.phase == PHASE_FORWARD) == (node.name in feeds_loss), node.name
-    assert {n.phase for n in graph.nodes} == {PHASE_FORWARD, PHASE_BACKWARD}
+        if from_tangent & set(node.inputs):
+            from_tangent.update(node.outputs)
+        elif node.phase == PHASE_BACKWARD:
+            no_tangent.add(node.op)
+    assert {"aten.t.default", "aten.pow.Tensor_Scalar", "aten.detach.default"} <= no_tangent
+
+
+def export_pattern(step) -> graph_pb2.Graph:
+    torch.manual_seed(0)
+    return export_joint(Lambda(step), (torch.randn(4, 4),), name="p", models=ONE_LAYER).graph
+
+
+def test_ops_filling_a_fresh_buffer_in_place_are_forward(tmp_path):
+    """`new_empty` + slice `copy_`: the copies and what they copy reach the loss only through
+    the writes, yet run in forward. Labelled backward, they made the planner's partition
+    unclosed (an internal error) even with no layer checkpointed."""
+    graph = export_pattern(buffer_fill_step)
+    assert forward_then_backward(graph)
+    (buffer,) = nodes_with_op(graph, "aten.new_empty.default")
+    slices = consumers(graph, buffer.outputs[0])
+    views = {n.outputs[0] for n in slices if n.schema.HasField("view_of")}
+    fills = [n for n in nodes_with_op(graph, "aten.copy_.default") if n.inputs[0] in views]
+    assert len(fills) == 2
+    producer = {o: n for n in graph.nodes for o in n.outputs}
+    assert all(n.phase == PHASE_FORWARD for n in [buffer, *fills])
+    assert producer[fills[1].inputs[1]].op == "aten.tanh.default"
+    assert producer[fills[1].inputs[1]].phase == PHASE_FORWARD
+    write_graph(graph, tmp_path / "fill.pb")
+    for flags in (["--keep", "none"], ["--recompute-ratio", "0"]):
+        done = run_planner("plan", str(tmp_path / "fill.pb"), *flags)
+        assert done.returncode == 0, (flags, done.stderr)
+
+
+def test_one_hot_range_checks_are_forward_and_replay_waits_for_backward(tmp_path):
+    """`F.one_hot`'s checks have no path to the loss but run in forward. Labelled backward at
+    forward positions, they were the first backward nodes reading the layer's values, so the
+    replay ran before them, at the very start of backward."""
+    graph = export_pattern(one_hot_step)
+    assert forward_then_backward(graph)
+    check_ops = ("aten.ge.Scalar", "aten.lt.Scalar", "aten.all.default", "aten._assert_async.msg")
+    checks = [n for n in graph.nodes if n.op in check_ops]
+    assert len(checks) == 6 and all(n.phase == PHASE_FORWARD for n in checks)
+    write_graph(graph, tmp_path / "one_hot.pb")
+    done = run_planner("plan", str(tmp_path / "one_hot.pb"), "--format", "json")
+    assert done.returncode == 0, done.stderr
+    (replay,) = json.loads(done.stdout)["replay"]
+    nodes = {n.name: n for n in graph.nodes}
+    replayed = {o for name in replay["nodes"] for o in nodes[name].outputs}
+    before = nodes[replay["before"]]
+    assert before.phase == PHASE_BACKWARD and replayed & set(before.inputs), before.name
+
+
+def tamper_first(op: str, tag: str | None):
+    """Sets (None: removes) the pass tag of the first node calling `op`."""
+
+    def tamper(graph_module):
+        node = next(n for n in graph_module.graph.nodes if str(n.target) == op)
+        if tag is None:
+            del node.meta["partitioner_tag"]
+        else:
+            node.meta["partitioner_tag"] = tag
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (tamper_first("aten.addmm.default", None), "`addmm` .* has no pass tag"),
+        (tamper_first("aten.sum.default", "is_backward"), "node `sum_1` .* forward output"),
+        (tamper_first("aten.expand.default", "is_forward"), "forward node `expand` .* tangent"),
+        (
+            tamper_first("aten.mm.default", "is_forward"),
+            "`mm` .* forward pass after backward node `expand`",
+        ),
+    ],
+)
+def test_pass_tags_contradicting_eager_execution_are_refused(tamper, message):
+    """The exporter checks AOTAutograd's pass tags against what eager execution implies."""
+    torch.manual_seed(0)
+    module = Lambda(lambda self, x: torch.relu(self.lin(x)).sum())
+    graph_module, num_forward_outputs = export._capture(module, (torch.randn(2, 4),), joint=True)
+    forward = export._forward_nodes(graph_module, num_forward_outputs)
+    assert sorted(n.name for n in forward) == ["addmm", "detach", "relu", "sum_1", "t"]
+    tamper(graph_module)
+    with pytest.raises(RuntimeError, match=message):
+        export._forward_nodes(graph_module, num_forward_outputs)
 
 
 def test_no_dead_nodes(decoder):
@@ -189,7 +287,12 @@ def test_export_forward_has_only_forward_nodes_matching_the_joint_forward(decode
         scope = (node.model, layer, node.micro_batch, node.compiled_region, node.module_path)
         return node.op, scope, [a.SerializeToString() for a in node.attributes]
 
-    joint_forward = [summary(n) for n in joint.graph.nodes if n.phase == PHASE_FORWARD]
+    # The joint forward also holds the `detach` autograd records when it saves an op's output.
+    joint_forward = [
+        summary(n)
+        for n in joint.graph.nodes
+        if n.phase == PHASE_FORWARD and n.op != "aten.detach.default"
+    ]
     assert [summary(n) for n in graph.nodes] == joint_forward
     assert {n.layer for n in graph.nodes if n.HasField("layer")} == {0, 1}
 
@@ -231,6 +334,32 @@ def test_export_is_deterministic(tmp_path):
     kinds = ("pb", "json", "safetensors")
     assert sorted(files[0]) == sorted(f"{s}.{e}" for s in ("tiny", "drop") for e in kinds)
     assert files[0] == files[1]
+
+
+def test_reference_dropout_masks_are_drawn_the_same_on_every_cpu():
+    """The reference step draws a dropout mask as PyTorch's own CPU kernel does, one double
+    per element from the seeded generator, kept where below 1 - p, even where MKL would draw
+    it (Intel CPUs): no `bernoulli_` reaches a kernel."""
+    torch.manual_seed(0)
+    p, x = 0.5, torch.randn(8, 4)
+    module = Lambda(lambda self, x: nn.functional.dropout(self.lin(x), p).sum())
+    result = export_joint(module, (x,), name="drop", models=MAIN, seed=3)
+    keep = torch.rand(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    noise = (keep < 1 - p).to(torch.float32).div_(1 - p)
+    assert torch.equal(result.loss, (module.lin(x) * noise).sum().detach())
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as kernels, export._PortableBernoulli():
+        torch.empty(16).bernoulli_(0.3)
+    assert kernels.ops and "aten.bernoulli_.float" not in kernels.ops
 
 
 def test_reference_file_layout(decoder, tmp_path):

@@ -1,27 +1,30 @@
-"""IR node order is eager execution order (SPEC §3: marker semantics depend on it).
+"""IR node order is eager execution order, and a node's phase is the pass that ran it (SPEC §3:
+marker semantics depend on the order; replay scheduling depends on the phases).
 
 The same step runs eagerly under a TorchDispatchMode that records every aten op dispatched in
-forward and backward; the exported joint graph must list the same ops in the same order.
+forward and in backward; the exported joint graph must list the same ops in the same order, and
+its forward-phase nodes must be exactly the ops eager ran before backward started. The step is
+the exporter's eager reference: ``torch.autograd.grad(loss, params, seed)``, with the seed made
+before recording (in the joint graph it is the tangent input rather than an op). That includes
+the ``detach`` autograd dispatches when it saves an op's output for backward (forward) and when
+backward unpacks it (backward); ``loss.backward()`` would add one more per parameter, where
+AccumulateGrad stores ``.grad``, which the joint graph has no counterpart of.
 
-One normalisation, both sides: ``aten.detach.default`` is dropped. It computes nothing (an
-alias for autograd's bookkeeping): eager dispatches it when autograd saves an op's output for
-backward and when AccumulateGrad stores ``.grad``; the joint graph has no ``.grad`` (gradients
-are outputs) and keeps only the saved-output detaches. Everything else, the marker, the
-in-place ``mul_``, SDPA and its backward, normalisation layers and the loss, must match one for
-one. The backward seed is created before recording (``loss.backward(seed)``), since in the
-joint graph it is the tangent input rather than an op.
+Mappings and known divergences, real ones kept out of these models on purpose:
 
-Functional collectives need one more mapping (second test): eager returns an
-AsyncCollectiveTensor and dispatches ``_c10d_functional._wrap_tensor_autograd`` right after the
-collective, waiting later inside the subclass where no dispatch mode sees it; the trace waits
-explicitly with ``_c10d_functional.wait_tensor`` at that same position.
-
-Known divergences kept out of these models on purpose (real ones): CPU eager ``F.dropout`` runs
-``empty_like/bernoulli_/div_/mul`` where the trace has ``native_dropout`` (the Python
-dispatcher's decomposition); eager ``BatchNorm`` dispatches ``native_batch_norm`` where the
-trace has ``_native_batch_norm_legit``; an op eager runs whose result nobody reads (in the zoo
-MoE, a backward ``slice`` of the dispatch buffer) is absent, AOTAutograd having removed it as
-dead code; and eager ``all_gather_into_tensor`` dispatches an extra ``view`` the trace lacks.
+- functional collectives: eager returns an AsyncCollectiveTensor and dispatches
+  ``_c10d_functional._wrap_tensor_autograd`` right after the collective, waiting later inside
+  the subclass where no dispatch mode sees it; the trace waits explicitly with
+  ``_c10d_functional.wait_tensor`` at that same position;
+- a slice assignment's backward: eager's CopySlices dispatches ``as_strided`` where the trace
+  has ``slice`` (the buffer-filling model is compared in forward only);
+- CPU eager ``F.dropout`` runs ``empty_like/bernoulli_/div_/mul`` where the trace has
+  ``native_dropout`` (the Python dispatcher's decomposition); eager ``F.one_hot`` checks its
+  input with ``aminmax`` and ``_local_scalar_dense`` where the trace has
+  ``ge/lt/all/_assert_async``; eager ``BatchNorm`` dispatches ``native_batch_norm`` where the
+  trace has ``_native_batch_norm_legit``; an op eager runs whose result nobody reads (in the zoo
+  MoE, a backward ``slice`` of the dispatch buffer) is absent, AOTAutograd having removed it as
+  dead code; and eager ``all_gather_into_tensor`` dispatches an extra ``view`` the trace lacks.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from export_support import (
     MAIN,
+    ONE_LAYER,
     PHASE_BACKWARD,
     PHASE_FORWARD,
     Lambda,
+    buffer_fill_step,
     fake_process_group,
     tiny_decoder,
 )
@@ -41,7 +46,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from recompute_planner.export import export_joint
 
-BOOKKEEPING = {"aten.detach.default"}
 EAGER_TO_TRACED = {
     "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default"
 }
@@ -55,33 +59,46 @@ class _RecordOps(TorchDispatchMode):
         self.ops: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
+        self.ops.append(EAGER_TO_TRACED.get(str(func), str(func)))
         return func(*args, **(kwargs or {}))
 
 
-def _without_bookkeeping(ops: list[str]) -> list[str]:
-    return [op for op in ops if op not in BOOKKEEPING]
-
-
-def test_exported_order_is_eager_dispatch_order():
-    model, args, models = tiny_decoder()
-    graph = export_joint(model, args, name="order", models=models).graph
-
+def eager_step(module: torch.nn.Module, args: tuple) -> tuple[list[str], list[str]]:
+    """The ops one eager training step dispatches: (forward, backward)."""
     seed = torch.ones(())
     with _RecordOps() as recorder:
-        loss = model(*args)
-        forward_count = len(recorder.ops)
-        loss.backward(seed)
+        loss = module(*args)
+        forward = len(recorder.ops)
+        torch.autograd.grad(loss, list(module.parameters()), seed)
+    return recorder.ops[:forward], recorder.ops[forward:]
 
-    eager = _without_bookkeeping(recorder.ops)
-    exported = _without_bookkeeping([n.op for n in graph.nodes])
-    assert exported == eager
-    # The forward-phase nodes are exactly the ops eager ran before backward started.
-    eager_forward = _without_bookkeeping(recorder.ops[:forward_count])
-    phases = [n.phase for n in graph.nodes if n.op not in BOOKKEEPING]
-    assert phases == [PHASE_FORWARD] * len(eager_forward) + [PHASE_BACKWARD] * (
-        len(exported) - len(eager_forward)
-    )
+
+def phases_of(graph) -> list[int]:
+    return [n.phase for n in graph.nodes]
+
+
+def split(forward: int, total: int) -> list[int]:
+    return [PHASE_FORWARD] * forward + [PHASE_BACKWARD] * (total - forward)
+
+
+def test_exported_order_and_phases_are_eager_dispatch_order_and_passes():
+    model, args, models = tiny_decoder()
+    graph = export_joint(model, args, name="order", models=models).graph
+    forward, backward = eager_step(model, args)
+    assert [n.op for n in graph.nodes] == forward + backward
+    assert phases_of(graph) == split(len(forward), len(graph.nodes))
+    assert "aten.detach.default" in forward
+
+
+def test_ops_filling_a_buffer_in_place_run_where_eager_runs_them():
+    """The `new_empty` + slice `copy_` pattern: same forward ops, all forward-phase."""
+    torch.manual_seed(0)
+    module, args = Lambda(buffer_fill_step), (torch.randn(4, 4),)
+    graph = export_joint(module, args, name="fill", models=ONE_LAYER).graph
+    forward, _ = eager_step(module, args)
+    assert [n.op for n in graph.nodes][: len(forward)] == forward
+    assert forward.count("aten.copy_.default") == 2
+    assert phases_of(graph) == split(len(forward), len(graph.nodes))
 
 
 def test_functional_collectives_run_where_eager_runs_them():
@@ -93,11 +110,9 @@ def test_functional_collectives_run_where_eager_runs_them():
     module, x = Lambda(step), torch.randn(4, 4)
     with fake_process_group(world_size=2):
         graph = export_joint(module, (x,), name="a2a", models=MAIN).graph
-        seed = torch.ones(())
-        with _RecordOps() as recorder:
-            module(x).backward(seed)
+        forward, backward = eager_step(module, (x,))
 
-    eager = [EAGER_TO_TRACED.get(op, op) for op in _without_bookkeeping(recorder.ops)]
-    exported = _without_bookkeeping([n.op for n in graph.nodes])
-    assert exported == eager
+    exported = [n.op for n in graph.nodes]
+    assert exported == forward + backward
+    assert phases_of(graph) == split(len(forward), len(graph.nodes))
     assert exported.count("_c10d_functional.all_to_all_single.default") == 2  # fwd and bwd

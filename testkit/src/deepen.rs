@@ -52,49 +52,110 @@ pub fn deepen(
         .position(|m| m.name == model)
         .ok_or_else(|| DeepenError::UnknownModel(model.to_owned()))?;
     let layer_of = effective_layers(graph, model);
-    let in_layer = |i: usize, l: u32| layer_of[i] == Some(l);
-    let ta: Vec<usize> = (0..graph.nodes.len()).filter(|&i| in_layer(i, a)).collect();
-    let tb: Vec<usize> = (0..graph.nodes.len())
-        .filter(|&i| in_layer(i, a + 1))
-        .collect();
+    let in_layer = |l: u32| -> Vec<usize> {
+        (0..graph.nodes.len())
+            .filter(|&i| layer_of[i] == Some(l))
+            .collect()
+    };
+    let (ta, tb) = (in_layer(a), in_layer(a + 1));
     check_identical(graph, model, a, &ta, &tb)?;
     let values: HashMap<&str, &pb::Value> =
         graph.values.iter().map(|v| (v.name.as_str(), v)).collect();
-    let producer_of = |nodes: &[usize]| -> HashMap<&str, Slot> {
-        nodes
-            .iter()
-            .enumerate()
-            .flat_map(|(k, &i)| {
-                graph.nodes[i]
-                    .outputs
-                    .iter()
-                    .enumerate()
-                    .map(move |(j, v)| (v.as_str(), Slot { node: k, output: j }))
-            })
-            .collect()
-    };
-    let (made_by_a, made_by_b) = (producer_of(&ta), producer_of(&tb));
+    let plan = Deepening::new(graph, model, a, layers.max(1), ta, tb);
     let mut out = Builder {
         values: &values,
         nodes: Vec::new(),
         declared: Vec::new(),
         seen: HashSet::new(),
     };
-    let first_a = ta[0];
-    let copies = layers.max(1);
-    let name_of = |at: Slot, c: u32| copy_name(&graph.nodes[ta[at.node]].outputs[at.output], c);
-    // The template's input at (node k, input s) in copy c.
-    let input_of = |k: usize, s: usize, c: u32| -> String {
-        let va = &graph.nodes[ta[k]].inputs[s];
-        let vb = &graph.nodes[tb[k]].inputs[s];
-        if let Some(&at) = made_by_a.get(va.as_str()) {
-            return name_of(at, c);
+    plan.emit(&mut out)?;
+    let mut result = graph.clone();
+    result.name = format!("{}_x{}", graph.name, plan.copies);
+    result.outputs = deepen_outputs(graph, &plan.ta, &plan.tb, plan.copies, &out.seen);
+    result.nodes = out.nodes;
+    result.values = out.declared;
+    result.models[declared].num_layers = (graph.models[declared].num_layers - 2) + plan.copies;
+    Ok(result)
+}
+
+/// How the template layer `a` (nodes `ta`) and its successor `a + 1` (nodes `tb`) become
+/// `copies` layers.
+struct Deepening<'g> {
+    graph: &'g pb::Graph,
+    model: &'g str,
+    a: u32,
+    copies: u32,
+    ta: Vec<usize>,
+    tb: Vec<usize>,
+    /// Where each value of layer `a` (or `a + 1`) is made: template node and output.
+    made_by_a: HashMap<&'g str, Slot>,
+    made_by_b: HashMap<&'g str, Slot>,
+    /// The forward pass ends at the last forward node: what runs before it (AOTAutograd's
+    /// backward-phase `detach` of saved outputs included) repeats with the forward copies.
+    backward_starts: usize,
+}
+
+impl<'g> Deepening<'g> {
+    fn new(
+        graph: &'g pb::Graph,
+        model: &'g str,
+        a: u32,
+        copies: u32,
+        ta: Vec<usize>,
+        tb: Vec<usize>,
+    ) -> Self {
+        let producer_of = |nodes: &[usize]| -> HashMap<&'g str, Slot> {
+            nodes
+                .iter()
+                .enumerate()
+                .flat_map(|(k, &i)| {
+                    graph.nodes[i]
+                        .outputs
+                        .iter()
+                        .enumerate()
+                        .map(move |(j, v)| (v.as_str(), Slot { node: k, output: j }))
+                })
+                .collect()
+        };
+        let backward_starts = graph
+            .nodes
+            .iter()
+            .rposition(|n| n.phase == pb::Phase::Forward as i32)
+            .map_or(0, |i| i + 1);
+        Deepening {
+            graph,
+            model,
+            a,
+            copies,
+            made_by_a: producer_of(&ta),
+            made_by_b: producer_of(&tb),
+            ta,
+            tb,
+            backward_starts,
         }
-        if let Some(&at) = made_by_b.get(va.as_str()) {
+    }
+
+    fn early(&self, node: usize) -> bool {
+        node < self.backward_starts
+    }
+
+    /// The name of template output `at` in copy `c`.
+    fn name_of(&self, at: Slot, c: u32) -> String {
+        copy_name(&self.graph.nodes[self.ta[at.node]].outputs[at.output], c)
+    }
+
+    /// The template's input at (node k, input s) in copy c.
+    fn input_of(&self, k: usize, s: usize, c: u32) -> String {
+        let va = &self.graph.nodes[self.ta[k]].inputs[s];
+        let vb = &self.graph.nodes[self.tb[k]].inputs[s];
+        if let Some(&at) = self.made_by_a.get(va.as_str()) {
+            return self.name_of(at, c);
+        }
+        if let Some(&at) = self.made_by_b.get(va.as_str()) {
             // Backward reads the next layer's gradient: the next copy's, or what the last
             // layer reads from outside.
-            return if c + 1 < copies {
-                name_of(at, c + 1)
+            return if c + 1 < self.copies {
+                self.name_of(at, c + 1)
             } else {
                 vb.clone()
             };
@@ -102,89 +163,84 @@ pub fn deepen(
         if va == vb {
             return va.clone(); // shared by every layer
         }
-        if let Some(&at) = made_by_a.get(vb.as_str()) {
+        if let Some(&at) = self.made_by_a.get(vb.as_str()) {
             // The layer's input: the previous copy's output, or what layer a reads.
             return if c == 0 {
                 va.clone()
             } else {
-                name_of(at, c - 1)
+                self.name_of(at, c - 1)
             };
         }
         copy_name(va, c) // a per-layer parameter
-    };
-    // Everything outside the two layers that reads them reads the first or last copy.
-    let outside = |v: &str| -> String {
-        if let Some(&at) = made_by_b.get(v) {
-            return name_of(at, copies - 1);
+    }
+
+    /// What a node outside the two layers reads: the first or last copy of a layer value.
+    fn outside(&self, v: &str) -> String {
+        if let Some(&at) = self.made_by_b.get(v) {
+            return self.name_of(at, self.copies - 1);
         }
-        if let Some(&at) = made_by_a.get(v) {
-            return name_of(at, 0);
+        if let Some(&at) = self.made_by_a.get(v) {
+            return self.name_of(at, 0);
         }
         v.to_owned()
-    };
-    // The forward pass ends at the last forward node: what runs before it (AOTAutograd's
-    // backward-phase `detach` of saved outputs included) repeats with the forward copies.
-    let backward_starts = graph
-        .nodes
-        .iter()
-        .rposition(|n| n.phase == pb::Phase::Forward as i32)
-        .map_or(0, |i| i + 1);
-    let early = |i: usize| i < backward_starts;
-    let layer_nodes: HashSet<usize> = ta.iter().chain(&tb).copied().collect();
-    let emit_copies = |out: &mut Builder<'_>, forward_pass: bool| -> Result<(), DeepenError> {
+    }
+
+    /// Every copy of the template's forward (in layer order) or backward (reversed) nodes.
+    fn emit_copies(&self, out: &mut Builder<'_>, forward_pass: bool) -> Result<(), DeepenError> {
         let order: Vec<u32> = if forward_pass {
-            (0..copies).collect()
+            (0..self.copies).collect()
         } else {
-            (0..copies).rev().collect()
+            (0..self.copies).rev().collect()
         };
         for c in order {
-            for (k, &i) in ta.iter().enumerate() {
-                if early(i) != forward_pass {
+            for (k, &i) in self.ta.iter().enumerate() {
+                if self.early(i) != forward_pass {
                     continue;
                 }
-                let n = &graph.nodes[i];
-                let inputs: Vec<String> = (0..n.inputs.len()).map(|s| input_of(k, s, c)).collect();
-                let outputs: Vec<String> = (0..n.outputs.len())
-                    .map(|output| name_of(Slot { node: k, output }, c))
+                let n = &self.graph.nodes[i];
+                let inputs = (0..n.inputs.len())
+                    .map(|s| self.input_of(k, s, c))
                     .collect();
-                let layer = n.layer.map(|_| c + a);
+                let outputs = (0..n.outputs.len())
+                    .map(|output| self.name_of(Slot { node: k, output }, c))
+                    .collect();
+                let layer = n.layer.map(|_| c + self.a);
                 out.node(n, copy_name(&n.name, c), inputs, outputs, layer)?;
             }
         }
         Ok(())
-    };
-    let mut forward_done = false;
-    let mut backward_done = false;
-    for (i, n) in graph.nodes.iter().enumerate() {
-        if layer_nodes.contains(&i) {
-            if i >= first_a && early(i) && !forward_done {
-                emit_copies(&mut out, true)?;
-                forward_done = true;
-            }
-            if !early(i) && !backward_done {
-                emit_copies(&mut out, false)?;
-                backward_done = true;
-            }
-            continue;
-        }
-        let inputs = n.inputs.iter().map(|v| outside(v)).collect();
-        let outputs = n.outputs.clone();
-        let layer = n.layer.map(|l| {
-            if l > a + 1 && n.model == model {
-                l + copies - 2
-            } else {
-                l
-            }
-        });
-        out.node(n, n.name.clone(), inputs, outputs, layer)?;
     }
-    let mut result = graph.clone();
-    result.name = format!("{}_x{copies}", graph.name);
-    result.nodes = out.nodes;
-    result.values = out.declared;
-    result.outputs = deepen_outputs(graph, &ta, &tb, copies, &out.seen);
-    result.models[declared].num_layers = (graph.models[declared].num_layers - 2) + copies;
-    Ok(result)
+
+    /// The whole graph: nodes outside the two layers in place, the copies where the layers
+    /// were, later layers of the model renumbered.
+    fn emit(&self, out: &mut Builder<'_>) -> Result<(), DeepenError> {
+        let layer_nodes: HashSet<usize> = self.ta.iter().chain(&self.tb).copied().collect();
+        let first_a = self.ta[0];
+        let (mut forward_done, mut backward_done) = (false, false);
+        for (i, n) in self.graph.nodes.iter().enumerate() {
+            if layer_nodes.contains(&i) {
+                if i >= first_a && self.early(i) && !forward_done {
+                    self.emit_copies(out, true)?;
+                    forward_done = true;
+                }
+                if !self.early(i) && !backward_done {
+                    self.emit_copies(out, false)?;
+                    backward_done = true;
+                }
+                continue;
+            }
+            let inputs = n.inputs.iter().map(|v| self.outside(v)).collect();
+            let layer = n.layer.map(|l| {
+                if l > self.a + 1 && n.model == self.model {
+                    l + self.copies - 2
+                } else {
+                    l
+                }
+            });
+            out.node(n, n.name.clone(), inputs, n.outputs.clone(), layer)?;
+        }
+        Ok(())
+    }
 }
 
 /// The op autograd inserts to sum the gradients of a tensor used twice.

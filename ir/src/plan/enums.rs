@@ -84,6 +84,16 @@ spelled! {
         View => "view",
         /// Kept on its own by the budget solver (`--granularity op`).
         ChosenOp => "chosen-op",
+        /// A random op (dropout) saved by `--random-ops save`, so replay never draws new random
+        /// numbers.
+        Random => "random",
+        /// A random op that replays with the generator state forward saw (`--random-ops
+        /// replay`).
+        RandomReplayed => "random-replayed",
+        /// Its interval keeps it, but forward writes its output in place later: a saved copy
+        /// would be written twice by an executor that re-runs the writers, so it is recomputed
+        /// and replays with them.
+        WrittenInPlace => "written-in-place",
         /// Its layer is not selected by `--recompute-ratio`.
         LayerNotCheckpointed => "layer-not-checkpointed",
         /// Outside any decoder layer (embedding, head, loss).
@@ -103,6 +113,12 @@ spelled! {
         /// The output of a recomputed op that writes a resident tensor in place: replaying it
         /// would corrupt that tensor, so its output is saved instead.
         WritesResident => "writes-resident",
+        /// The output of a recomputed op that reads a resident tensor which forward writes in
+        /// place after it: a replay would read the written value, so its output is saved.
+        ReadsOverwritten => "reads-overwritten",
+        /// A recomputed tensor written in place by an op that cannot replay (it writes or reads
+        /// resident tensors): it stays resident, holding the write.
+        WrittenUnreplayably => "written-unreplayably",
         Parameter => "parameter",
         /// A graph input other than a parameter (data, buffers, tangents).
         GraphInput => "graph-input",
@@ -118,6 +134,8 @@ impl SavedKind {
                 | SavedKind::LayerInput
                 | SavedKind::NotCheckpointed
                 | SavedKind::WritesResident
+                | SavedKind::ReadsOverwritten
+                | SavedKind::WrittenUnreplayably
         )
     }
 }
@@ -142,6 +160,10 @@ spelled! {
         IntervalOverlap => "interval-overlap",
         LayerCompiledAsOneRegion => "layer-compiled-as-one-region",
         NondeterministicReplay => "nondeterministic-replay",
+        KeptOutputWrittenInPlace => "kept-output-written-in-place",
+        RandomOpSaved => "random-op-saved",
+        NoLayersAnnotated => "no-layers-annotated",
+        RandomOpReplayed => "random-op-replayed",
     }
 }
 
@@ -151,6 +173,22 @@ spelled! {
         Forward => "forward",
         Replay => "replay",
         Backward => "backward",
+    }
+}
+
+spelled! {
+    /// `--random-ops`: what happens to a random op (dropout) in a checkpointed layer, so that
+    /// replay never draws other random numbers than forward did.
+    #[derive(Default)]
+    pub enum RandomOps {
+        /// Its outputs are saved (what PyTorch's partitioner does by default): every executor
+        /// honours it without restoring generator state.
+        #[default]
+        Save => "save",
+        /// It replays with the generator state it saw in forward restored: the executor must
+        /// restore it (the runtime does; eager checkpoint with `preserve_rng_state=True` does;
+        /// torch.compile needs `functionalize_rng_ops`).
+        Replay => "replay",
     }
 }
 
@@ -190,5 +228,6 @@ mod tests {
         check(Code::ALL, Code::name, Code::from_name);
         check(Stage::ALL, Stage::name, Stage::from_name);
         check(Collectives::ALL, Collectives::name, Collectives::from_name);
+        check(RandomOps::ALL, RandomOps::name, RandomOps::from_name);
     }
 }

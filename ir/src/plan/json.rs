@@ -145,6 +145,7 @@ impl Named for SavedValue {
             layer: Option<u32>,
             kind: &'static str,
             model: Option<&'a str>,
+            alias_of: Option<&'a str>,
         }
         SavedJson {
             value: names.value(self.value),
@@ -152,6 +153,7 @@ impl Named for SavedValue {
             layer: self.layer,
             kind: self.kind.name(),
             model: self.model.map(|m| names.model(m)),
+            alias_of: self.alias_of.map(|v| names.value(v)),
         }
         .serialize(s)
     }
@@ -259,6 +261,7 @@ impl Serialize for ConfigJson<'_> {
             keep: Vec<String>,
             recompute_ratio: f64,
             collectives: &'static str,
+            random_ops: &'static str,
             budget_bytes: Option<u64>,
             layer_keep: LayerKeepList<'a>,
         }
@@ -267,6 +270,7 @@ impl Serialize for ConfigJson<'_> {
             keep: c.keep.names(),
             recompute_ratio: c.recompute_ratio,
             collectives: c.collectives.name(),
+            random_ops: c.random_ops.name(),
             budget_bytes: c.budget_bytes,
             layer_keep: LayerKeepList(&c.layer_keep, self.names),
         }

@@ -15,7 +15,7 @@ pub mod wire;
 
 use std::path::Path;
 
-pub use enums::{Code, Collectives, Decision, Level, Reason, SavedKind, Stage};
+pub use enums::{Code, Collectives, Decision, Level, RandomOps, Reason, SavedKind, Stage};
 pub use names::{NameTable, PlanNames};
 use thiserror::Error;
 
@@ -94,6 +94,7 @@ pub struct Config {
     /// Layers with index `< floor(ratio × num_layers)` of each model are checkpointed.
     pub recompute_ratio: f64,
     pub collectives: Collectives,
+    pub random_ops: RandomOps,
     /// `--budget` in bytes, when the units were chosen per layer to fit it.
     pub budget_bytes: Option<u64>,
     /// Per-layer unit choices that replace `keep` in their layers (the budget solver's, or
@@ -132,6 +133,9 @@ pub struct NodeDecision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SavedValue {
     pub value: ValueId,
+    /// The value whose storage this one shares (it is a view of it, or the result of an
+    /// in-place write to it); its bytes are that storage's, counted once.
+    pub alias_of: Option<ValueId>,
     pub bytes: u64,
     /// The producer's model and layer; `None` for graph inputs.
     pub model: Option<ModelId>,

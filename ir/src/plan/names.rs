@@ -256,6 +256,7 @@ impl Plan {
                 .into_iter()
                 .map(|s| SavedValue {
                     value: b.values[s.value],
+                    alias_of: s.alias_of.map(|v| b.values[v]),
                     model: s.model.map(|m| b.models[m]),
                     ..s
                 })

@@ -5,8 +5,8 @@ use prost::Message;
 
 use super::{
     Code, Collectives, Config, Cost, Decision, Diagnostic, GraphRef, Keep, LayerKeep, LayerRef,
-    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, Reason, Replay,
-    SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
+    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, RandomOps,
+    Reason, Replay, SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -21,7 +21,6 @@ pub(super) fn decode(bytes: &[u8]) -> Result<pb::Plan, PlanReadError> {
 
 /// The named form of `plan`.
 pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
-    let layer = |at: LayerRef| (names.model(at.model).to_owned(), at.layer);
     pb::Plan {
         planner_version: plan.planner_version.clone(),
         graph: Some(pb::GraphRef {
@@ -29,64 +28,14 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
             fingerprint: plan.graph.fingerprint.clone(),
         }),
         config: Some(config_to_wire(&plan.config, names)),
-        nodes: plan
-            .nodes
-            .iter()
-            .map(|n| pb::NodeDecision {
-                name: names.node(n.node).to_owned(),
-                op: names.op(n.node).to_owned(),
-                model: names.model(n.model).to_owned(),
-                layer: n.layer,
-                decision: n.decision.name().to_owned(),
-                reason: n.reason.name().to_owned(),
-                unit: n.unit.map(|u| names.unit(n.model, u).to_owned()),
-            })
-            .collect(),
-        saved: plan
-            .saved
-            .iter()
-            .map(|s| pb::SavedValue {
-                value: names.value(s.value).to_owned(),
-                bytes: s.bytes,
-                layer: s.layer,
-                kind: s.kind.name().to_owned(),
-                model: s.model.map(|m| names.model(m).to_owned()),
-            })
-            .collect(),
+        nodes: plan.nodes.iter().map(|n| node_to_wire(n, names)).collect(),
+        saved: plan.saved.iter().map(|s| saved_to_wire(s, names)).collect(),
         replay: plan
             .replay
             .iter()
-            .map(|r| {
-                let (model, layer) = layer(r.at);
-                pb::Replay {
-                    model,
-                    layer,
-                    nodes: r.nodes.iter().map(|&n| names.node(n).to_owned()).collect(),
-                    before: names.node(r.before).to_owned(),
-                    seconds: r.seconds,
-                }
-            })
+            .map(|r| replay_to_wire(r, names))
             .collect(),
-        units: plan
-            .units
-            .iter()
-            .map(|u| pb::UnitSummary {
-                model: names.model(u.model).to_owned(),
-                unit: names.unit(u.model, u.unit).to_owned(),
-                kept_ops: u.kept_ops,
-                saved_bytes: u.saved_bytes,
-                replay_time_avoided_s: u.replay_time_avoided_s,
-                layers: u
-                    .layers
-                    .iter()
-                    .map(|l| pb::UnitLayer {
-                        layer: l.layer,
-                        kept_ops: l.kept_ops,
-                        saved_bytes: l.saved_bytes,
-                    })
-                    .collect(),
-            })
-            .collect(),
+        units: plan.units.iter().map(|u| unit_to_wire(u, names)).collect(),
         memory: Some(memory_to_wire(&plan.memory, names)),
         cost: Some(pb::Cost {
             replay_flops: plan.cost.replay_flops,
@@ -99,16 +48,72 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
         diagnostics: plan
             .diagnostics
             .iter()
-            .map(|d| pb::Diagnostic {
-                level: d.level.name().to_owned(),
-                code: d.code.name().to_owned(),
-                model: names.model(d.model).to_owned(),
-                unit: d.unit.map(|u| names.unit(d.model, u).to_owned()),
-                message: d.message.clone(),
-                hint: d.hint.clone(),
-            })
+            .map(|d| diagnostic_to_wire(d, names))
             .collect(),
         joint: plan.joint,
+    }
+}
+
+fn node_to_wire(n: &NodeDecision, names: &dyn PlanNames) -> pb::NodeDecision {
+    pb::NodeDecision {
+        name: names.node(n.node).to_owned(),
+        op: names.op(n.node).to_owned(),
+        model: names.model(n.model).to_owned(),
+        layer: n.layer,
+        decision: n.decision.name().to_owned(),
+        reason: n.reason.name().to_owned(),
+        unit: n.unit.map(|u| names.unit(n.model, u).to_owned()),
+    }
+}
+
+fn saved_to_wire(s: &SavedValue, names: &dyn PlanNames) -> pb::SavedValue {
+    pb::SavedValue {
+        value: names.value(s.value).to_owned(),
+        bytes: s.bytes,
+        layer: s.layer,
+        kind: s.kind.name().to_owned(),
+        model: s.model.map(|m| names.model(m).to_owned()),
+        alias_of: s.alias_of.map(|v| names.value(v).to_owned()),
+    }
+}
+
+fn replay_to_wire(r: &Replay, names: &dyn PlanNames) -> pb::Replay {
+    pb::Replay {
+        model: names.model(r.at.model).to_owned(),
+        layer: r.at.layer,
+        nodes: r.nodes.iter().map(|&n| names.node(n).to_owned()).collect(),
+        before: names.node(r.before).to_owned(),
+        seconds: r.seconds,
+    }
+}
+
+fn unit_to_wire(u: &UnitSummary, names: &dyn PlanNames) -> pb::UnitSummary {
+    pb::UnitSummary {
+        model: names.model(u.model).to_owned(),
+        unit: names.unit(u.model, u.unit).to_owned(),
+        kept_ops: u.kept_ops,
+        saved_bytes: u.saved_bytes,
+        replay_time_avoided_s: u.replay_time_avoided_s,
+        layers: u
+            .layers
+            .iter()
+            .map(|l| pb::UnitLayer {
+                layer: l.layer,
+                kept_ops: l.kept_ops,
+                saved_bytes: l.saved_bytes,
+            })
+            .collect(),
+    }
+}
+
+fn diagnostic_to_wire(d: &Diagnostic, names: &dyn PlanNames) -> pb::Diagnostic {
+    pb::Diagnostic {
+        level: d.level.name().to_owned(),
+        code: d.code.name().to_owned(),
+        model: names.model(d.model).to_owned(),
+        unit: d.unit.map(|u| names.unit(d.model, u).to_owned()),
+        message: d.message.clone(),
+        hint: d.hint.clone(),
     }
 }
 
@@ -133,6 +138,7 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
         keep: config.keep.names(),
         recompute_ratio: config.recompute_ratio,
         collectives: config.collectives.name().to_owned(),
+        random_ops: config.random_ops.name().to_owned(),
         budget_bytes: config.budget_bytes,
         layer_keep: layer_keep_to_wire(&config.layer_keep, names),
     }
@@ -258,6 +264,12 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
             Collectives::from_name,
             Collectives::spellings,
         )?,
+        random_ops: spelled(
+            "random ops",
+            &c.random_ops,
+            RandomOps::from_name,
+            RandomOps::spellings,
+        )?,
         budget_bytes: c.budget_bytes,
         layer_keep: layer_keep_from_wire(c.layer_keep, names),
     })
@@ -286,6 +298,7 @@ fn node_from_wire(
 fn saved_from_wire(s: pb::SavedValue, names: &mut NameTable) -> Result<SavedValue, PlanReadError> {
     Ok(SavedValue {
         value: names.value(&s.value),
+        alias_of: s.alias_of.map(|v| names.value(&v)),
         bytes: s.bytes,
         model: s.model.map(|m| names.model(&m)),
         layer: s.layer,

@@ -13,13 +13,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use ir::{plan::Reason, EntityId, Graph, IdVec, Node, NodeId, Unit, UnitId, ValueId};
+use ir::{plan::Reason, EntityId, Graph, IdVec, Node, NodeId, Unit, UnitId};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use super::{
-    recompute, Crossing, Enclosed, Findings, InplaceWrite, MarkerFault, NodePolicy, Site,
-    Unbalance, UnitKey,
+    recompute, Crossing, Enclosed, Findings, MarkerFault, NodePolicy, Site, Unbalance, UnitKey,
 };
 
 /// A distinct `[begin, end)` marker pair of a model and the units that declare it.
@@ -168,7 +167,7 @@ impl<'a, 'g> Session<'a, 'g> {
     /// The innermost open kept unit for an op about to run; notes what encloses an op whose
     /// replay can differ from forward.
     pub(super) fn enclosure(&mut self, id: NodeId, node: &Node) -> Option<UnitId> {
-        if node.info.replay_nondeterministic {
+        if node.replay_may_differ() {
             let declared = self
                 .nominal_order
                 .values()
@@ -194,13 +193,6 @@ impl<'a, 'g> Session<'a, 'g> {
                 self.opened_since_log = false;
             }
         }
-    }
-
-    pub(super) fn inplace_write(&mut self, unit: UnitId, node: NodeId, value: ValueId) {
-        let unit = self.key(unit);
-        self.findings
-            .inplace_kept
-            .push(InplaceWrite { unit, node, value });
     }
 
     /// Handles a marker node and returns its decision (an identity, recomputed).

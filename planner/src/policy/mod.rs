@@ -16,7 +16,7 @@ mod markers;
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Decision, LayerRef, Reason},
+    plan::{Collectives, Decision, LayerRef, RandomOps, Reason},
     Graph, IdVec, ModelId, Node, NodeId, Phase, UnitId, ValueId,
 };
 
@@ -94,12 +94,24 @@ pub struct Crossing {
     pub layer: u32,
 }
 
-/// An in-place op in a kept interval that writes a kept tensor.
+/// An in-place op that writes the output of a kept op later in forward, and cannot replay
+/// with it: it also writes a tensor that stays resident.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InplaceWrite {
     pub unit: UnitKey,
+    /// The writer.
     pub node: NodeId,
+    /// The kept output it writes.
     pub value: ValueId,
+}
+
+/// A kept op demoted to recompute because forward writes its output in place later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Demotion {
+    pub unit: UnitKey,
+    pub node: NodeId,
+    /// The first op that writes its output.
+    pub writer: NodeId,
 }
 
 /// Raw facts from the sessions, aggregated into diagnostics later.
@@ -112,6 +124,7 @@ pub struct Findings {
     pub unbalanced: BTreeMap<UnitKey, BTreeSet<MarkerFault>>,
     pub crossings: BTreeSet<Crossing>,
     pub inplace_kept: Vec<InplaceWrite>,
+    pub demoted: Vec<Demotion>,
     /// Checkpointed layers whose forward ops all run in one compiled region.
     pub layers_compiled_whole: BTreeMap<ModelId, BTreeMap<u32, String>>,
     /// Forward nodes whose replay can differ from forward (a `topk` with ties, routing counts),
@@ -145,7 +158,6 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
             .map(|m| MarkerIndex::of(&m.units))
             .collect(),
     );
-    let mut kept_alias: IdVec<ValueId, bool> = IdVec::filled(graph.values().len(), false);
     let rules = Rules {
         config,
         chosen: &resolved.chosen_ops,
@@ -161,7 +173,6 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
                 None => {
                     let open = session.enclosure(id, node);
                     let policy = rules.decide(id, node, open);
-                    rules.track_kept_writes(id, node, policy, open, &mut kept_alias, &mut session);
                     session.record(node, policy);
                     policy
                 }
@@ -169,8 +180,104 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
         }
         session.finish();
     }
+    settle_written_outputs(graph, &mut nodes, &mut findings);
     find_layers_compiled_whole(graph, resolved, &sessions, &mut findings);
     Policy { nodes, findings }
+}
+
+/// Kept ops whose output forward writes in place later (an in-place normalisation of router
+/// weights, a fresh buffer filled slice by slice): a saved copy would hold the written value,
+/// and an executor that re-runs the writers (eager recompute) would apply them twice. Such an
+/// op is demoted to recompute and replays with its writers, when they can replay: each
+/// tensor they write is made in their layer by a recomputed op. Otherwise the writer would
+/// corrupt a resident tensor too, and the keep is rejected.
+fn settle_written_outputs(
+    graph: &Graph,
+    nodes: &mut IdVec<NodeId, Option<NodePolicy>>,
+    findings: &mut Findings,
+) {
+    let written: Vec<(NodeId, Vec<(NodeId, ValueId)>)> = nodes
+        .iter()
+        .filter(|(_, p)| p.is_some_and(|p| p.decision == Decision::Save))
+        .filter_map(|(id, _)| {
+            let writes = later_writes(graph, id);
+            (!writes.is_empty()).then_some((id, writes))
+        })
+        .collect();
+    let candidates: BTreeSet<NodeId> = written.iter().map(|(id, _)| *id).collect();
+    for (id, writes) in written {
+        let Some(policy) = nodes[id] else { continue };
+        let unit = policy.unit.map(|unit| UnitKey {
+            model: graph.node(id).model,
+            unit,
+        });
+        let blocking = writes
+            .iter()
+            .find(|&&(w, _)| !writer_replays(graph, nodes, &candidates, w));
+        match (blocking, unit) {
+            (None, _) => {
+                // A random op that can no longer be saved replays with its generator state.
+                let reason = match policy.reason {
+                    Reason::Random => Reason::RandomReplayed,
+                    _ => Reason::WrittenInPlace,
+                };
+                nodes[id] = Some(recompute(reason, policy.unit));
+                if let Some(unit) = unit {
+                    findings.demoted.push(Demotion {
+                        unit,
+                        node: id,
+                        writer: writes[0].0,
+                    });
+                }
+            }
+            (Some(&(writer, value)), Some(unit)) => findings.inplace_kept.push(InplaceWrite {
+                unit,
+                node: writer,
+                value,
+            }),
+            // Kept on its own (a saved collective, a chosen op): recompute it instead.
+            (Some(_), None) => nodes[id] = Some(recompute(Reason::WrittenInPlace, None)),
+        }
+    }
+}
+
+/// The forward ops of `kept`'s layer that write its outputs in place after it, with the
+/// output each writes.
+fn later_writes(graph: &Graph, kept: NodeId) -> Vec<(NodeId, ValueId)> {
+    let k = graph.node(kept);
+    let mut writes = Vec::new();
+    for &v in &k.outputs {
+        for &w in graph.storage_writers(v) {
+            let n = graph.node(w);
+            if w > kept && n.phase == Phase::Forward && (n.model, n.layer) == (k.model, k.layer) {
+                writes.push((w, v));
+            }
+        }
+    }
+    writes.sort_unstable();
+    writes.dedup_by_key(|(w, _)| *w);
+    writes
+}
+
+/// Whether `writer` can replay with the kept ops it writes: every tensor it writes is made in
+/// its layer by a recomputed op (or by one of the kept ops being demoted).
+fn writer_replays(
+    graph: &Graph,
+    nodes: &IdVec<NodeId, Option<NodePolicy>>,
+    demoted: &BTreeSet<NodeId>,
+    writer: NodeId,
+) -> bool {
+    let w = graph.node(writer);
+    w.effects.mutates.iter().all(|&p| {
+        let root = graph.storage_root(w.inputs[p]);
+        graph.producer(root).is_some_and(|producer| {
+            let made = graph.node(producer);
+            let recomputed = nodes[producer].is_some_and(|p| p.decision == Decision::Recompute);
+            (made.model, made.layer) == (w.model, w.layer)
+                && made.phase == Phase::Forward
+                && (recomputed || demoted.contains(&producer))
+        })
+    })
 }
 
 /// The forward nodes of each checkpointed site, in execution order; every other forward node
@@ -230,6 +337,9 @@ impl Rules<'_> {
     /// The decision for a non-marker op in a checkpointed layer, `unit` being the innermost
     /// open kept unit.
     fn decide(&self, id: NodeId, node: &Node, unit: Option<UnitId>) -> NodePolicy {
+        if let Some(policy) = self.random(node, unit) {
+            return policy;
+        }
         let chosen = self.chosen.contains(&id);
         if unit.is_none() && !chosen && !self.saves_as_collective(node) {
             // A compiled op is out of the policy's reach, interval or not.
@@ -273,6 +383,23 @@ impl Rules<'_> {
         }
     }
 
+    /// A random op never replays with other random numbers than forward drew: saved, or
+    /// replayed with the forward generator state, as `--random-ops` says. A compiled one is out
+    /// of the per-op policy's reach and replays (its region restores the state, or not).
+    fn random(&self, node: &Node, unit: Option<UnitId>) -> Option<NodePolicy> {
+        if !node.draws_random() || node.effects.is_mutable() {
+            return None;
+        }
+        if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay {
+            return Some(recompute(Reason::RandomReplayed, unit));
+        }
+        Some(NodePolicy {
+            decision: Decision::Save,
+            reason: Reason::Random,
+            unit,
+        })
+    }
+
     /// With `--collectives save`, eager functional collectives and device-to-host syncs are
     /// saved in every checkpointed layer, kept interval or not; mutating ones never.
     /// `wait_tensor` returns the collective's own buffer (an alias): saving the collective
@@ -283,39 +410,6 @@ impl Rules<'_> {
             && node.compiled_region.is_none()
             && node.effects.view_of.is_none()
             && !node.effects.is_mutable()
-    }
-
-    /// Follows which tensors alias kept outputs, and records in-place writes to them inside a
-    /// kept interval.
-    fn track_kept_writes(
-        &self,
-        id: NodeId,
-        node: &Node,
-        policy: NodePolicy,
-        unit: Option<UnitId>,
-        kept_alias: &mut IdVec<ValueId, bool>,
-        session: &mut Session,
-    ) {
-        if policy.decision == Decision::Save {
-            for &v in &node.outputs {
-                kept_alias[v] = true;
-            }
-        } else if policy.reason == Reason::View {
-            // A view of a kept tensor aliases it: writing through it corrupts the cache too.
-            let base = node.effects.view_of.map(|p| node.inputs[p]);
-            if base.is_some_and(|b| kept_alias[b]) {
-                for &v in &node.outputs {
-                    kept_alias[v] = true;
-                }
-            }
-        } else if policy.reason == Reason::Mutable {
-            for &p in &node.effects.mutates {
-                let written = node.inputs[p];
-                if let Some(unit) = unit.filter(|_| kept_alias[written]) {
-                    session.inplace_write(unit, id, written);
-                }
-            }
-        }
     }
 }
 

@@ -1,7 +1,7 @@
 """The model zoo (SPEC §7 E1): tiny models mirroring the seeds, each declaring its units.
 
 - `catalog`: the named models (`ENTRIES`), their declared units and seeded inputs;
-- `model`, `decoder`, `moe`, `dsa`, `layers`: the modules they are built from;
+- `model`, `decoder`, `moe`, `dsa`, `mla`, `layers`: the modules they are built from;
 - `distributed`: the fake process group for export and real gloo ranks for reference data;
 - `goldens`: exporting rank 0 of each model as `tests/golden/NAME.pb` + `NAME.safetensors`.
 """

@@ -117,6 +117,23 @@ ENTRIES: tuple[ZooEntry, ...] = (
         dataclasses.replace(_GLM, compile="ep"),
         "glm_dsa_ep2 with the EP compile config",
     ),
+    ZooEntry(
+        "moe_hf_router",
+        dataclasses.replace(_MOE, world_size=1, hf_moe=True),
+        "MoE in HuggingFace idioms: in-place router normalisation, one_hot routing, dispatch "
+        "buffers made and filled in place inside the interval",
+    ),
+    ZooEntry(
+        "dsv3_kv_expand",
+        ZooConfig(mla=True),
+        "DeepSeek-V3 MLA attention: queries and keys filled slice by slice into new_empty "
+        "buffers",
+    ),
+    ZooEntry(
+        "dense_dropout",
+        ZooConfig(dropout=0.1),
+        "dense decoder, training dropout inside SAVE_ATTN and outside every interval",
+    ),
 )
 
 

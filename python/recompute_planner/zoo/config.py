@@ -25,7 +25,13 @@ class ZooConfig:
 
     `omitted_markers` lists `(layer, marker)` pairs a layer does not record (the unbalanced
     variant); `inplace_dispatch` fills the dispatch buffer with a read-modify-write `index_add_`
-    instead of the out-of-place `index_add` (the in-place variant).
+    instead of the out-of-place `index_add` (the in-place variant). The variants written the
+    way stock HuggingFace model code is: `hf_moe` (the router normalises its weights in place,
+    dispatch routes with `F.one_hot` and fills fresh buffers in place, `moe.HFDispatcher`),
+    `mla` (DeepSeek-V3 attention, which builds its queries and keys by filling `new_empty`
+    buffers slice by slice, `mla.MLAAttention`) and `dropout` (the probability of a training
+    dropout on the attention output, inside the attention interval, and on the MLP output,
+    outside every interval; dense layers only).
     """
 
     vocab: int = 32
@@ -55,9 +61,13 @@ class ZooConfig:
     index_topk: int = 0
     mtp: bool = False  # one multi-token-prediction layer as the nested model "mtp"
     mtp_loss_weight: float = 0.3
+    kv_lora_rank: int = 8  # MLA: width of the compressed key-value latent
     # Variants
     inplace_dispatch: bool = False
     omitted_markers: frozenset[tuple[int, str]] = frozenset()
+    hf_moe: bool = False
+    mla: bool = False
+    dropout: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +87,16 @@ class ZooConfig:
                 "compile='layer' would compile the DSA top-k, which must run in eager between "
                 "dsa.indexer.begin and dsa.indexer.end"
             )
+        if self.mla and self.index_topk:
+            raise ValueError("attention is either MLA (mla=True) or DSA (index_topk > 0)")
+        if self.hf_moe and not self.num_experts:
+            raise ValueError("hf_moe changes the MoE router and dispatcher: set num_experts")
+        if self.hf_moe and self.inplace_dispatch:
+            raise ValueError("hf_moe has its own dispatcher: inplace_dispatch does not apply")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} is not a probability in [0, 1)")
+        if self.dropout and self.num_experts:
+            raise ValueError("dropout exists only in dense models (num_experts=0)")
         if self.index_topk > self.seq * self.world_size:
             raise ValueError(f"index_topk={self.index_topk} exceeds the sequence length")
         if not 0 <= self.rank < self.world_size:

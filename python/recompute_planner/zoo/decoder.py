@@ -17,21 +17,26 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..markers import compiled_region, layer_scope
 from .config import ZooConfig
 from .dsa import DSAAttention
 from .layers import Attention, Mark, RMSNorm, SequenceContext, SwiGLU
-from .moe import Dispatcher, Experts, Router
+from .mla import MLAAttention
+from .moe import Experts, PermutedSlots, Router, build_dispatcher
 
 
 def build_attention(
     gen: torch.Generator, cfg: ZooConfig, region_prefix: str
-) -> Attention | DSAAttention:
-    """DSA sparse attention when the config has an indexer, dense sdpa attention otherwise."""
+) -> Attention | DSAAttention | MLAAttention:
+    """DSA sparse attention when the config has an indexer, MLA when it asks for it, dense
+    sdpa attention otherwise."""
     if cfg.uses_dsa:
         return DSAAttention(gen, cfg, f"{region_prefix}.self_attn")
+    if cfg.mla:
+        return MLAAttention(gen, cfg)
     return Attention(gen, cfg.hidden, cfg.heads, cfg.head_dim)
 
 
@@ -41,7 +46,11 @@ def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> ContextManager[Non
 
 
 class DenseDecoderLayer(nn.Module):
-    """Pre-norm decoder layer: attention and a SwiGLU MLP, each with a residual."""
+    """Pre-norm decoder layer: attention and a SwiGLU MLP, each with a residual.
+
+    With `cfg.dropout`, training dropout on the attention output (before `attn.end`, so inside
+    SAVE_ATTN) and on the MLP output (after `mlp.end`, outside every interval).
+    """
 
     def __init__(self, gen: torch.Generator, cfg: ZooConfig, region_prefix: str):
         super().__init__()
@@ -58,10 +67,16 @@ class DenseDecoderLayer(nn.Module):
         with whole_layer_region(self.cfg, self.region_prefix):
             h = mark("attn.begin", self.input_layernorm(x))
             h, aux = self.self_attn(h, ctx, mark)
-            x = x + mark("attn.end", h)
+            x = x + mark("attn.end", self._dropout(h))
             h = mark("mlp.begin", self.post_attention_layernorm(x))
-            x = x + mark("mlp.end", self.mlp(h))
+            x = x + self._dropout(mark("mlp.end", self.mlp(h)))
         return x, aux
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Training dropout with `cfg.dropout`; nothing at all (no op in the graph) at 0."""
+        if not self.cfg.dropout:
+            return x
+        return F.dropout(x, self.cfg.dropout, training=self.training)
 
 
 @dataclass
@@ -74,7 +89,7 @@ class _MicroBatch:
     aux: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     experts: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
+    slots: torch.Tensor | PermutedSlots | None = None  # where dispatch put each choice
     routed: torch.Tensor | None = None
     combined: torch.Tensor | None = None
     shared: torch.Tensor | None = None
@@ -94,7 +109,7 @@ class MoEDecoderLayer(nn.Module):
         self.gate = Router(gen, cfg)
         self.experts = Experts(gen, cfg)
         self.shared_experts = SwiGLU(gen, cfg.hidden, cfg.shared_ffn)
-        self.dispatcher = Dispatcher(cfg)
+        self.dispatcher = build_dispatcher(cfg)
 
     def forward(
         self, x: torch.Tensor, ctx: SequenceContext, mark: Mark

@@ -1,0 +1,301 @@
+//! The command line's arguments: every option documented, every number range-checked when it
+//! is parsed (a value out of range is a usage error, exit 2, however it is spelled).
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use ir::plan::{Code, Collectives, RandomOps};
+use planner::config::PlanConfig;
+
+#[derive(Parser)]
+#[command(
+    name = "planner",
+    version,
+    about = "Static planner for selective activation checkpointing of PyTorch training graphs",
+    long_about = "Static planner for selective activation checkpointing of PyTorch training \
+graphs.\n\nIt reads a training step exported to the project's IR (`.pb` or `.json`), decides per \
+forward op what is saved and what is recomputed in backward, predicts peak memory and replay \
+cost, and reports every way a checkpointing configuration silently fails. See docs/ for the \
+rules, the plan format and the diagnostics."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Plan selective checkpointing: per-op decisions, saved set, replay, memory, diagnostics
+    Plan(PlanArgs),
+    /// Per-node changes between two plans; exits 1 on decision changes
+    Diff(DiffArgs),
+    /// The peak-memory / replay-time trade-off: every configuration on the frontier
+    Pareto(ParetoArgs),
+    /// Summarise a graph: models, layers, markers, units, compiled regions, ops
+    Inspect(InspectArgs),
+    /// Convert a graph between `.pb` and `.json` (by extension), losslessly
+    Convert(ConvertArgs),
+}
+
+/// The options that shape a plan besides `--keep`, shared by `plan` and `pareto`.
+#[derive(Args)]
+pub struct Planning {
+    /// Checkpoint the layers with index < floor(RATIO × layers) of each model (0 to 1)
+    #[arg(
+        long,
+        value_name = "RATIO",
+        default_value_t = 1.0,
+        value_parser = ratio,
+        allow_negative_numbers = true
+    )]
+    pub recompute_ratio: f64,
+    /// Whether functional collectives and device-to-host syncs re-run in replay or are saved
+    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
+    collectives: CollectivesArg,
+    /// Random ops (dropout) in checkpointed layers: saved, or replayed with the generator
+    /// state forward saw (the executor must restore it)
+    #[arg(long, value_enum, default_value_t = RandomOpsArg::Save)]
+    random_ops: RandomOpsArg,
+    /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
+    #[arg(long, value_name = "FILE.json")]
+    pub hw: Option<PathBuf>,
+}
+
+impl Planning {
+    /// The planning options as a configuration keeping nothing (`--keep` is the caller's).
+    pub fn config(&self) -> PlanConfig {
+        PlanConfig {
+            recompute_ratio: self.recompute_ratio,
+            collectives: match self.collectives {
+                CollectivesArg::Recompute => Collectives::Recompute,
+                CollectivesArg::Save => Collectives::Save,
+            },
+            random_ops: match self.random_ops {
+                RandomOpsArg::Save => RandomOps::Save,
+                RandomOpsArg::Replay => RandomOps::Replay,
+            },
+            ..PlanConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The graph (`.pb` or `.json`)
+    pub graph: PathBuf,
+    /// Units to keep: `none` (default: whole-layer recompute), `all`, or names such as
+    /// `save_attn,save_dsa_indexer` (case-insensitive; repeatable)
+    #[arg(long, value_name = "UNITS")]
+    pub keep: Vec<String>,
+    #[command(flatten)]
+    pub planning: Planning,
+    /// Choose the units per layer that minimise replay time with the activation peak within
+    /// SIZE (e.g. `40GiB`; parameters apart unless --budget-includes params); replaces --keep
+    #[arg(
+        long,
+        value_name = "SIZE",
+        conflicts_with_all = ["keep", "choices"],
+        value_parser = size,
+        allow_hyphen_values = true
+    )]
+    pub budget: Option<u64>,
+    /// What --budget bounds: the activation peak, or the device total with the parameters
+    #[arg(long, value_enum, default_value_t = BudgetBasis::Activations, requires = "budget")]
+    pub budget_includes: BudgetBasis,
+    /// With --budget: choose whole units per layer, or also single ops
+    #[arg(long, value_enum, default_value_t = Granularity::Unit, requires = "budget")]
+    pub granularity: Granularity,
+    /// Keep per layer the units a `pareto --format json` point (or a plan's JSON) lists in its
+    /// `layer_keep`; other layers follow --keep
+    #[arg(long, value_name = "FILE.json")]
+    pub choices: Option<PathBuf>,
+    /// Output format [default: from the -o extension (.json, .pb, .dot), else text]
+    #[arg(long, value_enum)]
+    pub format: Option<PlanFormat>,
+    /// Write the plan to FILE instead of stdout (never onto an input)
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Exit 3 when the plan has warnings
+    #[arg(long)]
+    pub deny_warnings: bool,
+    /// With --deny-warnings: waive warnings of this code (repeatable)
+    #[arg(long, value_name = "CODE", value_parser = code, requires = "deny_warnings")]
+    pub allow: Vec<Code>,
+    /// No progress bar on the terminal during --budget
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+impl PlanArgs {
+    /// The files the command reads, which no output may overwrite.
+    pub fn inputs(&self) -> Vec<&Path> {
+        let mut inputs = vec![self.graph.as_path()];
+        inputs.extend(self.planning.hw.as_deref());
+        inputs.extend(self.choices.as_deref());
+        inputs
+    }
+}
+
+#[derive(Args)]
+pub struct ParetoArgs {
+    /// The graph (`.pb` or `.json`)
+    pub graph: PathBuf,
+    #[command(flatten)]
+    pub planning: Planning,
+    /// Budgets tried between keeping nothing and keeping everything on large searches
+    /// (1 to 4096)
+    #[arg(
+        long,
+        default_value_t = 32,
+        value_parser = clap::value_parser!(u64).range(1..=4096),
+        allow_negative_numbers = true
+    )]
+    pub steps: u64,
+    /// Output format [default: from the -o extension (.json, .svg), else text]
+    #[arg(long, value_enum)]
+    pub format: Option<ParetoFormat>,
+    /// Write to FILE instead of stdout (never onto an input)
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// No progress bar on the terminal
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+impl ParetoArgs {
+    pub fn inputs(&self) -> Vec<&Path> {
+        let mut inputs = vec![self.graph.as_path()];
+        inputs.extend(self.planning.hw.as_deref());
+        inputs
+    }
+}
+
+#[derive(Args)]
+pub struct DiffArgs {
+    /// The plan to compare against (`.json` or `.pb`)
+    pub old: PathBuf,
+    /// The new plan (`.json` or `.pb`)
+    pub new: PathBuf,
+    /// Exit 1 on reason-only changes too (same decision, another reason or unit)
+    #[arg(long)]
+    pub strict: bool,
+}
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// The graph (`.pb` or `.json`)
+    pub graph: PathBuf,
+    /// Output format
+    #[arg(long, value_enum, default_value_t = SummaryFormat::Text)]
+    pub format: SummaryFormat,
+}
+
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// The graph to read (`.pb` or `.json`)
+    pub input: PathBuf,
+    /// The file to write, in the format its extension names (`.json` or `.pb`)
+    pub output: PathBuf,
+    /// Convert even a graph that does not validate (to read a broken file as JSON)
+    #[arg(long)]
+    pub no_validate: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum SummaryFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Granularity {
+    Unit,
+    Op,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BudgetBasis {
+    /// The activation peak the planner predicts (parameters are resident apart)
+    Activations,
+    /// Parameters plus the activation peak
+    Params,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlanFormat {
+    Text,
+    Json,
+    Pb,
+    Dot,
+}
+
+impl PlanFormat {
+    /// The format a file name's extension names, if any.
+    pub fn of_path(path: &Path) -> Option<PlanFormat> {
+        match path.extension()?.to_str()? {
+            "json" => Some(PlanFormat::Json),
+            "pb" => Some(PlanFormat::Pb),
+            "dot" | "gv" => Some(PlanFormat::Dot),
+            "txt" => Some(PlanFormat::Text),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ParetoFormat {
+    Text,
+    Json,
+    Svg,
+}
+
+impl ParetoFormat {
+    pub fn of_path(path: &Path) -> Option<ParetoFormat> {
+        match path.extension()?.to_str()? {
+            "json" => Some(ParetoFormat::Json),
+            "svg" => Some(ParetoFormat::Svg),
+            "txt" => Some(ParetoFormat::Text),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CollectivesArg {
+    /// Every collective re-runs in replay
+    Recompute,
+    /// Functional collectives and device-to-host syncs are saved; mutating ones never
+    Save,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RandomOpsArg {
+    /// Saved, so replay never draws new random numbers
+    Save,
+    /// Replayed with the forward generator state restored
+    Replay,
+}
+
+/// `--recompute-ratio`: a number from 0 to 1.
+fn ratio(text: &str) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    planner::config::check_ratio(value).map_err(|e| e.to_string())
+}
+
+/// `--budget`: a size such as `40GiB`.
+fn size(text: &str) -> Result<u64, String> {
+    planner::units::parse_bytes(text)
+}
+
+/// `--allow`: a diagnostic code.
+fn code(text: &str) -> Result<Code, String> {
+    Code::from_name(text).ok_or_else(|| {
+        format!(
+            "unknown diagnostic code `{text}` (codes: {})",
+            Code::spellings()
+        )
+    })
+}

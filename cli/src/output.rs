@@ -1,0 +1,65 @@
+//! Where a command's output goes: stdout, or a file that is never one of the command's inputs.
+
+use std::{
+    fs,
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+/// The destination of a command's output, checked before any work.
+pub struct Output {
+    path: Option<PathBuf>,
+}
+
+impl Output {
+    pub fn stdout() -> Output {
+        Output { path: None }
+    }
+
+    /// Writes to `path` (stdout without one); refused when `path` is one of `inputs` (the
+    /// same file, whatever the spelling), so `plan G.pb -o G.pb` cannot destroy the graph.
+    pub fn new(path: Option<&Path>, inputs: &[&Path]) -> Result<Output, String> {
+        if let Some(path) = path {
+            if let Some(input) = inputs.iter().find(|input| same_file(path, input)) {
+                return Err(format!(
+                    "refusing to write the output onto the input {}: choose another -o file",
+                    input.display()
+                ));
+            }
+        }
+        Ok(Output {
+            path: path.map(Path::to_owned),
+        })
+    }
+
+    pub fn write(&self, bytes: &[u8]) -> Result<(), String> {
+        match &self.path {
+            Some(path) => {
+                fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))
+            }
+            None => write_stdout(bytes),
+        }
+    }
+}
+
+/// Whether two paths name one existing file (a missing output cannot be an input).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (fs::canonicalize(a), fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Writes to stdout; a closed pipe (`planner inspect g.pb | head`) is not an error.
+fn write_stdout(bytes: &[u8]) -> Result<(), String> {
+    match std::io::stdout().lock().write_all(bytes) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(format!("cannot write to stdout: {e}")),
+    }
+}
+
+/// Reads a small input file the command names (a choices file).
+pub fn read_file(path: &Path) -> Result<Vec<u8>, String> {
+    fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
