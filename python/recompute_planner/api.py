@@ -30,6 +30,7 @@ def plan(
     *,
     recompute_ratio: float = 1.0,
     collectives: str = "recompute",
+    random_ops: str = "save",
     budget: int | str | None = None,
     granularity: str = "unit",
     hw: HwLike = None,
@@ -43,6 +44,8 @@ def plan(
     - ``recompute_ratio``: layers with index < floor(ratio x layers) are checkpointed;
     - ``collectives``: ``"recompute"`` or ``"save"`` (functional collectives and
       device-to-host copies of routing counts kept in checkpointed layers);
+    - ``random_ops``: ``"save"`` (random ops' outputs saved) or ``"replay"`` (replayed with
+      the forward generator state restored: the executor must restore it);
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
       single ops;
@@ -64,6 +67,7 @@ def plan(
         keep=_keep_list(keep),
         recompute_ratio=float(recompute_ratio),
         collectives_name=collectives,
+        random_ops_name=random_ops,
         budget_size=None if budget is None else str(budget),
         granularity=granularity,
         hw_json=hw_json,

@@ -53,6 +53,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from . import markers
 from .api import HwLike, check_plan, plan as plan_graph
 from .export import (
+    _BACKWARD_PASS,
+    _FORWARD_PASS,
     EXPORTER_VERSION,
     ModelDecl,
     _build_graph,
@@ -96,6 +98,7 @@ def joint_graph_to_ir(
             1 for desc in output_descs if desc is not None and not isinstance(desc, GradAOTOutput)
         )
     world_size, rank = _world()
+    tag_untraced_nodes(graph_module.graph)
     built = _build_graph(
         graph_module,
         _forward_nodes(graph_module, num_fwd_outputs),
@@ -105,6 +108,28 @@ def joint_graph_to_ir(
         metadata=_metadata(EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
+
+
+def tag_untraced_nodes(graph: fx.Graph) -> None:
+    """Gives a pass tag to the nodes AOTAutograd did not trace: inductor's joint-graph passes
+    create some (a device-fixed ``iota``, constant fills). Such a node ran in backward if it
+    comes after the first backward node or reads a backward node or a tangent, else in
+    forward; the exporter's phase rule then reads the tags as it does for traced nodes."""
+    in_backward = False
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and _is_tangent(node.meta.get("desc")):
+            backward.add(node)
+        if node.op != "call_function":
+            continue
+        tag = node.meta.get(PARTITIONER_TAG)
+        if tag is None:
+            reads_backward = any(i in backward for i in node.all_input_nodes)
+            tag = _BACKWARD_PASS if in_backward or reads_backward else _FORWARD_PASS
+            node.meta[PARTITIONER_TAG] = tag
+        if tag != _FORWARD_PASS:
+            in_backward = True
+            backward.add(node)
 
 
 def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
@@ -254,6 +279,7 @@ class PlanningStage(CustomGraphPass):
         *,
         recompute_ratio: float = 1.0,
         collectives: str = "recompute",
+        random_ops: str = "save",
         budget: int | str | None = None,
         granularity: str = "unit",
         hw: HwLike = None,
@@ -264,6 +290,7 @@ class PlanningStage(CustomGraphPass):
             keep=keep,
             recompute_ratio=recompute_ratio,
             collectives=collectives,
+            random_ops=random_ops,
             budget=budget,
             granularity=granularity,
             hw=hw,

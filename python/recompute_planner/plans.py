@@ -10,6 +10,7 @@ one dialect. Strings spell enumerations exactly as the JSON and the text output 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class SavedValue:
     layer: int | None
     kind: str  # "kept", "layer-input", "not-checkpointed", "writes-resident", ...
     model: str | None
+    alias_of: str | None = None  # the saved value whose storage this one shares
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Config:
     collectives: str
     budget_bytes: int | None
     layer_keep: tuple[LayerKeep, ...]
+    random_ops: str = "save"
 
 
 @dataclass(frozen=True)
@@ -146,19 +149,19 @@ class Plan:
         doc = json.loads(json_text)
         self._json = json_text
         self.planner_version: str = doc["planner_version"]
-        self.graph = GraphRef(**doc["graph"])
+        self.graph = _make(GraphRef, doc["graph"])
         self.config = _config(doc["config"])
         self.joint: bool = doc["joint"]
-        self.nodes: tuple[NodeDecision, ...] = tuple(NodeDecision(**n) for n in doc["nodes"])
-        self.saved: tuple[SavedValue, ...] = tuple(SavedValue(**s) for s in doc["saved"])
+        self.nodes: tuple[NodeDecision, ...] = tuple(_make(NodeDecision, n) for n in doc["nodes"])
+        self.saved: tuple[SavedValue, ...] = tuple(_make(SavedValue, s) for s in doc["saved"])
         self.replay: tuple[Replay, ...] = tuple(
-            Replay(**{**r, "nodes": tuple(r["nodes"])}) for r in doc["replay"]
+            _make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in doc["replay"]
         )
         self.units: tuple[UnitSummary, ...] = tuple(_unit(u) for u in doc["units"])
-        self.memory = Memory(**doc["memory"])
-        self.cost = Cost(**doc["cost"])
+        self.memory = _make(Memory, doc["memory"])
+        self.cost = _make(Cost, doc["cost"])
         self.diagnostics: tuple[Diagnostic, ...] = tuple(
-            Diagnostic(**d) for d in doc["diagnostics"]
+            _make(Diagnostic, d) for d in doc["diagnostics"]
         )
         self._by_name = {n.name: n for n in self.nodes}
 
@@ -217,20 +220,22 @@ class Plan:
         )
 
 
+def _make(cls: type, doc: dict) -> Any:
+    """``cls`` from the JSON object ``doc``: its fields by name, keys it does not know ignored
+    (a newer planner's), fields the JSON leaves out at their defaults (an older planner's)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in known})
+
+
 def _config(doc: dict) -> Config:
-    return Config(
-        keep=tuple(doc["keep"]),
-        recompute_ratio=doc["recompute_ratio"],
-        collectives=doc["collectives"],
-        budget_bytes=doc.get("budget_bytes"),
-        layer_keep=tuple(
-            LayerKeep(l["model"], l["layer"], tuple(l["keep"])) for l in doc["layer_keep"]
-        ),
+    layer_keep = tuple(
+        LayerKeep(l["model"], l["layer"], tuple(l["keep"])) for l in doc.get("layer_keep", [])
     )
+    return _make(Config, {**doc, "keep": tuple(doc["keep"]), "layer_keep": layer_keep})
 
 
 def _unit(doc: dict) -> UnitSummary:
-    return UnitSummary(**{**doc, "layers": tuple(UnitLayer(**l) for l in doc["layers"])})
+    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, l) for l in doc["layers"])})
 
 
 def load_plan(source: str | os.PathLike | bytes, format: str | None = None) -> Plan:

@@ -14,10 +14,12 @@ region's ``mm.out`` is ``mm``); ops that appear in one stream only are tolerated
 
 - eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
   views eager adds, ...) are recomputed;
-- composites that trace differently (``F.one_hot``: ``arange`` / ``eq`` / ``_to_copy`` in the
-  graph, ``aminmax`` / ``_local_scalar_dense`` / ``zeros`` / ``scatter_`` in eager) are
-  matched as a group when eager finishes them and recomputed in eager, kept or not
-  (``DIVERGENT_COMPOSITES``);
+- composites that trace differently (``F.one_hot``: range checks, ``arange`` / ``eq`` /
+  ``_to_copy`` in the graph, ``aminmax`` / ``_local_scalar_dense`` / ``zeros`` / ``scatter_``
+  in eager; CPU dropout: ``native_dropout`` in the graph, ``bernoulli_`` in eager) are matched
+  as a group when eager finishes them and recomputed in eager, kept or not
+  (``DIVERGENT_COMPOSITES``; ``PlanPolicy.tolerated`` lists them); a layer with random ops
+  is checkpointed with its RNG state preserved, so recompute draws what forward drew;
 - graph-only ops (the traced ``arange`` / ``eq`` / ``_to_copy`` of ``one_hot``, ``detach``,
   which SAC never sees) are skipped when the next eager op matches a later graph op within a
   few positions; an eager view matches only the next graph op (eager adds views of its own);
@@ -62,15 +64,36 @@ EAGER_EQUIVALENTS = {
 }
 
 
-# Composites that trace into other ops than eager dispatches. When eager dispatches the key
-# op, the graph ops listed (in this order, within the lookahead) are what it computed instead:
-# they are matched as a group and recomputed in eager even when the plan keeps them.
-# F.one_hot: the trace has arange / eq / _to_copy, eager runs aminmax, _local_scalar_dense,
-# zeros and scatter_; the result is the `zeros` tensor scatter_ writes in place, so nothing of
-# it may be cached (a cached scatter_ would leave the recomputed tensor zero).
+@dataclass(frozen=True)
+class Composite:
+    """Graph ops a composite traces into where eager dispatches others: ``required`` in this
+    order, ``optional`` anywhere before the last of them."""
+
+    required: tuple[str, ...]
+    optional: frozenset[str] = frozenset()
+    # Eager ops that follow the key op and belong to the composite (recomputed, unmatched).
+    eager_tail: tuple[str, ...] = ()
+
+
+# Composites that trace into other ops than eager dispatches, by the eager op that finishes
+# them: when eager dispatches it, the graph ops of the composite are matched as a group and
+# recomputed in eager even when the plan keeps them (eager has no such ops to cache).
 DIVERGENT_COMPOSITES = {
-    "aten.scatter_": ("aten.arange", "aten.eq", "aten._to_copy"),
+    # F.one_hot: the trace checks the range (ge / lt / all / _assert_async) and compares with
+    # an arange (eq, _to_copy); eager runs aminmax, _local_scalar_dense, zeros and scatter_.
+    # The result is the `zeros` tensor scatter_ writes in place, so nothing of it may be
+    # cached (a cached scatter_ would leave the recomputed tensor zero).
+    "aten.scatter_": Composite(
+        ("aten.arange", "aten.eq", "aten._to_copy"),
+        frozenset({"aten.ge", "aten.lt", "aten.all", "aten._assert_async", "aten.unsqueeze"}),
+    ),
+    # Dropout on CPU: the trace has native_dropout, eager fills a mask with bernoulli_ in
+    # place. Recompute draws the same mask because the checkpoint restores the RNG state
+    # (``PlanPolicy.preserve_rng_state``).
+    "aten.bernoulli_": Composite(("aten.native_dropout",), eager_tail=("aten.div_", "aten.mul")),
 }
+# How far a composite's graph ops may spread.
+COMPOSITE_WINDOW = 16
 
 
 def op_packet(op: str) -> str:
@@ -88,6 +111,7 @@ class LayerOps:
     names: tuple[str, ...]
     ops: tuple[str, ...]
     keep: tuple[bool, ...]
+    random: bool = False  # the layer has random ops (dropout)
 
     @classmethod
     def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> "LayerOps":
@@ -111,6 +135,7 @@ class LayerOps:
             tuple(n.name for n in nodes),
             tuple(n.op for n in nodes),
             tuple(keep),
+            random=any(n.reason.startswith("random") for n in nodes),
         )
 
     def kept(self) -> list[str]:
@@ -127,6 +152,7 @@ class _Matcher:
         self.matched: list[str] = []  # graph node names matched, in order
         self.first_unmatched: str | None = None  # the first eager op with no graph op
         self.tolerated: list[str] = []  # graph ops eager computes otherwise (composites)
+        self.eager_tail: list[str] = []  # eager ops still to come of the last composite
 
     def decide(self, eager_op: str, is_view: bool = False) -> bool:
         """Whether to save the output of ``eager_op``, the next op the layer dispatches.
@@ -135,6 +161,10 @@ class _Matcher:
         collective's result, a reshape), which must not pull the matching ahead.
         """
         packet = op_packet(eager_op)
+        if self.eager_tail and self.eager_tail[0] == packet:
+            self.eager_tail.pop(0)
+            return False
+        self.eager_tail.clear()
         if packet in DIVERGENT_COMPOSITES and self._match_composite(
             DIVERGENT_COMPOSITES[packet], eager_op
         ):
@@ -153,15 +183,18 @@ class _Matcher:
             self.first_unmatched = eager_op
         return False
 
-    def _match_composite(self, graph_ops: tuple[str, ...], eager_op: str) -> bool:
-        """Consumes ``graph_ops`` as a group ending the composite ``eager_op`` finishes, if
-        they come next (other ops between them must not be kept)."""
-        index, wanted = self.next, list(graph_ops)
-        end = min(self.next + LOOKAHEAD + len(graph_ops), len(self.packets))
-        group = []
+    def _match_composite(self, composite: Composite, eager_op: str) -> bool:
+        """Consumes the composite's graph ops as a group, if they come next (other ops among
+        them must not be kept)."""
+        wanted = list(composite.required)
+        index, group = self.next, []
+        end = min(self.next + COMPOSITE_WINDOW, len(self.packets))
         while wanted and index < end:
-            if self.packets[index] == wanted[0]:
+            packet = self.packets[index]
+            if packet == wanted[0]:
                 wanted.pop(0)
+                group.append(index)
+            elif packet in composite.optional:
                 group.append(index)
             index += 1
         if wanted:
@@ -171,6 +204,7 @@ class _Matcher:
                 self._raise(skipped, eager_op)
         self.tolerated.extend(self.layer.names[i] for i in group)
         self.next = index
+        self.eager_tail = list(composite.eager_tail)
         return True
 
     def finish(self) -> None:
@@ -221,6 +255,8 @@ class PlanPolicy:
     layer: LayerOps
     recomputed: RecomputeCounter = field(default_factory=RecomputeCounter)
     held: list[tuple[str, int]] = field(default_factory=list)
+    # Graph ops the last forward matched as a divergent composite (recomputed in eager).
+    tolerated: list[str] = field(default_factory=list)
 
     def __call__(self) -> tuple[Any, Any]:
         matcher = _Matcher(self.layer)
@@ -237,6 +273,7 @@ class PlanPolicy:
         with caching:
             yield
         matcher.finish()
+        self.tolerated = list(matcher.tolerated)
         self.held = [
             (str(key), leaf.val.numel() * leaf.val.element_size())
             for key, entries in caching.storage.items()
@@ -251,6 +288,12 @@ class PlanPolicy:
         # reach it.
         with self.recomputed, cached:
             yield
+
+    @property
+    def preserve_rng_state(self) -> bool:
+        """Whether the checkpoint must restore the RNG state for recompute: the layer has
+        random ops, which recompute must draw as forward did."""
+        return self.layer.random
 
     def held_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.held)
@@ -278,11 +321,14 @@ class CheckpointedLayer(nn.Module):
 def checkpoint_call(fn: Callable, args: tuple, kwargs: dict, context: Callable | None) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing (selective with ``context``).
 
-    The RNG state is not stashed: a layer with random ops needs ``preserve_rng_state=True``,
-    which the caller can get from ``torch.utils.checkpoint`` directly.
+    The RNG state is stashed only for a plan's layer with random ops (``PlanPolicy``): the
+    stash is host memory per layer that a layer without random ops does not need.
     """
     extra = {} if context is None else {"context_fn": context}
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+    preserve = bool(getattr(context, "preserve_rng_state", False))
+    return checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=preserve, **extra, **kwargs
+    )
 
 
 def checkpoint_layers(

@@ -13,15 +13,17 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from google.protobuf import json_format
 
 import recompute_planner as rp
 from export_support import REPO_ROOT, run_planner
 from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner.export import ModelDecl, export_joint, write_graph
+from recompute_planner.markers import checkpoint_record, layer_scope
 from recompute_planner.proto import plan_pb2
 
 GLM = GOLDEN_DIR / "glm_dsa_ep2.pb"
-INPLACE = GOLDEN_DIR / "moe_ep2_inplace.pb"
 
 
 def cli_json(*args: str) -> str:
@@ -110,12 +112,33 @@ def test_an_invalid_graph_raises_the_cli_error_text(tmp_path):
     assert str(raised.value) == cli_error(str(broken))
 
 
-def test_an_error_diagnostic_rejects_the_plan_with_its_code():
-    """Keeping the in-place dispatch is refused (inplace-in-kept-interval), as by the CLI."""
+class CorruptingWrite(torch.nn.Module):
+    """A kept op's output written in place together with a buffer (resident): keeping it is
+    an error (inplace-in-kept-interval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("stats", torch.zeros(4))
+
+    def forward(self, x):
+        with layer_scope("main", 0):
+            h = checkpoint_record("attn.begin", x * self.w)
+            kept = torch.sin(h)
+            torch._foreach_add_([kept, self.stats], 1.0)
+            out = checkpoint_record("attn.end", kept * self.w)
+        return out.sum()
+
+
+def test_an_error_diagnostic_rejects_the_plan_with_its_code(tmp_path):
+    models = [ModelDecl("main", 1, {"SAVE_ATTN": [("attn.begin", "attn.end")]})]
+    graph = export_joint(CorruptingWrite(), (torch.randn(4),), name="corrupting", models=models)
+    path = tmp_path / "corrupting.pb"
+    write_graph(graph.graph, path)
     with pytest.raises(rp.PlanRejected) as raised:
-        rp.plan(INPLACE, keep="all")
+        rp.plan(graph, keep="all")
     assert raised.value.code == "inplace-in-kept-interval"
-    assert str(raised.value) == cli_error(str(INPLACE), "--keep", "all")
+    assert str(raised.value) == cli_error(str(path), "--keep", "all")
     assert raised.value.hint and raised.value.plan.errors()
 
 

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use ir::{
     io::Format as GraphFormat,
-    plan::{Collectives, Format as PlanFormat, Plan, PlanReadError},
+    plan::{Collectives, Format as PlanFormat, Plan, PlanReadError, RandomOps},
     Graph, LoadError,
 };
 use planner::{
@@ -63,6 +63,9 @@ impl From<ConfigError> for Failure {
             ConfigError::UnknownUnit { .. } => "unknown-unit",
             ConfigError::MixedKeep { .. } => "invalid-keep",
             ConfigError::Ratio { .. } => "invalid-ratio",
+            ConfigError::ChoicesFormat { .. } | ConfigError::ChoicesUnknown { .. } => {
+                "invalid-choices"
+            }
         };
         Failure::new(code, e)
     }
@@ -163,6 +166,18 @@ fn collectives(name: &str) -> Result<Collectives, Failure> {
     })
 }
 
+fn random_ops(name: &str) -> Result<RandomOps, Failure> {
+    RandomOps::from_name(name).ok_or_else(|| {
+        Failure::new(
+            "invalid-option",
+            format!(
+                "random_ops must be one of {}, not `{name}`",
+                RandomOps::spellings()
+            ),
+        )
+    })
+}
+
 fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failure> {
     let single_ops = match granularity {
         "unit" => false,
@@ -213,8 +228,8 @@ fn json_text(bytes: Vec<u8>) -> String {
 /// error-level ones). `path` is the graph file, or with `data` only what names the bytes.
 #[pyfunction]
 #[pyo3(signature = (
-    *, path, data=None, format=None, keep, recompute_ratio, collectives_name, budget_size=None,
-    granularity, hw_json=None
+    *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
+    budget_size=None, granularity, hw_json=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
@@ -225,6 +240,7 @@ fn plan(
     keep: Vec<String>,
     recompute_ratio: f64,
     collectives_name: &str,
+    random_ops_name: &str,
     budget_size: Option<&str>,
     granularity: &str,
     hw_json: Option<&str>,
@@ -239,6 +255,7 @@ fn plan(
             keep,
             recompute_ratio,
             collectives: collectives(collectives_name)?,
+            random_ops: random_ops(random_ops_name)?,
             ..PlanConfig::default()
         };
         let hw = match hw_json {
