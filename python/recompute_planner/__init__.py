@@ -29,6 +29,17 @@ from .annotate import Annotation, annotate  # noqa: E402
 # set the package attribute `export` to it; the public name is the function.
 from .model_export import export  # noqa: E402
 
+# Imported on first use: they pull in torch's compiler and checkpoint machinery.
+_LAZY_SUBMODULES = ("compile", "sac", "measure", "zoo")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "Annotation",
     "ExportError",
