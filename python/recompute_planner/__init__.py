@@ -7,9 +7,8 @@
   ``recompute_planner.annotate``);
 - ``compile``: the torch.compile planning stage (joint-graph pass, ``partition_fn``);
 - ``sac``: eager selective-checkpointing policies from a plan;
-- ``markers``, ``zoo``: markers and the model zoo; the low-level exporter is the module
-  ``recompute_planner.export`` (``from recompute_planner.export import export_joint``: the
-  package attribute ``export`` is the function above).
+- ``markers``, ``zoo``: markers and the model zoo; ``recompute_planner.export`` is also the
+  module of the low-level exporter (``export_joint``, ``write_graph``), callable as above.
 """
 
 __version__ = "0.1.0"
@@ -25,9 +24,20 @@ from .errors import (  # noqa: E402
 from .plans import Plan, load_plan  # noqa: E402
 from .annotate import Annotation, annotate  # noqa: E402
 
-# Bound last: importing the submodule `recompute_planner.export` (above, through annotate)
-# set the package attribute `export` to it; the public name is the function.
-from .model_export import export  # noqa: E402
+from . import export as _exporter  # noqa: E402
+from .model_export import export as _export_model  # noqa: E402
+
+
+class _CallableModule(type(_exporter)):
+    """The module ``recompute_planner.export`` (the low-level exporter), callable as
+    ``recompute_planner.export(model, example_inputs, ...)`` (``model_export.export``): one
+    name for both, so neither hides the other."""
+
+    def __call__(self, *args, **kwargs):
+        return _export_model(*args, **kwargs)
+
+
+_exporter.__class__ = _CallableModule
 
 # Imported on first use: they pull in torch's compiler and checkpoint machinery.
 _LAZY_SUBMODULES = ("compile", "sac", "measure", "zoo")

@@ -46,7 +46,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
-from torch._functorch._aot_autograd.descriptors import GradAOTOutput, PlainAOTInput
+from torch._functorch._aot_autograd.descriptors import (
+    GradAOTOutput,
+    PlainAOTInput,
+    TangentAOTInput,
+)
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -62,7 +66,7 @@ from .export import (
     _forward_nodes,
     _metadata,
 )
-from .plans import DECISION_NO_CHECKPOINT, DECISION_SAVE, Plan
+from .plans import DECISION_NO_CHECKPOINT, Plan
 from .proto import graph_pb2
 
 # Key of node.meta the partitioner reads for the checkpointed layer a node belongs to.
@@ -164,8 +168,6 @@ def _flat_inputs(graph_module: fx.GraphModule, output_descs: list[Any]) -> list[
 
 
 def _is_tangent(desc: Any) -> bool:
-    from torch._functorch._aot_autograd.descriptors import TangentAOTInput
-
     return isinstance(desc, TangentAOTInput)
 
 

@@ -17,12 +17,11 @@ No reference tensors are produced: nothing runs for real.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from . import export as low
 from .export import ModelDecl
 from .proto import graph_pb2
 
@@ -54,7 +53,6 @@ def export_forward_on_device(
 ) -> graph_pb2.Graph:
     """The forward graph of ``module(*args)`` as it runs on ``device`` (see the module
     docstring). Values keep the exporter's names (parameter paths, ``input.<i>``)."""
-    low = sys.modules[f"{__package__}.export"]  # the exporter module (`export` is a function)
     flat = low._flat_inputs(module, args)
     mode = FakeTensorMode()
     with mode:

@@ -252,7 +252,9 @@ LayerKey = tuple[str, int]
 
 
 def checkpoint_layers(
-    model: nn.Module, context_fns: dict[LayerKey, Callable] | None = None
+    model: nn.Module,
+    context_fns: dict[LayerKey, Callable] | None = None,
+    preserve_rng_state: bool | None = None,
 ) -> nn.Module:
     """Puts every layer of a zoo ``CausalLM`` under a checkpoint: exactly what each
     ``layer_scope(model, i)`` encloses, the planner's layers.
@@ -260,6 +262,7 @@ def checkpoint_layers(
     ``("main", i)`` is ``model.layers[i]``; ``("mtp", 0)`` is ``MTPLayer.layer_forward`` (its
     norms, projection and block). ``context_fns`` gives a layer its selective-checkpoint
     contexts; the parameter order (hence the gradients' order) does not change.
+    ``preserve_rng_state``: see ``sac.checkpoint_call`` (None: what the context asks for).
     """
     from .zoo.model import MAIN_MODEL, MTP_MODEL
 
@@ -267,11 +270,14 @@ def checkpoint_layers(
 
     context_fns = context_fns or {}
     for index, layer in enumerate(model.layers):
-        model.layers[index] = CheckpointedLayer(layer, context_fns.get((MAIN_MODEL, index)))
+        context_fn = context_fns.get((MAIN_MODEL, index))
+        model.layers[index] = CheckpointedLayer(layer, context_fn, preserve_rng_state)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))
-        mtp.layer_forward = lambda *args: checkpoint_call(inner, args, {}, context_fn)
+        mtp.layer_forward = lambda *args: checkpoint_call(
+            inner, args, {}, context_fn, preserve_rng_state
+        )
     return model
 
 
@@ -321,5 +327,6 @@ def measure_golden(
             context_fns = plan_contexts(plan, graph)
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:
-            checkpoint_layers(model, context_fns)
+            # The RNG state a checkpoint stashes is host memory, not an activation.
+            checkpoint_layers(model, context_fns, preserve_rng_state=False)
         return measure_training_step(model, inputs)

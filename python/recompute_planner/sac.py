@@ -307,25 +307,43 @@ def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPol
 
 
 class CheckpointedLayer(nn.Module):
-    """``inner`` under non-reentrant ``torch.utils.checkpoint`` with ``context_fn``."""
+    """``inner`` under non-reentrant ``torch.utils.checkpoint`` with ``context_fn``
+    (``preserve_rng_state``: see ``checkpoint_call``)."""
 
-    def __init__(self, inner: nn.Module | Callable, context: Callable | None = None):
+    def __init__(
+        self,
+        inner: nn.Module | Callable,
+        context: Callable | None = None,
+        preserve_rng_state: bool | None = None,
+    ):
         super().__init__()
         self.inner = inner
         self.context_fn = context
+        self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_call(self.inner, args, kwargs, self.context_fn)
+        return checkpoint_call(
+            self.inner, args, kwargs, self.context_fn, self.preserve_rng_state
+        )
 
 
-def checkpoint_call(fn: Callable, args: tuple, kwargs: dict, context: Callable | None) -> Any:
+def checkpoint_call(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    context: Callable | None,
+    preserve_rng_state: bool | None = None,
+) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing (selective with ``context``).
 
-    The RNG state is stashed only for a plan's layer with random ops (``PlanPolicy``): the
-    stash is host memory per layer that a layer without random ops does not need.
+    By default the RNG state is stashed only for a plan's layer with random ops
+    (``PlanPolicy``): the stash is host memory per layer that a layer without random ops does
+    not need.
     """
     extra = {} if context is None else {"context_fn": context}
-    preserve = bool(getattr(context, "preserve_rng_state", False))
+    preserve = preserve_rng_state
+    if preserve is None:
+        preserve = bool(getattr(context, "preserve_rng_state", False))
     return checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve, **extra, **kwargs
     )

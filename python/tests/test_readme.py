@@ -9,7 +9,6 @@ import shlex
 import subprocess
 import warnings
 
-import pytest
 
 import recompute_planner as rp
 from export_support import REPO_ROOT, planner_bin

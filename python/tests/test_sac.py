@@ -125,6 +125,33 @@ def test_sac_gradients_are_bit_identical_to_the_plain_step(name, keep):
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
 
 
+def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str):
+    """One rank's plain and SAC steps of golden `name` on real gloo ranks (the plan is rank
+    0's: every rank runs the same ops)."""
+    gold = golden(name)
+    cfg = gold.entry.config.for_rank(world_size, rank)
+    plan = planned(name, keep, collectives=collectives)
+    results = []
+    for with_plan in (False, True):
+        model = gold.entry.build(rank=rank)
+        if with_plan:
+            measure.checkpoint_layers(model, {k: sac.context_fn(plan, *k) for k in plan.layers()})
+        loss = model(*make_inputs(cfg))
+        results.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
+    return results
+
+
+def test_sac_on_real_ranks_is_bit_identical_to_the_plain_step():
+    """GLM/DSA on two gloo ranks (all-gather, all-to-all, MTP), the indexer and the
+    collectives kept: each rank's loss and gradients equal its plain step's exactly."""
+    from recompute_planner.zoo.distributed import run_on_ranks
+
+    ranks = run_on_ranks(2, _step_on_rank, "glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "save")
+    for (plain_loss, plain_grads), (loss, grads) in ranks:
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
 def recomputed(policies, op: str) -> dict[tuple[str, int], int]:
     return {key: policy.recomputed.count(op) for key, policy in policies.items()}
 
