@@ -38,7 +38,7 @@ fn main() {
     clock.lap("resolve");
     let policy = policy::apply(&graph, &config, &resolved);
     clock.lap("policy");
-    let part = partition::partition(&graph, &policy);
+    let part = partition::partition(&graph, &policy, config.executor);
     clock.lap("partition");
     partition::verify(&graph, &policy, &part).unwrap_or_else(|e| panic!("{e}"));
     clock.lap("verify");

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use ir::plan::{Code, Collectives, RandomOps};
+use ir::plan::{Code, Collectives, Executor, RandomOps};
 use planner::config::PlanConfig;
 
 #[derive(Parser)]
@@ -56,6 +56,10 @@ pub struct Planning {
     /// state forward saw (the executor must restore it)
     #[arg(long, value_enum, default_value_t = RandomOpsArg::Save)]
     random_ops: RandomOpsArg,
+    /// What will run the plan: a graph executor (the runtime, torch.compile) replays exactly
+    /// what backward needs; eager torch.utils.checkpoint re-runs each layer's forward prefix
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Graph)]
+    executor: ExecutorArg,
     /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
     #[arg(long, value_name = "FILE.json")]
     pub hw: Option<PathBuf>,
@@ -73,6 +77,10 @@ impl Planning {
             random_ops: match self.random_ops {
                 RandomOpsArg::Save => RandomOps::Save,
                 RandomOpsArg::Replay => RandomOps::Replay,
+            },
+            executor: match self.executor {
+                ExecutorArg::Graph => Executor::Graph,
+                ExecutorArg::Eager => Executor::Eager,
             },
             ..PlanConfig::default()
         }
@@ -266,6 +274,15 @@ enum CollectivesArg {
     Recompute,
     /// Functional collectives and device-to-host syncs are saved; mutating ones never
     Save,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExecutorArg {
+    /// Replay re-runs exactly the ops whose outputs backward needs
+    Graph,
+    /// Eager checkpoint: a layer's recompute re-runs its forward up to the last op backward
+    /// reads, and every kept op's whole output tuple stays cached
+    Eager,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -76,8 +76,17 @@ impl Drop for Scratch {
 
 /// Exit 1, a single `error: ` first line naming every culprit, and no panic.
 fn assert_clean_error(out: &Output, culprits: &[&str]) {
+    assert_exit_error(out, 1, culprits);
+}
+
+/// A usage error: exit 2, clap's `error:` line naming the culprits, no panic.
+fn assert_usage_error(out: &Output, culprits: &[&str]) {
+    assert_exit_error(out, 2, culprits);
+}
+
+fn assert_exit_error(out: &Output, status: i32, culprits: &[&str]) {
     let err = stderr(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
+    assert_eq!(out.status.code(), Some(status), "stderr: {err}");
     assert!(err.starts_with("error: "), "stderr: {err}");
     assert!(!err.contains("panicked"), "stderr: {err}");
     for culprit in culprits {
@@ -391,16 +400,7 @@ fn corrupting_write_graph() -> Vec<u8> {
     b.layer(Some(0));
     let m = b.marker("attn.begin", &x);
     let kept = b.op(&m);
-    let written = b
-        .node_with(
-            "mystery.normalise_.default",
-            &[&kept, &stats],
-            Some(ir::wire::graph::SchemaFacts {
-                mutates: vec![0, 1],
-                ..Default::default()
-            }),
-        )
-        .1;
+    let written = b.write_in_place("mystery.normalise_.default", &[&kept, &stats], &[]);
     let end = b.marker("attn.end", &written);
     b.layer(None);
     b.backward_through("t", &[&kept, &end]);
@@ -438,20 +438,6 @@ fn pareto_draws_the_frontier() {
     assert!(stdout(&table).contains("pareto frontier for dense"));
     let svg = planner(&[&"pareto", &graph, &"--format", &"svg"]);
     assert!(stdout(&svg).starts_with("<svg"));
-}
-
-/// A usage error: exit 2, clap's `error:` line naming the culprits, no panic.
-fn assert_usage_error(out: &Output, culprits: &[&str]) {
-    let err = stderr(out);
-    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
-    assert!(err.starts_with("error: "), "stderr: {err}");
-    assert!(!err.contains("panicked"), "stderr: {err}");
-    for culprit in culprits {
-        assert!(
-            err.contains(culprit),
-            "`{err}` does not mention `{culprit}`"
-        );
-    }
 }
 
 #[test]
@@ -642,4 +628,28 @@ fn output_is_the_same_bytes_across_processes_and_thread_counts() {
         assert!(one == run("4"), "1 vs 4 threads differ");
         assert!(one == run("3"), "1 vs 3 threads differ");
     }
+}
+
+#[test]
+fn diff_refuses_empty_and_truncated_plans() {
+    let good = Scratch::empty_path("good.pb");
+    assert!(planner(&[&"plan", &golden_graph("dense"), &"-o", &good.0])
+        .status
+        .success());
+    let empty = Scratch::new("empty.pb", b"");
+    assert_clean_error(
+        &planner(&[&"diff", &empty.0, &good.0]),
+        &["empty.pb", "empty"],
+    );
+    let bytes = fs::read(&good.0).unwrap();
+    let cut = Scratch::new("cut.pb", &bytes[..bytes.len() / 2]);
+    assert_clean_error(
+        &planner(&[&"diff", &good.0, &cut.0]),
+        &["cut.pb", "protobuf"],
+    );
+    let stub = Scratch::new("stub.json", b"{}");
+    assert_clean_error(
+        &planner(&[&"diff", &stub.0, &good.0]),
+        &["stub.json", "no graph"],
+    );
 }

@@ -434,12 +434,6 @@ impl Graph {
         self.storage.writers.get(&root).map_or(&[], Vec::as_slice)
     }
 
-    /// Nodes whose outputs `node` reads (each once), in execution order.
-    pub fn predecessors(&self, node: NodeId) -> Vec<NodeId> {
-        let inputs = self.nodes[node].inputs.iter();
-        sorted_unique(inputs.filter_map(|&v| self.producers[v]).collect())
-    }
-
     /// Nodes that read an output of `node` (each once), in execution order.
     pub fn successors(&self, node: NodeId) -> Vec<NodeId> {
         let outputs = self.nodes[node].outputs.iter();

@@ -144,7 +144,7 @@ impl<'g> Search<'g> {
         if !partition::is_joint(graph) {
             return Err(BudgetError::NotJoint);
         }
-        let baselines = Baselines::of(graph)?;
+        let baselines = Baselines::of(graph, config.executor)?;
         let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
         let (slots, classes) = layer_classes(graph, &resolved);
         let tables: u64 = distinct_models(&slots)
@@ -201,9 +201,27 @@ impl<'g> Search<'g> {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// The plan of the knapsack's choice for `headroom` extra bytes.
-    pub fn plan_for(&self, headroom: u64) -> Result<Plan, BudgetError> {
-        self.plan_of(&knapsack(&self.slots, &self.options, headroom))
+    /// What `keep` makes of the plans of the knapsack's choices for `steps + 1` evenly spaced
+    /// headrooms from 0 to the largest useful one, from one solved knapsack; repeated choices
+    /// are planned once, and each plan is dropped as soon as `keep` has seen it.
+    pub fn sweep<T: Send>(
+        &self,
+        steps: u64,
+        keep: impl Fn(Plan) -> T + Sync,
+    ) -> Result<Vec<T>, BudgetError> {
+        let max = self.max_headroom();
+        let table = Knapsack::solve(&self.slots, &self.options, max);
+        let mut choices: Vec<Vec<usize>> = (0..=steps.max(1))
+            .map(|k| {
+                let headroom = u128::from(max) * u128::from(k) / u128::from(steps.max(1));
+                table.choice(u64::try_from(headroom).unwrap_or(max))
+            })
+            .collect();
+        choices.dedup();
+        choices
+            .par_iter()
+            .map(|c| self.plan_of(c).map(&keep))
+            .collect()
     }
 
     /// The plan keeping, in each slot's layer, the units of its option.
@@ -668,38 +686,71 @@ fn figures_by_layer(plan: &Plan) -> rustc_hash::FxHashMap<LayerRef, Figures> {
 
 /// Exact multiple-choice knapsack over quantised headroom: per slot the option index.
 fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usize> {
-    let quantum = headroom.div_ceil(BUCKETS).max(1);
-    let capacity = (headroom / quantum) as usize;
-    let cost = |f: &Figures, base: &Figures| {
-        let extra = f.saved_bytes.saturating_sub(base.saved_bytes);
-        usize::try_from(extra.div_ceil(quantum)).unwrap_or(usize::MAX)
-    };
-    // best[c] = least replay seconds using at most c quanta; choices recorded per slot, one
-    // byte each (options are unit subsets of at most MAX_UNITS units).
-    let mut best = vec![0.0f64; capacity + 1];
-    let mut picks: Vec<Vec<u8>> = Vec::with_capacity(slots.len());
-    for slot in slots {
-        let table = &options[slot.class];
-        let costs: Vec<usize> = table.iter().map(|f| cost(f, &table[0])).collect();
-        let mut next = vec![f64::INFINITY; capacity + 1];
-        let mut pick = vec![0u8; capacity + 1];
-        for c in 0..=capacity {
-            for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
-                if f.allowed && k <= c && best[c - k] + f.replay_s < next[c] {
-                    next[c] = best[c - k] + f.replay_s;
-                    pick[c] = o as u8;
+    Knapsack::solve(slots, options, headroom).choice(headroom)
+}
+
+/// The solved knapsack for every headroom up to `max`, quantised in steps of `max / BUCKETS`:
+/// one dynamic program answers a whole sweep of headrooms.
+struct Knapsack<'a> {
+    slots: &'a [Slot],
+    options: &'a [Vec<Figures>],
+    quantum: u64,
+    /// Per slot and capacity in quanta, the option of the best choice using at most that many
+    /// quanta; one byte each (options are unit subsets of at most MAX_UNITS units).
+    picks: Vec<Vec<u8>>,
+}
+
+impl<'a> Knapsack<'a> {
+    fn solve(slots: &'a [Slot], options: &'a [Vec<Figures>], max: u64) -> Self {
+        let quantum = max.div_ceil(BUCKETS).max(1);
+        let capacity = (max / quantum) as usize;
+        // best[c] = least replay seconds using at most c quanta.
+        let mut best = vec![0.0f64; capacity + 1];
+        let mut picks: Vec<Vec<u8>> = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let table = &options[slot.class];
+            let costs: Vec<usize> = table
+                .iter()
+                .map(|f| quanta(f, &table[0], quantum))
+                .collect();
+            let mut next = vec![f64::INFINITY; capacity + 1];
+            let mut pick = vec![0u8; capacity + 1];
+            for c in 0..=capacity {
+                for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
+                    if f.allowed && k <= c && best[c - k] + f.replay_s < next[c] {
+                        next[c] = best[c - k] + f.replay_s;
+                        pick[c] = o as u8;
+                    }
                 }
             }
+            best = next;
+            picks.push(pick);
         }
-        best = next;
-        picks.push(pick);
+        Knapsack {
+            slots,
+            options,
+            quantum,
+            picks,
+        }
     }
-    let mut c = capacity;
-    let mut choice = vec![0; slots.len()];
-    for (i, slot) in slots.iter().enumerate().rev() {
-        let o = usize::from(picks[i][c]);
-        choice[i] = o;
-        c -= cost(&options[slot.class][o], &options[slot.class][0]);
+
+    /// The best choice with at most `headroom` extra bytes (at most the `max` solved for).
+    fn choice(&self, headroom: u64) -> Vec<usize> {
+        let capacity = self.picks.first().map_or(0, |p| p.len() - 1);
+        let mut c = ((headroom / self.quantum) as usize).min(capacity);
+        let mut choice = vec![0; self.slots.len()];
+        for (i, slot) in self.slots.iter().enumerate().rev() {
+            let o = usize::from(self.picks[i][c]);
+            choice[i] = o;
+            let table = &self.options[slot.class];
+            c -= quanta(&table[o], &table[0], self.quantum);
+        }
+        choice
     }
-    choice
+}
+
+/// The quanta option `f` costs over keeping nothing (`base`), rounded up.
+fn quanta(f: &Figures, base: &Figures, quantum: u64) -> usize {
+    let extra = f.saved_bytes.saturating_sub(base.saved_bytes);
+    usize::try_from(extra.div_ceil(quantum)).unwrap_or(usize::MAX)
 }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Keep, LayerRef, RandomOps},
+    plan::{Collectives, Executor, Keep, LayerRef, RandomOps},
     Graph, IdVec, Model, ModelId, NodeId, UnitId,
 };
 use thiserror::Error;
@@ -38,6 +38,7 @@ pub struct PlanConfig {
     pub recompute_ratio: f64,
     pub collectives: Collectives,
     pub random_ops: RandomOps,
+    pub executor: Executor,
 }
 
 impl Default for PlanConfig {
@@ -47,6 +48,7 @@ impl Default for PlanConfig {
             recompute_ratio: 1.0,
             collectives: Collectives::Recompute,
             random_ops: RandomOps::Save,
+            executor: Executor::Graph,
         }
     }
 }

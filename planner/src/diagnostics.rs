@@ -11,14 +11,14 @@ use ir::{
 
 use crate::{
     config::{PlanConfig, Resolved},
-    partition::Partition,
+    partition::{Hazard, HazardKind, Partition},
     policy::{Demotion, Enclosed, Findings, InplaceWrite, Policy, Unbalance, UnitKey},
 };
 
 /// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
 pub fn level_of(code: Code) -> Level {
     match code {
-        Code::InplaceInKeptInterval => Level::Error,
+        Code::InplaceInKeptInterval | Code::EagerReplayUnfaithful => Level::Error,
         Code::KeptOutputWrittenInPlace | Code::RandomOpSaved | Code::RandomOpReplayed => {
             Level::Info
         }
@@ -80,6 +80,7 @@ pub fn diagnose(
     demoted(graph, findings, &mut out);
     compiled_whole(graph, findings, &mut out);
     if let Some(partition) = partition {
+        eager_hazards(graph, partition, &mut out);
         nondeterministic_replay(graph, (config, resolved), findings, partition, &mut out);
     }
     out.finish()
@@ -563,6 +564,47 @@ fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
                 model.name, model.num_layers
             ),
             "when exporting, run each decoder layer inside `layer_scope(model, index)` (or call `recompute_planner.annotate(model, layers=...)`) so its ops carry their layer".to_owned(),
+        );
+    }
+}
+
+/// An eager recompute that re-runs an in-place write of a resident tensor, or reads one after
+/// forward wrote it, computes something else than forward did.
+fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {
+    let mut by_model: BTreeMap<ModelId, Vec<&Hazard>> = BTreeMap::new();
+    for h in &partition.hazards {
+        by_model.entry(h.layer.model).or_default().push(h);
+    }
+    for (model, hazards) in by_model {
+        let first = hazards[0];
+        let node = graph.node(first.node);
+        let what = match first.kind {
+            HazardKind::WritesResident => format!(
+                "writes `{}` in place again, though it is resident and already holds that write",
+                graph.value(first.value).name
+            ),
+            HazardKind::ReadsOverwritten { writer } => format!(
+                "reads `{}` after forward wrote it in place (`{}`), not as forward read it",
+                graph.value(first.value).name,
+                graph.node(writer).name
+            ),
+        };
+        let layers: BTreeSet<u32> = hazards.iter().map(|h| h.layer.layer).collect();
+        let more = match hazards.len() {
+            1 => String::new(),
+            k => format!(" ({} more such ops)", k - 1),
+        };
+        out.add(
+            Code::EagerReplayUnfaithful,
+            (model, None),
+            format!(
+                "eager recompute of {} of model `{}` re-runs `{}` ({}), which {what}{more}: the recompute would not reproduce forward",
+                layers_phrase(layers),
+                graph.model(model).name,
+                node.name,
+                node.op,
+            ),
+            "run the plan with a graph executor (`--executor graph`: the runtime, torch.compile), or make the in-place write out-of-place".to_owned(),
         );
     }
 }

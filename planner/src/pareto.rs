@@ -10,7 +10,6 @@ use ir::{
     plan::{LayerKeep, Plan},
     Graph,
 };
-use rayon::prelude::*;
 
 use crate::{
     budget::{BudgetError, Search, EXHAUSTIVE_LIMIT},
@@ -57,19 +56,11 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
             points.extend(Point::of(&plan?));
         }
     } else {
-        let max = search.max_headroom();
-        let steps = steps.max(1);
         search.stage("frontier candidates", None);
-        let swept: Vec<Result<Option<Point>, BudgetError>> = (0..=steps)
-            .into_par_iter()
-            .map(|k| {
-                let headroom = u64::try_from(u128::from(max) * u128::from(k) / u128::from(steps))
-                    .unwrap_or(max);
-                Ok(Point::of(&search.plan_for(headroom)?))
-            })
-            .collect();
-        for point in swept {
-            let Some(point) = point? else { continue };
+        for point in search.sweep(steps, |plan| Point::of(&plan))? {
+            let Some(point) = point else {
+                continue;
+            };
             if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
                 points.push(point);
             }

@@ -307,16 +307,7 @@ fn one_unit_rejected(layers: u32) -> Graph {
         b.layer(Some(l));
         let m = b.marker("attn.begin", &h);
         let kept = b.node("aten.mm.default", &[&m, &m]).1;
-        let written = b
-            .node_with(
-                "mystery.normalise_.default",
-                &[&kept, &stats],
-                Some(ir::wire::graph::SchemaFacts {
-                    mutates: vec![0, 1],
-                    ..Default::default()
-                }),
-            )
-            .1;
+        let written = b.write_in_place("mystery.normalise_.default", &[&kept, &stats], &[]);
         // Worth keeping on its own: backward reads it.
         let useful = b.node("aten.mm.default", &[&written, &written]).1;
         let e = b.marker("attn.end", &useful);

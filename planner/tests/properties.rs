@@ -2,7 +2,7 @@
 //! ops and collectives: the partition verifier always passes (plan() runs it), every kept op is
 //! eager and non-mutable, and the output is deterministic.
 
-use ir::plan::{Collectives, Decision, Format, Keep, RandomOps, Reason};
+use ir::plan::{Collectives, Decision, Executor, Format, Keep, RandomOps, Reason};
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan, render};
 use proptest::prelude::*;
 use testkit::Builder;
@@ -60,6 +60,7 @@ struct Case {
     ratio: f64,
     collectives: Collectives,
     random_ops: RandomOps,
+    executor: Executor,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -75,15 +76,17 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just(1.0), Just(0.5), Just(0.0)],
         prop_oneof![Just(Collectives::Recompute), Just(Collectives::Save)],
         prop_oneof![Just(RandomOps::Save), Just(RandomOps::Replay)],
+        prop_oneof![Just(Executor::Graph), Just(Executor::Eager)],
     )
         .prop_map(
-            |(layers, backward_reads, keep, ratio, collectives, random_ops)| Case {
+            |(layers, backward_reads, keep, ratio, collectives, random_ops, executor)| Case {
                 layers,
                 backward_reads,
                 keep,
                 ratio,
                 collectives,
                 random_ops,
+                executor,
             },
         )
 }
@@ -160,6 +163,7 @@ fn config(case: &Case) -> PlanConfig {
         recompute_ratio: case.ratio,
         collectives: case.collectives,
         random_ops: case.random_ops,
+        executor: case.executor,
     }
 }
 

@@ -334,22 +334,10 @@ fn written_kept_output(also_writes: Option<&str>) -> Plan {
     let m = b.marker("attn.begin", &x); // n1
     let kept = b.op(&m); // n2: kept
     let sum = b.node("aten.sum.default", &[&kept]).1; // n3: kept, reads n2 before the write
-    let mut inputs = vec![kept.as_str(), sum.as_str()];
-    let mut mutates = vec![0];
-    if let Some(extra) = &extra {
-        inputs.push(extra);
-        mutates.push(2);
-    }
-    let written = b
-        .node_with(
-            "mystery.normalise_.default", // n4: writes n2's output in place
-            &inputs,
-            Some(ir::wire::graph::SchemaFacts {
-                mutates,
-                ..Default::default()
-            }),
-        )
-        .1;
+    let mut written = vec![kept.as_str()];
+    written.extend(extra.as_deref());
+    // n4: writes n2's output in place (and the extra input)
+    let written = b.write_in_place("mystery.normalise_.default", &written, &[&sum]);
     let end = b.marker("attn.end", &written); // n5
     b.layer(None);
     backward(&mut b, &[&kept, &sum, &end]);
@@ -725,17 +713,11 @@ fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
         b.layer(Some(0));
         let m = b.marker("attn.begin", &x); // n1
         let kept = b.op(&m); // n2
-        let mutates = if corrupting { vec![0, 1] } else { vec![0] };
-        let written = b
-            .node_with(
-                "mystery.normalise_.default",
-                &[&kept, &stats],
-                Some(ir::wire::graph::SchemaFacts {
-                    mutates,
-                    ..Default::default()
-                }),
-            )
-            .1; // n3
+        let written = if corrupting {
+            b.write_in_place("mystery.normalise_.default", &[&kept, &stats], &[])
+        } else {
+            b.write_in_place("mystery.normalise_.default", &[&kept], &[&stats])
+        }; // n3
         let top = b.node("aten.topk.default", &[&written]).1; // n4
         let end = b.marker("attn.end", &top);
         b.layer(None);
@@ -809,4 +791,108 @@ fn a_stable_sort_replays_deterministically_and_a_zero_dropout_draws_nothing() {
         codes(&plan_named(&zero, &config(&[]))),
         vec![("nondeterministic-replay", None)]
     );
+}
+
+#[test]
+fn r4_thousands_of_units_on_one_interval_are_one_interval_not_thousands_of_overlaps() {
+    let names: Vec<String> = (0..4000).map(|u| format!("SAVE_U{u}")).collect();
+    let interval: &[(&str, &str)] = &[("attn.begin", "attn.end")];
+    let units: Vec<(&str, &[(&str, &str)])> =
+        names.iter().map(|n| (n.as_str(), interval)).collect();
+    let mut b = Builder::new(2, &units);
+    let x = b.input("x");
+    let mut h = x;
+    let mut reads = Vec::new();
+    for l in 0..2 {
+        b.layer(Some(l));
+        let m = b.marker("attn.begin", &h);
+        let a = b.op(&m);
+        let e = b.marker("attn.end", &a);
+        h = b.op(&e);
+        reads.push(a);
+    }
+    b.layer(None);
+    backward(
+        &mut b,
+        &reads.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let p = run(&b, &config(&["all"]));
+    // Identical intervals are nested in each other, never crossing: no overlap reported, and
+    // the kept op is credited once.
+    assert_eq!(codes(&p), vec![]);
+    assert_eq!(p.units.len(), 1);
+    assert_eq!(p.units[0].kept_ops, 2);
+}
+
+/// Replayed node names and saved value names of a named plan.
+fn replayed_and_saved(p: &Plan) -> (Vec<&str>, Vec<&str>) {
+    let replayed = p
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(String::as_str)
+        .collect();
+    let saved = p.saved.iter().map(|s| s.value.as_str()).collect();
+    (replayed, saved)
+}
+
+#[test]
+fn eager_recompute_reruns_the_layer_prefix_and_caches_every_kept_output() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let v1 = b.op(&x); // n1
+    let m = b.marker("attn.begin", &x); // n2
+    let v3 = b.node("aten.topk.default", &[&m]).1; // n3: kept
+    let v4 = b.op(&v3); // n4: kept
+    let e = b.marker("attn.end", &v4); // n5
+    let v6 = b.op(&e); // n6: after the last op backward reads
+    b.layer(None);
+    backward(&mut b, &[&v1, &v4, &v6]);
+    let graph = b.build();
+    let eager = PlanConfig {
+        executor: ir::plan::Executor::Eager,
+        ..config(&["all"])
+    };
+    let g = plan_named(&graph, &config(&["all"]));
+    let e = plan_named(&graph, &eager);
+    assert_eq!(e.config.as_ref().unwrap().executor, "eager");
+    let (g_replayed, g_saved) = replayed_and_saved(&g);
+    let (e_replayed, e_saved) = replayed_and_saved(&e);
+    // The graph executor re-runs what backward reads; eager re-runs the prefix to the last op
+    // backward reads (markers included), kept ops served from the cache.
+    assert_eq!(g_replayed, ["n1", "n5", "n6"]);
+    assert_eq!(e_replayed, ["n1", "n2", "n5", "n6"]);
+    // The cache holds every kept output, backward-read or not.
+    assert!(!g_saved.contains(&v3.as_str()) && e_saved.contains(&v3.as_str()));
+    assert!(g_saved.contains(&v4.as_str()) && e_saved.contains(&v4.as_str()));
+}
+
+#[test]
+fn eager_recompute_that_would_write_a_layer_input_again_is_an_error() {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1 reads x before the write
+    let written = b.node("aten.add_.Tensor", &[&x, &a]).1; // n2 writes the layer input x
+    let c = b.op(&written); // n3
+    b.layer(None);
+    backward(&mut b, &[&a, &c]);
+    let graph = b.build();
+    let graph_plan = plan_named(&graph, &config(&[]));
+    assert!(!has_errors(&graph_plan), "{:?}", graph_plan.diagnostics);
+    let eager = plan_named(
+        &graph,
+        &PlanConfig {
+            executor: ir::plan::Executor::Eager,
+            ..config(&[])
+        },
+    );
+    let d = eager
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "eager-replay-unfaithful")
+        .expect("reported");
+    assert_eq!(d.level, "error");
+    assert!(d.message.contains("`x`"), "{}", d.message);
 }

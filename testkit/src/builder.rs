@@ -151,6 +151,17 @@ impl Builder {
         (name, out)
     }
 
+    /// An in-place op `op` that writes each of `written` (its first inputs) and reads
+    /// `reads`; returns its output (the first written tensor after the write).
+    pub fn write_in_place(&mut self, op: &str, written: &[&str], reads: &[&str]) -> String {
+        let inputs: Vec<&str> = written.iter().chain(reads).copied().collect();
+        let facts = pb::SchemaFacts {
+            mutates: (0..written.len() as u32).collect(),
+            ..Default::default()
+        };
+        self.node_with(op, &inputs, Some(facts)).1
+    }
+
     /// `mm(x, w)` and friends: a compute op.
     pub fn op(&mut self, x: &str) -> String {
         self.node("aten.sin.default", &[x]).1

@@ -163,6 +163,7 @@ spelled! {
         KeptOutputWrittenInPlace => "kept-output-written-in-place",
         RandomOpSaved => "random-op-saved",
         NoLayersAnnotated => "no-layers-annotated",
+        EagerReplayUnfaithful => "eager-replay-unfaithful",
         RandomOpReplayed => "random-op-replayed",
     }
 }
@@ -189,6 +190,21 @@ spelled! {
         /// restore it (the runtime does; eager checkpoint with `preserve_rng_state=True` does;
         /// torch.compile needs `functionalize_rng_ops`).
         Replay => "replay",
+    }
+}
+
+spelled! {
+    /// `--executor`: what runs the plan, which decides what a replay re-runs.
+    #[derive(Default)]
+    pub enum Executor {
+        /// A graph executor (the runtime, torch.compile): replay re-runs exactly the ops whose
+        /// outputs backward needs.
+        #[default]
+        Graph => "graph",
+        /// Eager `torch.utils.checkpoint` with a selective policy: a layer's recompute re-runs
+        /// its forward up to the last op backward reads, whatever those ops feed, and the
+        /// policy caches every kept op's whole output tuple.
+        Eager => "eager",
     }
 }
 
@@ -229,5 +245,6 @@ mod tests {
         check(Stage::ALL, Stage::name, Stage::from_name);
         check(Collectives::ALL, Collectives::name, Collectives::from_name);
         check(RandomOps::ALL, RandomOps::name, RandomOps::from_name);
+        check(Executor::ALL, Executor::name, Executor::from_name);
     }
 }

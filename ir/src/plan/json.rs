@@ -262,6 +262,7 @@ impl Serialize for ConfigJson<'_> {
             recompute_ratio: f64,
             collectives: &'static str,
             random_ops: &'static str,
+            executor: &'static str,
             budget_bytes: Option<u64>,
             layer_keep: LayerKeepList<'a>,
         }
@@ -271,6 +272,7 @@ impl Serialize for ConfigJson<'_> {
             recompute_ratio: c.recompute_ratio,
             collectives: c.collectives.name(),
             random_ops: c.random_ops.name(),
+            executor: c.executor.name(),
             budget_bytes: c.budget_bytes,
             layer_keep: LayerKeepList(&c.layer_keep, self.names),
         }

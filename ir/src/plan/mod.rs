@@ -15,7 +15,9 @@ pub mod wire;
 
 use std::path::Path;
 
-pub use enums::{Code, Collectives, Decision, Level, RandomOps, Reason, SavedKind, Stage};
+pub use enums::{
+    Code, Collectives, Decision, Executor, Level, RandomOps, Reason, SavedKind, Stage,
+};
 pub use names::{NameTable, PlanNames};
 use thiserror::Error;
 
@@ -95,6 +97,7 @@ pub struct Config {
     pub recompute_ratio: f64,
     pub collectives: Collectives,
     pub random_ops: RandomOps,
+    pub executor: Executor,
     /// `--budget` in bytes, when the units were chosen per layer to fit it.
     pub budget_bytes: Option<u64>,
     /// Per-layer unit choices that replace `keep` in their layers (the budget solver's, or
@@ -305,10 +308,6 @@ impl Plan {
 
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(|d| d.level == Level::Error)
-    }
-
-    pub fn has_warnings(&self) -> bool {
-        self.diagnostics.iter().any(|d| d.level == Level::Warning)
     }
 
     /// Reads a plan in `format` with the names it holds.

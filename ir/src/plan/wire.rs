@@ -4,9 +4,9 @@
 use prost::Message;
 
 use super::{
-    Code, Collectives, Config, Cost, Decision, Diagnostic, GraphRef, Keep, LayerKeep, LayerRef,
-    Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError, RandomOps,
-    Reason, Replay, SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
+    Code, Collectives, Config, Cost, Decision, Diagnostic, Executor, GraphRef, Keep, LayerKeep,
+    LayerRef, Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError,
+    RandomOps, Reason, Replay, SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -139,6 +139,7 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
         recompute_ratio: config.recompute_ratio,
         collectives: config.collectives.name().to_owned(),
         random_ops: config.random_ops.name().to_owned(),
+        executor: config.executor.name().to_owned(),
         budget_bytes: config.budget_bytes,
         layer_keep: layer_keep_to_wire(&config.layer_keep, names),
     }
@@ -269,6 +270,12 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
             &c.random_ops,
             RandomOps::from_name,
             RandomOps::spellings,
+        )?,
+        executor: spelled(
+            "executor",
+            &c.executor,
+            Executor::from_name,
+            Executor::spellings,
         )?,
         budget_bytes: c.budget_bytes,
         layer_keep: layer_keep_from_wire(c.layer_keep, names),

@@ -11,8 +11,10 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
+mod eager;
+
 use ir::{
-    plan::{Decision, LayerRef, SavedKind},
+    plan::{Decision, Executor, LayerRef, SavedKind},
     EntityId, Graph, NodeId, Phase, ValueId,
 };
 use thiserror::Error;
@@ -45,6 +47,28 @@ pub struct Partition {
     pub saved: Vec<Saved>,
     /// In schedule order (by `position`, then model and layer).
     pub replays: Vec<Replay>,
+    /// Where an eager recompute would not reproduce forward (always empty for the graph
+    /// executor, whose partition avoids them).
+    pub hazards: Vec<Hazard>,
+}
+
+/// A replayed op of an eager recompute that cannot reproduce what it did in forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hazard {
+    pub layer: LayerRef,
+    /// The replayed op.
+    pub node: NodeId,
+    /// The resident tensor it writes again, or reads after forward wrote it.
+    pub value: ValueId,
+    pub kind: HazardKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HazardKind {
+    /// It writes in place a tensor that stays resident: the write happens twice.
+    WritesResident,
+    /// It reads a resident tensor that forward writes in place after it (by `writer`).
+    ReadsOverwritten { writer: NodeId },
 }
 
 /// The partition is not closed: a bug in the planner, never a user error.
@@ -81,7 +105,10 @@ pub fn is_joint(graph: &Graph) -> bool {
 }
 
 /// Partitions a joint graph under `policy`.
-pub fn partition(graph: &Graph, policy: &Policy) -> Partition {
+pub fn partition(graph: &Graph, policy: &Policy, executor: Executor) -> Partition {
+    if executor == Executor::Eager {
+        return eager::partition(graph, policy);
+    }
     let order = graph.backward_order().to_vec();
     let mut state = Builder::new(graph, policy);
     for (at, &id) in order.iter().enumerate() {
@@ -363,6 +390,7 @@ impl<'a> Builder<'a> {
             order,
             saved,
             replays,
+            hazards: Vec::new(),
         }
     }
 }
