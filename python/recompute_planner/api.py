@@ -31,6 +31,7 @@ def plan(
     recompute_ratio: float = 1.0,
     collectives: str = "recompute",
     random_ops: str = "save",
+    executor: str = "graph",
     budget: int | str | None = None,
     granularity: str = "unit",
     hw: HwLike = None,
@@ -46,6 +47,9 @@ def plan(
       device-to-host copies of routing counts kept in checkpointed layers);
     - ``random_ops``: ``"save"`` (random ops' outputs saved) or ``"replay"`` (replayed with
       the forward generator state restored: the executor must restore it);
+    - ``executor``: ``"graph"`` (torch.compile, the runtime: replay re-runs what backward
+      needs) or ``"eager"`` (``torch.utils.checkpoint`` with ``recompute_planner.sac``: a
+      layer's recompute re-runs its forward prefix, SAC caches kept ops' whole outputs);
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
       single ops;
@@ -68,6 +72,7 @@ def plan(
         recompute_ratio=float(recompute_ratio),
         collectives_name=collectives,
         random_ops_name=random_ops,
+        executor_name=executor,
         budget_size=None if budget is None else str(budget),
         granularity=granularity,
         hw_json=hw_json,

@@ -134,6 +134,7 @@ class Config:
     budget_bytes: int | None
     layer_keep: tuple[LayerKeep, ...]
     random_ops: str = "save"
+    executor: str = "graph"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ def cli_error(*args: str) -> str:
             {"keep": "all", "recompute_ratio": 0.5, "collectives": "save"},
             ["--keep", "all", "--recompute-ratio", "0.5", "--collectives", "save"],
         ),
+        ({"keep": "all", "executor": "eager"}, ["--keep", "all", "--executor", "eager"]),
+        ({"random_ops": "replay"}, ["--random-ops", "replay"]),
         ({"budget": "90KB"}, ["--budget", "90KB"]),
         ({"budget": 90_000, "granularity": "op"}, ["--budget", "90000", "--granularity", "op"]),
     ],

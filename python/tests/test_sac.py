@@ -3,12 +3,10 @@
 Each zoo model runs every checkpointed layer under `torch.utils.checkpoint` with the
 `context_fn` the plan gives that layer. Checked against the plan:
 
-- what SAC's cache holds after forward is, byte for byte, the whole outputs of every op the
-  plan keeps in that layer (the eager executor's saved set: SAC caches an op's whole output
-  tuple), but for the ops of composites eager runs as other ops (one_hot, CPU dropout: see
-  `recompute_planner.sac`), which eager recomputes. The planner's eager-executor option is not
-  merged on this branch, so the bytes are summed from the golden graph's values of the plan's
-  kept nodes;
+- what SAC's cache holds after forward is, byte for byte, the eager-executor plan's saved set
+  of that layer (`--executor eager`: every kept op's whole output tuple), but for the ops of
+  composites eager runs as other ops (one_hot, CPU dropout: see `recompute_planner.sac`),
+  which eager recomputes;
 - loss and gradients are bit-identical to the plain step (CPU, single-rank models, same
   process and kernels);
 - kept ops never re-run in recompute (counted by `RecomputeCounter`, a dispatch mode under
@@ -44,6 +42,7 @@ KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
 
 
 def planned(name: str, keep, **options) -> rp.Plan:
+    """The plan of golden `name` (graph executor unless `executor="eager"` is given)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rp.PlannerWarning)
         return rp.plan(GOLDEN_DIR / f"{name}.pb", keep, **options)
@@ -105,13 +104,29 @@ def held_cases():
 
 
 @pytest.mark.parametrize("name, keep, collectives", list(held_cases()))
-def test_sac_holds_every_kept_output_byte_for_byte(name, keep, collectives):
-    plan = planned(name, keep, collectives=collectives)
+def test_sac_holds_the_eager_plans_saved_set_byte_for_byte(name, keep, collectives):
+    plan = planned(name, keep, collectives=collectives, executor="eager")
     _, _, policies, held = run_step(name, plan)
     tolerated = {n for policy in policies.values() for n in policy.tolerated}
-    expected = kept_output_bytes(name, plan, tolerated)
+    expected = eager_saved_bytes(name, plan, tolerated)
     assert held == expected
+    # The eager plan's saved set is every output of every kept op.
+    assert expected == kept_output_bytes(name, plan, tolerated)
     assert (sum(held.values()) > 0) == any(n.decision == "save" for n in plan.nodes)
+
+
+def eager_saved_bytes(
+    name: str, plan: rp.Plan, tolerated: set[str]
+) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, the bytes of the eager plan's saved values of kind `kept`, but
+    for the outputs of composites eager computes otherwise (`tolerated`)."""
+    graph = load_graph(GOLDEN_DIR / f"{name}.pb")
+    skipped = {v for n in graph.nodes if n.name in tolerated for v in n.outputs}
+    held = {key: 0 for key in plan.layers()}
+    for saved in plan.saved:
+        if saved.kind == "kept" and saved.value not in skipped:
+            held[(saved.model, saved.layer)] += saved.bytes
+    return held
 
 
 @pytest.mark.parametrize(
@@ -156,12 +171,21 @@ def recomputed(policies, op: str) -> dict[tuple[str, int], int]:
     return {key: policy.recomputed.count(op) for key, policy in policies.items()}
 
 
+def replayed(plan: rp.Plan, op: str) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, how many `op` the (eager) plan's replay re-runs."""
+    return {
+        (r.model, r.layer): sum(1 for n in r.nodes if plan.decision(n).op.startswith(op + "."))
+        for r in plan.replay
+    }
+
+
 def test_kept_indexer_topk_is_not_rerun_in_recompute():
-    """Per layer, the top-k re-runs are the layer's top-k ops the plan does not keep: the
-    MoE router's, never the indexer's."""
-    kept_plan = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"])
+    """Per layer, the top-k re-runs are the layer's top-k ops the plan does not keep (the MoE
+    router's, never the indexer's), as many as the eager plan's replay predicts."""
+    kept_plan = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"], executor="eager")
     *_, kept_policies, _ = run_step("glm_dsa_ep2", kept_plan)
-    *_, whole_policies, _ = run_step("glm_dsa_ep2", planned("glm_dsa_ep2", None))
+    whole_plan = planned("glm_dsa_ep2", None, executor="eager")
+    *_, whole_policies, _ = run_step("glm_dsa_ep2", whole_plan)
     topk = "aten.topk"
     indexer = {key: 0 for key in kept_plan.layers()}
     for node in kept_plan.nodes:
@@ -169,16 +193,24 @@ def test_kept_indexer_topk_is_not_rerun_in_recompute():
             indexer[(node.model, node.layer)] += 1
     assert all(count == 1 for count in indexer.values())
     whole = recomputed(whole_policies, topk)
-    assert recomputed(kept_policies, topk) == {k: whole[k] - indexer[k] for k in whole}
+    kept = recomputed(kept_policies, topk)
+    assert kept == {k: whole[k] - indexer[k] for k in whole}
     assert all(whole[k] >= 1 for k in whole)
+    assert kept == replayed(kept_plan, topk) and whole == replayed(whole_plan, topk)
 
 
 def test_saved_collectives_are_not_rerun_in_recompute():
+    """With collectives="save" no all-to-all re-runs; without, as many as the eager plan's
+    replay predicts (3 per MoE layer: counts, tokens, combine)."""
     all_to_all = "_c10d_functional.all_to_all_single"
-    *_, saving, _ = run_step("moe_ep2", planned("moe_ep2", None, collectives="save"))
-    *_, rerunning, _ = run_step("moe_ep2", planned("moe_ep2", None))
+    saving_plan = planned("moe_ep2", None, collectives="save", executor="eager")
+    *_, saving, _ = run_step("moe_ep2", saving_plan)
+    rerunning_plan = planned("moe_ep2", None, executor="eager")
+    *_, rerunning, _ = run_step("moe_ep2", rerunning_plan)
     assert set(recomputed(saving, all_to_all).values()) == {0}
-    assert all(n >= 1 for n in recomputed(rerunning, all_to_all).values())
+    assert recomputed(saving, all_to_all) == replayed(saving_plan, all_to_all)
+    assert set(recomputed(rerunning, all_to_all).values()) == {3}
+    assert recomputed(rerunning, all_to_all) == replayed(rerunning_plan, all_to_all)
 
 
 def test_a_plan_for_another_graph_raises_naming_the_kept_op():

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use ir::{
     io::Format as GraphFormat,
-    plan::{Collectives, Format as PlanFormat, Plan, PlanReadError, RandomOps},
+    plan::{Collectives, Executor, Format as PlanFormat, Plan, PlanReadError, RandomOps},
     Graph, LoadError,
 };
 use planner::{
@@ -178,6 +178,18 @@ fn random_ops(name: &str) -> Result<RandomOps, Failure> {
     })
 }
 
+fn executor(name: &str) -> Result<Executor, Failure> {
+    Executor::from_name(name).ok_or_else(|| {
+        Failure::new(
+            "invalid-option",
+            format!(
+                "executor must be one of {}, not `{name}`",
+                Executor::spellings()
+            ),
+        )
+    })
+}
+
 fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failure> {
     let single_ops = match granularity {
         "unit" => false,
@@ -229,7 +241,7 @@ fn json_text(bytes: Vec<u8>) -> String {
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
-    budget_size=None, granularity, hw_json=None
+    executor_name, budget_size=None, granularity, hw_json=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
@@ -241,6 +253,7 @@ fn plan(
     recompute_ratio: f64,
     collectives_name: &str,
     random_ops_name: &str,
+    executor_name: &str,
     budget_size: Option<&str>,
     granularity: &str,
     hw_json: Option<&str>,
@@ -256,6 +269,7 @@ fn plan(
             recompute_ratio,
             collectives: collectives(collectives_name)?,
             random_ops: random_ops(random_ops_name)?,
+            executor: executor(executor_name)?,
             ..PlanConfig::default()
         };
         let hw = match hw_json {
