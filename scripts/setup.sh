@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# Idempotent setup: a Python venv with the pinned torch (libtorch for tch) and the Python test
-# dependencies. The venv lives outside the clone, keyed by the torch version, so a fresh clone
-# (CI) reuses it. Prints nothing but progress on stderr; safe to run any number of times.
+# Idempotent setup: a Python venv with the pinned torch (libtorch for tch), the Python test
+# dependencies and maturin, then the `recompute_planner` package of this clone installed into
+# it (editable, with its native extension). The venv lives outside the clone, keyed by the
+# torch version, so a fresh clone (CI) reuses it; the package is reinstalled from the clone
+# that runs this, which costs an incremental cargo build. Prints nothing but progress on
+# stderr; safe to run any number of times.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.13.0  # keep in sync with scripts/env.sh and tch in Cargo.toml
 VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$TORCH_VERSION}"
-PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "grpcio-tools>=1.74" "pytest>=8" "safetensors>=0.4" "numpy>=1.26")
+# transformers: the HuggingFace model families the exporter is tested on (tiny configs, random
+# weights, nothing downloaded).
+PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "grpcio-tools>=1.74" "pytest>=8" "safetensors>=0.4" "numpy>=1.26" "maturin>=1.9.4,<2" "transformers==5.23.0")
 STAMP="$VENV/.planner-setup-ok"
 
 want_stamp() { printf '%s\n' "${PY_DEPS[@]}"; }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(want_stamp)" ] && [ -x "$VENV/bin/python" ]; then
-  exit 0
+if ! { [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(want_stamp)" ] && [ -x "$VENV/bin/python" ]; }; then
+  echo "setup: creating $VENV (torch $TORCH_VERSION, about a minute)" >&2
+  mkdir -p "$(dirname "$VENV")"
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
+  "$VENV/bin/python" -m pip install --quiet "${PY_DEPS[@]}" >&2
+  "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__" >&2
+  want_stamp > "$STAMP"
+  echo "setup: venv done" >&2
 fi
 
-echo "setup: creating $VENV (torch $TORCH_VERSION, about a minute)" >&2
-mkdir -p "$(dirname "$VENV")"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-"$VENV/bin/python" -m pip install --quiet "${PY_DEPS[@]}" >&2
-"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__" >&2
-want_stamp > "$STAMP"
-echo "setup: done" >&2
+# The package of this clone, with the planner as its native extension (maturin builds
+# python/native). PLANNER_NATIVE_PROFILE=release builds it optimised (what `pip install
+# ./python` does); the default dev profile shares the workspace's debug build, which the tests
+# need and which builds in a fraction of the time.
+echo "setup: installing recompute_planner from $PWD/python" >&2
+PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-dev}" \
+  "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e python >&2

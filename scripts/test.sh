@@ -18,7 +18,6 @@ echo "== cargo test" >&2
 cargo test --workspace --features planner-cli/run --quiet
 
 echo "== pytest" >&2
-# The package is installed editable from this clone on every run (cheap), so a fresh clone
-# reusing the cached venv tests its own sources.
-python -m pip install --quiet --no-deps --no-build-isolation -e python
+# setup.sh installed the package editable from this clone, native extension included, so a
+# fresh clone reusing the cached venv tests its own sources.
 python -m pytest -q python/tests

@@ -45,8 +45,14 @@ impl HwProfile {
     pub fn from_file(path: &Path) -> Result<HwProfile, String> {
         let text = fs::read_to_string(path)
             .map_err(|e| format!("cannot read hardware profile {}: {e}", path.display()))?;
-        let profile: HwProfile = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: not a valid hardware profile: {e}", path.display()))?;
+        HwProfile::from_json(&text, &path.display().to_string())
+    }
+
+    /// A profile from JSON text; `origin` names it in errors (a path, or what the text came
+    /// from). Fields it leaves out keep the H200 defaults.
+    pub fn from_json(text: &str, origin: &str) -> Result<HwProfile, String> {
+        let profile: HwProfile = serde_json::from_str(text)
+            .map_err(|e| format!("{origin}: not a valid hardware profile: {e}"))?;
         for (field, value) in [
             ("matmul_flops_per_s", profile.matmul_flops_per_s),
             ("vector_flops_per_s", profile.vector_flops_per_s),
@@ -55,8 +61,7 @@ impl HwProfile {
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!(
-                    "{}: `{field}` must be a positive number, got {value}",
-                    path.display()
+                    "{origin}: `{field}` must be a positive number, got {value}"
                 ));
             }
         }

@@ -5,7 +5,9 @@
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
   passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
   constant-folds the check, so it never enters a compiled graph), as the first seed's marker
-  does. Its output must be used: the caller continues with the returned tensor.
+  does, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
+  (``recompute_planner.compile``) needs the markers in the joint graph and removes them after
+  planning. Its output must be used: the caller continues with the returned tensor.
 - ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded
   on each node as ``compiled_region``; empty means eager).
 - ``layer_scope(model, layer, micro_batch=0)``: ops traced inside belong to ``model`` (a name
@@ -52,13 +54,28 @@ def _backward(ctx, grad: torch.Tensor):
 _checkpoint_record.register_autograd(_backward)
 
 
+# Whether markers enter graphs Dynamo compiles (Dynamo guards on it: toggling recompiles).
+_in_compiled_graphs = False
+
+
 def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
     """Records the point marker ``name`` on the data path of ``x``; returns ``x``'s identity."""
     if not name:
         raise ValueError("a checkpoint_record marker needs a non-empty name")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not _in_compiled_graphs:
         return x
     return _checkpoint_record(x, name)
+
+
+@contextlib.contextmanager
+def markers_in_compiled_graphs() -> Iterator[None]:
+    """Markers traced by ``torch.compile`` inside the block enter the compiled graph."""
+    global _in_compiled_graphs
+    previous, _in_compiled_graphs = _in_compiled_graphs, True
+    try:
+        yield
+    finally:
+        _in_compiled_graphs = previous
 
 
 @contextlib.contextmanager

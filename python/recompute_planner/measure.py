@@ -22,8 +22,9 @@ Three of the plan's numbers have an eager counterpart (``measure_golden``):
 - ``WHOLE_LAYER`` (``full_recompute_peak_bytes``): every layer (what each ``layer_scope``
   encloses: a decoder layer, the MTP layer) under non-reentrant ``torch.utils.checkpoint``;
 - ``SELECTIVE`` (``peak_bytes`` of a plan): the same checkpoints with a selective-checkpoint
-  policy that saves the ops whose outputs the plan saves (``saved_ops``; saving every op the
-  plan keeps would also hold outputs nothing after forward reads).
+  policy that saves the ops whose outputs the plan saves (``plan_contexts``, through
+  ``recompute_planner.sac``; saving every op the plan keeps would also hold outputs nothing
+  after forward reads).
 
 Checkpoints run with ``preserve_rng_state=False``: the CPU generator state torch would stash
 per layer (5056 bytes, host memory on a GPU) is not an activation. In the one zoo model with
@@ -42,12 +43,14 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from .plans import Plan
 
 # The planner baselines measured here, with the plan's `memory` key each one predicts.
 NO_CHECKPOINT = "no_checkpoint"
@@ -244,32 +247,14 @@ def measure_training_step(
     )
 
 
-class CheckpointedLayer(nn.Module):
-    """A decoder layer under non-reentrant ``torch.utils.checkpoint`` (whole-layer recompute).
-
-    ``context_fn`` is passed through (selective checkpointing policies).
-    """
-
-    def __init__(self, inner: nn.Module, context_fn: Callable | None = None):
-        super().__init__()
-        self.inner = inner
-        self.context_fn = context_fn
-
-    def forward(self, *args: Any) -> Any:
-        return _checkpoint(self.inner, args, self.context_fn)
-
-
-def _checkpoint(fn: Callable, args: tuple, context_fn: Callable | None) -> Any:
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra)
-
-
 # A checkpointed layer: (model, layer), as the planner names it.
 LayerKey = tuple[str, int]
 
 
 def checkpoint_layers(
-    model: nn.Module, context_fns: dict[LayerKey, Callable] | None = None
+    model: nn.Module,
+    context_fns: dict[LayerKey, Callable] | None = None,
+    preserve_rng_state: bool | None = None,
 ) -> nn.Module:
     """Puts every layer of a zoo ``CausalLM`` under a checkpoint: exactly what each
     ``layer_scope(model, i)`` encloses, the planner's layers.
@@ -277,144 +262,48 @@ def checkpoint_layers(
     ``("main", i)`` is ``model.layers[i]``; ``("mtp", 0)`` is ``MTPLayer.layer_forward`` (its
     norms, projection and block). ``context_fns`` gives a layer its selective-checkpoint
     contexts; the parameter order (hence the gradients' order) does not change.
+    ``preserve_rng_state``: see ``sac.checkpoint_call`` (None: what the context asks for).
     """
     from .zoo.model import MAIN_MODEL, MTP_MODEL
 
+    from .sac import CheckpointedLayer, checkpoint_call
+
     context_fns = context_fns or {}
     for index, layer in enumerate(model.layers):
-        model.layers[index] = CheckpointedLayer(layer, context_fns.get((MAIN_MODEL, index)))
+        context_fn = context_fns.get((MAIN_MODEL, index))
+        model.layers[index] = CheckpointedLayer(layer, context_fn, preserve_rng_state)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))
-        mtp.layer_forward = lambda *args: _checkpoint(inner, args, context_fn)
+        mtp.layer_forward = lambda *args: checkpoint_call(
+            inner, args, {}, context_fn, preserve_rng_state
+        )
     return model
 
 
 # --------------------------------------------------------------------------------------------
 # Selective checkpointing from a plan
 
-# Eager ops that stand for a different graph op: eager functional collectives return an
-# `AsyncCollectiveTensor` through `_wrap_tensor_autograd` where the trace has `wait_tensor`.
-_EAGER_EQUIVALENTS = {
-    "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default",
-}
 
+def plan_contexts(plan: "Plan", graph: Any) -> dict[LayerKey, Callable]:
+    """Selective-checkpoint contexts per checkpointed layer that save what ``plan`` saves:
+    the public policy (``recompute_planner.sac``) restricted to the kept ops whose outputs
+    the plan's saved set holds. Saving every kept op instead makes eager SAC hold outputs that
+    nothing after forward reads until the layer is recomputed (dense, ``--keep all``: +12160
+    B, +26%), which the plan's ``peak_bytes`` does not count."""
+    from .sac import context_fn
 
-def saved_ops(graph: Any, plan: dict) -> dict[LayerKey, list[tuple[str, bool]]]:
-    """Per checkpointed layer, its forward ops in execution order, each with whether a
-    selective checkpoint must save it.
+    return {key: context_fn(plan, *key, graph=graph) for key in plan.layers()}
 
-    An op is saved when the plan keeps it and the plan's saved set holds one of its outputs
-    (backward or replay reads it). Saving every kept op instead makes eager SAC hold outputs
-    that nothing after forward reads until the layer is recomputed (dense, `--keep all`:
-    +12160 B, +26%).
-    """
-    decisions = {n["name"]: n for n in plan["nodes"]}
-    saved = {s["value"] for s in plan["saved"]}
-    layers: dict[LayerKey, list[tuple[str, bool]]] = {}
-    for node in graph.nodes:
-        decision = decisions.get(node.name)
-        if decision is None or decision["layer"] is None:
-            continue  # a backward node, or outside every layer
-        keep = decision["decision"] == "save" and any(o in saved for o in node.outputs)
-        layers.setdefault((decision["model"], decision["layer"]), []).append((node.op, keep))
-    return layers
-
-
-def align_ops(graph_ops: list[str], eager_ops: list[str]) -> list[int | None]:
-    """For each eager op, the index of the graph op it is, or None (eager only).
-
-    The two sequences agree but for a few ops (`detach` of a non-grad input is invisible to a
-    dispatch mode, funcol wraps and views its outputs in eager), so a diff aligns them.
-    """
-    from difflib import SequenceMatcher
-
-    normalised = [_EAGER_EQUIVALENTS.get(op, op) for op in eager_ops]
-    mapping: list[int | None] = [None] * len(eager_ops)
-    matcher = SequenceMatcher(None, graph_ops, normalised, autojunk=False)
-    for block in matcher.get_matching_blocks():
-        for k in range(block.size):
-            mapping[block.b + k] = block.a + k
-    return mapping
-
-
-def _policy_context(decide: Callable[[int, str], bool]) -> Callable:
-    """A `context_fn` whose policy saves the i-th op of the layer's forward iff `decide(i, op)`
-    (the recompute pass sees the same sequence and gets the same answers)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    def context_fn():
-        counters = {False: 0, True: 0}
-
-        def policy(ctx, op, *args, **kwargs):
-            index = counters[ctx.is_recompute]
-            counters[ctx.is_recompute] += 1
-            if decide(index, str(op)):
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
-
-
-def _record_layer_ops(build: Callable[[], nn.Module], inputs: tuple) -> dict[LayerKey, list[str]]:
-    """Each checkpointed layer's forward ops, as a selective checkpoint's policy sees them."""
-    seen: dict[LayerKey, list[str]] = {}
-
-    def recorder(key: LayerKey) -> Callable:
-        def decide(index: int, op: str) -> bool:
-            ops = seen.setdefault(key, [])
-            if index == len(ops):
-                ops.append(op)
-            return False
-
-        return _policy_context(decide)
-
-    from .zoo.model import MAIN_MODEL, MTP_MODEL
-
-    model = build()
-    keys = [(MAIN_MODEL, i) for i in range(len(model.layers))]
-    keys += [(MTP_MODEL, 0)] if getattr(model, "mtp", None) is not None else []
-    checkpoint_layers(model, {key: recorder(key) for key in keys})
-    with torch.random.fork_rng(devices=[]):
-        model(*inputs)
-    return seen
-
-
-def plan_contexts(
-    build: Callable[[], nn.Module], inputs: tuple, graph: Any, plan: dict
-) -> dict[LayerKey, Callable]:
-    """Selective-checkpoint contexts per layer that save what ``plan`` saves.
-
-    The eager ops of each layer are recorded once (a forward of ``build()``) and aligned with
-    the graph's; an eager op is saved iff it is a graph op ``saved_ops`` marks. Raises if a
-    graph op to save has no eager counterpart.
-    """
-    wanted = saved_ops(graph, plan)
-    contexts = {}
-    for key, eager_ops in _record_layer_ops(build, inputs).items():
-        graph_ops = [op for op, _ in wanted[key]]
-        mapping = align_ops(graph_ops, eager_ops)
-        lost = {i for i, (_, keep) in enumerate(wanted[key]) if keep} - set(mapping)
-        if lost:
-            raise ValueError(
-                f"layer {key} saves graph ops the eager layer does not run: "
-                + ", ".join(f"#{i} {graph_ops[i]}" for i in sorted(lost))
-            )
-        save = [m is not None and wanted[key][m][1] for m in mapping]
-        contexts[key] = _policy_context(lambda i, _op, save=save: i < len(save) and save[i])
-    return contexts
 
 def measure_golden(
-    name: str, baseline: str, plan: dict | None = None, graph: Any = None
+    name: str, baseline: str, plan: "Plan | None" = None, graph: Any = None
 ) -> StepMemory:
     """Measures rank 0's step of golden ``name`` under a planner baseline or a plan.
 
     ``baseline``: ``NO_CHECKPOINT``, ``WHOLE_LAYER`` or ``SELECTIVE``; the last runs every
-    layer under a selective checkpoint whose policy saves what ``plan`` (the JSON plan of
-    ``graph``, the golden's ``graph_pb2.Graph``) saves, op by op (``saved_ops``,
-    ``align_ops``).
+    layer under a selective checkpoint whose policy saves what ``plan`` (the ``Plan`` of
+    ``graph``, the golden's ``graph_pb2.Graph``) saves, op by op (``plan_contexts``).
 
     Model, seeded weights and inputs come from the zoo catalogue, as for the export. A
     multi-rank golden runs in this process as rank 0 of the fake process group it was traced
@@ -435,8 +324,9 @@ def measure_golden(
     with traced_group(gold.world_size):
         context_fns = None
         if baseline == SELECTIVE:
-            context_fns = plan_contexts(gold.entry.build, inputs, graph, plan)
+            context_fns = plan_contexts(plan, graph)
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:
-            checkpoint_layers(model, context_fns)
+            # The RNG state a checkpoint stashes is host memory, not an activation.
+            checkpoint_layers(model, context_fns, preserve_rng_state=False)
         return measure_training_step(model, inputs)

@@ -59,6 +59,8 @@ from torch import nn
 from graph_walk import GOLDEN_DIR, load_graph
 from recompute_planner import measure
 from recompute_planner.measure import BASELINE_KEYS, NO_CHECKPOINT, WHOLE_LAYER
+from recompute_planner.plans import Plan
+from recompute_planner.sac import LayerOps
 from recompute_planner.zoo.goldens import GOLDENS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +139,7 @@ def test_plan_peak_matches_eager_selective_checkpointing(name, planner_bin, reco
     flags, _reason = SELECTIVE_FLAGS.get(name, (("--keep", "all"), ""))
     plan = planned(planner_bin, name, flags)
     step = measure.measure_golden(
-        name, measure.SELECTIVE, plan, load_graph(GOLDEN_DIR / f"{name}.pb")
+        name, measure.SELECTIVE, Plan(json.dumps(plan)), load_graph(GOLDEN_DIR / f"{name}.pb")
     )
     check_gap(
         name, " ".join(flags), plan["memory"]["peak_bytes"], step, SELECTIVE_TOLERANCE,
@@ -150,8 +152,8 @@ def test_selective_policy_saves_what_backward_or_replay_reads(planner_bin):
     those whose outputs the plan saves: not the RoPE intermediates or the MLP's down
     projection, which nothing after forward reads (saving them too: +12160 B, +26%)."""
     plan = planned(planner_bin, "dense", ("--keep", "all"))
-    layer = measure.saved_ops(load_graph(GOLDEN_DIR / "dense.pb"), plan)[("main", 0)]
-    saved = [op for op, save in layer if save]
+    layer = LayerOps.of(Plan(json.dumps(plan)), "main", 0, load_graph(GOLDEN_DIR / "dense.pb"))
+    saved = [op for op, save in zip(layer.ops, layer.keep) if save]
     assert saved == [
         "aten.mm.default",  # qkv
         "aten.add.Tensor",  # q after RoPE

@@ -133,8 +133,10 @@ class Dispatcher:
         cfg = self.cfg
         rows = received.view(cfg.world_size, cfg.local_experts, cfg.capacity, -1)
         filled = host_counts.clamp(max=cfg.capacity).view(cfg.world_size, cfg.local_experts, 1)
-        valid = torch.arange(cfg.capacity) < filled
-        return rows * valid.unsqueeze(-1)
+        # The mask is computed on the host, from the host counts, and used on the device (a
+        # no-op on CPU; on GPU, as a graph traced with fake CUDA tensors shows, a copy).
+        valid = torch.arange(cfg.capacity, device=host_counts.device) < filled
+        return rows * valid.to(rows.device).unsqueeze(-1)
 
     def combine(
         self, y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, mark: Mark

@@ -1,0 +1,334 @@
+//! `recompute_planner._native`: the planner in-process for Python.
+//!
+//! A thin layer over the Rust crates. A graph (a file path, or bytes with their format) and
+//! the options of `planner plan` go in; the plan comes out as its JSON text, the one dialect
+//! `recompute_planner.plans` parses into typed objects. Plan files are read and converted
+//! through `ir::plan`. Planning runs with the GIL released. Every error raises
+//! `recompute_planner.errors.PlannerError(message, code)`, whose message is the text the CLI
+//! prints after `error: `.
+
+use std::path::Path;
+
+use ir::{
+    io::Format as GraphFormat,
+    plan::{Collectives, Executor, Format as PlanFormat, Plan, PlanReadError, RandomOps},
+    Graph, LoadError,
+};
+use planner::{
+    budget::{BudgetError, Search},
+    config::{self, ConfigError, PlanConfig},
+    cost::HwProfile,
+    plan::PlanError,
+    units,
+};
+use pyo3::{prelude::*, types::PyBytes};
+
+/// A failure on the Rust side: the CLI's `error:` text and a stable code for Python.
+#[derive(Debug)]
+struct Failure {
+    message: String,
+    code: &'static str,
+}
+
+impl Failure {
+    fn new(code: &'static str, message: impl ToString) -> Failure {
+        Failure {
+            message: message.to_string(),
+            code,
+        }
+    }
+
+    /// The Python exception: `recompute_planner.errors.PlannerError(message, code)`.
+    fn into_py_err(self, py: Python<'_>) -> PyErr {
+        let raised = py
+            .import("recompute_planner.errors")
+            .and_then(|m| m.getattr("PlannerError"))
+            .and_then(|class| class.call1((self.message, self.code)));
+        match raised {
+            Ok(exception) => PyErr::from_value(exception),
+            Err(import_failed) => import_failed,
+        }
+    }
+}
+
+impl From<LoadError> for Failure {
+    fn from(e: LoadError) -> Self {
+        Failure::new("invalid-graph", e)
+    }
+}
+
+impl From<ConfigError> for Failure {
+    fn from(e: ConfigError) -> Self {
+        let code = match e {
+            ConfigError::UnknownUnit { .. } => "unknown-unit",
+            ConfigError::MixedKeep { .. } => "invalid-keep",
+            ConfigError::Ratio { .. } => "invalid-ratio",
+            ConfigError::ChoicesFormat { .. } | ConfigError::ChoicesUnknown { .. } => {
+                "invalid-choices"
+            }
+        };
+        Failure::new(code, e)
+    }
+}
+
+impl From<PlanError> for Failure {
+    fn from(e: PlanError) -> Self {
+        match e {
+            PlanError::Config(e) => e.into(),
+            PlanError::Partition(_) => Failure::new("internal-error", e),
+        }
+    }
+}
+
+impl From<BudgetError> for Failure {
+    fn from(e: BudgetError) -> Self {
+        let code = match e {
+            BudgetError::Plan(e) => return e.into(),
+            BudgetError::Infeasible { .. } => "budget-infeasible",
+            BudgetError::NotJoint => "budget-needs-joint-graph",
+            BudgetError::TooManyUnits { .. } => "too-many-units",
+        };
+        Failure::new(code, e)
+    }
+}
+
+impl From<PlanReadError> for Failure {
+    fn from(e: PlanReadError) -> Self {
+        let code = match e {
+            PlanReadError::Mismatch(_) => "graph-mismatch",
+            _ => "invalid-plan",
+        };
+        Failure::new(code, e)
+    }
+}
+
+/// Where the graph comes from: a file, or bytes in a known format (`origin` names them in
+/// errors, as a path would).
+enum Source<'a> {
+    File(&'a Path),
+    Bytes {
+        data: &'a [u8],
+        format: GraphFormat,
+        origin: &'a Path,
+    },
+}
+
+impl Source<'_> {
+    fn load(&self) -> Result<Graph, Failure> {
+        Ok(match *self {
+            Source::File(path) => ir::io::load(path)?,
+            Source::Bytes {
+                data,
+                format,
+                origin,
+            } => ir::io::load_bytes(data, format, origin)?,
+        })
+    }
+}
+
+/// `--budget` and `--granularity`.
+struct Budget {
+    bytes: u64,
+    single_ops: bool,
+}
+
+fn graph_format(name: &str) -> Result<GraphFormat, Failure> {
+    match name {
+        "pb" => Ok(GraphFormat::Protobuf),
+        "json" => Ok(GraphFormat::Json),
+        _ => Err(Failure::new(
+            "invalid-option",
+            format!("graph format must be `pb` or `json`, not `{name}`"),
+        )),
+    }
+}
+
+fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
+    match name {
+        "pb" => Ok(PlanFormat::Protobuf),
+        "json" => Ok(PlanFormat::Json),
+        _ => Err(Failure::new(
+            "invalid-option",
+            format!("plan format must be `pb` or `json`, not `{name}`"),
+        )),
+    }
+}
+
+fn collectives(name: &str) -> Result<Collectives, Failure> {
+    Collectives::from_name(name).ok_or_else(|| {
+        Failure::new(
+            "invalid-option",
+            format!(
+                "collectives must be one of {}, not `{name}`",
+                Collectives::spellings()
+            ),
+        )
+    })
+}
+
+fn random_ops(name: &str) -> Result<RandomOps, Failure> {
+    RandomOps::from_name(name).ok_or_else(|| {
+        Failure::new(
+            "invalid-option",
+            format!(
+                "random_ops must be one of {}, not `{name}`",
+                RandomOps::spellings()
+            ),
+        )
+    })
+}
+
+fn executor(name: &str) -> Result<Executor, Failure> {
+    Executor::from_name(name).ok_or_else(|| {
+        Failure::new(
+            "invalid-option",
+            format!(
+                "executor must be one of {}, not `{name}`",
+                Executor::spellings()
+            ),
+        )
+    })
+}
+
+fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failure> {
+    let single_ops = match granularity {
+        "unit" => false,
+        "op" => true,
+        _ => {
+            return Err(Failure::new(
+                "invalid-option",
+                format!("granularity must be `unit` or `op`, not `{granularity}`"),
+            ))
+        }
+    };
+    size.map(|size| {
+        let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
+        Ok(Budget { bytes, single_ops })
+    })
+    .transpose()
+}
+
+/// Plans the graph as `planner plan` does: the unit choice of `--budget` when given.
+fn plan_graph(
+    source: &Source<'_>,
+    config: &PlanConfig,
+    budget: Option<&Budget>,
+    hw: &HwProfile,
+) -> Result<String, Failure> {
+    let graph = source.load()?;
+    let plan = match budget {
+        None => planner::plan::plan(&graph, config, hw)?,
+        Some(budget) => {
+            let search = Search::new(&graph, config, hw)?;
+            let mut plan = if budget.single_ops {
+                search.within_ops(budget.bytes)?
+            } else {
+                search.within(budget.bytes)?
+            };
+            plan.config.budget_bytes = Some(budget.bytes);
+            plan
+        }
+    };
+    Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
+}
+
+fn json_text(bytes: Vec<u8>) -> String {
+    String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+}
+
+/// Plans a graph; returns the plan's JSON text (diagnostics included: Python raises the
+/// error-level ones). `path` is the graph file, or with `data` only what names the bytes.
+#[pyfunction]
+#[pyo3(signature = (
+    *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
+    executor_name, budget_size=None, granularity, hw_json=None
+))]
+#[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
+fn plan(
+    py: Python<'_>,
+    path: &str,
+    data: Option<&[u8]>,
+    format: Option<&str>,
+    keep: Vec<String>,
+    recompute_ratio: f64,
+    collectives_name: &str,
+    random_ops_name: &str,
+    executor_name: &str,
+    budget_size: Option<&str>,
+    granularity: &str,
+    hw_json: Option<&str>,
+) -> PyResult<String> {
+    let planned = (|| -> Result<String, Failure> {
+        // Configuration errors come before any other work, as in the CLI.
+        let keep = config::parse_keep(&keep)?;
+        let recompute_ratio = config::check_ratio(recompute_ratio)?;
+        let budget = budget(budget_size, granularity)?;
+        #[allow(clippy::needless_update)] // PlanConfig grows options; the rest keep defaults
+        let config = PlanConfig {
+            keep,
+            recompute_ratio,
+            collectives: collectives(collectives_name)?,
+            random_ops: random_ops(random_ops_name)?,
+            executor: executor(executor_name)?,
+            ..PlanConfig::default()
+        };
+        let hw = match hw_json {
+            Some(text) => HwProfile::from_json(text, "hardware profile")
+                .map_err(|e| Failure::new("invalid-option", e))?,
+            None => HwProfile::default(),
+        };
+        let source = match (data, format) {
+            (Some(data), Some(format)) => Source::Bytes {
+                data,
+                format: graph_format(format)?,
+                origin: Path::new(path),
+            },
+            (Some(_), None) => {
+                return Err(Failure::new(
+                    "invalid-option",
+                    "graph bytes need their format (`pb` or `json`)",
+                ))
+            }
+            (None, _) => Source::File(Path::new(path)),
+        };
+        py.detach(|| plan_graph(&source, &config, budget.as_ref(), &hw))
+    })();
+    planned.map_err(|f| f.into_py_err(py))
+}
+
+/// Reads a plan (`from_format`: `json` or `pb`) through `ir::plan` and writes it in
+/// `to_format`: the one reader of plan files, the CLI's.
+#[pyfunction]
+fn convert_plan<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    from_format: &str,
+    to_format: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let converted = (|| -> Result<Vec<u8>, Failure> {
+        let (from, to) = (plan_format(from_format)?, plan_format(to_format)?);
+        let (plan, names) = Plan::decode(data, from)?;
+        Ok(plan.encode(&names, to))
+    })();
+    match converted {
+        Ok(bytes) => Ok(PyBytes::new(py, &bytes)),
+        Err(f) => Err(f.into_py_err(py)),
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
+    m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
+    // The .proto files, so an installed copy away from the repository can generate its
+    // protobuf modules (recompute_planner.proto).
+    m.add(
+        "PROTOS",
+        [
+            ("graph.proto", include_str!("../../../proto/graph.proto")),
+            ("plan.proto", include_str!("../../../proto/plan.proto")),
+        ],
+    )?;
+    Ok(())
+}

@@ -1,0 +1,132 @@
+"""``recompute_planner.plan``: the planner in-process.
+
+The graph is planned by the Rust planner linked into this package (``_native``): no
+subprocess, no temporary file. Options are those of ``planner plan``. Error-level diagnostics
+reject the plan (``PlanRejected``); warning-level ones are issued as ``PlannerWarning``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Union
+
+from . import _native
+from .errors import PlannerError, PlannerWarning, PlanRejected
+from .plans import Plan
+
+# What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
+# `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
+GraphLike = Union[Any, bytes, str, os.PathLike]
+# `hw`: a profile's fields (dict), or a JSON file of them.
+HwLike = Union[Mapping[str, Any], str, os.PathLike, None]
+
+
+def plan(
+    graph: GraphLike,
+    keep: str | Iterable[str] | None = None,
+    *,
+    recompute_ratio: float = 1.0,
+    collectives: str = "recompute",
+    random_ops: str = "save",
+    executor: str = "graph",
+    budget: int | str | None = None,
+    granularity: str = "unit",
+    hw: HwLike = None,
+    format: str | None = None,
+    check: bool = True,
+) -> Plan:
+    """Plans selective checkpointing of ``graph`` and returns the ``Plan``.
+
+    - ``keep``: ``None`` / ``"none"`` (whole-layer recompute), ``"all"``, or unit names
+      (``["SAVE_DSA_INDEXER"]`` or ``"save_attn,save_mlp"``; case-insensitive);
+    - ``recompute_ratio``: layers with index < floor(ratio x layers) are checkpointed;
+    - ``collectives``: ``"recompute"`` or ``"save"`` (functional collectives and
+      device-to-host copies of routing counts kept in checkpointed layers);
+    - ``random_ops``: ``"save"`` (random ops' outputs saved) or ``"replay"`` (replayed with
+      the forward generator state restored: the executor must restore it);
+    - ``executor``: ``"graph"`` (torch.compile, the runtime: replay re-runs what backward
+      needs) or ``"eager"`` (``torch.utils.checkpoint`` with ``recompute_planner.sac``: a
+      layer's recompute re-runs its forward prefix, SAC caches kept ops' whole outputs);
+    - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
+      minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
+      single ops;
+    - ``hw``: a hardware profile for the cost estimates, as a dict or a JSON file (fields
+      left out keep the H200 defaults);
+    - ``format``: ``"pb"`` or ``"json"`` for graph bytes (default ``"pb"``);
+    - ``check``: raise ``PlanRejected`` on error diagnostics and warn on warning ones.
+
+    Raises ``PlannerError`` with the CLI's ``error:`` text and a ``code`` for bad input.
+    """
+    if budget is not None and keep not in (None, "none", []):
+        raise PlannerError(
+            "a budget chooses the units per layer: give `budget` or `keep`, not both",
+            "invalid-option",
+        )
+    hw_json = _hw_json(hw)
+    text = _native.plan(
+        **_graph_source(graph, format),
+        keep=_keep_list(keep),
+        recompute_ratio=float(recompute_ratio),
+        collectives_name=collectives,
+        random_ops_name=random_ops,
+        executor_name=executor,
+        budget_size=None if budget is None else str(budget),
+        granularity=granularity,
+        hw_json=hw_json,
+    )
+    result = Plan(text)
+    if check:
+        check_plan(result)
+    return result
+
+
+def check_plan(result: Plan, *, stacklevel: int = 3) -> None:
+    """Raises ``PlanRejected`` if the plan has errors; warns once per warning diagnostic."""
+    errors = result.errors()
+    if errors:
+        raise PlanRejected(result, errors)
+    for d in result.warnings():
+        warnings.warn(
+            PlannerWarning(f"{d.code}: {d.message} (hint: {d.hint})"), stacklevel=stacklevel
+        )
+
+
+def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
+    if keep is None:
+        return []
+    if isinstance(keep, str):
+        return [keep]
+    return [str(k) for k in keep]
+
+
+def _hw_json(hw: HwLike) -> str | None:
+    if hw is None:
+        return None
+    if isinstance(hw, Mapping):
+        return json.dumps(dict(hw))
+    return Path(hw).read_text()
+
+
+def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
+    """The ``_native.plan`` arguments naming the graph: a path, or bytes and their format."""
+    if isinstance(graph, (str, os.PathLike)):
+        if format is not None:
+            raise ValueError("`format` is for graph bytes; a path's extension gives its format")
+        return {"path": os.fspath(graph)}
+    if isinstance(graph, (bytes, bytearray, memoryview)):
+        return {"path": "<graph bytes>", "data": bytes(graph), "format": format or "pb"}
+    message = getattr(graph, "graph", graph)  # an ExportResult holds the message
+    serialize = getattr(message, "SerializeToString", None)
+    if serialize is None:
+        raise TypeError(
+            "plan() takes an exported graph (graph_pb2.Graph or ExportResult), its bytes or "
+            f"a path, not {type(graph).__name__}"
+        )
+    return {
+        "path": f"<graph {message.name}>",
+        "data": serialize(deterministic=True),
+        "format": "pb",
+    }

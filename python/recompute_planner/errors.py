@@ -1,0 +1,58 @@
+"""The exceptions and warnings of the planner in Python.
+
+Errors of the Rust side (an invalid graph, an unknown unit, an infeasible budget, a plan made
+for another graph) raise ``PlannerError``: its message is the text the ``planner`` CLI prints
+after ``error:``, and ``code`` names the kind of failure. A plan with an error-level
+diagnostic (``inplace-in-kept-interval``) is rejected with ``PlanRejected``, a
+``PlannerError`` whose code is the diagnostic's. Warning-level diagnostics are issued as
+``PlannerWarning`` warnings.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plans import Diagnostic, Plan
+
+
+class PlannerError(Exception):
+    """A failure of the planner: ``str(error)`` is the CLI's ``error:`` text.
+
+    ``code``: ``invalid-graph``, ``unknown-unit``, ``invalid-keep``, ``invalid-ratio``,
+    ``invalid-option``, ``budget-infeasible``, ``budget-needs-joint-graph``,
+    ``too-many-units``, ``invalid-plan``, ``graph-mismatch``, ``internal-error``, or the code
+    of an error diagnostic. ``hint`` says what to do, when the planner knows.
+    """
+
+    def __init__(self, message: str, code: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.hint = hint
+
+
+class PlanRejected(PlannerError):
+    """The plan has error-level diagnostics: the configuration does not do what was asked.
+
+    The message and code are the first error's, as the CLI prints them
+    (``<code>: <message>``); ``diagnostics`` lists every error and ``plan`` is the plan.
+    """
+
+    def __init__(self, plan: "Plan", errors: "list[Diagnostic]"):
+        first = errors[0]
+        super().__init__(f"{first.code}: {first.message}", first.code, first.hint)
+        self.plan = plan
+        self.diagnostics = errors
+
+
+class PlannerWarning(UserWarning):
+    """A warning-level diagnostic of a plan: ``<code>: <message> (hint: <hint>)``."""
+
+
+class SacMismatchError(RuntimeError):
+    """The model's eager op stream does not match the graph a plan was made for."""
+
+
+class ExportError(RuntimeError):
+    """A model could not be exported; the message names the cause and the fix."""

@@ -1,0 +1,253 @@
+"""Plans as Python objects: the typed form of the plan the planner writes.
+
+A ``Plan`` holds, per forward node, the decision (``save``, ``recompute``,
+``no-checkpoint``), its reason and unit; the saved set; the replay of each checkpointed layer;
+per-unit summaries; memory; cost; diagnostics. It is parsed from the plan's JSON (the proto3
+JSON of ``proto/plan.proto``, which the CLI writes too); ``.json`` and ``.pb`` plan files are
+read by the Rust reader (``ir::plan``) and converted to that JSON, so there is one reader and
+one dialect. Strings spell enumerations exactly as the JSON and the text output do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import _native
+
+DECISION_SAVE = "save"
+DECISION_RECOMPUTE = "recompute"
+DECISION_NO_CHECKPOINT = "no-checkpoint"
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """The policy's verdict on one forward node."""
+
+    name: str
+    op: str
+    model: str
+    layer: int | None
+    decision: str  # "save", "recompute" or "no-checkpoint"
+    reason: str  # "kept-interval", "compiled", "view", ... (docs in proto/plan.proto)
+    unit: str | None  # the unit that kept it (decision "save" by a unit)
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """A value resident for backward."""
+
+    value: str
+    bytes: int
+    layer: int | None
+    kind: str  # "kept", "layer-input", "not-checkpointed", "writes-resident", ...
+    model: str | None
+    alias_of: str | None = None  # the saved value whose storage this one shares
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The forward nodes one checkpointed layer re-executes in backward."""
+
+    model: str
+    layer: int
+    nodes: tuple[str, ...]  # in execution order
+    before: str  # the backward node it runs just before
+    seconds: float
+
+
+@dataclass(frozen=True)
+class UnitLayer:
+    layer: int
+    kept_ops: int
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class UnitSummary:
+    """What one kept unit of one model keeps."""
+
+    model: str
+    unit: str
+    kept_ops: int
+    saved_bytes: int
+    replay_time_avoided_s: float
+    layers: tuple[UnitLayer, ...]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted peak memory of the step (peaks are None for a forward-only graph)."""
+
+    peak_bytes: int | None
+    saved_bytes: int
+    no_checkpoint_peak_bytes: int | None
+    full_recompute_peak_bytes: int | None
+    peak_stage: str | None
+    peak_node: str | None
+    parameter_bytes: int
+    gradient_bytes: int
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What replay costs on the hardware profile ``hw``."""
+
+    replay_flops: int
+    replay_bytes: int
+    replay_comm_bytes: int
+    replay_time_s: float
+    full_recompute_replay_time_s: float
+    hw: str
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One way the configuration fails to do what was asked."""
+
+    level: str  # "error", "warning" or "info"
+    code: str
+    model: str
+    unit: str | None
+    message: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class LayerKeep:
+    model: str
+    layer: int
+    keep: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The options the plan was made with."""
+
+    keep: tuple[str, ...]  # () for none, ("ALL",) for all
+    recompute_ratio: float
+    collectives: str
+    budget_bytes: int | None
+    layer_keep: tuple[LayerKeep, ...]
+    random_ops: str = "save"
+    executor: str = "graph"
+
+
+@dataclass(frozen=True)
+class GraphRef:
+    name: str
+    fingerprint: str
+
+
+class Plan:
+    """A recompute plan for one graph (see the module docstring)."""
+
+    def __init__(self, json_text: str):
+        doc = json.loads(json_text)
+        self._json = json_text
+        self.planner_version: str = doc["planner_version"]
+        self.graph = _make(GraphRef, doc["graph"])
+        self.config = _config(doc["config"])
+        self.joint: bool = doc["joint"]
+        self.nodes: tuple[NodeDecision, ...] = tuple(_make(NodeDecision, n) for n in doc["nodes"])
+        self.saved: tuple[SavedValue, ...] = tuple(_make(SavedValue, s) for s in doc["saved"])
+        self.replay: tuple[Replay, ...] = tuple(
+            _make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in doc["replay"]
+        )
+        self.units: tuple[UnitSummary, ...] = tuple(_unit(u) for u in doc["units"])
+        self.memory = _make(Memory, doc["memory"])
+        self.cost = _make(Cost, doc["cost"])
+        self.diagnostics: tuple[Diagnostic, ...] = tuple(
+            _make(Diagnostic, d) for d in doc["diagnostics"]
+        )
+        self._by_name = {n.name: n for n in self.nodes}
+
+    # Queries --------------------------------------------------------------------------------
+
+    def decision(self, node: str) -> NodeDecision:
+        """The decision on forward node ``node`` (KeyError for a node the plan does not
+        decide: a backward node or one of another graph)."""
+        return self._by_name[node]
+
+    @property
+    def decisions(self) -> dict[str, str]:
+        """Forward node name -> ``save`` / ``recompute`` / ``no-checkpoint``."""
+        return {n.name: n.decision for n in self.nodes}
+
+    def saved_values(self, kinds: Iterable[str] | None = None) -> set[str]:
+        """Names of the saved values, optionally only those of the given kinds."""
+        wanted = None if kinds is None else set(kinds)
+        return {s.value for s in self.saved if wanted is None or s.kind in wanted}
+
+    def layers(self) -> list[tuple[str, int]]:
+        """The (model, layer) pairs the plan checkpoints, in execution order."""
+        seen: dict[tuple[str, int], None] = {}
+        for n in self.nodes:
+            if n.layer is not None and n.decision != DECISION_NO_CHECKPOINT:
+                seen.setdefault((n.model, n.layer), None)
+        return list(seen)
+
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.level == "error"]
+
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.level == "warning"]
+
+    # Encodings ------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The plan's JSON text, as ``planner plan --format json`` writes it."""
+        return self._json
+
+    def to_bytes(self) -> bytes:
+        """The binary ``plan.proto`` encoding, as ``planner plan --format pb`` writes it."""
+        return _native.convert_plan(self._json.encode(), "json", "pb")
+
+    def to_proto(self) -> Any:
+        """The plan as a ``recompute.plan.v1.Plan`` protobuf message."""
+        from .proto import plan_pb2
+
+        return plan_pb2.Plan.FromString(self.to_bytes())
+
+    def __repr__(self) -> str:
+        saved = sum(1 for n in self.nodes if n.decision == DECISION_SAVE)
+        return (
+            f"<Plan of {self.graph.name!r}: {len(self.nodes)} forward nodes, {saved} saved ops, "
+            f"peak {self.memory.peak_bytes} B, {len(self.diagnostics)} diagnostics>"
+        )
+
+
+def _make(cls: type, doc: dict) -> Any:
+    """``cls`` from the JSON object ``doc``: its fields by name, keys it does not know ignored
+    (a newer planner's), fields the JSON leaves out at their defaults (an older planner's)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def _config(doc: dict) -> Config:
+    layer_keep = tuple(
+        LayerKeep(l["model"], l["layer"], tuple(l["keep"])) for l in doc.get("layer_keep", [])
+    )
+    return _make(Config, {**doc, "keep": tuple(doc["keep"]), "layer_keep": layer_keep})
+
+
+def _unit(doc: dict) -> UnitSummary:
+    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, l) for l in doc["layers"])})
+
+
+def load_plan(source: str | os.PathLike | bytes, format: str | None = None) -> Plan:
+    """A plan from a ``.json`` or ``.pb`` file (or its bytes, with ``format`` ``"json"`` or
+    ``"pb"``), read by the planner's own reader."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        if format is None:
+            raise ValueError('plan bytes need their format: format="json" or format="pb"')
+        data = bytes(source)
+    else:
+        path = Path(source)
+        format = format or path.suffix.removeprefix(".")
+        data = path.read_bytes()
+    return Plan(_native.convert_plan(data, format, "json").decode())

@@ -1,0 +1,363 @@
+"""Eager selective activation checkpointing (SAC) from a plan.
+
+``context_fn(plan, model, layer)`` is the ``context_fn`` of
+``torch.utils.checkpoint.checkpoint(layer_fn, ..., use_reentrant=False, context_fn=...)``
+for one checkpointed layer: its policy saves (``CheckpointPolicy.MUST_SAVE``) every op the
+plan keeps in that layer (decision ``save``: the kept units' ops and, with
+``collectives="save"``, the saved collectives and device-to-host copies) and recomputes every
+other op. ``checkpoint_layers(layers, plan)`` applies it to every layer of a module list.
+
+Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
+order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
+each to the next graph op of the same op (the overload ignored, so an inductor-compiled
+region's ``mm.out`` is ``mm``); ops that appear in one stream only are tolerated:
+
+- eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
+  views eager adds, ...) are recomputed;
+- composites that trace differently (``F.one_hot``: range checks, ``arange`` / ``eq`` /
+  ``_to_copy`` in the graph, ``aminmax`` / ``_local_scalar_dense`` / ``zeros`` / ``scatter_``
+  in eager; CPU dropout: ``native_dropout`` in the graph, ``bernoulli_`` in eager) are matched
+  as a group when eager finishes them and recomputed in eager, kept or not
+  (``DIVERGENT_COMPOSITES``; ``PlanPolicy.tolerated`` lists them); a layer with random ops
+  is checkpointed with its RNG state preserved, so recompute draws what forward drew;
+- graph-only ops (the traced ``arange`` / ``eq`` / ``_to_copy`` of ``one_hot``, ``detach``,
+  which SAC never sees) are skipped when the next eager op matches a later graph op within a
+  few positions; an eager view matches only the next graph op (eager adds views of its own);
+
+but a kept graph op may never be skipped: when the eager stream does not reach it, the
+forward raises ``SacMismatchError`` naming the kept op and the first eager op that did not
+match, instead of saving the wrong tensors.
+
+``RecomputeCounter`` counts the ops a layer really re-runs: a dispatch mode entered under
+SAC's caching mode in recompute, so ops served from SAC's cache never reach it (the policy
+itself is only called in forward in torch 2.13: ``ctx.is_recompute`` is never true). It
+declares ``ignore_compile_internals`` so whole-layer checkpoints of compiled regions work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from .errors import SacMismatchError
+from .plans import DECISION_SAVE, Plan
+
+# How far ahead of the next expected graph op an eager op may match (graph-only ops skipped).
+LOOKAHEAD = 8
+
+# Eager ops that stand for a graph op of another name: an eager functional collective returns
+# through `_wrap_tensor_autograd` where the trace waits with `wait_tensor`.
+EAGER_EQUIVALENTS = {
+    "_c10d_functional._wrap_tensor_autograd": "_c10d_functional.wait_tensor",
+}
+
+
+@dataclass(frozen=True)
+class Composite:
+    """Graph ops a composite traces into where eager dispatches others: ``required`` in this
+    order, ``optional`` anywhere before the last of them."""
+
+    required: tuple[str, ...]
+    optional: frozenset[str] = frozenset()
+    # Eager ops that follow the key op and belong to the composite (recomputed, unmatched).
+    eager_tail: tuple[str, ...] = ()
+
+
+# Composites that trace into other ops than eager dispatches, by the eager op that finishes
+# them: when eager dispatches it, the graph ops of the composite are matched as a group and
+# recomputed in eager even when the plan keeps them (eager has no such ops to cache).
+DIVERGENT_COMPOSITES = {
+    # F.one_hot: the trace checks the range (ge / lt / all / _assert_async) and compares with
+    # an arange (eq, _to_copy); eager runs aminmax, _local_scalar_dense, zeros and scatter_.
+    # The result is the `zeros` tensor scatter_ writes in place, so nothing of it may be
+    # cached (a cached scatter_ would leave the recomputed tensor zero).
+    "aten.scatter_": Composite(
+        ("aten.arange", "aten.eq", "aten._to_copy"),
+        frozenset({"aten.ge", "aten.lt", "aten.all", "aten._assert_async", "aten.unsqueeze"}),
+    ),
+    # Dropout on CPU: the trace has native_dropout, eager fills a mask with bernoulli_ in
+    # place. Recompute draws the same mask because the checkpoint restores the RNG state
+    # (``PlanPolicy.preserve_rng_state``).
+    "aten.bernoulli_": Composite(("aten.native_dropout",), eager_tail=("aten.div_", "aten.mul")),
+}
+# How far a composite's graph ops may spread.
+COMPOSITE_WINDOW = 16
+
+
+def op_packet(op: str) -> str:
+    """``aten.mm.out`` -> ``aten.mm``: ops are matched without their overload."""
+    packet = op.rsplit(".", 1)[0] if op.count(".") >= 2 else op
+    return EAGER_EQUIVALENTS.get(packet, packet)
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """One checkpointed layer's forward ops, as the plan lists them."""
+
+    model: str
+    layer: int
+    names: tuple[str, ...]
+    ops: tuple[str, ...]
+    keep: tuple[bool, ...]
+    random: bool = False  # the layer has random ops (dropout)
+
+    @classmethod
+    def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> "LayerOps":
+        """The layer's ops; each kept op is to be saved, or with ``graph`` (the plan's
+        ``graph_pb2.Graph``) only the kept ops an output of which the plan's saved set holds
+        (what a graph executor holds: backward or replay reads it)."""
+        nodes = [n for n in plan.nodes if n.model == model and n.layer == layer]
+        if not nodes:
+            layers = ", ".join(f"{m}/{l}" for m, l in plan.layers()) or "none"
+            raise KeyError(
+                f"the plan has no layer {layer} of model `{model}`; it checkpoints: {layers}"
+            )
+        keep = [n.decision == DECISION_SAVE for n in nodes]
+        if graph is not None:
+            saved = plan.saved_values()
+            outputs = {n.name: n.outputs for n in graph.nodes}
+            keep = [k and any(v in saved for v in outputs[n.name]) for k, n in zip(keep, nodes)]
+        return cls(
+            model,
+            layer,
+            tuple(n.name for n in nodes),
+            tuple(n.op for n in nodes),
+            tuple(keep),
+            random=any(n.reason.startswith("random") for n in nodes),
+        )
+
+    def kept(self) -> list[str]:
+        return [name for name, keep in zip(self.names, self.keep) if keep]
+
+
+class _Matcher:
+    """Matches one forward's eager ops to the layer's graph ops (see the module docstring)."""
+
+    def __init__(self, layer: LayerOps):
+        self.layer = layer
+        self.packets = [op_packet(op) for op in layer.ops]
+        self.next = 0  # the next graph op to match
+        self.matched: list[str] = []  # graph node names matched, in order
+        self.first_unmatched: str | None = None  # the first eager op with no graph op
+        self.tolerated: list[str] = []  # graph ops eager computes otherwise (composites)
+        self.eager_tail: list[str] = []  # eager ops still to come of the last composite
+
+    def decide(self, eager_op: str, is_view: bool = False) -> bool:
+        """Whether to save the output of ``eager_op``, the next op the layer dispatches.
+
+        A view matches only the next graph op: eager adds views of its own (a functional
+        collective's result, a reshape), which must not pull the matching ahead.
+        """
+        packet = op_packet(eager_op)
+        if self.eager_tail and self.eager_tail[0] == packet:
+            self.eager_tail.pop(0)
+            return False
+        self.eager_tail.clear()
+        if packet in DIVERGENT_COMPOSITES and self._match_composite(
+            DIVERGENT_COMPOSITES[packet], eager_op
+        ):
+            return False
+        end = min(self.next + (1 if is_view else LOOKAHEAD), len(self.packets))
+        for index in range(self.next, end):
+            if self.packets[index] != packet:
+                continue
+            skipped_kept = [i for i in range(self.next, index) if self.layer.keep[i]]
+            if skipped_kept:
+                self._raise(skipped_kept[0], eager_op)
+            self.next = index + 1
+            self.matched.append(self.layer.names[index])
+            return self.layer.keep[index]
+        if self.first_unmatched is None:
+            self.first_unmatched = eager_op
+        return False
+
+    def _match_composite(self, composite: Composite, eager_op: str) -> bool:
+        """Consumes the composite's graph ops as a group, if they come next (other ops among
+        them must not be kept)."""
+        wanted = list(composite.required)
+        index, group = self.next, []
+        end = min(self.next + COMPOSITE_WINDOW, len(self.packets))
+        while wanted and index < end:
+            packet = self.packets[index]
+            if packet == wanted[0]:
+                wanted.pop(0)
+                group.append(index)
+            elif packet in composite.optional:
+                group.append(index)
+            index += 1
+        if wanted:
+            return False
+        for skipped in range(self.next, index):
+            if self.layer.keep[skipped] and skipped not in group:
+                self._raise(skipped, eager_op)
+        self.tolerated.extend(self.layer.names[i] for i in group)
+        self.next = index
+        self.eager_tail = list(composite.eager_tail)
+        return True
+
+    def finish(self) -> None:
+        """Raises if a kept graph op was never matched."""
+        for index in range(self.next, len(self.packets)):
+            if self.layer.keep[index]:
+                self._raise(index, self.first_unmatched or "the end of the layer's forward")
+
+    def _raise(self, index: int, eager_op: str) -> None:
+        layer = self.layer
+        raise SacMismatchError(
+            f"layer {layer.layer} of model `{layer.model}`: the plan keeps `{layer.names[index]}` "
+            f"({layer.ops[index]}, op #{index} of the layer), but the eager layer reached "
+            f"{eager_op} without running it; the model's eager op stream does not match the "
+            "graph the plan was made for (re-export the model, or plan the graph it runs)"
+        )
+
+
+class RecomputeCounter(TorchDispatchMode):
+    """Counts the ops dispatched while it is active (by op, overload included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def count(self, op: str) -> int:
+        """Ops run whose name is ``op`` or starts with ``op + "."`` (any overload)."""
+        return sum(n for name, n in self.counts.items() if name == op or name.startswith(op + "."))
+
+
+@dataclass
+class PlanPolicy:
+    """The ``context_fn`` of one layer (``context_fn(plan, model, layer)`` builds it).
+
+    ``recomputed`` counts the ops each recompute really re-runs; ``held`` lists, after a
+    forward, the (op, bytes) of every tensor SAC's cache holds for backward, to check it
+    against the plan (sizes only: holding the tensors would keep them alive past backward).
+    """
+
+    layer: LayerOps
+    recomputed: RecomputeCounter = field(default_factory=RecomputeCounter)
+    held: list[tuple[str, int]] = field(default_factory=list)
+    # Graph ops the last forward matched as a divergent composite (recomputed in eager).
+    tolerated: list[str] = field(default_factory=list)
+
+    def __call__(self) -> tuple[Any, Any]:
+        matcher = _Matcher(self.layer)
+
+        def policy(ctx, op, *args, **kwargs):
+            save = matcher.decide(str(op), op.is_view)
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        return self._forward(caching, matcher), self._recompute(cached)
+
+    @contextlib.contextmanager
+    def _forward(self, caching: Any, matcher: _Matcher) -> Iterator[None]:
+        with caching:
+            yield
+        matcher.finish()
+        self.tolerated = list(matcher.tolerated)
+        self.held = [
+            (str(key), leaf.val.numel() * leaf.val.element_size())
+            for key, entries in caching.storage.items()
+            for entry in entries.values()
+            for leaf in tree_leaves(entry)
+            if isinstance(getattr(leaf, "val", None), torch.Tensor)
+        ]
+
+    @contextlib.contextmanager
+    def _recompute(self, cached: Any) -> Iterator[None]:
+        # The counter is entered first, under SAC's mode: ops served from the cache never
+        # reach it.
+        with self.recomputed, cached:
+            yield
+
+    @property
+    def preserve_rng_state(self) -> bool:
+        """Whether the checkpoint must restore the RNG state for recompute: the layer has
+        random ops, which recompute must draw as forward did."""
+        return self.layer.random
+
+    def held_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.held)
+
+
+def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPolicy:
+    """The ``context_fn`` whose policy saves exactly the ops ``plan`` keeps in ``layer`` of
+    ``model`` (see the module docstring). With ``graph`` (the plan's graph message) it saves
+    only the kept ops whose outputs the plan's saved set holds."""
+    return PlanPolicy(LayerOps.of(plan, model, layer, graph))
+
+
+class CheckpointedLayer(nn.Module):
+    """``inner`` under non-reentrant ``torch.utils.checkpoint`` with ``context_fn``
+    (``preserve_rng_state``: see ``checkpoint_call``)."""
+
+    def __init__(
+        self,
+        inner: nn.Module | Callable,
+        context: Callable | None = None,
+        preserve_rng_state: bool | None = None,
+    ):
+        super().__init__()
+        self.inner = inner
+        self.context_fn = context
+        self.preserve_rng_state = preserve_rng_state
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_call(
+            self.inner, args, kwargs, self.context_fn, self.preserve_rng_state
+        )
+
+
+def checkpoint_call(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    context: Callable | None,
+    preserve_rng_state: bool | None = None,
+) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant checkpointing (selective with ``context``).
+
+    By default the RNG state is stashed only for a plan's layer with random ops
+    (``PlanPolicy``): the stash is host memory per layer that a layer without random ops does
+    not need.
+    """
+    extra = {} if context is None else {"context_fn": context}
+    preserve = preserve_rng_state
+    if preserve is None:
+        preserve = bool(getattr(context, "preserve_rng_state", False))
+    return checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=preserve, **extra, **kwargs
+    )
+
+
+def checkpoint_layers(
+    layers: nn.ModuleList, plan: Plan, model: str = "main"
+) -> dict[int, PlanPolicy]:
+    """Wraps every layer of ``layers`` that ``plan`` checkpoints (layer ``i`` of ``model``) in
+    a selective checkpoint saving what the plan keeps; returns the policies by layer index."""
+    checkpointed = {l for m, l in plan.layers() if m == model}
+    policies = {}
+    for index in range(len(layers)):
+        if index in checkpointed:
+            policies[index] = context_fn(plan, model, index)
+            layers[index] = CheckpointedLayer(layers[index], policies[index])
+    return policies

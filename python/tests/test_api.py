@@ -1,0 +1,229 @@
+"""The planner in-process: `recompute_planner.plan` / `load_plan` against the `planner` CLI.
+
+Every check compares with what the CLI prints for the same graph and options, so the native
+extension is proved to be the same planner with the same error texts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from google.protobuf import json_format
+
+import recompute_planner as rp
+from export_support import REPO_ROOT, run_planner
+from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner.export import ModelDecl, export_joint, write_graph
+from recompute_planner.markers import checkpoint_record, layer_scope
+from recompute_planner.proto import plan_pb2
+
+GLM = GOLDEN_DIR / "glm_dsa_ep2.pb"
+
+
+def cli_json(*args: str) -> str:
+    done = run_planner("plan", *args, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def cli_error(*args: str) -> str:
+    """The first `error:` line the CLI prints, without the prefix."""
+    done = run_planner("plan", *args)
+    assert done.returncode == 1, done.stdout
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("error: "), done.stderr
+    return first.removeprefix("error: ")
+
+
+@pytest.mark.parametrize(
+    "options, flags",
+    [
+        ({}, []),
+        ({"keep": ["SAVE_DSA_INDEXER"]}, ["--keep", "save_dsa_indexer"]),
+        (
+            {"keep": "all", "recompute_ratio": 0.5, "collectives": "save"},
+            ["--keep", "all", "--recompute-ratio", "0.5", "--collectives", "save"],
+        ),
+        ({"keep": "all", "executor": "eager"}, ["--keep", "all", "--executor", "eager"]),
+        ({"random_ops": "replay"}, ["--random-ops", "replay"]),
+        ({"budget": "90KB"}, ["--budget", "90KB"]),
+        ({"budget": 90_000, "granularity": "op"}, ["--budget", "90000", "--granularity", "op"]),
+    ],
+)
+def test_plan_in_process_equals_the_cli_plan(options, flags):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(GLM, **options)
+    assert plan.to_json() == cli_json(str(GLM), *flags)
+
+
+def test_every_graph_form_plans_alike():
+    """A path, the `.pb` bytes, the `.json` bytes and the exported message give one plan."""
+    graph = load_graph(GLM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        by_path = rp.plan(GLM, keep="all").to_json()
+        assert rp.plan(GLM.read_bytes(), keep="all").to_json() == by_path
+        assert rp.plan(graph, keep="all").to_json() == by_path
+        as_json = json_format.MessageToJson(graph, preserving_proto_field_name=True)
+        assert rp.plan(as_json.encode(), keep="all", format="json").to_json() == by_path
+
+
+def test_plan_objects_carry_every_section():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(GLM, keep=["SAVE_DSA_INDEXER"])
+    doc = json.loads(plan.to_json())
+    assert [n.name for n in plan.nodes] == [n["name"] for n in doc["nodes"]]
+    topk = [n for n in plan.nodes if n.op == "aten.topk.default" and n.unit == "SAVE_DSA_INDEXER"]
+    assert topk and all(n.decision == "save" and n.reason == "kept-interval" for n in topk)
+    assert plan.decision(topk[0].name) == topk[0]
+    assert plan.saved_values() == {s["value"] for s in doc["saved"]}
+    assert [r.nodes for r in plan.replay] == [tuple(r["nodes"]) for r in doc["replay"]]
+    assert plan.memory.peak_bytes == doc["memory"]["peak_bytes"]
+    assert plan.cost.replay_flops == doc["cost"]["replay_flops"]
+    assert [d.code for d in plan.diagnostics] == [d["code"] for d in doc["diagnostics"]]
+    assert plan.config.keep == ("SAVE_DSA_INDEXER",)
+
+
+def test_warning_diagnostics_are_python_warnings():
+    with pytest.warns(rp.PlannerWarning, match="nondeterministic-replay: replay re-runs"):
+        plan = rp.plan(GLM, keep=["SAVE_DSA_INDEXER"])
+    assert any(d.code == "nondeterministic-replay" for d in plan.warnings())
+
+
+def test_an_unknown_unit_raises_the_cli_error_text_and_code():
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.plan(GLM, keep=["SAVE_NOTHING"])
+    assert raised.value.code == "unknown-unit"
+    assert str(raised.value) == cli_error(str(GLM), "--keep", "save_nothing")
+
+
+def test_an_invalid_graph_raises_the_cli_error_text(tmp_path):
+    broken = tmp_path / "broken.pb"
+    broken.write_bytes(b"\x0a\x05hello\xff\xff")
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.plan(broken)
+    assert raised.value.code == "invalid-graph"
+    assert str(raised.value) == cli_error(str(broken))
+
+
+class CorruptingWrite(torch.nn.Module):
+    """A kept op's output written in place together with a buffer (resident): keeping it is
+    an error (inplace-in-kept-interval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("stats", torch.zeros(4))
+
+    def forward(self, x):
+        with layer_scope("main", 0):
+            h = checkpoint_record("attn.begin", x * self.w)
+            kept = torch.sin(h)
+            torch._foreach_add_([kept, self.stats], 1.0)
+            out = checkpoint_record("attn.end", kept * self.w)
+        return out.sum()
+
+
+def test_an_error_diagnostic_rejects_the_plan_with_its_code(tmp_path):
+    models = [ModelDecl("main", 1, {"SAVE_ATTN": [("attn.begin", "attn.end")]})]
+    graph = export_joint(CorruptingWrite(), (torch.randn(4),), name="corrupting", models=models)
+    path = tmp_path / "corrupting.pb"
+    write_graph(graph.graph, path)
+    with pytest.raises(rp.PlanRejected) as raised:
+        rp.plan(graph, keep="all")
+    assert raised.value.code == "inplace-in-kept-interval"
+    assert str(raised.value) == cli_error(str(path), "--keep", "all")
+    assert raised.value.hint and raised.value.plan.errors()
+
+
+def test_an_infeasible_budget_raises_with_its_code():
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.plan(GLM, budget="1KB")
+    assert raised.value.code == "budget-infeasible"
+    assert str(raised.value) == cli_error(str(GLM), "--budget", "1KB")
+
+
+def test_a_hardware_profile_changes_the_times():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        default = rp.plan(GLM)
+        slow = rp.plan(GLM, hw={"name": "slow", "link_bytes_per_s": 1e6})
+    assert slow.cost.hw == "slow"
+    assert slow.cost.replay_time_s > default.cost.replay_time_s
+    with pytest.raises(rp.PlannerError, match="link_bytes_per_s` must be a positive number"):
+        rp.plan(GLM, hw={"link_bytes_per_s": -1})
+
+
+# --------------------------------------------------------------------------------------------
+# Plan files: one reader (the Rust one), one JSON dialect
+
+
+def test_cli_plans_load_through_the_api_from_json_and_pb(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        planned = rp.plan(GLM, keep="all")
+    files = {}
+    for suffix in ("json", "pb"):
+        files[suffix] = tmp_path / f"plan.{suffix}"
+        done = run_planner(
+            "plan", str(GLM), "--keep", "all", "--format", suffix, "-o", str(files[suffix])
+        )
+        assert done.returncode == 0, done.stderr
+    for path in files.values():
+        assert rp.load_plan(path).to_json() == planned.to_json()
+    assert planned.to_bytes() == files["pb"].read_bytes()
+
+
+def test_the_proto_module_parses_the_cli_json(tmp_path):
+    """The plan JSON is proto3 JSON: `json_format.Parse` into the shipped `plan_pb2` reads
+    what the CLI writes, enum-like strings (`no-checkpoint`) included, and equals the `.pb`."""
+    text = cli_json(str(GLM), "--keep", "save_dsa_indexer")
+    parsed = json_format.Parse(text, plan_pb2.Plan())
+    pb = tmp_path / "plan.pb"
+    done = run_planner("plan", str(GLM), "--keep", "save_dsa_indexer", "--format", "pb", "-o", str(pb))
+    assert done.returncode == 0, done.stderr
+    assert parsed == plan_pb2.Plan.FromString(pb.read_bytes())
+    assert {n.decision for n in parsed.nodes} == {"save", "recompute", "no-checkpoint"}
+    assert rp.load_plan(text.encode(), format="json").to_proto() == parsed
+
+
+def test_a_broken_plan_file_raises_the_readers_error(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(cli_json(str(GLM)).replace('"decision": "recompute"', '"decision": "sometimes"'))
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.load_plan(path)
+    assert raised.value.code == "invalid-plan"
+    assert "sometimes" in str(raised.value)
+
+
+# --------------------------------------------------------------------------------------------
+# The installed package
+
+
+def test_the_documented_one_liner_runs_from_the_repository():
+    code = (
+        "import recompute_planner as rp; "
+        "print(rp.plan('tests/golden/glm_dsa_ep2.pb', keep=['SAVE_DSA_INDEXER']).memory)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=REPO_ROOT, capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Memory(peak_bytes=")
+
+
+def test_the_extension_is_part_of_the_package():
+    from recompute_planner import _native
+
+    assert Path(_native.__file__).parent == Path(rp.__file__).parent
+    assert dict(_native.PROTOS).keys() == {"graph.proto", "plan.proto"}
+    assert _native.PLANNER_VERSION == json.loads(cli_json(str(GLM)))["planner_version"]

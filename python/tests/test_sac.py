@@ -1,0 +1,284 @@
+"""Eager selective checkpointing from a plan (`recompute_planner.sac`).
+
+Each zoo model runs every checkpointed layer under `torch.utils.checkpoint` with the
+`context_fn` the plan gives that layer. Checked against the plan:
+
+- what SAC's cache holds after forward is, byte for byte, the eager-executor plan's saved set
+  of that layer (`--executor eager`: every kept op's whole output tuple), but for the ops of
+  composites eager runs as other ops (one_hot, CPU dropout: see `recompute_planner.sac`),
+  which eager recomputes;
+- loss and gradients are bit-identical to the plain step (CPU, single-rank models, same
+  process and kernels);
+- kept ops never re-run in recompute (counted by `RecomputeCounter`, a dispatch mode under
+  SAC's cache): the DSA indexer's top-k under SAVE_DSA_INDEXER, the all-to-alls under
+  `collectives="save"`;
+- an eager op stream that does not match the plan's graph raises, naming the kept op.
+
+Multi-rank goldens run as rank 0 of the fake process group they were traced with (as the
+memory test does); their collectives exchange nothing, so only bytes and counts are compared
+there, never values.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import recompute_planner as rp
+from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner import measure, sac
+from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner.markers import checkpoint_record, layer_scope
+from recompute_planner.zoo.catalog import make_inputs
+from recompute_planner.zoo.goldens import GOLDENS, golden, traced_group
+
+JOINT = [g.name for g in GOLDENS if g.joint]
+# Keeping the in-place dispatch is refused (inplace-in-kept-interval).
+KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
+
+
+def planned(name: str, keep, **options) -> rp.Plan:
+    """The plan of golden `name` (graph executor unless `executor="eager"` is given)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        return rp.plan(GOLDEN_DIR / f"{name}.pb", keep, **options)
+
+
+def run_step(name: str, plan: rp.Plan | None):
+    """One training step of golden `name` (rank 0), every checkpointed layer under the plan's
+    SAC policy (no checkpointing without a plan); returns (loss, grads, policies)."""
+    gold = golden(name)
+    inputs = make_inputs(gold.entry.config)
+    with traced_group(gold.world_size):
+        model = gold.entry.build()
+        policies = {}
+        if plan is not None:
+            policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
+            measure.checkpoint_layers(model, policies)
+        params = [p for p in model.parameters()]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # dropout draws the same masks in every run
+            loss = model(*inputs)
+            held = {key: policy.held_bytes() for key, policy in policies.items()}
+            grads = torch.autograd.grad(loss, params)
+    return loss.detach(), grads, policies, held
+
+
+def kept_output_bytes(
+    name: str, plan: rp.Plan, tolerated: set[str]
+) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, the bytes of every output of every op the plan keeps there,
+    but for the ops of composites eager computes otherwise (`tolerated`: one_hot, dropout)."""
+    graph = load_graph(GOLDEN_DIR / f"{name}.pb")
+    sizes = {v.name: _bytes(v) for v in graph.values}
+    outputs = {n.name: n.outputs for n in graph.nodes}
+    held = {key: 0 for key in plan.layers()}
+    for node in plan.nodes:
+        if node.decision == "save" and node.layer is not None and node.name not in tolerated:
+            held[(node.model, node.layer)] += sum(sizes[v] for v in outputs[node.name])
+    return held
+
+
+def _bytes(value) -> int:
+    from recompute_planner.proto import graph_pb2
+
+    width = {
+        graph_pb2.DTYPE_FLOAT32: 4, graph_pb2.DTYPE_INT64: 8, graph_pb2.DTYPE_BOOL: 1,
+        graph_pb2.DTYPE_INT32: 4, graph_pb2.DTYPE_BFLOAT16: 2, graph_pb2.DTYPE_FLOAT16: 2,
+    }[value.dtype]
+    count = 1
+    for size in value.shape:
+        count *= size
+    return width * count
+
+
+def held_cases():
+    for name in JOINT:
+        yield pytest.param(name, KEEP_ALL.get(name, "all"), "recompute", id=f"{name}-all")
+    yield pytest.param("glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "recompute", id="glm-indexer")
+    yield pytest.param("moe_ep2", None, "save", id="moe_ep2-collectives-save")
+
+
+@pytest.mark.parametrize("name, keep, collectives", list(held_cases()))
+def test_sac_holds_the_eager_plans_saved_set_byte_for_byte(name, keep, collectives):
+    plan = planned(name, keep, collectives=collectives, executor="eager")
+    _, _, policies, held = run_step(name, plan)
+    tolerated = {n for policy in policies.values() for n in policy.tolerated}
+    expected = eager_saved_bytes(name, plan, tolerated)
+    assert held == expected
+    # The eager plan's saved set is every output of every kept op.
+    assert expected == kept_output_bytes(name, plan, tolerated)
+    assert (sum(held.values()) > 0) == any(n.decision == "save" for n in plan.nodes)
+
+
+def eager_saved_bytes(
+    name: str, plan: rp.Plan, tolerated: set[str]
+) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, the bytes of the eager plan's saved values of kind `kept`, but
+    for the outputs of composites eager computes otherwise (`tolerated`)."""
+    graph = load_graph(GOLDEN_DIR / f"{name}.pb")
+    skipped = {v for n in graph.nodes if n.name in tolerated for v in n.outputs}
+    held = {key: 0 for key in plan.layers()}
+    for saved in plan.saved:
+        if saved.kind == "kept" and saved.value not in skipped:
+            held[(saved.model, saved.layer)] += saved.bytes
+    return held
+
+
+@pytest.mark.parametrize(
+    "name, keep",
+    [("dense", "all"), ("dense", None), ("moe_layer_compiled", "all"), ("dense_dropout", "all")],
+)
+def test_sac_gradients_are_bit_identical_to_the_plain_step(name, keep):
+    loss, grads, _, _ = run_step(name, planned(name, keep))
+    plain_loss, plain_grads, _, _ = run_step(name, None)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
+def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str):
+    """One rank's plain and SAC steps of golden `name` on real gloo ranks (the plan is rank
+    0's: every rank runs the same ops)."""
+    gold = golden(name)
+    cfg = gold.entry.config.for_rank(world_size, rank)
+    plan = planned(name, keep, collectives=collectives)
+    results = []
+    for with_plan in (False, True):
+        model = gold.entry.build(rank=rank)
+        if with_plan:
+            measure.checkpoint_layers(model, {k: sac.context_fn(plan, *k) for k in plan.layers()})
+        loss = model(*make_inputs(cfg))
+        results.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
+    return results
+
+
+def test_sac_on_real_ranks_is_bit_identical_to_the_plain_step():
+    """GLM/DSA on two gloo ranks (all-gather, all-to-all, MTP), the indexer and the
+    collectives kept: each rank's loss and gradients equal its plain step's exactly."""
+    from recompute_planner.zoo.distributed import run_on_ranks
+
+    ranks = run_on_ranks(2, _step_on_rank, "glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "save")
+    for (plain_loss, plain_grads), (loss, grads) in ranks:
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
+def recomputed(policies, op: str) -> dict[tuple[str, int], int]:
+    return {key: policy.recomputed.count(op) for key, policy in policies.items()}
+
+
+def replayed(plan: rp.Plan, op: str) -> dict[tuple[str, int], int]:
+    """Per checkpointed layer, how many `op` the (eager) plan's replay re-runs."""
+    return {
+        (r.model, r.layer): sum(1 for n in r.nodes if plan.decision(n).op.startswith(op + "."))
+        for r in plan.replay
+    }
+
+
+def test_kept_indexer_topk_is_not_rerun_in_recompute():
+    """Per layer, the top-k re-runs are the layer's top-k ops the plan does not keep (the MoE
+    router's, never the indexer's), as many as the eager plan's replay predicts."""
+    kept_plan = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"], executor="eager")
+    *_, kept_policies, _ = run_step("glm_dsa_ep2", kept_plan)
+    whole_plan = planned("glm_dsa_ep2", None, executor="eager")
+    *_, whole_policies, _ = run_step("glm_dsa_ep2", whole_plan)
+    topk = "aten.topk"
+    indexer = {key: 0 for key in kept_plan.layers()}
+    for node in kept_plan.nodes:
+        if node.op.startswith(topk) and node.unit == "SAVE_DSA_INDEXER":
+            indexer[(node.model, node.layer)] += 1
+    assert all(count == 1 for count in indexer.values())
+    whole = recomputed(whole_policies, topk)
+    kept = recomputed(kept_policies, topk)
+    assert kept == {k: whole[k] - indexer[k] for k in whole}
+    assert all(whole[k] >= 1 for k in whole)
+    assert kept == replayed(kept_plan, topk) and whole == replayed(whole_plan, topk)
+
+
+def test_saved_collectives_are_not_rerun_in_recompute():
+    """With collectives="save" no all-to-all re-runs; without, as many as the eager plan's
+    replay predicts (3 per MoE layer: counts, tokens, combine)."""
+    all_to_all = "_c10d_functional.all_to_all_single"
+    saving_plan = planned("moe_ep2", None, collectives="save", executor="eager")
+    *_, saving, _ = run_step("moe_ep2", saving_plan)
+    rerunning_plan = planned("moe_ep2", None, executor="eager")
+    *_, rerunning, _ = run_step("moe_ep2", rerunning_plan)
+    assert set(recomputed(saving, all_to_all).values()) == {0}
+    assert recomputed(saving, all_to_all) == replayed(saving_plan, all_to_all)
+    assert set(recomputed(rerunning, all_to_all).values()) == {3}
+    assert recomputed(rerunning, all_to_all) == replayed(rerunning_plan, all_to_all)
+
+
+def test_a_plan_for_another_graph_raises_naming_the_kept_op():
+    """The GLM plan's layer 0 applied to the dense model's layer 0: the first kept op the
+    dense layer never runs is named."""
+    glm = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"])
+    gold = golden("dense")
+    model = gold.entry.build()
+    measure.checkpoint_layers(model, {("main", 0): sac.context_fn(glm, "main", 0)})
+    with pytest.raises(rp.SacMismatchError, match=r"the plan keeps `bmm` \(aten\.bmm\.default"):
+        model(*make_inputs(gold.entry.config))
+
+
+# --------------------------------------------------------------------------------------------
+# Eager and traced op streams that differ
+
+
+class OneHotLayer(nn.Module):
+    """A layer whose kept unit holds `F.one_hot`: eager dispatches `aminmax`,
+    `_local_scalar_dense`, `zeros`, `scatter_` where the trace has `arange`/`eq`/`_to_copy`."""
+
+    def __init__(self, index: int, dim: int = 8):
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mix = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with layer_scope("main", self.index):
+            h = checkpoint_record("route.begin", torch.tanh(self.proj(x)))
+            chosen = F.one_hot(h.argmax(-1), h.shape[-1]).to(h.dtype)
+            mixed = self.mix(h * chosen)
+            return x + checkpoint_record("route.end", torch.sigmoid(mixed))
+
+
+class OneHotModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(OneHotLayer(i) for i in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
+    inputs = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
+    models = [ModelDecl("main", 2, {"SAVE_ROUTE": [("route.begin", "route.end")]})]
+    graph = export_joint(OneHotModel(), inputs, name="one_hot", models=models).graph
+    assert any(n.op == "aten.eq.Tensor" for n in graph.nodes)  # the traced one_hot
+    plan = rp.plan(graph, "all")
+
+    model = OneHotModel()
+    policies = sac.checkpoint_layers(model.layers, plan)
+    loss = model(*inputs)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    plain = OneHotModel()
+    plain_loss = plain(*inputs)
+    plain_grads = torch.autograd.grad(plain_loss, list(plain.parameters()))
+
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    kept = {n.op for n in plan.nodes if n.decision == "save"}
+    assert {"aten.arange.default", "aten.eq.Tensor", "aten.mm.default"} <= kept
+    for policy in policies.values():
+        # proj (before the interval) re-runs, the kept mix does not; sigmoid is kept.
+        assert policy.recomputed.count("aten.mm") == 1
+        assert policy.recomputed.count("aten.sigmoid") == 0
+        assert policy.recomputed.count("aten.scatter_") == 1  # one_hot re-runs in eager
