@@ -896,3 +896,30 @@ fn eager_recompute_that_would_write_a_layer_input_again_is_an_error() {
     assert_eq!(d.level, "error");
     assert!(d.message.contains("`x`"), "{}", d.message);
 }
+
+#[test]
+fn eager_recompute_stops_before_what_the_next_checkpoint_saves() {
+    let mut b = Builder::new(2, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1: backward reads it
+    let bb = b.op(&a); // n2
+    let c = b.op(&bb); // n3: the next layer's input, which its checkpoint saves
+    b.layer(Some(1));
+    let d = b.op(&c); // n4
+    b.layer(None);
+    backward(&mut b, &[&d, &c, &a]);
+    let eager = PlanConfig {
+        executor: ir::plan::Executor::Eager,
+        ..config(&[])
+    };
+    let p = run(&b, &eager);
+    let layer0: Vec<&str> = p
+        .replay
+        .iter()
+        .filter(|r| r.layer == 0)
+        .flat_map(|r| &r.nodes)
+        .map(String::as_str)
+        .collect();
+    assert_eq!(layer0, ["n1"]);
+}

@@ -122,8 +122,10 @@ fn replays(
             layer_of[n.index()] = Some(at);
         }
     }
-    // Per layer: the first backward position reading anything it made, and its last node
-    // whose output backward reads.
+    // Per layer: the first backward position reading anything its checkpoint saved, and its
+    // last node whose output backward reads. A value the next layer reads is that layer's
+    // checkpoint input, saved by the next checkpoint: reading it recomputes nothing here.
+    let builder = Builder::new(graph, policy);
     let mut first_read: BTreeMap<LayerRef, usize> = BTreeMap::new();
     let mut last_needed: BTreeMap<LayerRef, NodeId> = BTreeMap::new();
     for (position, &id) in order.iter().enumerate() {
@@ -134,6 +136,9 @@ fn replays(
             let Some(at) = layer_of[producer.index()] else {
                 continue;
             };
+            if builder.leaves_its_layer(v, producer) {
+                continue;
+            }
             first_read.entry(at).or_insert(position);
             let last = last_needed.entry(at).or_insert(producer);
             *last = (*last).max(producer);
