@@ -30,6 +30,7 @@ from graph_walk import (
 )
 from tolerance import assert_tensor_close, assert_tensors_close
 from recompute_planner.export import write_graph, write_reference
+from recompute_planner.markers import MARKER_NAME_ATTR
 from recompute_planner.proto import graph_pb2
 from recompute_planner.zoo import make_inputs
 from recompute_planner.zoo.goldens import (
@@ -413,22 +414,20 @@ def test_domino_units_enclose_the_single_batch_operations():
     assert micro_batch_mismatches(graph_of("moe_ep2"), graph_of("moe_domino")) == []
 
 
-def test_domino_check_catches_a_moved_marker():
-    """R10 check verified by mutation: `moe.dispatch.end` of one micro-batch moved past the
-    routed experts' GEMMs makes the comparison fail."""
-    domino = graph_of("moe_domino")
-    nodes = list(domino.nodes)
+def test_domino_check_catches_a_lost_marker():
+    """The micro-batch check verified by mutation: without `moe.dispatch.end` in one
+    micro-batch (renamed to a marker no unit declares), its dispatch interval stays open over
+    the routed experts' GEMMs and the comparison fails for that micro-batch only."""
     mutated = graph_pb2.Graph()
-    mutated.CopyFrom(domino)
-    run = [i for i, n in enumerate(nodes) if (n.layer, n.micro_batch) == (1, 1)
-           and n.HasField("layer") and n.phase == graph_pb2.PHASE_FORWARD]
-    end = next(i for i in run if marker_name(nodes[i]) == "moe.dispatch.end")
-    past_bmm = next(i for i in run if i > end and nodes[i].op == "aten.bmm.default")
-    nodes.insert(past_bmm, nodes.pop(end))
-    del mutated.nodes[:]
-    mutated.nodes.extend(nodes)
+    mutated.CopyFrom(graph_of("moe_domino"))
+    run = [n for n in mutated.nodes if n.HasField("layer") and (n.layer, n.micro_batch) == (1, 1)
+           and n.phase == graph_pb2.PHASE_FORWARD]
+    (end,) = [n for n in run if marker_name(n) == "moe.dispatch.end"]
+    (attribute,) = [a for a in end.attributes if a.name == MARKER_NAME_ATTR]
+    attribute.str = "moe.dispatch.lost"
     problems = micro_batch_mismatches(graph_of("moe_ep2"), mutated)
     assert problems and all("('main', 1, 1)" in p for p in problems), problems
+    assert any("aten.bmm.default" in p for p in problems), problems
 
 
 # --------------------------------------------------------------------------------------------
