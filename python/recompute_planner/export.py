@@ -1,4 +1,4 @@
-"""Exporter: one training step of a PyTorch module as the project's IR (SPEC §3, §7 E2).
+"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md).
 
 ``export_joint`` captures the joint forward+backward graph AOTAutograd builds
 (``functorch.compile.aot_module``; the ``partition_fn`` hook receives the joint graph, which is
@@ -104,7 +104,7 @@ _COLLECTIVE_KINDS = {
 
 @dataclass(frozen=True)
 class ModelDecl:
-    """A model the graph holds: its layer count and recompute units (SPEC §3 metadata)."""
+    """A model the graph holds: its layer count and recompute units (the graph's model metadata)."""
 
     name: str  # model name used in layer_scope(...)
     num_layers: int
@@ -982,7 +982,7 @@ def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
 def schema_facts(
     op: torch._ops.OpOverload, positions: dict[str, list[int]]
 ) -> graph_pb2.SchemaFacts:
-    """Mutation, view, randomness and collective kind of ``op`` (SPEC §3 schema facts).
+    """Mutation, view, randomness and collective kind of ``op`` (the IR's schema facts).
 
     ``positions`` maps each tensor argument name to its positions in the node's IR inputs.
     """

@@ -1,11 +1,11 @@
-"""Model-side annotations the exporter reads (SPEC §7 E1).
+"""Model-side annotations the exporter reads (docs/ir.md, "Marking a model").
 
 - ``checkpoint_record(name, x)``: a point marker. An identity custom op
   (``recompute::checkpoint_record``, exported as ``recompute.checkpoint_record.default`` with the
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
   passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
-  constant-folds the check, so it never enters a compiled graph), as the first seed's marker
-  does, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
+  constant-folds the check, so it never enters a compiled graph), as selective-checkpointing
+  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
   (``recompute_planner.compile``) needs the markers in the joint graph and removes them after
   planning. Its output must be used: the caller continues with the returned tensor.
 - ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded

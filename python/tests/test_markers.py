@@ -1,4 +1,4 @@
-"""The marker op and the scope annotations survive export as SPEC §7 E1 requires."""
+"""The marker op and the scope annotations survive export (docs/ir.md, "Marking a model")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Schema facts (mutation, view, randomness, collective kind) the exporter records (SPEC §3)."""
+"""Schema facts (mutation, view, randomness, collective kind) the exporter records (docs/ir.md)."""
 
 from __future__ import annotations
 

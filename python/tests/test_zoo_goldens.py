@@ -1,5 +1,5 @@
 """The committed golden graphs (tests/golden/NAME.pb + NAME.safetensors): fresh, small, loadable,
-and shaped the way the seeds' configurations are (markers, compiled regions, collectives).
+and shaped the way production configurations are (markers, compiled regions, collectives).
 
 Regenerate them with `python python/export_goldens.py`.
 """
@@ -299,7 +299,7 @@ def d2h_copies(nodes) -> list[graph_pb2.Node]:
 @by_name([n for n in MOE if n != UNBALANCED])
 def test_dispatch_holds_the_all_to_all_and_the_routing_count_copy(name):
     """Each MoE layer run's dispatch interval exchanges counts and tokens and copies the counts
-    to host; combine sends the tokens back (second seed)."""
+    to host; combine sends the tokens back."""
     graph = graph_of(name)
     contents = interval_contents(graph)
     world = graph.metadata.world_size
@@ -372,7 +372,7 @@ def test_layer_compile_config_compiles_each_layer_as_one_region():
 
 @by_name(["glm_dsa_ep2", "glm_dsa_ep2_compiled"])
 def test_dsa_topk_runs_eager_between_compiled_indexer_and_sparse_attention(name):
-    """First seed's DSA layout, in every layer of both models (main and the nested MTP)."""
+    """The DSA layout (top-k eager between compiled projection and sparse attention), in every layer of both models (main and the nested MTP)."""
     graph = graph_of(name)
     contents = interval_contents(graph)
     indexer_runs = [run for run, begin in contents if begin == "dsa.indexer.begin"]
@@ -401,7 +401,7 @@ def test_glm_declares_mtp_as_a_nested_model():
 
 
 # --------------------------------------------------------------------------------------------
-# Domino (SPEC R10)
+# Domino: each micro-batch encloses what the single batch does (policy rule R10)
 
 
 def test_domino_runs_two_micro_batches_per_layer():
