@@ -155,38 +155,18 @@ fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
     }
 }
 
-fn collectives(name: &str) -> Result<Collectives, Failure> {
-    Collectives::from_name(name).ok_or_else(|| {
+/// A spelled option (`collectives`, `random_ops`, `executor`): its value, or an error listing
+/// the spellings the planner accepts, as the CLI does.
+fn spelled<T>(
+    option: &str,
+    name: &str,
+    from_name: fn(&str) -> Option<T>,
+    spellings: fn() -> String,
+) -> Result<T, Failure> {
+    from_name(name).ok_or_else(|| {
         Failure::new(
             "invalid-option",
-            format!(
-                "collectives must be one of {}, not `{name}`",
-                Collectives::spellings()
-            ),
-        )
-    })
-}
-
-fn random_ops(name: &str) -> Result<RandomOps, Failure> {
-    RandomOps::from_name(name).ok_or_else(|| {
-        Failure::new(
-            "invalid-option",
-            format!(
-                "random_ops must be one of {}, not `{name}`",
-                RandomOps::spellings()
-            ),
-        )
-    })
-}
-
-fn executor(name: &str) -> Result<Executor, Failure> {
-    Executor::from_name(name).ok_or_else(|| {
-        Failure::new(
-            "invalid-option",
-            format!(
-                "executor must be one of {}, not `{name}`",
-                Executor::spellings()
-            ),
+            format!("{option} must be one of {}, not `{name}`", spellings()),
         )
     })
 }
@@ -268,9 +248,24 @@ fn plan(
         let config = PlanConfig {
             keep,
             recompute_ratio,
-            collectives: collectives(collectives_name)?,
-            random_ops: random_ops(random_ops_name)?,
-            executor: executor(executor_name)?,
+            collectives: spelled(
+                "collectives",
+                collectives_name,
+                Collectives::from_name,
+                Collectives::spellings,
+            )?,
+            random_ops: spelled(
+                "random_ops",
+                random_ops_name,
+                RandomOps::from_name,
+                RandomOps::spellings,
+            )?,
+            executor: spelled(
+                "executor",
+                executor_name,
+                Executor::from_name,
+                Executor::spellings,
+            )?,
             ..PlanConfig::default()
         };
         let hw = match hw_json {
