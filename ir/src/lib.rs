@@ -5,10 +5,12 @@
 
 mod dag;
 pub mod deepen;
+pub mod display;
 pub mod error;
 pub mod graph;
 pub mod id;
 pub mod io;
+mod layout;
 mod name_index;
 pub mod ops;
 mod validate;

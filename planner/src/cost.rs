@@ -5,9 +5,14 @@
 //! matmul rate for compute-intensive ops (matmuls, attention) and the vector rate otherwise;
 //! its communication adds `comm_bytes / link`. Ops are summed: replay runs them in sequence.
 
-use std::{fs, path::Path};
+use std::path::Path;
 
-use ir::{ops::Cost, EntityId, Graph, NodeId, Phase};
+use ir::{
+    display,
+    io::{read_input_file, InputKind},
+    ops::Cost,
+    EntityId, Graph, NodeId, Phase,
+};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -41,12 +46,24 @@ impl Default for HwProfile {
 }
 
 impl HwProfile {
-    /// Reads a JSON profile; fields it leaves out keep the H200 defaults.
+    /// Reads a JSON profile; fields it leaves out keep the H200 defaults. Only a regular file
+    /// of at most [`InputKind::HardwareProfile`]'s size is read.
     pub fn from_file(path: &Path) -> Result<HwProfile, String> {
-        let text = fs::read_to_string(path)
-            .map_err(|e| format!("cannot read hardware profile {}: {e}", path.display()))?;
-        let profile: HwProfile = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: not a valid hardware profile: {e}", path.display()))?;
+        let bytes = read_input_file(path, InputKind::HardwareProfile).map_err(|e| e.to_string())?;
+        HwProfile::from_json(&bytes, path)
+    }
+
+    /// Parses the bytes of a JSON profile; `path` only names it in errors. Every rate must be
+    /// a finite positive number.
+    pub fn from_json(bytes: &[u8], path: &Path) -> Result<HwProfile, String> {
+        let path = display::path(path);
+        let profile: HwProfile = serde_json::from_slice(bytes).map_err(|e| {
+            let reason = e.to_string();
+            format!(
+                "{path}: not a valid hardware profile: {}",
+                display::message(&reason)
+            )
+        })?;
         for (field, value) in [
             ("matmul_flops_per_s", profile.matmul_flops_per_s),
             ("vector_flops_per_s", profile.vector_flops_per_s),
@@ -55,8 +72,7 @@ impl HwProfile {
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!(
-                    "{}: `{field}` must be a positive number, got {value}",
-                    path.display()
+                    "{path}: `{field}` must be a positive number, got {value}"
                 ));
             }
         }

@@ -1,0 +1,139 @@
+//! Reading an input file whole, safely: only a regular file is read, never more than a limit
+//! set per kind of file, and never by blocking. A path naming `/dev/zero`, `/dev/urandom` or
+//! a FIFO would otherwise read until memory runs out, or wait forever for a writer.
+
+use std::{
+    fs::{self, File, Metadata},
+    io::Read,
+    path::Path,
+};
+
+use crate::error::LoadError;
+
+/// What an input file holds: it names the file in messages and bounds its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputKind {
+    /// A graph, `.pb` or `.json`.
+    Graph,
+    /// A `--hw` hardware profile (a small JSON object).
+    HardwareProfile,
+    /// A plan written by `planner plan`, `.pb` or `.json`.
+    Plan,
+}
+
+const GIB: u64 = 1 << 30;
+
+impl InputKind {
+    /// How messages call the file.
+    pub fn noun(self) -> &'static str {
+        match self {
+            InputKind::Graph => "graph",
+            InputKind::HardwareProfile => "hardware profile",
+            InputKind::Plan => "plan",
+        }
+    }
+
+    /// The largest file accepted, in bytes. A million-node graph is about 160 MB as `.pb` and
+    /// four times that as `.json`; a hardware profile is a few hundred bytes.
+    pub fn max_bytes(self) -> u64 {
+        match self {
+            InputKind::Graph | InputKind::Plan => 4 * GIB,
+            InputKind::HardwareProfile => 1 << 20,
+        }
+    }
+}
+
+/// The bytes of the regular file at `path`. Anything else (a directory, a character or block
+/// device, a FIFO, a socket) and any file over [`InputKind::max_bytes`] is an error that
+/// names the file; nothing is read from them. The file type is checked before opening (opening
+/// some devices does something), the file is opened without blocking (a FIFO swapped in after
+/// the check cannot make the open wait for a writer), and checked again once open.
+pub fn read_input_file(path: &Path, kind: InputKind) -> Result<Vec<u8>, LoadError> {
+    let io_error = |source| LoadError::Io {
+        path: path.to_owned(),
+        what: kind.noun(),
+        source,
+    };
+    check_regular_file(path, kind, &fs::metadata(path).map_err(io_error)?)?;
+    let file = open_without_blocking(path).map_err(io_error)?;
+    let metadata = file.metadata().map_err(io_error)?;
+    check_regular_file(path, kind, &metadata)?;
+    let limit = kind.max_bytes();
+    let too_large = |size| LoadError::TooLarge {
+        path: path.to_owned(),
+        what: kind.noun(),
+        size,
+        limit,
+    };
+    if metadata.len() > limit {
+        return Err(too_large(metadata.len()));
+    }
+    let mut bytes = Vec::new();
+    // The size is known: one allocation, or a clean error when memory cannot hold it.
+    bytes
+        .try_reserve_exact(usize::try_from(metadata.len()).unwrap_or(usize::MAX))
+        .map_err(|_| io_error(std::io::ErrorKind::OutOfMemory.into()))?;
+    // The file may grow while it is read: never take more than one byte over the limit.
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_error)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+fn check_regular_file(path: &Path, kind: InputKind, metadata: &Metadata) -> Result<(), LoadError> {
+    if metadata.is_file() {
+        return Ok(());
+    }
+    Err(LoadError::NotAFile {
+        path: path.to_owned(),
+        what: kind.noun(),
+        file_type: file_type_name(metadata),
+    })
+}
+
+#[cfg(unix)]
+fn file_type_name(metadata: &Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let file_type = metadata.file_type();
+    if file_type.is_dir() {
+        "directory"
+    } else if file_type.is_char_device() {
+        "character device"
+    } else if file_type.is_block_device() {
+        "block device"
+    } else if file_type.is_fifo() {
+        "FIFO (named pipe)"
+    } else if file_type.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
+#[cfg(not(unix))]
+fn file_type_name(metadata: &Metadata) -> &'static str {
+    if metadata.is_dir() {
+        "directory"
+    } else {
+        "special file"
+    }
+}
+
+/// Opens `path` for reading with `O_NONBLOCK`: opening a FIFO then returns at once instead of
+/// waiting for a writer. Reading a regular file is not affected by the flag.
+#[cfg(unix)]
+fn open_without_blocking(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+}
+
+#[cfg(not(unix))]
+fn open_without_blocking(path: &Path) -> std::io::Result<File> {
+    File::open(path)
+}
