@@ -3,6 +3,8 @@
 //! keys and lengths, so the loader can walk a file several times (count, then convert values,
 //! then nodes) instead of holding a list of every element.
 
+use std::ops::Range;
+
 use prost::{
     encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType},
     Message,
@@ -51,6 +53,7 @@ impl<'a> Fields<'a> {
         Fields { bytes, rest: bytes }
     }
 
+    #[inline]
     fn read(&mut self) -> Result<Field<'a>, String> {
         let start = self.bytes.len() - self.rest.len();
         let (tag, wire) = decode_key(&mut self.rest).map_err(|e| e.to_string())?;
@@ -96,36 +99,91 @@ impl<'a> Iterator for Fields<'a> {
 }
 
 /// What one walk over an encoded `Graph` learns: how many values, nodes and models it holds,
-/// and its other fields decoded (`values`, `nodes`, `models` and `outputs` left empty).
-pub(crate) struct Layout {
+/// where each kind of element lies, and its other fields decoded (`values`, `nodes`, `models`
+/// and `outputs` left empty).
+pub(crate) struct Layout<'a> {
     pub header: pb::Graph,
     pub values: usize,
     pub nodes: usize,
     pub models: usize,
+    /// The byte ranges from the first to the last field of each kind: walking a kind's
+    /// elements walks only its range (in a canonical file, only those elements).
+    pub value_span: Range<usize>,
+    pub node_span: Range<usize>,
+    pub model_span: Range<usize>,
+    pub output_span: Range<usize>,
+    /// Every value and node, in order, unless listing them would take more memory than the
+    /// file (millions of empty elements): then they are walked again instead.
+    pub listed: Option<Listed<'a>>,
 }
 
-impl Layout {
+/// The values and nodes of a graph, one slice each.
+pub(crate) struct Listed<'a> {
+    pub values: Vec<&'a [u8]>,
+    pub nodes: Vec<&'a [u8]>,
+}
+
+impl<'a> Layout<'a> {
     /// Walks `bytes` once; a field that runs past the end, a bad key or a bad header field is
     /// an error (the elements themselves are decoded later).
-    pub fn of(bytes: &[u8]) -> Result<Layout, String> {
+    pub fn of(bytes: &'a [u8]) -> Result<Layout<'a>, String> {
         let mut header = Vec::new();
         let (mut values, mut nodes, mut models) = (0, 0, 0);
-        for field in Fields::new(bytes) {
-            match field? {
-                Field::Value(_) => values += 1,
-                Field::Node(_) => nodes += 1,
-                Field::Model(_) => models += 1,
-                Field::Output(_) => {}
-                Field::Other(raw) => header.extend_from_slice(raw),
-                Field::Unknown => {}
+        let mut spans: [Option<Range<usize>>; 4] = Default::default();
+        let most_listed = bytes.len() / std::mem::size_of::<&[u8]>();
+        let mut listed = Some(Listed {
+            values: Vec::new(),
+            nodes: Vec::new(),
+        });
+        let mut fields = Fields::new(bytes);
+        loop {
+            let start = bytes.len() - fields.rest.len();
+            let Some(field) = fields.next() else { break };
+            let kind = match field? {
+                Field::Value(value) => {
+                    values += 1;
+                    if let Some(listed) = &mut listed {
+                        listed.values.push(value);
+                    }
+                    0
+                }
+                Field::Node(node) => {
+                    nodes += 1;
+                    if let Some(listed) = &mut listed {
+                        listed.nodes.push(node);
+                    }
+                    1
+                }
+                Field::Model(_) => {
+                    models += 1;
+                    2
+                }
+                Field::Output(_) => 3,
+                Field::Other(raw) => {
+                    header.extend_from_slice(raw);
+                    continue;
+                }
+                Field::Unknown => continue,
+            };
+            if values + nodes > most_listed {
+                listed = None;
             }
+            let end = bytes.len() - fields.rest.len();
+            let span = spans[kind].get_or_insert(start..end);
+            span.end = end;
         }
         let header = pb::Graph::decode(header.as_slice()).map_err(|e| e.to_string())?;
+        let [value_span, node_span, model_span, output_span] = spans.map(Option::unwrap_or_default);
         Ok(Layout {
             header,
             values,
             nodes,
             models,
+            value_span,
+            node_span,
+            model_span,
+            output_span,
+            listed,
         })
     }
 }
@@ -172,8 +230,8 @@ pub(crate) fn decode_output(index: usize, bytes: &[u8]) -> Result<&str, String> 
 /// by `decode` (given its index among them) one at a time.
 pub(crate) fn elements<'a, T: 'a>(
     bytes: &'a [u8],
-    pick: fn(Field<'a>) -> Option<&'a [u8]>,
-    decode: fn(usize, &'a [u8]) -> Result<T, String>,
+    pick: impl Fn(Field<'a>) -> Option<&'a [u8]> + 'a,
+    decode: impl Fn(usize, &'a [u8]) -> Result<T, String> + 'a,
 ) -> impl Iterator<Item = Result<T, String>> + 'a {
     let picked = Fields::new(bytes).filter_map(move |field| match field {
         Ok(field) => pick(field).map(Ok),

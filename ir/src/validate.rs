@@ -24,7 +24,9 @@ use crate::{
     },
     name_index::{NameIndex, RecentFirst},
     ops::{self, CollectiveKind},
-    view::{RawAttrValue, RawAttribute, RawModel, RawNode, RawSchema, RawUnits, RawValue},
+    view::{
+        RawAttrValue, RawAttribute, RawAttributes, RawModel, RawNode, RawSchema, RawUnits, RawValue,
+    },
     wire::graph as pb,
 };
 
@@ -55,7 +57,7 @@ impl Graph {
     /// before any broken rule.
     pub(crate) fn from_encoded(
         bytes: &[u8],
-        layout: &Layout,
+        layout: &Layout<'_>,
         fingerprint: String,
     ) -> Result<Graph, BuildError> {
         build(&Encoded { bytes, layout }, fingerprint).map_err(|error| match error {
@@ -170,7 +172,21 @@ impl<'w> Source<'w> for Decoded<'w> {
 /// The bytes of a graph, walked once into its layout.
 struct Encoded<'w> {
     bytes: &'w [u8],
-    layout: &'w Layout,
+    layout: &'w Layout<'w>,
+}
+
+impl<'w> Encoded<'w> {
+    /// The part of the file holding one kind of element.
+    fn span(&self, span: &std::ops::Range<usize>) -> &'w [u8] {
+        self.bytes.get(span.clone()).unwrap_or_default()
+    }
+}
+
+/// Elements the layout listed, or walked again (one of two iterators: boxed, once per walk).
+type Elements<'w> = Box<dyn Iterator<Item = Result<&'w [u8], BuildError>> + 'w>;
+
+fn listed_elements<'w>(listed: &'w [&'w [u8]]) -> Elements<'w> {
+    Box::new(listed.iter().map(|&element| Ok(element)))
 }
 
 /// Decoding errors of an encoded graph's elements, as protobuf errors.
@@ -203,19 +219,41 @@ impl<'w> Source<'w> for Encoded<'w> {
     }
 
     fn models(&self) -> impl Iterator<Item = Result<RawModel<'w>, BuildError>> {
-        protobuf_errors(elements(self.bytes, pick_model, decode_model))
+        protobuf_errors(elements(
+            self.span(&self.layout.model_span),
+            pick_model,
+            decode_model,
+        ))
     }
 
     fn values(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
-        protobuf_errors(elements(self.bytes, pick_value, |_, bytes| Ok(bytes)))
+        match &self.layout.listed {
+            Some(listed) => listed_elements(&listed.values),
+            None => Box::new(protobuf_errors(elements(
+                self.span(&self.layout.value_span),
+                pick_value,
+                |_, b| Ok(b),
+            ))),
+        }
     }
 
     fn nodes(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
-        protobuf_errors(elements(self.bytes, pick_node, |_, bytes| Ok(bytes)))
+        match &self.layout.listed {
+            Some(listed) => listed_elements(&listed.nodes),
+            None => Box::new(protobuf_errors(elements(
+                self.span(&self.layout.node_span),
+                pick_node,
+                |_, b| Ok(b),
+            ))),
+        }
     }
 
     fn outputs(&self) -> impl Iterator<Item = Result<&'w str, BuildError>> {
-        protobuf_errors(elements(self.bytes, pick_output, decode_output))
+        protobuf_errors(elements(
+            self.span(&self.layout.output_span),
+            pick_output,
+            decode_output,
+        ))
     }
 
     fn value(index: usize, value: &'w [u8]) -> Result<RawValue<'w>, BuildError> {
@@ -731,7 +769,16 @@ fn resolve(
         .collect()
 }
 
-fn convert_attributes<'w>(
+fn convert_attributes(node: &str, attributes: RawAttributes<'_>) -> Result<Box<[Attribute]>, E> {
+    match attributes {
+        RawAttributes::Decoded(list) => convert_each_attribute(node, list),
+        RawAttributes::Encoded(bytes) => {
+            convert_each_attribute(node, RawAttributes::encoded(bytes))
+        }
+    }
+}
+
+fn convert_each_attribute<'w>(
     node: &str,
     wire: impl IntoIterator<Item = RawAttribute<'w>>,
 ) -> Result<Box<[Attribute]>, E> {

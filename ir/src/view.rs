@@ -75,20 +75,13 @@ impl Default for RawAttributes<'_> {
     }
 }
 
-impl<'a> IntoIterator for RawAttributes<'a> {
-    type Item = RawAttribute<'a>;
-    type IntoIter = Box<dyn Iterator<Item = RawAttribute<'a>> + 'a>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        match self {
-            RawAttributes::Decoded(attributes) => Box::new(attributes.into_iter()),
-            // `RawNode::decode` decoded these very bytes: decoding them again cannot fail,
-            // and would only end the list if it could.
-            RawAttributes::Encoded(node) => Box::new(
-                fields_of(Reader::element(node), ATTRIBUTES)
-                    .map_while(|field| RawAttribute::decode(field.ok()?).ok()),
-            ),
-        }
+impl<'a> RawAttributes<'a> {
+    /// The attributes of a large node, decoded one at a time from its bytes. `RawNode::decode`
+    /// decoded these very bytes: decoding them again cannot fail, and would only end the list
+    /// if it could.
+    pub fn encoded(node: &'a [u8]) -> impl Iterator<Item = RawAttribute<'a>> {
+        fields_of(Reader::element(node), ATTRIBUTES)
+            .map_while(|field| RawAttribute::decode(field.ok()?).ok())
     }
 }
 
@@ -200,9 +193,7 @@ impl<'a> RawNode<'a> {
     /// Decodes the bytes of one `Node` message.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
         let mut node = RawNode::default();
-        let large = bytes.len() > LARGE;
-        let mut attributes = SmallVec::new();
-        if large {
+        if bytes.len() > LARGE {
             let [inputs, outputs, stack_trace] = count_fields(Reader::element(bytes), [3, 4, 13])?;
             node.inputs.reserve_exact(inputs);
             node.outputs.reserve_exact(outputs);
@@ -219,7 +210,7 @@ impl<'a> RawNode<'a> {
                 ATTRIBUTES => {
                     let attribute = RawAttribute::decode(r.nested(wire)?)?;
                     // A large node's attributes are only checked here.
-                    if !large {
+                    if let RawAttributes::Decoded(attributes) = &mut node.attributes {
                         attributes.push(attribute);
                     }
                 }
@@ -233,9 +224,6 @@ impl<'a> RawNode<'a> {
                 13 => node.stack_trace.push(r.str(wire)?),
                 _ => r.skip(wire, tag)?,
             }
-        }
-        if !large {
-            node.attributes = RawAttributes::Decoded(attributes);
         }
         Ok(node)
     }

@@ -158,3 +158,56 @@ impl ForwardWork {
             .fold(Work::default(), |acc, id| acc.plus(self.node(id)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<HwProfile, String> {
+        HwProfile::from_json(json.as_bytes(), Path::new("hw.json"))
+    }
+
+    #[test]
+    fn rates_read_back_to_the_same_bits() {
+        // Seventeen significant digits: a parser that is not exact is a bit off here.
+        for text in [
+            "3.4028234663852886e+38",
+            "7.900000000000001e14",
+            "4.8e12",
+            "1.7976931348623157e308",
+            "5e-324",
+        ] {
+            let profile = parse(&format!(r#"{{"hbm_bytes_per_s": {text}}}"#)).unwrap();
+            let exact: f64 = text.parse().unwrap();
+            assert_eq!(profile.hbm_bytes_per_s.to_bits(), exact.to_bits(), "{text}");
+        }
+    }
+
+    #[test]
+    fn rates_must_be_finite_and_positive() {
+        for value in ["0", "-1", "-0.0"] {
+            let error = parse(&format!(r#"{{"link_bytes_per_s": {value}}}"#)).unwrap_err();
+            assert!(error.contains("link_bytes_per_s"), "{value}: {error}");
+        }
+        let error = parse(r#"{"link_bytes_per_s": 1e400}"#).unwrap_err();
+        assert!(error.contains("number out of range"), "{error}");
+    }
+
+    #[test]
+    fn a_device_is_not_read_as_a_profile() {
+        let error = HwProfile::from_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            error.starts_with("cannot read hardware profile /dev/zero: it is a character device"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_bad_profile_quotes_the_input_on_one_short_line() {
+        let key = format!("bad\nkey{}", "x".repeat(100_000));
+        let error = parse(&format!(r#"{{"{}": 1}}"#, key.replace('\n', "\\n"))).unwrap_err();
+        assert!(!error.contains('\n'), "{error}");
+        assert!(error.len() < 1_000, "{} bytes", error.len());
+        assert!(error.contains("unknown field `bad\\nkey"), "{error}");
+    }
+}

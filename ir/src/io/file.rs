@@ -137,3 +137,125 @@ fn open_without_blocking(path: &Path) -> std::io::Result<File> {
 fn open_without_blocking(path: &Path) -> std::io::Result<File> {
     File::open(path)
 }
+
+#[cfg(all(test, unix))]
+mod tests {
+    use std::{path::PathBuf, sync::mpsc, time::Duration};
+
+    use super::*;
+
+    /// A scratch directory removed when dropped.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("ir-file-{name}-{}", std::process::id()));
+            fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// Reads `path` on another thread: a read that blocks fails the test instead of hanging it.
+    fn read_within_seconds(path: PathBuf, kind: InputKind) -> Result<Vec<u8>, LoadError> {
+        let (done, result) = mpsc::channel();
+        std::thread::spawn(move || done.send(read_input_file(&path, kind)));
+        result
+            .recv_timeout(Duration::from_secs(10))
+            .expect("reading returns at once")
+    }
+
+    fn not_a_file(path: &str) -> String {
+        match read_within_seconds(PathBuf::from(path), InputKind::Graph) {
+            Err(e @ LoadError::NotAFile { .. }) => e.to_string(),
+            other => panic!("{path}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_regular_file_is_read_whole() {
+        let dir = Scratch::new("regular");
+        let path = dir.0.join("g.pb");
+        fs::write(&path, b"bytes").unwrap();
+        assert_eq!(read_input_file(&path, InputKind::Graph).unwrap(), b"bytes");
+    }
+
+    #[test]
+    fn character_devices_are_not_read() {
+        for device in ["/dev/zero", "/dev/urandom", "/dev/null"] {
+            let message = not_a_file(device);
+            assert!(message.contains("character device"), "{message}");
+            assert!(message.contains(device), "{message}");
+        }
+    }
+
+    #[test]
+    fn a_directory_is_not_read() {
+        let dir = Scratch::new("directory");
+        let message = not_a_file(dir.0.to_str().unwrap());
+        assert!(
+            message.contains("a directory, not a regular file"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_fifo_without_a_writer_fails_at_once() {
+        let dir = Scratch::new("fifo");
+        let fifo = dir.0.join("graph.pb");
+        let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo reads it and keeps nothing.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        let message = not_a_file(fifo.to_str().unwrap());
+        assert!(message.contains("FIFO"), "{message}");
+    }
+
+    #[test]
+    fn a_link_to_a_device_is_not_read() {
+        let dir = Scratch::new("link");
+        let link = dir.0.join("graph.pb");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        assert!(not_a_file(link.to_str().unwrap()).contains("character device"));
+    }
+
+    #[test]
+    fn a_file_over_the_limit_is_not_read() {
+        let dir = Scratch::new("large");
+        let path = dir.0.join("hw.json");
+        let limit = InputKind::HardwareProfile.max_bytes();
+        fs::write(&path, vec![b' '; limit as usize + 1]).unwrap();
+        let error = read_input_file(&path, InputKind::HardwareProfile).unwrap_err();
+        assert!(matches!(error, LoadError::TooLarge { size, .. } if size == limit + 1));
+        let message = error.to_string();
+        assert!(message.contains("hardware profile"), "{message}");
+        fs::write(&path, vec![b' '; limit as usize]).unwrap();
+        assert!(read_input_file(&path, InputKind::HardwareProfile).is_ok());
+    }
+
+    #[test]
+    fn a_graph_over_the_limit_is_refused_before_reading() {
+        let dir = Scratch::new("sparse");
+        let path = dir.0.join("huge.pb");
+        // A sparse file: its size is over the limit, its blocks are not on disk.
+        let file = File::create(&path).unwrap();
+        file.set_len(InputKind::Graph.max_bytes() + 1).unwrap();
+        let error = read_input_file(&path, InputKind::Graph).unwrap_err();
+        assert!(matches!(error, LoadError::TooLarge { .. }), "{error}");
+    }
+
+    #[test]
+    fn a_missing_file_names_itself() {
+        let message = read_input_file(Path::new("/nonexistent/g.pb"), InputKind::Graph)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.starts_with("cannot read graph /nonexistent/g.pb: "),
+            "{message}"
+        );
+    }
+}
