@@ -113,6 +113,19 @@ const OPS: [&str; 8] = [
 
 const MODEL: &str = "main";
 
+/// A forward `mm` of the graph's input, outside layers.
+static PLAIN_NODE: NodeSpec = NodeSpec {
+    op: 0,
+    inputs: Vec::new(),
+    outputs: 0,
+    layer: None,
+    backward: false,
+    region: None,
+    micro_batch: 0,
+    attributes: Vec::new(),
+    marker: 0,
+};
+
 /// At most this many nodes, so an input builds quickly.
 const MAX_NODES: usize = 64;
 
@@ -120,6 +133,11 @@ impl GraphSpec {
     /// The graph `data` describes, if it describes one.
     pub fn from_bytes(data: &[u8]) -> Option<GraphSpec> {
         GraphSpec::arbitrary_take_rest(Unstructured::new(data)).ok()
+    }
+
+    /// The graph as built, before any mutation: always valid.
+    pub fn valid(&self) -> pb::Graph {
+        self.build()
     }
 
     /// The wire graph: valid as built, then mutated.
@@ -138,7 +156,12 @@ impl GraphSpec {
             value("weight", pb::Role::Parameter),
         ];
         let mut nodes = Vec::new();
-        for (i, spec) in self.nodes.iter().take(MAX_NODES).enumerate() {
+        // A graph has a node: without any, one plain node.
+        let specs = match self.nodes.as_slice() {
+            [] => std::slice::from_ref(&PLAIN_NODE),
+            specs => specs,
+        };
+        for (i, spec) in specs.iter().take(MAX_NODES).enumerate() {
             let inputs: Vec<String> = spec
                 .inputs
                 .iter()
