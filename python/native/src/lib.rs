@@ -269,7 +269,7 @@ fn plan(
             ..PlanConfig::default()
         };
         let hw = match hw_json {
-            Some(text) => HwProfile::from_json(text, "hardware profile")
+            Some(text) => HwProfile::from_json(text.as_bytes(), "hardware profile")
                 .map_err(|e| Failure::new("invalid-option", e))?,
             None => HwProfile::default(),
         };
