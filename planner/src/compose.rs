@@ -148,20 +148,19 @@ impl Timeline {
         at.sort_unstable_by_key(|&(position, layer, _)| (position, layer));
         let mut offsets = vec![0u32; order.len() + 1];
         let mut replay = Vec::new();
-        for group in at.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+        // The group each node was last pushed for: a union without sorting duplicates.
+        let mut seen = vec![usize::MAX; graph.nodes().len()];
+        for (k, group) in at.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)).enumerate() {
             let (position, layer, _) = group[0];
             let start = replay.len();
-            replay.extend(group.iter().flat_map(|g| g.2.iter().map(|&n| (layer, n))));
-            replay[start..].sort_unstable();
-            let mut kept = start;
-            for k in start..replay.len() {
-                if kept == start || replay[kept - 1] != replay[k] {
-                    replay[kept] = replay[k];
-                    kept += 1;
+            for &n in group.iter().flat_map(|g| g.2) {
+                if seen[n.index()] != k {
+                    seen[n.index()] = k;
+                    replay.push((layer, n));
                 }
             }
-            replay.truncate(kept);
-            offsets[position as usize + 1] += (kept - start) as u32;
+            replay[start..].sort_unstable();
+            offsets[position as usize + 1] += (replay.len() - start) as u32;
         }
         for p in 0..order.len() {
             offsets[p + 1] += offsets[p];
@@ -517,7 +516,6 @@ fn contributions(
         if let Some(k) = r.nodes.first().and_then(|&n| mine(layers.of_node(n))) {
             out[k].1.seconds = work.sum(r.nodes.iter().copied()).seconds;
             out[k].1.ticks = ticks(out[k].1.seconds);
-            out[k].1.replay = Some(r.clone());
         }
     }
     for s in &partition.saved {
@@ -631,10 +629,16 @@ impl Model {
             exact &= recording.exact;
             peaks.push((run.varied, run.option, recording.peak));
             let mut memory: Vec<_> = recording.layers.into_iter().map(Some).collect();
+            let mut replays: Vec<Option<Replay>> = vec![None; layers.at.len()];
+            for r in run.replays {
+                if let Ok(l) = layers.at.binary_search(&r.layer) {
+                    replays[l] = Some(r);
+                }
+            }
             for (l, mut c) in run.contributions {
                 exact &= options[l].len() == run.option;
                 let LayerMemory { made, reads } = memory[l].take().unwrap_or_default();
-                (c.made, c.reads) = (made, reads);
+                (c.made, c.reads, c.replay) = (made, reads, replays[l].take());
                 options[l].push(c);
             }
         }
@@ -698,13 +702,19 @@ impl Model {
         }
     }
 
-    /// Whether the model composes each run's simulated peak.
+    /// Whether the model composes the simulated peak of each model's first and last run
+    /// (keeping nothing, keeping every unit).
     fn composes_runs(&self, layers: &Layers, peaks: &[(ModelId, usize, u64)]) -> bool {
         if !self.exact {
             return false;
         }
         let mut composer = Composer::new(self);
-        peaks.iter().all(|&(varied, option, peak)| {
+        let ends = peaks.iter().enumerate().filter(|&(k, &(model, _, _))| {
+            let next = peaks.get(k + 1).map(|p| p.0);
+            let previous = k.checked_sub(1).map(|j| peaks[j].0);
+            next != Some(model) || previous != Some(model)
+        });
+        ends.map(|(_, p)| p).all(|&(varied, option, peak)| {
             let choice: Vec<u8> = layers
                 .at
                 .iter()
