@@ -23,10 +23,13 @@
 //!    that fits (every uniform choice on the frontier stays on it).
 //!
 //! Optimality gap: exact up to [`EXHAUSTIVE_LIMIT`] combinations. Beyond, against every
-//! combination simulated by the composed model (`tests/budget.rs` measures it), the answer's
-//! replay time over a sweep of budgets is at most a few percent above the optimum, most of it
-//! from the frontier's density: an answer is a frontier point, and consecutive points are up
-//! to `1/steps` of the peak range apart.
+//! combination simulated by the composed model, over 65 budgets from the smallest peak to the
+//! largest, the answer's replay time was 0.00% above the optimum on the MoE golden deepened to
+//! 3 layers (4096 combinations; `tests/budget.rs` checks it within 1%), mean 0.01% and at
+//! worst 0.29% at 4 layers (65536), and 0.00% on the GLM/DSA golden (main and MTP models,
+//! 32768). The local steps stop at local optima, so the gap is not bounded in general; and an
+//! answer is a frontier point, so on deep graphs a budget between two points gets the lower
+//! one (at most `1/steps` of the peak range below the budget).
 
 use std::{collections::BTreeMap, sync::OnceLock};
 
@@ -197,27 +200,32 @@ impl<'g> Search<'g> {
     }
 
     /// The composed figures of per-layer unit choices (layers not named keep nothing), what
-    /// a full plan of them reports when the model is exact; none if an option is rejected.
-    pub fn composed(&self, layer_keep: &BTreeMap<LayerRef, Vec<UnitId>>) -> Option<Figures> {
-        let choice: Vec<u8> = self
-            .layers
-            .at
-            .iter()
-            .map(|at| {
-                layer_keep
-                    .get(at)
-                    .map_or(0, |units| units.iter().fold(0u8, |o, u| o | 1 << u.index()))
-            })
-            .collect();
-        if !self.model.allowed(&choice) {
-            return None;
-        }
+    /// a full plan of each reports when the model is exact; none for a choice with a rejected
+    /// option. One composer walks through them in order, as a search does: from one choice
+    /// to the next it changes the layers that differ, one at a time (or recomputes every
+    /// slot when most do).
+    pub fn composed(&self, choices: &[BTreeMap<LayerRef, Vec<UnitId>>]) -> Vec<Option<Figures>> {
         let mut composer = crate::compose::Composer::new(&self.model);
-        composer.set(&choice);
-        Some(
-            self.model
-                .figures(self.graph, &self.work, &choice, composer.peak()),
-        )
+        choices
+            .iter()
+            .map(|layer_keep| {
+                let choice: Vec<u8> = self
+                    .layers
+                    .at
+                    .iter()
+                    .map(|at| {
+                        layer_keep
+                            .get(at)
+                            .map_or(0, |units| units.iter().fold(0u8, |o, u| o | 1 << u.index()))
+                    })
+                    .collect();
+                composer.set(&choice);
+                self.model.allowed(&choice).then(|| {
+                    self.model
+                        .figures(self.graph, &self.work, &choice, composer.peak())
+                })
+            })
+            .collect()
     }
 
     /// The frontier of density `steps`: the points no candidate beats, by increasing peak.

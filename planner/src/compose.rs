@@ -836,7 +836,8 @@ impl<'m> Composer<'m> {
         u64::try_from(self.tree.max()).unwrap_or(0)
     }
 
-    /// Moves to `choice`: layer by layer when few layers change, else from scratch.
+    /// Moves to `choice`: layer by layer when few layers change (at most 4, or an eighth),
+    /// else from scratch.
     pub fn set(&mut self, choice: &[u8]) {
         let changed = self
             .choice
@@ -844,7 +845,7 @@ impl<'m> Composer<'m> {
             .zip(choice)
             .filter(|(a, b)| a != b)
             .count();
-        if changed * 8 > choice.len() {
+        if changed > 4 && changed * 8 > choice.len() {
             self.choice.copy_from_slice(choice);
             self.rebuild();
         } else {

@@ -513,10 +513,11 @@ fn m3_a_wide_frontier_gap_has_no_single_layer_change_of_its_ends_inside() {
                 continue;
             }
             for end in [a, b] {
-                for next in neighbours(&graph, &choice_of(end)) {
-                    let Some(f) = search.composed(&next) else {
-                        continue;
-                    };
+                for f in search
+                    .composed(&neighbours(&graph, &choice_of(end)))
+                    .into_iter()
+                    .flatten()
+                {
                     let inside = a.peak_bytes < f.peak_bytes && f.peak_bytes < b.peak_bytes;
                     assert!(
                         // Equal times summed in another order differ in the last bits.
@@ -541,9 +542,9 @@ fn every_combination(graph: &Graph, search: &Search) -> Vec<(u64, f64)> {
     let units = graph.model(model).units.len();
     let layers = graph.model(model).num_layers;
     let options = 1u64 << units;
-    (0..options.pow(layers))
-        .filter_map(|k| {
-            let choice: BTreeMap<_, _> = (0..layers)
+    let choices: Vec<BTreeMap<_, _>> = (0..options.pow(layers))
+        .map(|k| {
+            (0..layers)
                 .map(|l| {
                     let o = k / options.pow(l) % options;
                     let kept = (0..units)
@@ -552,10 +553,14 @@ fn every_combination(graph: &Graph, search: &Search) -> Vec<(u64, f64)> {
                         .collect();
                     (LayerRef { model, layer: l }, kept)
                 })
-                .collect();
-            let f = search.composed(&choice)?;
-            Some((f.peak_bytes, f.replay_time_s))
+                .collect()
         })
+        .collect();
+    search
+        .composed(&choices)
+        .into_iter()
+        .flatten()
+        .map(|f| (f.peak_bytes, f.replay_time_s))
         .collect()
 }
 
@@ -584,5 +589,5 @@ fn m3_optimality_gap_against_every_combination() {
         100.0 * sum / count as f64,
         100.0 * worst
     );
-    assert!(worst <= 0.05, "worst gap {:.2}%", 100.0 * worst);
+    assert!(worst <= 0.01, "worst gap {:.2}%", 100.0 * worst);
 }

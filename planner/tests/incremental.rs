@@ -63,8 +63,9 @@ fn searched(graph: &Graph) -> Vec<(LayerRef, usize)> {
     at
 }
 
-/// `count` per-layer choices drawn by a fixed generator from `seed`, keeping nothing and
-/// everything first.
+/// `count` per-layer choices drawn by a fixed generator from `seed`, as a search visits them:
+/// keeping nothing, keeping everything, a random choice, then a walk that changes one layer at
+/// a time, starting afresh from a random choice now and then.
 fn choices(graph: &Graph, count: usize, seed: u64) -> Vec<BTreeMap<LayerRef, Vec<UnitId>>> {
     let layers = searched(graph);
     let mut state = seed
@@ -76,25 +77,41 @@ fn choices(graph: &Graph, count: usize, seed: u64) -> Vec<BTreeMap<LayerRef, Vec
             .wrapping_add(1442695040888963407);
         state >> 33
     };
-    (0..count)
-        .map(|k| {
+    let mut masks: Vec<u64> = vec![0; layers.len()];
+    let mut out = Vec::with_capacity(count);
+    for k in 0..count {
+        match k {
+            0 => {}
+            1 => {
+                for (m, &(_, units)) in masks.iter_mut().zip(&layers) {
+                    *m = (1 << units) - 1;
+                }
+            }
+            _ if k % 8 == 2 => {
+                for (m, &(_, units)) in masks.iter_mut().zip(&layers) {
+                    *m = next() % (1 << units);
+                }
+            }
+            _ => {
+                let l = (next() as usize) % layers.len();
+                masks[l] = next() % (1 << layers[l].1);
+            }
+        }
+        out.push(
             layers
                 .iter()
-                .map(|&(at, units)| {
-                    let mask = match k {
-                        0 => 0,
-                        1 => (1u64 << units) - 1,
-                        _ => next() % (1 << units),
-                    };
+                .zip(&masks)
+                .map(|(&(at, units), &mask)| {
                     let kept = (0..units)
                         .filter(|u| mask >> u & 1 == 1)
                         .map(UnitId::from_index)
                         .collect();
                     (at, kept)
                 })
-                .collect()
-        })
-        .collect()
+                .collect(),
+        );
+    }
+    out
 }
 
 /// Composed and planned figures agree for `count` choices; returns how many were compared.
@@ -107,9 +124,10 @@ fn assert_composes(name: &str, graph: &Graph, config: &PlanConfig, count: usize)
 
 fn compare(name: &str, graph: &Graph, config: &PlanConfig, search: &Search, count: usize) -> usize {
     let mut compared = 0;
-    for (k, choice) in choices(graph, count, k_seed(name)).into_iter().enumerate() {
-        let composed = search.composed(&choice);
-        let full = planned(graph, config, &choice);
+    let choices = choices(graph, count, k_seed(name));
+    let composed = search.composed(&choices);
+    for (k, (choice, composed)) in choices.iter().zip(composed).enumerate() {
+        let full = planned(graph, config, choice);
         assert_eq!(
             composed, full,
             "{name}, {config:?}, choice {k}: composed (left) and planned (right) differ"
