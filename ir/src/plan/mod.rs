@@ -366,7 +366,7 @@ impl Plan {
     /// The bytes of this plan in `format`, its ids named by `names`.
     pub fn encode(&self, names: &dyn PlanNames, format: Format) -> Vec<u8> {
         match format {
-            Format::Json => json::write(self, names).into_bytes(),
+            Format::Json => json::write(self, names),
             Format::Protobuf => wire::encode(self, names),
         }
     }
