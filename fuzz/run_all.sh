@@ -5,9 +5,9 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 seconds=${1:-600}
-for target in load_pb load_json hw_profile inspect_text convert_roundtrip; do
+for target in load_pb load_json hw_profile inspect_text convert_roundtrip plan_pb plan_json plan_graph; do
     dict=()
-    case $target in load_json | hw_profile) dict=(-dict=dicts/json.dict) ;; esac
+    case $target in load_json | hw_profile | plan_json) dict=(-dict=dicts/json.dict) ;; esac
     mkdir -p "corpus-raw/$target" "corpus/$target"
     nice cargo +nightly fuzz run -O "$target" "corpus-raw/$target" "corpus/$target" -- \
         -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \

@@ -7,9 +7,16 @@ use std::path::Path;
 
 use ir::{
     io::{self, Format},
+    plan::{Collectives, Executor, Format as PlanFormat, Keep, Plan, RandomOps},
     Graph,
 };
-use planner::{cost::HwProfile, inspect};
+use planner::{
+    budget::{BudgetError, Search, DEFAULT_STEPS},
+    config::{parse_keep, PlanConfig},
+    cost::HwProfile,
+    inspect,
+    plan::{self, PlanError},
+};
 use prost::Message;
 
 use crate::graphs::GraphSpec;
@@ -124,5 +131,138 @@ pub fn convert_roundtrip(data: &[u8]) {
         (Ok(a), Ok(b)) => assert_eq!(a.fingerprint(), b.fingerprint()),
         (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
         (a, b) => panic!("pb and json load differently: {a:?} / {b:?}"),
+    }
+}
+
+/// A `.pb` plan file's bytes, as `diff` and `run --plan` read them.
+pub fn plan_pb(data: &[u8]) {
+    plan(data, PlanFormat::Protobuf);
+}
+
+/// A `.json` plan file's bytes, as `diff` and `run --plan` read them.
+pub fn plan_json(data: &[u8]) {
+    plan(data, PlanFormat::Json);
+}
+
+/// A plan decodes or fails with one clean line; a decoded plan written back in its format
+/// decodes again and writes the same bytes (the writer and the reader agree).
+fn plan(data: &[u8], format: PlanFormat) {
+    match Plan::decode(data, format) {
+        Ok((plan, names)) => {
+            let written = plan.encode(&names, format);
+            let (back, back_names) = Plan::decode(&written, format)
+                .unwrap_or_else(|e| panic!("a written plan does not read back: {e}"));
+            assert!(
+                back.encode(&back_names, format) == written,
+                "a plan read back writes other bytes"
+            );
+        }
+        Err(error) => check_message(&error.to_string()),
+    }
+}
+
+/// How [`plan_graph`] plans its graph.
+#[derive(Debug, arbitrary::Arbitrary)]
+struct PlanOptions {
+    /// None: keep nothing; an empty list: `--keep all`; else units picked by index.
+    keep: Option<Vec<u8>>,
+    /// `--recompute-ratio`, in percent (values over 100 are clamped).
+    ratio_percent: u8,
+    save_collectives: bool,
+    replay_random: bool,
+    eager: bool,
+    /// Also search: the frontier, and `--budget` at each of its peaks.
+    search: bool,
+}
+
+impl PlanOptions {
+    fn config(&self, graph: &Graph) -> PlanConfig {
+        let units: Vec<String> = graph
+            .models()
+            .values()
+            .flat_map(|m| m.units.values().map(|u| u.name.to_string()))
+            .collect();
+        let keep = match &self.keep {
+            None => Keep::Nothing,
+            Some(picks) if picks.is_empty() || units.is_empty() => Keep::All,
+            Some(picks) => {
+                let names: Vec<String> = picks
+                    .iter()
+                    .map(|&p| units[usize::from(p) % units.len()].clone())
+                    .collect();
+                parse_keep(&names).unwrap_or(Keep::All)
+            }
+        };
+        PlanConfig {
+            keep,
+            recompute_ratio: f64::from(self.ratio_percent.min(100)) / 100.0,
+            collectives: if self.save_collectives {
+                Collectives::Save
+            } else {
+                Collectives::Recompute
+            },
+            random_ops: if self.replay_random {
+                RandomOps::Replay
+            } else {
+                RandomOps::Save
+            },
+            executor: if self.eager {
+                Executor::Eager
+            } else {
+                Executor::Graph
+            },
+        }
+    }
+}
+
+/// The planner itself on generated valid graphs: a plan is made or refused with a clean
+/// message naming the user's mistake, never an internal error (the partition verifier's
+/// finding); a plan writes as JSON that reads back for this graph; a search answers every
+/// budget on its frontier with a plan that fits.
+pub fn plan_graph(data: &[u8]) {
+    let mut input = arbitrary::Unstructured::new(data);
+    let Ok(options) = <PlanOptions as arbitrary::Arbitrary>::arbitrary(&mut input) else {
+        return;
+    };
+    let Ok(spec) = <GraphSpec as arbitrary::Arbitrary>::arbitrary_take_rest(input) else {
+        return;
+    };
+    let graph = Graph::from_wire(spec.valid()).expect("a generated graph is valid");
+    let config = options.config(&graph);
+    let hw = HwProfile::default();
+    match plan::plan(&graph, &config, &hw) {
+        Ok(plan) => {
+            let json = plan.encode(&graph, PlanFormat::Json);
+            let (back, names) = Plan::decode(&json, PlanFormat::Json)
+                .unwrap_or_else(|e| panic!("the plan's JSON does not read back: {e}"));
+            back.resolve(&names, &graph)
+                .unwrap_or_else(|e| panic!("the plan's JSON does not resolve: {e}"));
+        }
+        Err(PlanError::Config(error)) => return check_message(&error.to_string()),
+        Err(internal) => panic!("{internal}"),
+    }
+    if options.search {
+        search(&graph, &config, &hw);
+    }
+}
+
+fn search(graph: &Graph, config: &PlanConfig, hw: &HwProfile) {
+    let search = match Search::new(graph, config, hw) {
+        Ok(search) => search,
+        Err(BudgetError::Plan(PlanError::Partition(internal))) => panic!("{internal}"),
+        Err(error) => return check_message(&error.to_string()),
+    };
+    let frontier = match search.frontier(DEFAULT_STEPS) {
+        Ok(frontier) => frontier,
+        Err(BudgetError::Plan(PlanError::Partition(internal))) => panic!("{internal}"),
+        Err(error) => return check_message(&error.to_string()),
+    };
+    for point in &frontier {
+        let budget = point.figures.peak_bytes;
+        let plan = search
+            .within(budget)
+            .unwrap_or_else(|e| panic!("budget {budget} of a frontier point: {e}"));
+        let peak = plan.memory.peak_bytes.unwrap_or(0);
+        assert!(peak <= budget, "the answer's peak {peak} exceeds {budget}");
     }
 }

@@ -366,7 +366,7 @@ impl<'g> Search<'g> {
 
     /// The plan of the fastest point of the default frontier whose peak fits `budget`,
     /// planned in full and verified (if its full plan does not fit, which only an inexact
-    /// model allows, the next fastest point that fits; keeping nothing last).
+    /// model allows, the next fastest point that fits; keeping nothing last, if it fits).
     pub fn within(&self, budget: u64) -> Result<Plan, BudgetError> {
         let front = self.frontier(DEFAULT_STEPS)?;
         self.check_floor(budget)?;
@@ -382,7 +382,16 @@ impl<'g> Search<'g> {
                 return Ok(plan);
             }
         }
-        self.nothing()
+        // Only an inexact model gets here: keeping nothing is the last resort, and never an
+        // answer that does not fit.
+        let nothing = self.nothing()?;
+        if fits(&nothing, budget) {
+            return Ok(nothing);
+        }
+        Err(BudgetError::Infeasible {
+            budget,
+            smallest: nothing.memory.peak_bytes.unwrap_or(0),
+        })
     }
 
     fn check_floor(&self, budget: u64) -> Result<(), BudgetError> {

@@ -646,7 +646,9 @@ impl Model {
         model.fixed_saved = fixed_saved;
         model.slots = timeline.len();
         model.exact &= exact;
-        model.exact &= model.composes_runs(layers, &peaks);
+        // Without a run there is no recorded fixed part to compose from (nothing to choose:
+        // no checkpointed layer declares units): the figures come from full plans.
+        model.exact &= !peaks.is_empty() && model.composes_runs(layers, &peaks);
         model
     }
 

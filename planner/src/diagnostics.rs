@@ -445,7 +445,11 @@ fn nondeterministic_replay(
         }
     }
     for ((model, unit), replayed) in grouped {
-        let ops: Vec<String> = replayed.ops.iter().map(|o| format!("`{}`", shown(o))).collect();
+        let ops: Vec<String> = replayed
+            .ops
+            .iter()
+            .map(|o| format!("`{}`", shown(o)))
+            .collect();
         out.add(
             Code::NondeterministicReplay,
             (model, unit),
@@ -522,7 +526,11 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
         entry.layers.extend(node.layer);
     }
     for ((model, reason), found) in grouped {
-        let ops: Vec<String> = found.ops.iter().map(|o| format!("`{}`", shown(o))).collect();
+        let ops: Vec<String> = found
+            .ops
+            .iter()
+            .map(|o| format!("`{}`", shown(o)))
+            .collect();
         let (code, what, hint) = if reason == Reason::Random {
             (
                 Code::RandomOpSaved,

@@ -108,6 +108,29 @@ fn m3_an_infeasible_budget_states_the_smallest_peak() {
     }
 }
 
+/// With nothing to choose (no layer checkpointed, or no units), the frontier is the one plan
+/// there is, with the peak its full plan reports, and a budget below that peak is infeasible.
+#[test]
+fn m3_with_no_layer_to_choose_the_frontier_is_the_full_plan_and_smaller_budgets_are_infeasible() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let config = PlanConfig {
+        recompute_ratio: 0.0,
+        ..PlanConfig::default()
+    };
+    let full = planner::plan::plan(&graph, &config, &hw).unwrap();
+    let peak = full.memory.peak_bytes.unwrap();
+    let search = Search::new(&graph, &config, &hw).unwrap();
+    let front = search.frontier(DEFAULT_STEPS).unwrap();
+    let peaks: Vec<u64> = front.iter().map(|p| p.figures.peak_bytes).collect();
+    assert_eq!(peaks, vec![peak]);
+    assert_eq!(search.within(peak).unwrap().memory.peak_bytes, Some(peak));
+    match search.within(peak - 1) {
+        Err(BudgetError::Infeasible { smallest, .. }) => assert_eq!(smallest, peak),
+        other => panic!("expected infeasible, got {:?}", other.map(|p| p.memory)),
+    }
+}
+
 #[test]
 fn m3_the_pareto_frontier_is_the_brute_force_frontier() {
     let graph = deep();

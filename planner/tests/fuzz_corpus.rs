@@ -20,12 +20,15 @@ use std::{
 type Target = fn(&[u8]);
 
 /// Every fuzz target, by the name of its corpus directory.
-const TARGETS: [(&str, Target); 5] = [
+const TARGETS: [(&str, Target); 8] = [
     ("load_pb", targets::load_pb),
     ("load_json", targets::load_json),
     ("hw_profile", targets::hw_profile),
     ("inspect_text", targets::inspect_text),
     ("convert_roundtrip", targets::convert_roundtrip),
+    ("plan_pb", targets::plan_pb),
+    ("plan_json", targets::plan_json),
+    ("plan_graph", targets::plan_graph),
 ];
 
 fn fuzz_dir() -> PathBuf {

@@ -591,7 +591,11 @@ fn names_in_diagnostics_are_escaped_and_shortened_to_one_line() {
     let d = &p.diagnostics[0];
     assert_eq!(d.code, "marker-missing");
     assert!(!d.message.chars().any(char::is_control), "{:?}", d.message);
-    assert!(d.message.contains("mlp.begin\\n\\u{1b}[2J"), "{}", d.message);
+    assert!(
+        d.message.contains("mlp.begin\\n\\u{1b}[2J"),
+        "{}",
+        d.message
+    );
     assert!(d.message.len() < 1_000, "{} bytes", d.message.len());
 }
 
