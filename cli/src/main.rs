@@ -25,8 +25,8 @@ use planner::{
 };
 
 use args::{
-    BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, Granularity, InspectArgs, ParetoArgs,
-    ParetoFormat, PlanArgs, PlanFormat, SummaryFormat,
+    BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat,
+    PlanArgs, PlanFormat, SummaryFormat,
 };
 use output::Output;
 
@@ -128,13 +128,9 @@ fn make_plan(
         let activations = activation_budget(size, args.budget_includes, graph)?;
         let bar = progress::Bar::new(args.quiet);
         let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
-        let mut plan = match args.granularity {
-            Granularity::Unit => search.within(activations),
-            Granularity::Op => search.within_ops(activations),
-        }
-        .map_err(|e| e.to_string())?;
-        plan.config.budget_bytes = Some(activations);
-        return Ok(plan);
+        return Ok(search
+            .answer(activations, args.granularity.into())
+            .map_err(|e| e.to_string())?);
     }
     let mut resolved = config::resolve(graph, config).map_err(|e| e.to_string())?;
     if let Some(path) = &args.choices {

@@ -606,6 +606,45 @@ impl Search<'_> {
     }
 }
 
+/// How finely `--budget` chooses what each checkpointed layer keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Granularity {
+    /// Whole units (a subset of the model's units per layer).
+    #[default]
+    Unit,
+    /// Units, then single ops of the layers where that saves replay time.
+    Op,
+}
+
+impl Granularity {
+    /// The granularity spelled `text` (`unit`, `op`), if any.
+    pub fn from_name(text: &str) -> Option<Granularity> {
+        match text {
+            "unit" => Some(Granularity::Unit),
+            "op" => Some(Granularity::Op),
+            _ => None,
+        }
+    }
+
+    /// The spellings, comma-separated (for error messages).
+    pub fn spellings() -> String {
+        "unit, op".to_owned()
+    }
+}
+
+impl Search<'_> {
+    /// The answer to `--budget budget` at `granularity`, its configuration stating the budget:
+    /// what `planner plan --budget` and the Python `plan(budget=...)` return.
+    pub fn answer(&self, budget: u64, granularity: Granularity) -> Result<Plan, BudgetError> {
+        let mut plan = match granularity {
+            Granularity::Unit => self.within(budget),
+            Granularity::Op => self.within_ops(budget),
+        }?;
+        plan.config.budget_bytes = Some(budget);
+        Ok(plan)
+    }
+}
+
 /// Plans `graph` under `config`, choosing per-layer units to fit `budget` bytes.
 pub fn plan_within(
     graph: &Graph,
