@@ -64,6 +64,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import recompute_planner as rp
+from recompute_planner import _native
 from recompute_planner import compile as stage_mod
 from recompute_planner.export import write_graph
 from recompute_planner.markers import MARKER_OP
@@ -402,6 +403,16 @@ def report(result: Comparison) -> str:
     return "\n".join(lines)
 
 
+def native_build_line() -> str:
+    """How the in-process planner was built: unoptimised, it plans several times slower."""
+    if _native.OPTIMIZED:
+        return "native extension: optimised build"
+    return (
+        "native extension: unoptimised build (the rp.plan and compile stage rows are slower "
+        "than with `PLANNER_NATIVE_PROFILE=release bash scripts/setup.sh`)"
+    )
+
+
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
@@ -446,6 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Comparison]:
     args = parse_args(argv)
     print(f"torch {torch.__version__}; {load_line()} at the start", flush=True)
+    print(native_build_line(), flush=True)
     start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory(prefix="compare-partitioner-") as workdir:

@@ -17,6 +17,7 @@ from torch._functorch import config as functorch_config
 from torch.utils.checkpoint import CheckpointPolicy
 
 import recompute_planner as rp
+from recompute_planner import _native
 from recompute_planner import compile as stage_mod
 from recompute_planner.markers import MARKER_OP
 
@@ -137,6 +138,8 @@ def test_the_table_gives_node_counts_and_each_ratio_of_medians(run):
             printed = float(re.search(r"([\d.]+)x$", line).group(1))
             assert printed == pytest.approx(partitioner.median / planner.median, abs=0.05)
     assert out.count("load average") == 2
+    build = "optimised build" if _native.OPTIMIZED else "unoptimised build"
+    assert f"native extension: {build}" in out
 
 
 def test_a_missing_planner_binary_is_a_usage_error(script, tmp_path, capsys):
