@@ -360,6 +360,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
+    // Whether this extension is an optimised build (debug assertions off): in-process timings
+    // depend on it (`scripts/compare_partitioner.py` reports it).
+    m.add("OPTIMIZED", !cfg!(debug_assertions))?;
     // The .proto files, so an installed copy away from the repository can generate its
     // protobuf modules (recompute_planner.proto).
     m.add(
