@@ -185,8 +185,17 @@ fn check_golden(golden: &str) {
     }
 }
 
+/// Goldens the matrix cannot run, each with the reason.
+const NOT_RUN: &[(&str, &str)] = &[(
+    "moe_ep2_cuda",
+    "a GPU run traced with fake CUDA tensors on a CPU-only machine: nothing ran, so there are \
+     no weights, inputs or reference results to run it on and check it against",
+)];
+
 macro_rules! goldens {
     ($($name:ident),* $(,)?) => {
+        /// The goldens the matrix runs, one test each.
+        const RUN: &[&str] = &[$(stringify!($name)),*];
         $(
             #[test]
             fn $name() {
@@ -212,6 +221,35 @@ goldens!(
     glm_dsa_ep2,
     glm_dsa_ep2_compiled,
 );
+
+/// The golden graphs under `tests/golden/` (rank 0's; other ranks' are `NAME.rank<r>.pb`).
+fn golden_names() -> Vec<String> {
+    let dir = testkit::repo_root().join("tests/golden");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "pb"))
+        .filter_map(|path| path.file_stem()?.to_str().map(str::to_owned))
+        .filter(|stem| !stem.contains(".rank"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn every_golden_runs_or_is_skipped_with_its_reason() {
+    for name in golden_names() {
+        let run = RUN.contains(&name.as_str());
+        let skipped = NOT_RUN.iter().find(|(n, _)| *n == name);
+        assert!(
+            run != skipped.is_some(),
+            "{name}: list it in `goldens!` or, with the reason, in `NOT_RUN` (not both)"
+        );
+        // The reason holds: a skipped golden has no tensors to run on.
+        let tensors = testkit::golden_graph(&name).with_extension("safetensors");
+        assert_eq!(tensors.is_file(), run, "{name}: {}", tensors.display());
+    }
+}
 
 /// With `--keep save_dsa_indexer` the indexer's `aten.topk` (kept by the unit) runs zero times
 /// in replay, where whole-layer recompute re-runs it in every layer.

@@ -7,6 +7,11 @@ process group, which exchanges no real data. The reference tensors (weights, inp
 PyTorch's loss and gradients) must be real, so for a multi-rank model the whole export runs on
 real gloo ranks, one process per rank, each exporting its own rank's step and tensors; rank 0's
 graph must be byte-identical to the fake-group trace (checked).
+
+A device golden (`device` set) is the graph of a GPU run, traced on this CPU-only machine with
+fake tensors on that device (`recompute_planner.device_export`): it carries the device-to-host
+copies a CPU trace cannot have. Nothing runs, so it is `NAME.pb` alone: no reference tensors, no
+other ranks' files, and the tests that run a golden's step skip it (`Golden.not_run`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
+from ..device_export import export_forward_on_device, export_joint_on_device
 from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
@@ -24,11 +30,13 @@ from .distributed import fake_process_group, run_on_ranks
 
 @dataclass(frozen=True)
 class Golden:
-    """One golden graph: a zoo model exported jointly (forward+backward) or forward-only."""
+    """One golden graph: a zoo model exported jointly (forward+backward) or forward-only, on
+    this CPU with its reference step or, for a `device` golden, as it runs on that device."""
 
     name: str
     entry: ZooEntry
     joint: bool = True
+    device: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -36,11 +44,25 @@ class Golden:
 
     @property
     def summary(self) -> str:
-        return self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
+        summary = self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
+        if self.device is not None:
+            summary += f"; traced with fake {self.device} tensors, no reference tensors"
+        return summary
+
+    @property
+    def not_run(self) -> str | None:
+        """Why nothing runs this golden's step (no reference tensors), or None."""
+        if self.device is None:
+            return None
+        return (
+            f"{self.name} is a {self.device} run traced with fake tensors: nothing ran, so there "
+            "are no reference tensors, and a step run on this CPU computes other ops"
+        )
 
 
 GOLDENS: tuple[Golden, ...] = tuple(Golden(e.name, e) for e in ENTRIES) + (
     Golden("dense_forward", entry("dense"), joint=False),
+    Golden("moe_ep2_cuda", entry("moe_ep2"), device="cuda"),
 )
 
 
@@ -54,6 +76,8 @@ def golden(name: str) -> Golden:
 
 def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
     """Exports `rank`'s step of `gold` under whatever process group is current."""
+    if gold.not_run:
+        raise ValueError(gold.not_run)
     cfg = gold.entry.config.for_rank(gold.world_size, rank)
     exporter = export_joint if gold.joint else export_forward
     return exporter(
@@ -74,7 +98,23 @@ def traced_group(world_size: int) -> ContextManager[None]:
 def trace_graph_bytes(gold: Golden) -> bytes:
     """The `.pb` bytes of rank 0's graph, traced in this process (fake group if multi-rank)."""
     with traced_group(gold.world_size):
-        return export_rank(gold).graph.SerializeToString(deterministic=True)
+        graph = export_rank(gold).graph if gold.device is None else device_graph(gold, gold.device)
+        return graph.SerializeToString(deterministic=True)
+
+
+def device_graph(gold: Golden, device: str) -> graph_pb2.Graph:
+    """Rank 0's graph of `gold`'s model traced with fake tensors on `device`
+    (`recompute_planner.device_export`), under whatever process group is current."""
+    cfg = gold.entry.config
+    exporter = export_joint_on_device if gold.joint else export_forward_on_device
+    return exporter(
+        gold.entry.build(),
+        make_inputs(cfg),
+        name=gold.name,
+        models=model_decls(cfg),
+        device=device,
+        world_size=cfg.world_size,
+    )
 
 
 def rank_path(out_dir: Path, name: str, rank: int, extension: str) -> Path:
@@ -108,7 +148,8 @@ def _export_on_rank(world_size: int, rank: int, names: list[str], out_dir: str) 
 
 
 def export_goldens(names: list[str], out_dir: Path) -> None:
-    """Writes the named goldens into `out_dir`, multi-rank ones through real gloo ranks.
+    """Writes the named goldens into `out_dir`, multi-rank ones through real gloo ranks and
+    device goldens (a graph alone) from their in-process trace.
 
     Raises if a real rank 0's graph differs from the in-process fake-group trace, since the
     tests regenerate graphs that way.
@@ -116,7 +157,11 @@ def export_goldens(names: list[str], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     by_world: dict[int, list[str]] = {}
     for name in names:
-        by_world.setdefault(golden(name).world_size, []).append(name)
+        gold = golden(name)
+        if gold.device is not None:
+            (out_dir / f"{name}.pb").write_bytes(trace_graph_bytes(gold))
+        else:
+            by_world.setdefault(gold.world_size, []).append(name)
     for world_size, group in sorted(by_world.items()):
         if world_size == 1:
             for name in group:
