@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerates the golden graphs of the model zoo (SPEC §7 E2).
+"""Regenerates the golden graphs of the model zoo (`tests/golden/`).
 
     python python/export_goldens.py [--out tests/golden] [NAME ...]
 

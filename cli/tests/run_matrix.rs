@@ -24,8 +24,8 @@ fn make_plan(graph: &Graph, config: &PlanConfig) -> Plan {
     plan(graph, config, &HwProfile::default()).expect("the golden plans")
 }
 
-/// The configurations every golden runs under: `--keep none`, `all`, each declared unit the
-/// seeds name (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save`,
+/// The configurations every golden runs under: `--keep none`, `all`, the units users keep
+/// most (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save`,
 /// `--recompute-ratio 0.5`, and `--keep all --random-ops replay` for a graph with random ops.
 fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
     let base = PlanConfig::default();

@@ -40,7 +40,7 @@ pub enum LoadError {
     },
 }
 
-/// A decoded graph breaks a rule of the IR (SPEC §3).
+/// A decoded graph breaks a rule of the IR (docs/ir.md).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ValidationError {
     #[error("graph has no nodes")]

@@ -213,7 +213,7 @@ const TO_COPY_OP: &str = "aten._to_copy.default";
 
 impl Node {
     /// A copy to the host (`_to_copy` with device `cpu`): on a GPU run it synchronises the
-    /// stream, as the routing-count copy of expert-parallel dispatch does (the second seed).
+    /// stream, as the routing-count copy of expert-parallel dispatch does.
     pub fn is_device_to_host_copy(&self) -> bool {
         self.op == TO_COPY_OP
             && matches!(self.attribute("device"), Some(AttrValue::Str(d)) if d == "cpu" || d.starts_with("cpu:"))

@@ -207,7 +207,7 @@ pub fn lookup(op: &str) -> OpInfo {
     let info = find_hashed(op, op_hash)
         .or_else(|| find_hashed(name.packet, packet_hash))
         .or_else(|| name.in_place_base().and_then(find).map(in_place))
-        .or_else(|| (name.namespace == "c10d").then_some(C10D_COLLECTIVE));
+        .or_else(|| structural_collective(&name));
     match info {
         Some(info) => OpInfo {
             writes_out: info.writes_out || name.is_out_overload(),
@@ -218,6 +218,20 @@ pub fn lookup(op: &str) -> OpInfo {
             writes_out: name.is_out_overload(),
             ..OpInfo::UNKNOWN
         },
+    }
+}
+
+/// The collective an op without an entry of its own is, by its namespace alone: `c10d` ops
+/// write their buffers (their in-place forms do not always carry `(a!)`); `_c10d_functional`
+/// and `_c10d_functional_autograd` ops return a fresh tensor unless the name ends in `_`.
+fn structural_collective(name: &OpName<'_>) -> Option<OpInfo> {
+    match name.namespace {
+        "c10d" => Some(C10D_COLLECTIVE),
+        ns if ns.starts_with("_c10d_functional") && name.name.ends_with('_') => {
+            Some(C10D_COLLECTIVE)
+        }
+        ns if ns.starts_with("_c10d_functional") => Some(FUNCTIONAL_COLLECTIVE),
+        _ => None,
     }
 }
 
@@ -428,6 +442,9 @@ const MUTATING_ALL_REDUCE: OpInfo = mutating(CostModel::AllReduce);
 const MUTATING_BROADCAST: OpInfo = mutating(CostModel::Broadcast);
 /// Any other `c10d` op (structural rule): a mutating collective writing input 0.
 const C10D_COLLECTIVE: OpInfo = mutating(CostModel::AllToAll);
+/// Any other functional collective (`_c10d_functional*` namespaces): a fresh result, priced
+/// as an all-to-all (every input byte crosses the wire).
+const FUNCTIONAL_COLLECTIVE: OpInfo = functional(CostModel::AllToAll);
 
 /// Every known key, sorted bytewise for the reader (a test checks it, which also rules out
 /// duplicates): `namespace.name` matches every overload, `namespace.name.overload` only that one
@@ -1208,6 +1225,22 @@ mod tests {
         assert_eq!(all_reduce_.mutates, &[0]);
         let out = lookup("_c10d_functional.all_gather_into_tensor_out.default");
         assert!(out.writes_out && out.collective == Some(CollectiveKind::Mutating));
+    }
+
+    #[test]
+    fn functional_namespaces_without_an_entry_are_collectives_by_name() {
+        for op in [
+            "_c10d_functional.permute_tensor.default",
+            "_c10d_functional_autograd.all_reduce.default",
+        ] {
+            let info = lookup(op);
+            assert_eq!(info.collective, Some(CollectiveKind::Functional), "{op}");
+            assert!(!info.has_mutable_schema(), "{op}");
+        }
+        let written = lookup("_c10d_functional_autograd.all_reduce_.default");
+        assert_eq!(written.collective, Some(CollectiveKind::Mutating));
+        assert_eq!(written.mutates, &[0]);
+        assert_eq!(lookup("aten.mm.default").collective, None);
     }
 
     #[test]

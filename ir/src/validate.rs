@@ -764,3 +764,25 @@ fn convert_metadata(m: pb::Metadata) -> Metadata {
         rank: m.rank,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The enum in `graph.proto` is the one dtype table: the exporter reads torch dtypes off
+    /// its names, so every code must convert to the dtype its name spells.
+    #[test]
+    fn every_proto_dtype_converts_to_the_dtype_its_name_spells() {
+        for code in 1.. {
+            let Ok(wire) = pb::Dtype::try_from(code) else {
+                break;
+            };
+            let spelled = wire
+                .as_str_name()
+                .trim_start_matches("DTYPE_")
+                .to_lowercase();
+            let dtype = convert_dtype("v", code).expect("a named dtype converts");
+            assert_eq!(dtype.name(), spelled, "code {code}");
+        }
+    }
+}

@@ -9,6 +9,7 @@ use planner::{
     config::{parse_keep, PlanConfig},
     cost::HwProfile,
     plan::{plan, PlanError},
+    policy,
 };
 use testkit::Builder;
 
@@ -269,6 +270,44 @@ fn r4_nested_intervals_are_not_an_overlap_and_credit_the_inner_unit() {
         .map(|u| (u.unit.as_str(), u.kept_ops))
         .collect();
     assert_eq!(credited, vec![("SAVE_ATTN", 2), ("SAVE_DSA_INDEXER", 1)]);
+}
+
+#[test]
+fn r4_interval_contents_lists_each_interval_by_marker_position_nested_and_empty() {
+    const INDEXER: (&str, &[(&str, &str)]) = ("SAVE_DSA_INDEXER", &[("idx.begin", "idx.end")]);
+    let mut b = Builder::new(1, &[ATTN, INDEXER, MLP]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m1 = b.marker("attn.begin", &x); // n1
+    let a = b.op(&m1); // n2
+    let m2 = b.marker("idx.begin", &a); // n3
+    let c = b.op(&m2); // n4
+    let m3 = b.marker("idx.end", &c); // n5
+    let m4 = b.marker("attn.end", &m3); // n6
+    let m5 = b.marker("mlp.begin", &m4); // n7
+    let m6 = b.marker("mlp.end", &m5); // n8: the MLP interval encloses nothing
+    let d = b.op(&m6); // n9: outside every interval
+    b.layer(None);
+    backward(&mut b, &[&a, &c, &d]);
+    let graph = b.build();
+    let listed: Vec<(&str, Vec<&str>)> = policy::interval_contents(&graph)
+        .iter()
+        .map(|contents| {
+            let names = contents
+                .nodes
+                .iter()
+                .map(|&id| graph.node(id).name.as_str());
+            (contents.begin, names.collect())
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("attn.begin", vec!["n2", "n4"]),
+            ("idx.begin", vec!["n4"]),
+            ("mlp.begin", vec![]),
+        ]
+    );
 }
 
 #[test]

@@ -246,9 +246,8 @@ def eliminate_common_subexpressions(graph_module: fx.GraphModule) -> None:
 
 def remove_markers(graph: fx.Graph) -> int:
     """Replaces every ``checkpoint_record`` node by its input; returns how many it removed."""
-    marker = torch.ops.recompute.checkpoint_record.default
     removed = 0
-    for node in list(graph.find_nodes(op="call_function", target=marker)):
+    for node in list(graph.find_nodes(op="call_function", target=markers.MARKER_OVERLOAD)):
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
         removed += 1

@@ -1,4 +1,4 @@
-"""Exporter: one training step of a PyTorch module as the project's IR (SPEC §3, §7 E2).
+"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md).
 
 ``export_joint`` captures the joint forward+backward graph AOTAutograd builds
 (``functorch.compile.aot_module``; the ``partition_fn`` hook receives the joint graph, which is
@@ -73,39 +73,38 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import __version__, markers
+from . import __version__, _native, markers
 from .proto import graph_pb2
 
 EXPORTER_VERSION = __version__
 
-# Namespaces of collectives that return fresh tensors; `c10d` ops write caller buffers.
-_FUNCTIONAL_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-_MUTATING_COLLECTIVE_NAMESPACES = ("c10d",)
 # Name of the string-list attribute listing tensor arguments that were None.
 ABSENT_TENSOR_ARGS = "absent_tensor_args"
 # Frames of a node's stack trace kept in the IR (innermost last).
 STACK_TRACE_FRAMES = 3
 
-_DTYPES = {
-    torch.float32: graph_pb2.DTYPE_FLOAT32,
-    torch.float16: graph_pb2.DTYPE_FLOAT16,
-    torch.bfloat16: graph_pb2.DTYPE_BFLOAT16,
-    torch.float64: graph_pb2.DTYPE_FLOAT64,
-    torch.int64: graph_pb2.DTYPE_INT64,
-    torch.int32: graph_pb2.DTYPE_INT32,
-    torch.int16: graph_pb2.DTYPE_INT16,
-    torch.int8: graph_pb2.DTYPE_INT8,
-    torch.uint8: graph_pb2.DTYPE_UINT8,
-    torch.bool: graph_pb2.DTYPE_BOOL,
-    torch.float8_e4m3fn: graph_pb2.DTYPE_FLOAT8_E4M3FN,
-    torch.float8_e5m2: graph_pb2.DTYPE_FLOAT8_E5M2,
-    torch.complex64: graph_pb2.DTYPE_COMPLEX64,
+
+def _dtype_table() -> dict[torch.dtype, int]:
+    """torch dtype -> IR dtype, read off the IR's own enum: ``DTYPE_FLOAT8_E4M3FN`` is
+    ``torch.float8_e4m3fn``, so the enum in ``graph.proto`` is the one table of dtypes."""
+    return {
+        getattr(torch, name.removeprefix("DTYPE_").lower()): code
+        for name, code in graph_pb2.Dtype.items()
+        if code != graph_pb2.DTYPE_UNSPECIFIED
+    }
+
+
+_DTYPES = _dtype_table()
+_COLLECTIVE_KINDS = {
+    None: graph_pb2.COLLECTIVE_KIND_NONE,
+    "functional": graph_pb2.COLLECTIVE_KIND_FUNCTIONAL,
+    "mutating": graph_pb2.COLLECTIVE_KIND_MUTATING,
 }
 
 
 @dataclass(frozen=True)
 class ModelDecl:
-    """A model the graph holds: its layer count and recompute units (SPEC §3 metadata)."""
+    """A model the graph holds: its layer count and recompute units (the graph's model metadata)."""
 
     name: str  # model name used in layer_scope(...)
     num_layers: int
@@ -983,7 +982,7 @@ def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
 def schema_facts(
     op: torch._ops.OpOverload, positions: dict[str, list[int]]
 ) -> graph_pb2.SchemaFacts:
-    """Mutation, view, randomness and collective kind of ``op`` (SPEC §3 schema facts).
+    """Mutation, view, randomness and collective kind of ``op`` (the IR's schema facts).
 
     ``positions`` maps each tensor argument name to its positions in the node's IR inputs.
     """
@@ -1029,19 +1028,14 @@ def is_random(op: torch._ops.OpOverload) -> bool:
 
 
 def _collective_kind(op: torch._ops.OpOverload) -> int:
-    return collective_kind(op.namespace, op._opname)
+    return collective_kind(str(op))
 
 
-def collective_kind(namespace: str, name: str) -> int:
-    """FUNCTIONAL for ``_c10d_functional`` ops (MUTATING if the name ends in ``_``); MUTATING
-    for the ``c10d`` namespace, whose in-place ops do not always carry ``(a!)``."""
-    if namespace in _FUNCTIONAL_COLLECTIVE_NAMESPACES:
-        if name.endswith("_"):
-            return graph_pb2.COLLECTIVE_KIND_MUTATING
-        return graph_pb2.COLLECTIVE_KIND_FUNCTIONAL
-    if namespace in _MUTATING_COLLECTIVE_NAMESPACES:
-        return graph_pb2.COLLECTIVE_KIND_MUTATING
-    return graph_pb2.COLLECTIVE_KIND_NONE
+def collective_kind(op: str) -> int:
+    """The collective kind of ``op`` (``namespace.name.overload``) by the planner's own op
+    knowledge: FUNCTIONAL for ``_c10d_functional`` ops (MUTATING if the name ends in ``_``),
+    MUTATING for the ``c10d`` namespace, whose in-place ops do not always carry ``(a!)``."""
+    return _COLLECTIVE_KINDS[_native.collective_kind(op)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Model-side annotations the exporter reads (SPEC §7 E1).
+"""Model-side annotations the exporter reads (docs/ir.md, "Marking a model").
 
 - ``checkpoint_record(name, x)``: a point marker. An identity custom op
   (``recompute::checkpoint_record``, exported as ``recompute.checkpoint_record.default`` with the
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
   passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
-  constant-folds the check, so it never enters a compiled graph), as the first seed's marker
-  does, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
+  constant-folds the check, so it never enters a compiled graph), as selective-checkpointing
+  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
   (``recompute_planner.compile``) needs the markers in the joint graph and removes them after
   planning. Its output must be used: the caller continues with the returned tensor.
 - ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded
@@ -26,7 +26,14 @@ from typing import Iterator
 import torch
 import torch.fx.traceback as fx_traceback
 
-MARKER_OP = "recompute.checkpoint_record.default"
+from . import _native
+
+# The marker op as the IR names it and its marker-name attribute: the planner's own constants,
+# so the exporter and the planner cannot disagree. The custom op below is registered under
+# that name (`recompute::checkpoint_record`); its `name` argument becomes the attribute.
+MARKER_OP: str = _native.MARKER_OP
+MARKER_NAME_ATTR: str = _native.MARKER_NAME_ATTR
+_MARKER_NAMESPACE, _MARKER_NAME, _ = MARKER_OP.split(".")
 
 # Keys of node.meta["custom"] the exporter reads.
 MODEL_KEY = "recompute.model"
@@ -37,7 +44,7 @@ COMPILED_REGION_KEY = "recompute.compiled_region"
 MODULE_PATH_KEY = "recompute.module_path"
 
 
-@torch.library.custom_op("recompute::checkpoint_record", mutates_args=())
+@torch.library.custom_op(f"{_MARKER_NAMESPACE}::{_MARKER_NAME}", mutates_args=())
 def _checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.clone()
 
@@ -52,6 +59,11 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 _checkpoint_record.register_autograd(_backward)
+
+# The registered op overload, as it appears as the target of graph nodes.
+MARKER_OVERLOAD: torch._ops.OpOverload = getattr(
+    getattr(torch.ops, _MARKER_NAMESPACE), _MARKER_NAME
+).default
 
 
 # Whether markers enter graphs Dynamo compiles (Dynamo guards on it: toggling recompiles).

@@ -1,7 +1,8 @@
-"""Measured activation memory of one eager training step on CPU, to check the planner's M1.
+"""Measured activation memory of one eager training step on CPU, to check the planner's
+memory prediction.
 
 The planner predicts the peak of live bytes during one training step, parameters excluded
-(SPEC §5 M1, `planner/src/memory.rs`). This module runs the same step eagerly on CPU and
+(docs/cost-and-memory.md, `planner/src/memory.rs`). This module runs the same step eagerly on CPU and
 measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
 reports every CPU allocation and free with its pointer and size. The CPU allocator does not
 cache, so the events are real ``malloc``/``free`` of tensor storages, and their running sum from

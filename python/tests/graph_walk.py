@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recompute_planner.markers import MARKER_OP
+from recompute_planner import _native
+from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP
 from recompute_planner.proto import graph_pb2
 from recompute_planner.zoo.goldens import golden
 
@@ -21,6 +22,7 @@ def golden_param(name: str, *values: object, **kwargs: object):
     reason = golden(name).not_run
     marks = [pytest.mark.skip(reason=reason)] if reason else []
     return pytest.param(name, *values, marks=marks, **kwargs)
+
 
 # (model, layer, micro-batch): one run of a decoder layer's forward on one micro-batch.
 LayerRun = tuple[str, int, int]
@@ -58,7 +60,7 @@ def marker_name(node: graph_pb2.Node) -> str | None:
     """The marker name of a `checkpoint_record` node, None for any other node."""
     if node.op != MARKER_OP:
         return None
-    names = [a.str for a in node.attributes if a.name == "name"]
+    names = [a.str for a in node.attributes if a.name == MARKER_NAME_ATTR]
     assert len(names) == 1, f"marker node {node.name} has no single `name` attribute"
     return names[0]
 
@@ -87,27 +89,17 @@ def declared_intervals(graph: graph_pb2.Graph, model: str) -> dict[str, str]:
 
 
 def interval_contents(graph: graph_pb2.Graph) -> dict[tuple[LayerRun, str], list[graph_pb2.Node]]:
-    """The nodes each interval encloses, per layer run, keyed by its begin marker.
-
-    Walks each run in execution order: an interval opens at its begin marker and closes at its
-    end marker (SPEC R4); every non-marker node while it is open belongs to it.
-    """
-    enclosed: dict[tuple[LayerRun, str], list[graph_pb2.Node]] = {}
-    for run, nodes in layer_runs(graph).items():
-        intervals = declared_intervals(graph, run[0])
-        end_to_begin = {end: begin for begin, end in intervals.items()}
-        open_now: set[str] = set()
-        for node in nodes:
-            name = marker_name(node)
-            if name in intervals:
-                open_now.add(name)
-                enclosed.setdefault((run, name), [])
-            elif name in end_to_begin:
-                open_now.discard(end_to_begin[name])
-            elif name is None:
-                for begin in open_now:
-                    enclosed[(run, begin)].append(node)
-    return enclosed
+    """The nodes each interval encloses, per layer run, keyed by its begin marker: the
+    planner's own marker walk (an interval opens at its begin marker and closes at its end
+    marker; every op while it is open belongs to it)."""
+    by_name = {n.name: n for n in graph.nodes}
+    rows = _native.interval_contents(
+        data=graph.SerializeToString(), format="pb", origin=f"graph {graph.name}"
+    )
+    return {
+        ((model, layer, micro_batch), begin): [by_name[name] for name in names]
+        for model, layer, micro_batch, begin, _end, names in rows
+    }
 
 
 def interval_ops(graph: graph_pb2.Graph) -> dict[tuple[LayerRun, str], Counter]:
@@ -119,7 +111,7 @@ def micro_batch_mismatches(single: graph_pb2.Graph, domino: graph_pb2.Graph) -> 
     """Where the domino graph's intervals enclose other ops than the single-batch graph's.
 
     Every micro-batch of every layer must enclose, per interval, exactly the multiset of ops
-    the same layer's interval encloses in the single-batch path (SPEC R10).
+    the same layer's interval encloses in the single-batch path (each micro-batch replays the same ops).
     """
     reference = {(run[0], run[1], begin): ops for (run, begin), ops in interval_ops(single).items()}
     seen = set()

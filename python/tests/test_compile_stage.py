@@ -33,7 +33,7 @@ from functorch.compile import aot_module, make_boxed_func
 import recompute_planner as rp
 from graph_walk import golden_param
 from recompute_planner import compile as stage_mod
-from recompute_planner.markers import MARKER_OP, markers_in_compiled_graphs
+from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_compiled_graphs
 from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
 from recompute_planner.zoo.goldens import GOLDENS, traced_group
 from recompute_planner.zoo.model import CausalLM
@@ -155,11 +155,7 @@ def test_compiled_step_saves_what_the_plan_saves(name, keep):
     captured = aot_step(name, keep)
     assert_saves_the_plan(captured)
     # The markers found the units, then left the graph.
-    assert not [n for n in captured.fw.graph.nodes if n.target is _marker()]
-
-
-def _marker():
-    return torch.ops.recompute.checkpoint_record.default
+    assert not [n for n in captured.fw.graph.nodes if n.target is MARKER_OVERLOAD]
 
 
 def test_indexer_topk_is_not_recomputed_when_its_unit_is_kept():

@@ -1,6 +1,6 @@
 """export_joint / export_forward: roles, outputs, phases, reference tensors, files.
 
-SPEC §3 (the IR) and §7 E2 (export with weights, inputs and PyTorch's reference).
+The IR (docs/ir.md) and export with weights, inputs and PyTorch's reference.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The marker op and the scope annotations survive export as SPEC §7 E1 requires."""
+"""The marker op and the scope annotations survive export (docs/ir.md, "Marking a model")."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from recompute_planner.export import ModelDecl, export_joint
 from recompute_planner.markers import (
+    MARKER_NAME_ATTR,
     MARKER_OP,
     checkpoint_record,
     compiled_region,
@@ -29,7 +30,8 @@ def test_marker_is_a_forward_node_on_the_data_path_with_its_name():
     torch.manual_seed(0)
     graph = export_joint(Lambda(_marked), (torch.randn(3, 4),), name="m", models=MAIN).graph
     marker = only_node(graph, MARKER_OP)
-    assert [(a.name, a.str) for a in marker.attributes] == [("name", "probe.begin")]
+    # The planner's own constants name the op and the attribute it reads the marker name from.
+    assert [(a.name, a.str) for a in marker.attributes] == [(MARKER_NAME_ATTR, "probe.begin")]
     assert marker.phase == PHASE_FORWARD
     producer = next(n for n in graph.nodes if marker.inputs[0] in n.outputs)
     assert producer.op == "aten.addmm.default"

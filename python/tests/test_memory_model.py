@@ -1,4 +1,4 @@
-"""The planner's predicted activation peak (SPEC §5 M1) against eager PyTorch on CPU.
+"""The planner's predicted activation peak (docs/cost-and-memory.md) against eager PyTorch on CPU.
 
 For every joint golden, the step the golden was exported from (same zoo config, seeded weights
 and inputs, rank 0) runs in eager PyTorch on CPU, and the peak of the bytes it holds,

@@ -1,4 +1,4 @@
-"""IR node order is eager execution order, and a node's phase is the pass that ran it (SPEC §3:
+"""IR node order is eager execution order, and a node's phase is the pass that ran it (docs/ir.md:
 marker semantics depend on the order; replay scheduling depends on the phases).
 
 The same step runs eagerly under a TorchDispatchMode that records every aten op dispatched in

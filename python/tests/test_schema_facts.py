@@ -1,4 +1,4 @@
-"""Schema facts (mutation, view, randomness, collective kind) the exporter records (SPEC §3)."""
+"""Schema facts (mutation, view, randomness, collective kind) the exporter records (docs/ir.md)."""
 
 from __future__ import annotations
 
@@ -111,10 +111,11 @@ def test_mutating_c10d_all_reduce_traces_as_a_mutating_collective():
 
 
 def test_collective_classifier_by_namespace_and_name():
-    assert collective_kind("_c10d_functional", "all_to_all_single") == FUNCTIONAL
-    assert collective_kind("_c10d_functional", "all_reduce_") == MUTATING
-    assert collective_kind("c10d", "alltoall_base_") == MUTATING
-    assert collective_kind("aten", "add_") == NONE
+    assert collective_kind("_c10d_functional.all_to_all_single.default") == FUNCTIONAL
+    assert collective_kind("_c10d_functional.all_reduce_.default") == MUTATING
+    assert collective_kind("_c10d_functional_autograd.all_reduce.default") == FUNCTIONAL
+    assert collective_kind("c10d.alltoall_base_.default") == MUTATING
+    assert collective_kind("aten.add_.Tensor") == NONE
     facts = schema_facts(torch.ops.c10d.allreduce_.default, {"tensors": [0]})
     assert facts.collective == MUTATING
 

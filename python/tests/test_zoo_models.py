@@ -1,4 +1,4 @@
-"""The zoo models in eager (SPEC §7 E1): they train, shard their experts, validate configs."""
+"""The zoo models in eager: they train, shard their experts, validate configs."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ use super::{
 /// A distinct `[begin, end)` marker pair of a model and the units that declare it.
 struct Interval<'g> {
     begin: &'g str,
+    end: &'g str,
     units: Vec<UnitId>,
 }
 
@@ -48,6 +49,7 @@ impl<'g> MarkerIndex<'g> {
                 let k = *by_pair.entry(pair).or_insert_with(|| {
                     index.intervals.push(Interval {
                         begin: pair.0,
+                        end: pair.1,
                         units: Vec::new(),
                     });
                     let k = index.intervals.len() - 1;
@@ -101,6 +103,9 @@ pub(super) struct Session<'a, 'g> {
     fired: BTreeSet<UnitId>,
     /// Kept units with markers inside compiled regions, with the regions.
     compiled_markers: BTreeMap<UnitId, BTreeSet<String>>,
+    /// When listing: (interval, node) for every op an interval encloses by marker position,
+    /// and (interval, None) when it opens.
+    listing: Option<Vec<(usize, Option<NodeId>)>>,
     findings: &'a mut Findings,
 }
 
@@ -136,8 +141,28 @@ impl<'a, 'g> Session<'a, 'g> {
             opened_since_log: false,
             fired: BTreeSet::new(),
             compiled_markers: BTreeMap::new(),
+            listing: None,
             findings,
         }
+    }
+
+    /// Lists, from now on, the ops each interval encloses by marker position (compiled
+    /// markers included): what [`Session::listed`] returns.
+    pub(super) fn list_members(&mut self) {
+        self.listing = Some(Vec::new());
+    }
+
+    /// The ops each interval enclosed, as (begin marker, end marker, node), in walk order; an
+    /// opening gives a `None` node, so an interval that enclosed nothing is listed too.
+    pub(super) fn listed(&self) -> Vec<(&'g str, &'g str, Option<NodeId>)> {
+        self.listing
+            .iter()
+            .flatten()
+            .map(|&(i, node)| {
+                let interval = &self.index.intervals[i];
+                (interval.begin, interval.end, node)
+            })
+            .collect()
     }
 
     /// The units kept at this site that declare `interval`.
@@ -167,6 +192,9 @@ impl<'a, 'g> Session<'a, 'g> {
     /// The innermost open kept unit for an op about to run; notes what encloses an op whose
     /// replay can differ from forward.
     pub(super) fn enclosure(&mut self, id: NodeId, node: &Node) -> Option<UnitId> {
+        if let Some(listing) = &mut self.listing {
+            listing.extend(self.nominal_order.values().map(|&i| (i, Some(id))));
+        }
         if node.replay_may_differ() {
             let declared = self
                 .nominal_order
@@ -259,6 +287,9 @@ impl<'a, 'g> Session<'a, 'g> {
             let seq = self.next_seq();
             self.nominal[interval] = Some(seq);
             self.nominal_order.insert(seq, interval);
+            if let Some(listing) = &mut self.listing {
+                listing.push((interval, None));
+            }
         }
     }
 

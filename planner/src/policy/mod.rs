@@ -280,6 +280,62 @@ fn writer_replays(
     })
 }
 
+/// The ops one interval encloses in one layer run, by marker position (markers inside compiled
+/// regions included, as written): the marker walk the policy runs, listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntervalContents<'g> {
+    pub site: Site,
+    pub begin: &'g str,
+    pub end: &'g str,
+    pub nodes: Vec<NodeId>,
+}
+
+/// What every declared interval of every layer run of `graph` encloses: sorted by site, then
+/// begin marker; the nodes of each in execution order.
+pub fn interval_contents(graph: &Graph) -> Vec<IntervalContents<'_>> {
+    let config = PlanConfig {
+        keep: ir::plan::Keep::All,
+        ..PlanConfig::default()
+    };
+    // Keeping every declared unit names no unknown unit: resolving cannot fail.
+    let Ok(resolved) = crate::config::resolve(graph, &config) else {
+        return Vec::new();
+    };
+    let mut nodes: IdVec<NodeId, Option<NodePolicy>> = IdVec::filled(graph.nodes().len(), None);
+    let mut findings = Findings::default();
+    let mut contents: BTreeMap<(Site, &str, &str), Vec<NodeId>> = BTreeMap::new();
+    for (site, members) in sessions(graph, &resolved, &mut nodes) {
+        let index = MarkerIndex::of(&graph.model(site.at.model).units);
+        let kept = resolved.kept_at(site.at);
+        let mut session = Session::new(graph, &index, kept, site, &mut findings);
+        session.list_members();
+        for id in members {
+            let node = graph.node(id);
+            match &node.marker {
+                Some(marker) => {
+                    session.on_marker(node, marker);
+                }
+                None => {
+                    session.enclosure(id, node);
+                }
+            }
+        }
+        for (begin, end, node) in session.listed() {
+            let enclosed = contents.entry((site, begin, end)).or_default();
+            enclosed.extend(node);
+        }
+    }
+    contents
+        .into_iter()
+        .map(|((site, begin, end), nodes)| IntervalContents {
+            site,
+            begin,
+            end,
+            nodes,
+        })
+        .collect()
+}
+
 /// The forward nodes of each checkpointed site, in execution order; every other forward node
 /// is decided here (not checkpointed).
 fn sessions(

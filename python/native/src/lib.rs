@@ -11,6 +11,7 @@ use std::path::Path;
 
 use ir::{
     io::Format as GraphFormat,
+    ops::CollectiveKind,
     plan::{Collectives, Executor, Format as PlanFormat, Plan, PlanReadError, RandomOps},
     Graph, LoadError,
 };
@@ -19,7 +20,7 @@ use planner::{
     config::{self, ConfigError, PlanConfig},
     cost::HwProfile,
     plan::PlanError,
-    units,
+    policy, units,
 };
 use pyo3::{prelude::*, types::PyBytes};
 
@@ -154,38 +155,18 @@ fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
     }
 }
 
-fn collectives(name: &str) -> Result<Collectives, Failure> {
-    Collectives::from_name(name).ok_or_else(|| {
+/// A spelled option (`collectives`, `random_ops`, `executor`): its value, or an error listing
+/// the spellings the planner accepts, as the CLI does.
+fn spelled<T>(
+    option: &str,
+    name: &str,
+    from_name: fn(&str) -> Option<T>,
+    spellings: fn() -> String,
+) -> Result<T, Failure> {
+    from_name(name).ok_or_else(|| {
         Failure::new(
             "invalid-option",
-            format!(
-                "collectives must be one of {}, not `{name}`",
-                Collectives::spellings()
-            ),
-        )
-    })
-}
-
-fn random_ops(name: &str) -> Result<RandomOps, Failure> {
-    RandomOps::from_name(name).ok_or_else(|| {
-        Failure::new(
-            "invalid-option",
-            format!(
-                "random_ops must be one of {}, not `{name}`",
-                RandomOps::spellings()
-            ),
-        )
-    })
-}
-
-fn executor(name: &str) -> Result<Executor, Failure> {
-    Executor::from_name(name).ok_or_else(|| {
-        Failure::new(
-            "invalid-option",
-            format!(
-                "executor must be one of {}, not `{name}`",
-                Executor::spellings()
-            ),
+            format!("{option} must be one of {}, not `{name}`", spellings()),
         )
     })
 }
@@ -267,9 +248,24 @@ fn plan(
         let config = PlanConfig {
             keep,
             recompute_ratio,
-            collectives: collectives(collectives_name)?,
-            random_ops: random_ops(random_ops_name)?,
-            executor: executor(executor_name)?,
+            collectives: spelled(
+                "collectives",
+                collectives_name,
+                Collectives::from_name,
+                Collectives::spellings,
+            )?,
+            random_ops: spelled(
+                "random_ops",
+                random_ops_name,
+                RandomOps::from_name,
+                RandomOps::spellings,
+            )?,
+            executor: spelled(
+                "executor",
+                executor_name,
+                Executor::from_name,
+                Executor::spellings,
+            )?,
             ..PlanConfig::default()
         };
         let hw = match hw_json {
@@ -316,10 +312,64 @@ fn convert_plan<'py>(
     }
 }
 
+/// The collective `op` (`namespace.name.overload`) is by the planner's op knowledge:
+/// `"functional"`, `"mutating"`, or `None` for an op that is no collective. The exporter
+/// records this in each node's schema, so both sides read one rule.
+#[pyfunction]
+fn collective_kind(op: &str) -> Option<&'static str> {
+    ir::ops::lookup(op).collective.map(|kind| match kind {
+        CollectiveKind::Functional => "functional",
+        CollectiveKind::Mutating => "mutating",
+    })
+}
+
+/// What every declared marker interval of every layer run encloses, by the planner's own
+/// marker walk: `(model, layer, micro_batch, begin, end, [node names])` per layer run and
+/// interval, in walk order. An interval that opened and enclosed nothing has an empty list.
+#[pyfunction]
+#[pyo3(signature = (*, data, format, origin))]
+fn interval_contents(
+    py: Python<'_>,
+    data: &[u8],
+    format: &str,
+    origin: &str,
+) -> PyResult<Vec<IntervalRow>> {
+    let listed = (|| -> Result<Vec<IntervalRow>, Failure> {
+        let source = Source::Bytes {
+            data,
+            format: graph_format(format)?,
+            origin: Path::new(origin),
+        };
+        let graph = source.load()?;
+        Ok(policy::interval_contents(&graph)
+            .into_iter()
+            .map(|contents| {
+                let names = contents.nodes.iter();
+                (
+                    graph.model(contents.site.at.model).name.clone(),
+                    contents.site.at.layer,
+                    contents.site.micro_batch,
+                    contents.begin.to_owned(),
+                    contents.end.to_owned(),
+                    names.map(|&id| graph.node(id).name.to_string()).collect(),
+                )
+            })
+            .collect())
+    })();
+    listed.map_err(|f| f.into_py_err(py))
+}
+
+/// One row of [`interval_contents`].
+type IntervalRow = (String, u32, u32, String, String, Vec<String>);
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(interval_contents, m)?)?;
+    m.add("MARKER_OP", ir::MARKER_OP)?;
+    m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
     // The .proto files, so an installed copy away from the repository can generate its
     // protobuf modules (recompute_planner.proto).

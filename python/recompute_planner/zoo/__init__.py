@@ -1,4 +1,5 @@
-"""The model zoo (SPEC §7 E1): tiny models mirroring the seeds, each declaring its units.
+"""The model zoo: tiny dense, MoE and DSA models shaped like production configurations, each
+declaring its units.
 
 - `catalog`: the named models (`ENTRIES`), their declared units and seeded inputs;
 - `model`, `decoder`, `moe`, `dsa`, `mla`, `layers`: the modules they are built from;

@@ -1,6 +1,7 @@
 """The zoo's named models: configs, declared recompute units, seeded per-rank inputs.
 
-Each entry mirrors a configuration of the seeds; `python/export_goldens.py` exports rank 0 of
+Each entry mirrors a production configuration (dense, MoE with expert parallelism, DSA, compiled
+regions); `python/export_goldens.py` exports rank 0 of
 each as a golden graph under `tests/golden/`.
 """
 
@@ -15,7 +16,7 @@ from ..export import ModelDecl
 from .config import ZooConfig
 from .model import MAIN_MODEL, MTP_MODEL, CausalLM
 
-# Unit -> marker intervals, explicit `.begin` / `.end` pairs (first seed).
+# Unit -> marker intervals, explicit `.begin` / `.end` pairs.
 SAVE_ATTN = ("SAVE_ATTN", [("attn.begin", "attn.end")])
 SAVE_MOE_GATE = ("SAVE_MOE_GATE", [("moe.gate.begin", "moe.gate.end")])
 SAVE_MOE_DISPATCH = (
@@ -85,7 +86,7 @@ ENTRIES: tuple[ZooEntry, ...] = (
     ZooEntry(
         "moe_ep2_compiled",
         dataclasses.replace(_MOE, compile="ep"),
-        "MoE EP2 with the first seed's EP compile config",
+        "MoE EP2 with the expert-parallel compile config",
     ),
     ZooEntry("moe_ep4", _MOE.for_rank(4, 0), "MoE, expert parallel over 4 ranks, eager"),
     ZooEntry(

@@ -1,4 +1,4 @@
-"""Tiny model configurations of the zoo (SPEC §7 E1).
+"""Tiny model configurations of the zoo.
 
 Every zoo model is built from one frozen `ZooConfig`; the dimensions are tiny on purpose, so a
 model exports in seconds on CPU and its golden graph stays far below 300 KB.
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-# How much of each decoder layer runs under torch.compile (first seed):
+# How much of each decoder layer runs under torch.compile:
 # - "none": everything eager (DSA layers still compile their indexer and sparse attention);
 # - "ep":   the expert-parallel config: `_pre_moe_forward`, the MoE block (routed experts),
 #           `_shared_experts_forward` and `_post_moe_forward` are compiled, the dispatcher and

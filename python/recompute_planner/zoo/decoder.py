@@ -1,13 +1,13 @@
 """Decoder layers: dense (attention + SwiGLU MLP) and MoE (attention + router + experts).
 
-Markers follow the first seed: explicit `.begin` / `.end` pairs around attention
+Markers are explicit `.begin` / `.end` pairs around attention
 (`attn`), the router (`moe.gate`), the dispatch and combine permutation work (`moe.dispatch`,
 `moe.combine`) and the MLP or shared experts (`mlp`); DSA attention adds `dsa.indexer` inside.
 
 The MoE layer runs as a fixed sequence of stages. With one micro-batch that is the plain layer;
 with several (the "domino" path) every stage runs for each micro-batch in turn, inside
 `layer_scope(model, layer, micro_batch)`, so each micro-batch records its own markers around
-exactly the operations the single-batch path encloses (SPEC R10).
+exactly the operations the single-batch path encloses (policy rule R10, docs/policy.md).
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ class MoEDecoderLayer(nn.Module):
         return hidden, torch.stack([mb.aux for mb in micro_batches]).mean()
 
     def _ep_region(self, method: str) -> ContextManager[None]:
-        """The EP compile config compiles the layer's methods the first seed names."""
+        """The EP compile config compiles the layer's pre-MoE, expert, shared-expert and
+        post-MoE methods."""
         if self.cfg.compile != "ep":
             return contextlib.nullcontext()
         return compiled_region(f"{self.region_prefix}.{method}")
@@ -183,7 +184,7 @@ class MoEDecoderLayer(nn.Module):
         """Shared experts between `mlp` markers that sit in the (uncompiled) layer body.
 
         Under the EP config the markers fire but everything between them is compiled, so
-        SAVE_MLP keeps nothing there (first seed: contents, not endpoints, must be eager).
+        SAVE_MLP keeps nothing there (a region counts only if its contents, not just its endpoints, run in eager).
         """
         h = mark("mlp.begin", mb.normed)
         with self._ep_region("_shared_experts_forward"):

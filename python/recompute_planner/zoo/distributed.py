@@ -44,7 +44,7 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     """Device-to-host copy of routing counts, as the explicit `aten._to_copy` with a device.
 
     `x.to("cpu")` on a CPU tensor returns `x` itself and records nothing; the explicit op keeps
-    the copy in the graph on CPU exactly as it appears on GPU (second seed).
+    the copy in the graph on CPU exactly as it appears on GPU.
     """
     return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
 

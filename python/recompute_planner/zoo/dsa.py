@@ -1,7 +1,7 @@
 """DSA: DeepSeek-V3.2 / GLM-5.2-style sparse attention with the lightning indexer.
 
 Each local query attends only to the `index_topk` keys the indexer selects from the whole
-(sequence-parallel gathered) sequence. The compile layout follows the first seed's DSA PR:
+(sequence-parallel gathered) sequence. The compile layout keeps the top-k out of compiled code:
 
     compiled index projection + RoPE -> compiled SP gather -> dsa.indexer.begin
     -> eager, mutation-free top-k selection -> dsa.indexer.end -> compiled sparse attention
