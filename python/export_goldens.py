@@ -5,7 +5,7 @@
 
 writes, for every zoo golden (or only the NAMEs given), rank 0's exported graph `NAME.pb` and
 `NAME.safetensors` with its weights, inputs, tangents and PyTorch's reference loss and
-gradients (a device golden, traced with fake GPU tensors, is `NAME.pb` alone). Expert-parallel models run their reference step on real gloo ranks (one process per
+gradients. Expert-parallel models run their reference step on real gloo ranks (one process per
 rank), so regenerating everything takes about a minute on two cores. The output is
 deterministic: running it twice gives identical bytes. Run from the repository root with the
 project venv (`source scripts/env.sh`).
@@ -51,10 +51,9 @@ def main(argv: list[str]) -> int:
         return 2
     names = args.names or [g.name for g in GOLDENS]
     export_goldens(names, args.out)
-    by_name = {g.name: g for g in GOLDENS}
+    summaries = {g.name: g.summary for g in GOLDENS}
     for name in names:
-        files = "pb" if by_name[name].device else "{pb,safetensors}"
-        print(f"wrote {args.out / name}.{files}: {by_name[name].summary}", file=sys.stderr)
+        print(f"wrote {args.out / name}.{{pb,safetensors}}: {summaries[name]}", file=sys.stderr)
     return 0
 
 

@@ -16,12 +16,12 @@ records every CUDA device's current stream before it starts
 (``GraphTask::stash_current_streams``), asking the CUDA hooks whether each device the CUDA
 device guard counts has a primary context. Under ``FakeTensorMode`` that guard is torch's fake
 one (8 devices) while the hooks count the real devices (none), so the first query fails:
-"hasPrimaryContext expects a valid device index". (Making another accelerator torch's current
-one, so no node runs on it, breaks the engine's stream bookkeeping instead; tracing on the
-``meta`` device loses backward nodes: ``nll_loss`` has a meta kernel but no autograd kernel
-there, so the loss's backward is dropped.) So the joint export replays the engine in Python
-for the one call AOTAutograd makes, ``torch.autograd.grad(outputs, inputs, grad_outputs)``
-(``_ReplayEngine``, installed as ``Variable._execution_engine`` for the capture only):
+"hasPrimaryContext expects a valid device index". (Tracing on the ``meta`` device instead
+runs the engine but names no CUDA device and loses backward nodes: in AOTAutograd's trace
+``nll_loss`` has no autograd kernel there, so the loss's backward is dropped.) So the joint
+export replays the engine in Python for the one call AOTAutograd makes,
+``torch.autograd.grad(outputs, inputs, grad_outputs)`` (``_ReplayEngine``, installed as
+``Variable._execution_engine`` for the capture only):
 
 - the same nodes run: those on a path from the outputs to an input (``init_to_execute``); an
   input's gradient is what reaches its edge;
@@ -50,7 +50,11 @@ Limits:
 - kernel choices made from the GPU's properties cannot be made without it: the trace takes the
   fallback torch takes on a CPU-only machine (``scaled_dot_product_attention`` runs its math
   decomposition where a GPU run picks a fused kernel);
-- nothing runs, so there are no reference tensors (weights, loss, gradients).
+- nothing runs on the device, so the export has no reference tensors of its own:
+  ``with_device_graph`` gives the graph those of the same step exported and run on this CPU
+  (weights, inputs, tangents, PyTorch's loss and gradients). A runtime runs such a graph on
+  the CPU by running its device arguments on its own device, and the results then match that
+  reference within float tolerance (other kernels, the same step).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -125,6 +129,42 @@ def export_forward_on_device(
         module, args, joint=False, name=name, models=models, device=device,
         world_size=world_size, rank=rank,
     )
+
+
+def with_device_graph(result: low.ExportResult, graph: graph_pb2.Graph) -> low.ExportResult:
+    """``result``, the step exported and run on this CPU, for ``graph``, the same step traced
+    on another device: the same weights, inputs, tangents and reference loss, and each
+    reference gradient named after ``graph``'s gradient of the same input.
+
+    Both exports list the loss, then the gradients in the order of the inputs they belong to,
+    so the gradients pair up by position; a pair of another dtype or shape, or graph inputs
+    that differ, mean the two graphs are not one step, and raise ``ValueError``.
+    """
+    values = {v.name: v for v in graph.values}
+    cpu_values = {v.name: v for v in result.graph.values}
+    if _graph_inputs(graph) != _graph_inputs(result.graph):
+        raise ValueError(f"{graph.name}: the graph inputs differ from the CPU export's")
+    if len(graph.outputs) != len(result.graph.outputs):
+        raise ValueError(f"{graph.name}: another number of outputs than the CPU export's")
+    grads = {}
+    for cpu, own in zip(result.graph.outputs, graph.outputs):
+        if _tensor_type(cpu_values[cpu]) != _tensor_type(values[own]):
+            raise ValueError(f"{graph.name}: output `{own}` does not pair with `{cpu}`")
+        if cpu in result.grads:
+            grads[own] = result.grads[cpu]
+        elif values[own].role != graph_pb2.ROLE_LOSS:
+            raise ValueError(f"{graph.name}: output `{own}` is not the loss")
+    return replace(result, graph=graph, grads=grads)
+
+
+def _tensor_type(value: graph_pb2.Value) -> tuple:
+    return value.role, value.dtype, tuple(value.shape)
+
+
+def _graph_inputs(graph: graph_pb2.Graph) -> dict[str, tuple]:
+    """The values no node produces (weights, inputs, tangents): name -> role, dtype, shape."""
+    produced = {name for node in graph.nodes for name in node.outputs}
+    return {v.name: _tensor_type(v) for v in graph.values if v.name not in produced}
 
 
 def _export_on_device(

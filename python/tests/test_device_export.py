@@ -1,7 +1,8 @@
 """Graphs of GPU runs exported on this CPU-only machine with fake CUDA tensors
 (`recompute_planner.device_export`): the replayed autograd engine traces torch's joint graphs
-byte for byte, the golden `moe_ep2_cuda` carries the devices and the routing counts'
-device-to-host copy, and the planner keeps that copy with `collectives="save"`."""
+byte for byte, a device graph takes the tensors of the same step run on the CPU, the golden
+`moe_ep2_cuda` carries the devices and the routing counts' device-to-host copy, and the
+planner keeps that copy with `collectives="save"`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from recompute_planner.device_export import (
     _replayed_autograd,
     export_forward_on_device,
     export_joint_on_device,
+    with_device_graph,
 )
-from recompute_planner.export import ModelDecl
+from recompute_planner.export import ModelDecl, export_joint
 from recompute_planner.markers import checkpoint_record
 from recompute_planner.proto import graph_pb2
 from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
@@ -112,6 +114,71 @@ def test_a_hook_registered_in_the_step_is_refused():
 
 
 # --------------------------------------------------------------------------------------------
+# Tensors for a device graph
+
+
+class TwoLayers(nn.Module):
+    """A step whose parameters all have different shapes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = nn.Linear(3, width)
+        self.b = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).sum()
+
+
+def joint_exports(width: int):
+    """The CPU export (with its reference step) and the fake CUDA trace of one step."""
+    torch.manual_seed(0)
+    module, args = TwoLayers(width), (torch.randn(2, 3),)
+    decls = [ModelDecl("main", 0, {})]
+    cpu = export_joint(module, args, name="two", models=decls)
+    return cpu, export_joint_on_device(module, args, name="two", models=decls, device="cuda")
+
+
+def with_own_names(graph):
+    """`graph` with every value produced by an op renamed, as a trace taking other ops on the
+    way (a device's decompositions) names them: the gradients have other names than the CPU
+    export gives them."""
+    renamed = graph_pb2.Graph()
+    renamed.CopyFrom(graph)
+    produced = {value for node in graph.nodes for value in node.outputs}
+    name = {v: f"dev_{v}" if v in produced else v for v in (v.name for v in graph.values)}
+    for value in renamed.values:
+        value.name = name[value.name]
+    for node in renamed.nodes:
+        node.inputs[:] = [name[v] for v in node.inputs]
+        node.outputs[:] = [name[v] for v in node.outputs]
+    renamed.outputs[:] = [name[v] for v in graph.outputs]
+    return renamed
+
+
+def test_a_device_graph_takes_the_cpu_steps_tensors_each_gradient_under_its_own_name():
+    cpu, traced = joint_exports(4)
+    graph = with_own_names(traced)
+    result = with_device_graph(cpu, graph)
+    assert result.graph is graph
+    for field in ("params", "inputs", "tangents", "loss", "seed"):
+        assert getattr(result, field) is getattr(cpu, field), field
+    gradients = [v.name for v in graph.values if v.name in set(graph.outputs[1:])]
+    assert sorted(result.grads) == sorted(gradients)
+    # Every parameter has its own shape, so each gradient pairs with the right one.
+    shapes = {v.name: list(v.shape) for v in graph.values}
+    for name, tensor in result.grads.items():
+        assert list(tensor.shape) == shapes[name], name
+    assert sorted(map(id, result.grads.values())) == sorted(map(id, cpu.grads.values()))
+
+
+def test_a_device_graph_of_another_step_is_refused():
+    cpu, _ = joint_exports(4)
+    _, other = joint_exports(5)
+    with pytest.raises(ValueError, match="graph inputs differ"):
+        with_device_graph(cpu, other)
+
+
+# --------------------------------------------------------------------------------------------
 # The golden of a GPU run
 
 
@@ -120,23 +187,59 @@ def cuda_golden():
     return load_graph(GOLDEN_DIR / f"{CUDA_GOLDEN}.pb")
 
 
+def value_devices(graph, inputs_on: str) -> dict[str, str]:
+    """The device of every value: graph inputs (weights, data, tangents) on `inputs_on`; an
+    op's outputs on its `device` argument, else where its inputs are (no op mixes devices)."""
+    produced = {value for node in graph.nodes for value in node.outputs}
+    devices = {v.name: inputs_on for v in graph.values if v.name not in produced}
+    for node in graph.nodes:
+        read = {devices[value] for value in node.inputs}
+        assert device_of(node) is not None or len(read) == 1, (node.name, read)
+        device = device_of(node) or read.pop()
+        devices.update((value, device) for value in node.outputs)
+    return devices
+
+
+# What the host computes per MoE layer: the routing counts copied to it, the padding mask made
+# from them (`_mask_padding`: clamp, view, arange, lt), and the mask copied back.
+HOST_OPS = {
+    TO_COPY,
+    "aten.clamp.default",
+    "aten.view.default",
+    "aten.arange.default",
+    "aten.lt.Tensor",
+}
+
+
 def test_the_cuda_golden_is_the_joint_graph_of_a_gpu_run(cuda_golden):
-    """Forward and backward ops on `cuda:0`, the host holding what is copied to it; per MoE
-    layer, the routing counts received by all-to-all are copied to the host in forward and the
-    padding mask computed there comes back; the CPU golden of the model has neither copy."""
+    """Forward and backward run on `cuda:0`; per MoE layer, in forward, the routing counts that
+    all-to-all received are copied from `cuda:0` to the host, the padding mask is computed
+    there and copied back. The CPU golden of the model runs everything on the CPU (its copy
+    to the host is a CPU-to-CPU copy, made explicit) and copies nothing back."""
     phases = {n.phase for n in cuda_golden.nodes}
     assert phases == {graph_pb2.PHASE_FORWARD, graph_pb2.PHASE_BACKWARD}
-    assert {device_of(n) for n in cuda_golden.nodes} - {None} == {"cuda:0", "cpu"}
+    devices = value_devices(cuda_golden, "cuda:0")
     producers = {v: n for n in cuda_golden.nodes for v in n.outputs}
     to_host = copies_to(cuda_golden, "cpu")
     assert sorted(n.layer for n in to_host) == [0, 1]
-    assert all(n.phase == graph_pb2.PHASE_FORWARD for n in to_host)
-    assert all(producers[n.inputs[0]].op == WAIT for n in to_host)
-    assert sorted(n.layer for n in copies_to(cuda_golden, "cuda:0")) == [0, 1]
-    assert copies_to(load_graph(GOLDEN_DIR / "moe_ep2.pb"), "cuda:0") == []
+    for copy in to_host:
+        assert copy.phase == graph_pb2.PHASE_FORWARD
+        assert producers[copy.inputs[0]].op == WAIT
+        assert (devices[copy.inputs[0]], devices[copy.outputs[0]]) == ("cuda:0", "cpu")
+    back = copies_to(cuda_golden, "cuda:0")
+    assert sorted(n.layer for n in back) == [0, 1]
+    assert {devices[n.inputs[0]] for n in back} == {"cpu"}
+    on_host = [n for n in cuda_golden.nodes if devices[n.outputs[0]] == "cpu"]
+    assert {n.op for n in on_host} == HOST_OPS
+    assert {n.phase for n in on_host} == {graph_pb2.PHASE_FORWARD}
+    cpu_golden = load_graph(GOLDEN_DIR / "moe_ep2.pb")
+    assert set(value_devices(cpu_golden, "cpu").values()) == {"cpu"}
+    assert len(copies_to(cpu_golden, "cpu")) == 2 and copies_to(cpu_golden, "cuda:0") == []
 
 
 def test_collectives_save_keeps_the_host_copy_and_the_default_replays_it(cuda_golden):
+    """With `collectives="save"` each routing-count copy to the host is saved (its output is
+    in the saved set) and never replayed; by default it is recomputed and replays."""
     path = GOLDEN_DIR / f"{CUDA_GOLDEN}.pb"
     host_copies = {n.name: n.outputs[0] for n in copies_to(cuda_golden, "cpu")}
     with warnings.catch_warnings():

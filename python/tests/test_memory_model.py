@@ -75,9 +75,9 @@ SELECTIVE_FLAGS = {
     ),
 }
 
-MEASURED = [g.name for g in GOLDENS if g.joint and not g.not_run]
+MEASURED = [g.name for g in GOLDENS if g.joint and not g.cpu_step_differs]
 SKIPPED = {g.name: "forward-only graph: no training step" for g in GOLDENS if not g.joint}
-SKIPPED |= {g.name: g.not_run for g in GOLDENS if g.not_run}
+SKIPPED |= {g.name: g.cpu_step_differs for g in GOLDENS if g.cpu_step_differs}
 
 
 
@@ -174,7 +174,7 @@ def test_skipped_goldens_are_accounted_for():
     assert sorted(MEASURED + list(SKIPPED)) == sorted(g.name for g in GOLDENS)
     assert SKIPPED == {
         "dense_forward": "forward-only graph: no training step",
-        "moe_ep2_cuda": golden("moe_ep2_cuda").not_run,
+        "moe_ep2_cuda": golden("moe_ep2_cuda").cpu_step_differs,
     }
 
 

@@ -20,7 +20,6 @@ from graph_walk import (
     GOLDEN_DIR,
     declared_intervals,
     forward_then_backward,
-    golden_param,
     interval_contents,
     layer_runs,
     load_graph,
@@ -63,21 +62,14 @@ JOINT = [g.name for g in GOLDENS if g.joint]
 MOE = [g.name for g in GOLDENS if g.entry.config.num_experts]
 
 
-def with_reference(names):
-    """`names` as test parameters, those with no reference tensors skipped with the reason."""
-    return pytest.mark.parametrize("name", [golden_param(n) for n in names])
-
-
 # --------------------------------------------------------------------------------------------
 # Files
 
 
 @by_name(ALL)
 def test_golden_files_exist_and_are_small(name):
-    """The graph, and its reference tensors unless nothing ran (a device golden)."""
     pb, reference = GOLDEN_DIR / f"{name}.pb", GOLDEN_DIR / f"{name}.safetensors"
-    assert pb.is_file(), "run python python/export_goldens.py"
-    assert reference.is_file() == (golden(name).not_run is None), reference.name
+    assert pb.is_file() and reference.is_file(), "run python python/export_goldens.py"
     assert pb.stat().st_size < MAX_GOLDEN_BYTES
 
 
@@ -94,7 +86,7 @@ def committed_reference(name: str) -> dict[str, torch.Tensor]:
     return load_file(GOLDEN_DIR / f"{name}.safetensors")
 
 
-@with_reference([g.name for g in GOLDENS if g.world_size == 1])
+@by_name([g.name for g in GOLDENS if g.world_size == 1])
 def test_single_rank_reference_is_up_to_date(name, tmp_path):
     """Single-rank goldens re-export with the committed graph bytes, and reference tensors equal
     to the committed ones within the tolerance of `tolerance.py` (floats computed by PyTorch
@@ -131,7 +123,7 @@ def test_reference_exported_with_other_cpu_kernels_is_within_tolerance(tmp_path)
 MULTI_RANK = [g.name for g in GOLDENS if g.world_size > 1]
 
 
-@with_reference(MULTI_RANK)
+@by_name(MULTI_RANK)
 def test_every_rank_has_its_own_small_reference(name):
     """The runtime runs each rank on its own tensors: `NAME.rank<r>.safetensors` beside rank 0's,
     with the same keys."""
@@ -143,7 +135,7 @@ def test_every_rank_has_its_own_small_reference(name):
         assert set(load_file(path)) == keys, path.name
 
 
-@with_reference(MULTI_RANK)
+@by_name(MULTI_RANK)
 def test_other_ranks_hold_their_own_weights_and_inputs(name):
     """Rank r's weights (within tolerance) and inputs (exactly) are those rank r's model and
     data make; its gradients need real ranks to recompute."""
@@ -175,14 +167,14 @@ def test_a_rank_has_its_own_graph_exactly_when_its_graph_differs_from_rank0(name
             )
 
 
-@with_reference(JOINT)
+@by_name(JOINT)
 def test_the_reference_records_the_generator_seed(name):
     """`rng/seed` lets an executor draw the reference step's random numbers (dropout masks)."""
     seed = committed_reference(name)["rng/seed"]
     assert seed.dtype == torch.int64 and seed.dim() == 0
 
 
-@with_reference(MULTI_RANK)
+@by_name(MULTI_RANK)
 def test_multi_rank_reference_holds_rank0_weights_and_inputs(name):
     """Weights (within tolerance) and inputs (exactly) of rank 0 are current; the gradients
     need real ranks to recompute."""

@@ -9,9 +9,11 @@ real gloo ranks, one process per rank, each exporting its own rank's step and te
 graph must be byte-identical to the fake-group trace (checked).
 
 A device golden (`device` set) is the graph of a GPU run, traced on this CPU-only machine with
-fake tensors on that device (`recompute_planner.device_export`): it carries the device-to-host
-copies a CPU trace cannot have. Nothing runs, so it is `NAME.pb` alone: no reference tensors, no
-other ranks' files, and the tests that run a golden's step skip it (`Golden.not_run`).
+fake tensors on that device (`recompute_planner.device_export`): it carries the devices and the
+device-to-host copies a CPU trace cannot have. Its tensors are those of the same step exported
+and run on this CPU (`with_device_graph`), so the runtime runs and checks it on the CPU like
+any golden; tests that compare the graph with the model's own step on this CPU skip it
+(`Golden.cpu_step_differs`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
-from ..device_export import export_forward_on_device, export_joint_on_device
+from ..device_export import (
+    export_forward_on_device,
+    export_joint_on_device,
+    with_device_graph,
+)
 from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
@@ -46,17 +52,17 @@ class Golden:
     def summary(self) -> str:
         summary = self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
         if self.device is not None:
-            summary += f"; traced with fake {self.device} tensors, no reference tensors"
+            summary += f"; as it runs on {self.device}, traced with fake tensors"
         return summary
 
     @property
-    def not_run(self) -> str | None:
-        """Why nothing runs this golden's step (no reference tensors), or None."""
+    def cpu_step_differs(self) -> str | None:
+        """Why the model's step run on this CPU is not this golden's graph, or None."""
         if self.device is None:
             return None
         return (
-            f"{self.name} is a {self.device} run traced with fake tensors: nothing ran, so there "
-            "are no reference tensors, and a step run on this CPU computes other ops"
+            f"{self.name} is the graph of a {self.device} run: the model's step on this CPU "
+            "dispatches other ops (its own attention kernel, no copies between devices)"
         )
 
 
@@ -75,12 +81,11 @@ def golden(name: str) -> Golden:
 
 
 def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
-    """Exports `rank`'s step of `gold` under whatever process group is current."""
-    if gold.not_run:
-        raise ValueError(gold.not_run)
+    """Exports `rank`'s step of `gold` under whatever process group is current; a device
+    golden's graph comes with the tensors of the same step run on this CPU."""
     cfg = gold.entry.config.for_rank(gold.world_size, rank)
     exporter = export_joint if gold.joint else export_forward
-    return exporter(
+    result = exporter(
         gold.entry.build(rank=rank),
         make_inputs(cfg),
         name=gold.name,
@@ -88,6 +93,9 @@ def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
         world_size=cfg.world_size,
         rank=rank,
     )
+    if gold.device is None:
+        return result
+    return with_device_graph(result, device_graph(gold, gold.device, rank))
 
 
 def traced_group(world_size: int) -> ContextManager[None]:
@@ -102,18 +110,19 @@ def trace_graph_bytes(gold: Golden) -> bytes:
         return graph.SerializeToString(deterministic=True)
 
 
-def device_graph(gold: Golden, device: str) -> graph_pb2.Graph:
-    """Rank 0's graph of `gold`'s model traced with fake tensors on `device`
+def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
+    """Rank `rank`'s graph of `gold`'s model traced with fake tensors on `device`
     (`recompute_planner.device_export`), under whatever process group is current."""
-    cfg = gold.entry.config
+    cfg = gold.entry.config.for_rank(gold.world_size, rank)
     exporter = export_joint_on_device if gold.joint else export_forward_on_device
     return exporter(
-        gold.entry.build(),
+        gold.entry.build(rank=rank),
         make_inputs(cfg),
         name=gold.name,
         models=model_decls(cfg),
         device=device,
         world_size=cfg.world_size,
+        rank=rank,
     )
 
 
@@ -148,8 +157,7 @@ def _export_on_rank(world_size: int, rank: int, names: list[str], out_dir: str) 
 
 
 def export_goldens(names: list[str], out_dir: Path) -> None:
-    """Writes the named goldens into `out_dir`, multi-rank ones through real gloo ranks and
-    device goldens (a graph alone) from their in-process trace.
+    """Writes the named goldens into `out_dir`, multi-rank ones through real gloo ranks.
 
     Raises if a real rank 0's graph differs from the in-process fake-group trace, since the
     tests regenerate graphs that way.
@@ -157,11 +165,7 @@ def export_goldens(names: list[str], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     by_world: dict[int, list[str]] = {}
     for name in names:
-        gold = golden(name)
-        if gold.device is not None:
-            (out_dir / f"{name}.pb").write_bytes(trace_graph_bytes(gold))
-        else:
-            by_world.setdefault(gold.world_size, []).append(name)
+        by_world.setdefault(golden(name).world_size, []).append(name)
     for world_size, group in sorted(by_world.items()):
         if world_size == 1:
             for name in group:
