@@ -231,6 +231,15 @@ pub enum Granularity {
     Op,
 }
 
+impl From<Granularity> for planner::budget::Granularity {
+    fn from(granularity: Granularity) -> Self {
+        match granularity {
+            Granularity::Unit => planner::budget::Granularity::Unit,
+            Granularity::Op => planner::budget::Granularity::Op,
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BudgetBasis {
     /// The activation peak the planner predicts (parameters are resident apart)

@@ -12,7 +12,10 @@ mod run;
 use std::{path::Path, process::ExitCode};
 
 use clap::Parser;
-use ir::plan::{Code, Format as PlanFile, Level, Plan};
+use ir::{
+    io::InputKind,
+    plan::{Code, Format as PlanFile, Level, Plan},
+};
 use planner::{
     budget::Search,
     config::{self, PlanConfig},
@@ -22,8 +25,8 @@ use planner::{
 };
 
 use args::{
-    BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, Granularity, InspectArgs, ParetoArgs,
-    ParetoFormat, PlanArgs, PlanFormat, SummaryFormat,
+    BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat,
+    PlanArgs, PlanFormat, SummaryFormat,
 };
 use output::Output;
 
@@ -125,19 +128,15 @@ fn make_plan(
         let activations = activation_budget(size, args.budget_includes, graph)?;
         let bar = progress::Bar::new(args.quiet);
         let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
-        let mut plan = match args.granularity {
-            Granularity::Unit => search.within(activations),
-            Granularity::Op => search.within_ops(activations),
-        }
-        .map_err(|e| e.to_string())?;
-        plan.config.budget_bytes = Some(activations);
-        return Ok(plan);
+        return Ok(search
+            .answer(activations, args.granularity.into())
+            .map_err(|e| e.to_string())?);
     }
     let mut resolved = config::resolve(graph, config).map_err(|e| e.to_string())?;
     if let Some(path) = &args.choices {
-        let bytes = output::read_file(path)?;
-        let choices =
-            config::parse_choices(graph, &bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        let bytes = output::read_file(path, InputKind::Choices)?;
+        let choices = config::parse_choices(graph, &bytes)
+            .map_err(|e| format!("{}: {e}", ir::display::path(path)))?;
         resolved = resolved.with_layer_units(choices);
     }
     Ok(plan::plan_resolved(graph, config, resolved, hw).map_err(|e| e.to_string())?)
@@ -241,7 +240,7 @@ fn run_convert(args: ConvertArgs) -> Result<(), Failure> {
 
 fn run_diff(args: DiffArgs) -> Result<(), Failure> {
     let read = |path: &Path| -> Result<diff::PlanFile, String> {
-        let (plan, names) = Plan::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let (plan, names) = Plan::read(path).map_err(|e| e.to_string())?;
         Ok(diff::PlanFile { plan, names })
     };
     let (old, new) = (read(&args.old)?, read(&args.new)?);

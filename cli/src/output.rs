@@ -6,6 +6,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use ir::io::{read_input_file, InputKind};
+
 /// The destination of a command's output, checked before any work.
 pub struct Output {
     path: Option<PathBuf>,
@@ -59,7 +61,8 @@ fn write_stdout(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
-/// Reads a small input file the command names (a choices file).
-pub fn read_file(path: &Path) -> Result<Vec<u8>, String> {
-    fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+/// Reads an input file the command names that is not a graph (a choices file): a regular file
+/// under the size limit of its kind, like every other input.
+pub fn read_file(path: &Path, kind: InputKind) -> Result<Vec<u8>, String> {
+    read_input_file(path, kind).map_err(|e| e.to_string())
 }

@@ -177,11 +177,14 @@ fn read_rank_plan(
     };
     Plan::read_for(&path, graph).map_err(|e| {
         let whose = if own_graph {
-            format!(" (rank {rank} runs its own graph `{}`)", graph.name())
+            format!(
+                " (rank {rank} runs its own graph `{}`)",
+                ir::display::name(graph.name())
+            )
         } else {
             String::new()
         };
-        format!("{}{whose}: {e}", path.display())
+        format!("{e}{whose}")
     })
 }
 

@@ -404,7 +404,7 @@ fn corrupting_write_graph() -> Vec<u8> {
     let end = b.marker("attn.end", &written);
     b.layer(None);
     b.backward_through("t", &[&kept, &end]);
-    ir::io::encode(&b.wire(), ir::io::Format::Protobuf)
+    ir::io::encode(&b.wire(), ir::io::Format::Protobuf).expect("protobuf encoding cannot fail")
 }
 
 #[test]
@@ -652,4 +652,623 @@ fn diff_refuses_empty_and_truncated_plans() {
         &planner(&[&"diff", &stub.0, &good.0]),
         &["stub.json", "no graph"],
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed input of every kind: the planner exits at once with one clean `error:` line. The
+// cases also write the table of `docs/malformed-inputs.md` (re-blessed with UPDATE_GOLDEN=1).
+
+use ir::wire::graph as pb;
+use prost::Message as _;
+
+/// A file a case needs, made in the case's directory.
+enum Make {
+    File(&'static str, Vec<u8>),
+    /// A symbolic link to an absolute path (a device).
+    Link(&'static str, &'static str),
+    Fifo(&'static str),
+    Dir(&'static str),
+    /// A file of this size whose blocks are not on disk.
+    Sparse(&'static str, u64),
+}
+
+/// One kind of malformed input: the files it takes, the command that meets it (run in the
+/// case's directory), and words the one line the planner prints must hold.
+struct Case {
+    input: &'static str,
+    make: Vec<Make>,
+    args: Vec<String>,
+    exit: i32,
+    says: &'static [&'static str],
+}
+
+fn case(
+    input: &'static str,
+    make: Vec<Make>,
+    args: &[&str],
+    says: &'static [&'static str],
+) -> Case {
+    Case {
+        input,
+        make,
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        exit: 1,
+        says,
+    }
+}
+
+/// The fixture, decoded.
+fn fixture_wire() -> pb::Graph {
+    pb::Graph::decode(fs::read(fixture("pb")).unwrap().as_slice()).unwrap()
+}
+
+/// The fixture broken by `edit`, as a `.pb` named `name`.
+fn broken_fixture(name: &'static str, edit: impl FnOnce(&mut pb::Graph)) -> Make {
+    let mut graph = fixture_wire();
+    edit(&mut graph);
+    Make::File(name, graph.encode_to_vec())
+}
+
+/// A graph `inspect` on the file `name` made by `edit`, which must say `says`.
+fn graph_case(
+    input: &'static str,
+    name: &'static str,
+    edit: impl FnOnce(&mut pb::Graph),
+    says: &'static [&'static str],
+) -> Case {
+    case(
+        input,
+        vec![broken_fixture(name, edit)],
+        &["inspect", name],
+        says,
+    )
+}
+
+/// A `--hw` profile case: planning a valid graph with the profile `hw` (made by `make`).
+fn hw_case(
+    input: &'static str,
+    make: Option<Make>,
+    hw: &str,
+    says: &'static [&'static str],
+) -> Case {
+    let graph = Make::File("g.pb", fs::read(golden_graph("dense")).unwrap());
+    let make = [Some(graph), make].into_iter().flatten().collect();
+    case(input, make, &["plan", "g.pb", "--hw", hw], says)
+}
+
+fn node_with_op(graph: &mut pb::Graph, op: &str) -> usize {
+    graph
+        .nodes
+        .iter()
+        .position(|n| n.op == op)
+        .expect("the fixture has the op")
+}
+
+fn malformed_cases() -> Vec<Case> {
+    let fixture_pb = fs::read(fixture("pb")).unwrap();
+    let fixture_json = fs::read(fixture("json")).unwrap();
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let random: Vec<u8> = (0..4096)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let f = |name, bytes: &[u8]| Make::File(name, bytes.to_vec());
+    let mut cases = vec![
+        case(
+            "empty file",
+            vec![f("empty.pb", b"")],
+            &["inspect", "empty.pb"],
+            &["file is empty"],
+        ),
+        case(
+            "only whitespace",
+            vec![f("blank.json", b" \n\t\n")],
+            &["inspect", "blank.json"],
+            &["file is empty"],
+        ),
+        case(
+            "random bytes",
+            vec![f("random.pb", &random)],
+            &["inspect", "random.pb"],
+            &["not a valid protobuf graph"],
+        ),
+        case(
+            "truncated protobuf",
+            vec![f("truncated.pb", &fixture_pb[..fixture_pb.len() / 2])],
+            &["inspect", "truncated.pb"],
+            &["not a valid protobuf graph"],
+        ),
+        case(
+            "JSON in a `.pb` file",
+            vec![f("mislabelled.pb", &fixture_json)],
+            &["inspect", "mislabelled.pb"],
+            &["looks like JSON"],
+        ),
+        case(
+            "unknown extension",
+            vec![f("graph.onnx", b"whatever")],
+            &["inspect", "graph.onnx"],
+            &["unknown graph format"],
+        ),
+        case(
+            "missing file",
+            vec![],
+            &["inspect", "missing.pb"],
+            &["cannot read graph missing.pb"],
+        ),
+        case(
+            "a directory",
+            vec![Make::Dir("dir.pb")],
+            &["inspect", "dir.pb"],
+            &["a directory"],
+        ),
+        case(
+            "a character device (`/dev/zero`)",
+            vec![Make::Link("zero.pb", "/dev/zero")],
+            &["inspect", "zero.pb"],
+            &["a character device"],
+        ),
+        case(
+            "a FIFO with no writer",
+            vec![Make::Fifo("fifo.pb")],
+            &["inspect", "fifo.pb"],
+            &["a FIFO"],
+        ),
+        case(
+            "a file over the 4 GiB limit",
+            vec![Make::Sparse("huge.json", (4 << 30) + 1)],
+            &["inspect", "huge.json"],
+            &["over the limit"],
+        ),
+        case(
+            "JSON that is not an object",
+            vec![f("list.json", b"[1, 2, 3]")],
+            &["inspect", "list.json"],
+            &["expected struct recompute.ir.v1.Graph"],
+        ),
+        case(
+            "unknown JSON field",
+            vec![f("field.json", br#"{"nodez": []}"#)],
+            &["inspect", "field.json"],
+            &["unknown field `nodez`"],
+        ),
+        case(
+            "JSON value of the wrong type",
+            vec![f("type.json", br#"{"nodes": 5}"#)],
+            &["inspect", "type.json"],
+            &["invalid type: integer `5`"],
+        ),
+        case(
+            "unclosed JSON",
+            vec![f("unclosed.json", b"{\"name\": \"g\", \"nodes\": [")],
+            &["inspect", "unclosed.json"],
+            &["EOF"],
+        ),
+        case(
+            "a JSON key given twice",
+            vec![f("twice.json", br#"{"name": "a", "name": "b"}"#)],
+            &["inspect", "twice.json"],
+            &["duplicate field `name`"],
+        ),
+        case(
+            "a non-finite float that is not a proto3 spelling",
+            vec![f(
+                "float.json",
+                br#"{"nodes": [{"attributes": [{"name": "eps", "float": "NaN(0x7ff8)"}]}]}"#,
+            )],
+            &["inspect", "float.json"],
+            &["invalid value"],
+        ),
+        case(
+            "no nodes",
+            vec![f("nonodes.json", br#"{"name": "g"}"#)],
+            &["inspect", "nonodes.json"],
+            &["graph has no nodes"],
+        ),
+        case(
+            "a million empty nodes (2 MB)",
+            vec![f("million.pb", &[0x1a, 0x00].repeat(1_000_000))],
+            &["inspect", "million.pb"],
+            &["node #0 has no name"],
+        ),
+        graph_case(
+            "node without a name",
+            "unnamed.pb",
+            |g| g.nodes[0].name.clear(),
+            &["node #0 has no name"],
+        ),
+        graph_case(
+            "two nodes of one name",
+            "dup.pb",
+            |g| g.nodes[1].name = g.nodes[0].name.clone(),
+            &["duplicate node name `embed_tokens`"],
+        ),
+        graph_case(
+            "a value read but not declared",
+            "dangling.pb",
+            |g| g.nodes[0].inputs[0] = "nowhere".to_owned(),
+            &["reads `nowhere`, which is not a declared value"],
+        ),
+        graph_case(
+            "a value written twice",
+            "twice.pb",
+            |g| g.nodes[1].outputs[0] = g.nodes[0].outputs[0].clone(),
+            &["is produced twice"],
+        ),
+        graph_case(
+            "a value never written",
+            "orphan.pb",
+            |g| {
+                let mut orphan = g.values[0].clone();
+                orphan.name = "orphan".to_owned();
+                orphan.role = pb::Role::Activation as i32;
+                g.values.push(orphan);
+            },
+            &["value `orphan` (activation) is never produced"],
+        ),
+        graph_case(
+            "a dependency cycle",
+            "cycle.pb",
+            |g| {
+                let back = g.nodes[1].outputs[0].clone();
+                g.nodes[0].inputs.push(back);
+            },
+            &["dependency cycle through node"],
+        ),
+        graph_case(
+            "nodes out of execution order",
+            "order.pb",
+            |g| g.nodes.swap(0, 1),
+            &["before its producer", "execution order"],
+        ),
+        graph_case(
+            "an unknown dtype code",
+            "dtype.pb",
+            |g| g.values[0].dtype = 99,
+            &["unknown dtype code 99"],
+        ),
+        graph_case(
+            "a negative dimension",
+            "negative.pb",
+            |g| g.values[0].shape[0] = -1,
+            &["negative size -1 in dimension 0"],
+        ),
+        graph_case(
+            "a size that overflows 64 bits",
+            "overflow.pb",
+            |g| g.values[0].shape = vec![i64::MAX, i64::MAX],
+            &["overflows 64 bits"],
+        ),
+        graph_case(
+            "a marker without a name",
+            "marker.pb",
+            |g| {
+                let marker = node_with_op(g, ir::MARKER_OP);
+                g.nodes[marker].attributes.clear();
+            },
+            &["has no name (a string attribute `name`)"],
+        ),
+        graph_case(
+            "a node of an undeclared model",
+            "model.pb",
+            |g| g.nodes[0].model = "nowhere".to_owned(),
+            &["model `nowhere`, which the graph does not declare"],
+        ),
+        graph_case(
+            "a model nested in itself",
+            "nested.pb",
+            |g| g.models[0].parent = g.models[0].name.clone(),
+            &["is nested inside itself"],
+        ),
+        graph_case(
+            "a unit declared twice",
+            "unit.pb",
+            |g| {
+                let unit = g.models[0].units[0].clone();
+                g.models[0].units.push(unit);
+            },
+            &["declares unit `SAVE_ATTN` twice"],
+        ),
+        graph_case(
+            "an interval with an empty marker",
+            "interval.pb",
+            |g| g.models[0].units[0].intervals[0].begin.clear(),
+            &["an empty begin marker"],
+        ),
+        graph_case(
+            "a layer beyond the model's layers",
+            "layer.pb",
+            |g| g.nodes[1].layer = Some(99),
+            &["has layer 99 but model `main` declares 2 layers"],
+        ),
+        graph_case(
+            "a schema fact naming a missing input",
+            "schema.pb",
+            |g| {
+                g.nodes[0].schema = Some(pb::SchemaFacts {
+                    mutates: vec![9],
+                    ..Default::default()
+                })
+            },
+            &["names input position 9"],
+        ),
+        graph_case(
+            "an attribute without a value",
+            "attribute.pb",
+            |g| g.nodes[0].attributes[0].value = None,
+            &["attribute `padding_idx` has no value"],
+        ),
+        graph_case(
+            "a name with a line break and terminal escapes",
+            "escapes.pb",
+            |g| {
+                g.nodes[0].name = "evil\n\u{1b}[2J\u{202e}".to_owned();
+                g.nodes[1].name = g.nodes[0].name.clone();
+            },
+            &["duplicate node name `evil\\n\\u{1b}[2J\\u{202e}`"],
+        ),
+        graph_case(
+            "a name of a million bytes",
+            "long.pb",
+            |g| {
+                g.nodes[0].name = "n".repeat(1 << 20);
+                g.nodes[1].name = g.nodes[0].name.clone();
+            },
+            &["bytes cut"],
+        ),
+        case(
+            "an enum code JSON cannot name, converted without validation",
+            vec![broken_fixture("code.pb", |g| g.nodes[0].phase = 7)],
+            &["convert", "code.pb", "out.json", "--no-validate"],
+            &["cannot be written as JSON", "node #0: `phase` code 7"],
+        ),
+        hw_case(
+            "hardware profile that is not JSON",
+            Some(f("hw.json", b"fast")),
+            "hw.json",
+            &["not a valid hardware profile"],
+        ),
+        hw_case(
+            "hardware profile with an unknown field",
+            Some(f("hw.json", br#"{"hbm_bytes_per_sec": 1}"#)),
+            "hw.json",
+            &["unknown field `hbm_bytes_per_sec`"],
+        ),
+        hw_case(
+            "hardware profile with a rate that is not positive",
+            Some(f("hw.json", br#"{"hbm_bytes_per_s": -1}"#)),
+            "hw.json",
+            &["`hbm_bytes_per_s` must be a positive number"],
+        ),
+        hw_case(
+            "hardware profile that is a character device",
+            None,
+            "/dev/urandom",
+            &["cannot read hardware profile /dev/urandom: it is a character device"],
+        ),
+        hw_case(
+            "hardware profile that is a FIFO",
+            Some(Make::Fifo("hw.json")),
+            "hw.json",
+            &["a FIFO"],
+        ),
+        hw_case(
+            "hardware profile over the 1 MiB limit",
+            Some(Make::Sparse("hw.json", (1 << 20) + 1)),
+            "hw.json",
+            &["over the limit of 1048576 bytes"],
+        ),
+        case(
+            "plan that is a FIFO (`diff`)",
+            vec![Make::Fifo("old.pb"), Make::Fifo("new.pb")],
+            &["diff", "old.pb", "new.pb"],
+            &["cannot read plan old.pb: it is a FIFO"],
+        ),
+        case(
+            "choices file that is a character device",
+            vec![
+                Make::File("g.pb", fs::read(golden_graph("dense")).unwrap()),
+                Make::Link("point.json", "/dev/zero"),
+            ],
+            &["plan", "g.pb", "--choices", "point.json"],
+            &["cannot read choices file point.json: it is a character device"],
+        ),
+    ];
+    cases.push(Case {
+        input: "no graph given (usage)",
+        make: vec![],
+        args: vec!["inspect".to_owned()],
+        exit: 2,
+        says: &["required arguments were not provided"],
+    });
+    cases
+}
+
+fn make_in(dir: &Path, make: &Make) {
+    match make {
+        Make::File(name, bytes) => fs::write(dir.join(name), bytes).unwrap(),
+        Make::Link(name, target) => std::os::unix::fs::symlink(target, dir.join(name)).unwrap(),
+        Make::Fifo(name) => {
+            let status = Command::new("mkfifo").arg(dir.join(name)).status().unwrap();
+            assert!(status.success(), "mkfifo");
+        }
+        Make::Dir(name) => fs::create_dir(dir.join(name)).unwrap(),
+        Make::Sparse(name, len) => fs::File::create(dir.join(name))
+            .unwrap()
+            .set_len(*len)
+            .unwrap(),
+    }
+}
+
+/// Runs the planner in `dir`; a run longer than a few seconds fails the test.
+fn planner_in(dir: &Path, args: &[String]) -> Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_planner"))
+        .args(args)
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the planner binary runs");
+    let id = child.id();
+    let (done, output) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    match output.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok(output) => output.expect("the planner's output"),
+        Err(_) => {
+            let _ = Command::new("kill").arg("-9").arg(id.to_string()).status();
+            panic!("planner {args:?} ran for more than 20 s");
+        }
+    }
+}
+
+/// Runs every case, checks what the planner says, and returns the table rows.
+fn run_malformed_cases() -> Vec<[String; 4]> {
+    let root = std::env::temp_dir().join(format!("planner-malformed-{}", std::process::id()));
+    let mut rows = Vec::new();
+    for (i, case) in malformed_cases().into_iter().enumerate() {
+        let dir = root.join(i.to_string());
+        fs::create_dir_all(&dir).unwrap();
+        for make in &case.make {
+            make_in(&dir, make);
+        }
+        let out = planner_in(&dir, &case.args);
+        let err = stderr(&out);
+        let first = err.lines().next().unwrap_or_default().to_owned();
+        let what = format!("{}: `planner {}`", case.input, case.args.join(" "));
+        assert_eq!(out.status.code(), Some(case.exit), "{what}: {err}");
+        assert!(first.starts_with("error: "), "{what}: {err}");
+        assert!(!err.contains("panicked"), "{what}: {err}");
+        assert!(!first.chars().any(char::is_control), "{what}: {first:?}");
+        assert!(
+            first.len() < 1_000,
+            "{what}: a line of {} bytes",
+            first.len()
+        );
+        if case.exit == 1 {
+            assert_eq!(err.lines().count(), 1, "{what}: {err}");
+        }
+        for word in case.says {
+            assert!(
+                first.contains(word),
+                "{what}: `{first}` does not say `{word}`"
+            );
+        }
+        rows.push([
+            case.input.to_owned(),
+            format!("`planner {}`", case.args.join(" ")),
+            case.exit.to_string(),
+            first,
+        ]);
+    }
+    fs::remove_dir_all(&root).unwrap();
+    rows
+}
+
+/// The table as Markdown: messages in code spans, pipes escaped.
+fn malformed_table(rows: &[[String; 4]]) -> String {
+    let mut table =
+        String::from("| Input | Command | Exit | What the planner prints |\n|---|---|---:|---|\n");
+    for [input, command, exit, message] in rows {
+        let cell = |s: &str| s.replace('|', "\\|");
+        table.push_str(&format!(
+            "| {} | {} | {} | <code>{}</code> |\n",
+            cell(input),
+            cell(command),
+            exit,
+            cell(&html_escape(message))
+        ));
+    }
+    table
+}
+
+fn html_escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+const MALFORMED_DOC_HEAD: &str = "\
+# Malformed inputs
+
+Every kind of malformed input the planner handles, the command that meets it, and the one line
+it prints (exit 1; 2 for a usage error). Nothing malformed panics the binary, blocks it, or costs
+it more than a small multiple of the file in memory. Names from the input are escaped (line
+breaks, terminal escapes, invisible characters) and a long name keeps its head and tail.
+
+This table is written by the test that runs these cases,
+`cli/tests/cli.rs::malformed_inputs_fail_cleanly_as_documented`; after a change of message,
+re-bless it with `UPDATE_GOLDEN=1 cargo test -p planner-cli --test cli` and read the diff.
+
+";
+
+#[test]
+fn malformed_inputs_fail_cleanly_as_documented() {
+    let doc = format!(
+        "{MALFORMED_DOC_HEAD}{}",
+        malformed_table(&run_malformed_cases())
+    );
+    let path = repo_root().join("docs/malformed-inputs.md");
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, &doc).unwrap();
+        return;
+    }
+    let committed = fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == doc,
+        "{} differs from the cases (re-bless with UPDATE_GOLDEN=1 after checking):\n{}",
+        path.display(),
+        testkit::line_diff(&committed, &doc)
+    );
+}
+
+#[test]
+fn floats_of_every_kind_survive_pb_to_json_to_pb() {
+    let mut graph = fixture_wire();
+    let eps = graph.nodes[1]
+        .attributes
+        .iter_mut()
+        .find(|a| a.name == "eps")
+        .expect("the fixture's eps");
+    let specials = [
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::NAN,
+        -f64::NAN,
+        f64::from(f32::MIN),
+        -0.0,
+        f64::from_bits(1),
+    ];
+    eps.value = Some(pb::attribute::Value::Floats(pb::FloatList {
+        values: specials.to_vec(),
+    }));
+    let source = Scratch::new("floats.pb", &graph.encode_to_vec());
+    let json = Scratch::empty_path("floats.json");
+    let back = Scratch::empty_path("floats-back.pb");
+    let out = planner(&[&"convert", &source.0, &json.0]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = fs::read_to_string(&json.0).unwrap();
+    for spelling in [
+        "\"Infinity\"",
+        "\"-Infinity\"",
+        "\"NaN\"",
+        "\"NaN(0xfff8000000000000)\"",
+    ] {
+        assert!(text.contains(spelling), "{spelling} not in the JSON");
+    }
+    let out = planner(&[&"convert", &json.0, &back.0]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(fs::read(&source.0).unwrap(), fs::read(&back.0).unwrap());
+    // The two files are one graph: one fingerprint.
+    let fingerprint = |path: &PathBuf| {
+        let out = planner(&[&"plan", path, &"--format", &"json"]);
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        plan["graph"]["fingerprint"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(fingerprint(&source.0), fingerprint(&json.0));
 }

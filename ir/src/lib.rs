@@ -4,10 +4,12 @@
 //! **Architecture invariant:** this crate never links libtorch; it knows graphs, not tensors.
 
 mod dag;
+pub mod display;
 pub mod error;
 pub mod graph;
 pub mod id;
 pub mod io;
+mod layout;
 mod name_index;
 pub mod ops;
 pub mod plan;

@@ -1,7 +1,11 @@
 //! Wire graph -> validated core [`Graph`]. The only way a `Graph` comes to be.
+//!
+//! Elements are converted in batches, each batch in parallel, and conversion stops at the
+//! first invalid element: a file of millions of broken elements costs one batch of work and
+//! memory, not a conversion of all of them.
 
 use rayon::prelude::*;
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use prost::Message;
 use xxhash_rust::xxh3::xxh3_128;
@@ -15,14 +19,24 @@ use crate::{
         MARKER_OP,
     },
     id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
+    layout::{
+        decode_model, decode_node, decode_output, decode_value, elements, first_protobuf_error,
+        pick_model, pick_node, pick_output, pick_value, Layout,
+    },
     name_index::{NameIndex, RecentFirst},
     ops::{self, CollectiveKind},
-    view::{RawAttrValue, RawAttribute, RawNode, RawSchema, RawValue},
+    view::{
+        RawAttrValue, RawAttribute, RawAttributes, RawModel, RawNode, RawSchema, RawUnits, RawValue,
+    },
     wire::graph as pb,
 };
 
 /// Entity counts must fit the `u32` ids.
 const MAX_ENTITIES: usize = u32::MAX as usize;
+
+/// Elements converted per parallel batch: past the first invalid element, at most one batch is
+/// converted and held.
+pub(crate) const BATCH: usize = 8192;
 
 impl Graph {
     /// Validates a decoded wire graph and converts it into the core model.
@@ -34,68 +48,26 @@ impl Graph {
     /// [`Graph::from_wire`] for a graph whose canonical encoding was already hashed with
     /// [`fingerprint`] (a `.pb` file as written by prost or by Python's deterministic
     /// serialiser, which are canonical).
-    pub fn from_wire_encoded(mut wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
-        let values = std::mem::take(&mut wire.values);
-        let nodes = std::mem::take(&mut wire.nodes);
-        build(
-            wire,
-            &values,
-            &nodes,
-            |_, v| Ok(RawValue::of(v)),
-            |_, n| Ok(RawNode::of(n)),
-            fingerprint,
-        )
+    pub fn from_wire_encoded(wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
+        build(&Decoded(&wire), fingerprint)
     }
 
-    /// [`Graph::from_wire_encoded`] for a graph whose values and nodes are still encoded
-    /// (`header` holds the other fields): each element is decoded, borrowing its strings, just
-    /// before it is converted, so the decoded graph never exists. As with decoding first, bad
-    /// protobuf anywhere is reported before any broken rule.
+    /// [`Graph::from_wire_encoded`] for the bytes of a graph, already walked into `layout`:
+    /// each element is decoded, borrowing its strings, just before it is converted, so the
+    /// decoded graph never exists. As with decoding first, bad protobuf anywhere is reported
+    /// before any broken rule.
     pub(crate) fn from_encoded(
-        header: pb::Graph,
-        values: &[&[u8]],
-        nodes: &[&[u8]],
+        bytes: &[u8],
+        layout: &Layout<'_>,
         fingerprint: String,
     ) -> Result<Graph, BuildError> {
-        let protobuf = BuildError::Protobuf;
-        let built = build(
-            header,
-            values,
-            nodes,
-            |i, v| decode_value(i, v).map_err(protobuf),
-            |i, n| decode_node(i, n).map_err(protobuf),
-            fingerprint,
-        );
-        built.map_err(|error| match error {
+        build(&Encoded { bytes, layout }, fingerprint).map_err(|error| match error {
             // Conversion stops at the first broken rule, maybe before reaching bad protobuf.
-            BuildError::Invalid(invalid) => {
-                first_protobuf_error(values, nodes).map_or(BuildError::Invalid(invalid), protobuf)
-            }
+            BuildError::Invalid(invalid) => first_protobuf_error(bytes)
+                .map_or(BuildError::Invalid(invalid), BuildError::Protobuf),
             error => error,
         })
     }
-}
-
-/// The first element, values before nodes, that is not valid protobuf.
-fn first_protobuf_error(values: &[&[u8]], nodes: &[&[u8]]) -> Option<String> {
-    let value = values
-        .iter()
-        .enumerate()
-        .find_map(|(i, v)| decode_value(i, v).err());
-    value.or_else(|| {
-        let mut nodes = nodes.iter().enumerate();
-        nodes.find_map(|(i, n)| decode_node(i, n).err())
-    })
-}
-
-/// Decodes value `index`; an error names it.
-fn decode_value(index: usize, bytes: &[u8]) -> Result<RawValue<'_>, String> {
-    RawValue::decode(bytes).map_err(|e| format!("value #{index}: {e}"))
-}
-
-/// Decodes node `index`; an error names it.
-fn decode_node(index: usize, bytes: &[u8]) -> Result<RawNode<'_>, String> {
-    RawNode::decode(bytes).map_err(|e| format!("node #{index}: {e}"))
 }
 
 /// Why an encoded graph did not become a [`Graph`].
@@ -112,32 +84,230 @@ impl From<E> for BuildError {
     }
 }
 
-/// Converts `header` (the fields other than `values` and `nodes`) and the elements, each first
-/// viewed as its wire message by `value` / `node` (given its index).
-fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
-    header: pb::Graph,
-    values: &'w [V],
-    nodes: &'w [N],
-    value: impl Fn(usize, &'w V) -> Result<RawValue<'w>, Err> + Sync,
-    node: impl Fn(usize, &'w N) -> Result<RawNode<'w>, Err> + Sync,
-    fingerprint: String,
-) -> Result<Graph, Err> {
-    check_counts(nodes.len(), values.len(), header.models.len())?;
-    let models = convert_models(header.models)?;
-    let values = convert_values(values, value)?;
+/// How many elements of each kind a graph holds.
+struct Counts {
+    values: usize,
+    nodes: usize,
+    models: usize,
+    /// How many bytes the tables of values and nodes may reserve up front, each.
+    reserve: usize,
+}
+
+/// An encoded graph's tables reserve at most this many times its size up front: every real
+/// graph fits (a node is 304 bytes in memory and more than 100 in a file), while a file of
+/// millions of empty elements grows its tables only as far as they really fill.
+const RESERVE_TIMES_FILE: usize = 4;
+
+/// Where [`build`] takes a graph's parts from: a decoded wire message, or the bytes of one.
+/// Each part is handed out one element at a time, in order.
+trait Source<'w>: Sync {
+    /// A value or node as handed out, before it is viewed.
+    type Value: Copy + Send + Sync;
+    type Node: Copy + Send + Sync;
+    type Err: From<E> + Send;
+
+    fn counts(&self) -> Counts;
+    fn name(&self) -> String;
+    fn metadata(&self) -> Metadata;
+    fn models(&self) -> impl Iterator<Item = Result<RawModel<'w>, Self::Err>>;
+    fn values(&self) -> impl Iterator<Item = Result<Self::Value, Self::Err>>;
+    fn nodes(&self) -> impl Iterator<Item = Result<Self::Node, Self::Err>>;
+    fn outputs(&self) -> impl Iterator<Item = Result<&'w str, Self::Err>>;
+    /// Views value `index`.
+    fn value(index: usize, value: Self::Value) -> Result<RawValue<'w>, Self::Err>;
+    /// Views node `index`.
+    fn node(index: usize, node: Self::Node) -> Result<RawNode<'w>, Self::Err>;
+}
+
+/// A graph decoded by prost.
+struct Decoded<'w>(&'w pb::Graph);
+
+impl<'w> Source<'w> for Decoded<'w> {
+    type Value = &'w pb::Value;
+    type Node = &'w pb::Node;
+    type Err = E;
+
+    fn counts(&self) -> Counts {
+        Counts {
+            values: self.0.values.len(),
+            nodes: self.0.nodes.len(),
+            models: self.0.models.len(),
+            // The decoded message is already in memory.
+            reserve: usize::MAX,
+        }
+    }
+
+    fn name(&self) -> String {
+        self.0.name.clone()
+    }
+
+    fn metadata(&self) -> Metadata {
+        convert_metadata(self.0.metadata.clone().unwrap_or_default())
+    }
+
+    fn models(&self) -> impl Iterator<Item = Result<RawModel<'w>, E>> {
+        self.0.models.iter().map(|m| Ok(RawModel::of(m)))
+    }
+
+    fn values(&self) -> impl Iterator<Item = Result<&'w pb::Value, E>> {
+        self.0.values.iter().map(Ok)
+    }
+
+    fn nodes(&self) -> impl Iterator<Item = Result<&'w pb::Node, E>> {
+        self.0.nodes.iter().map(Ok)
+    }
+
+    fn outputs(&self) -> impl Iterator<Item = Result<&'w str, E>> {
+        self.0.outputs.iter().map(|o| Ok(o.as_str()))
+    }
+
+    fn value(_: usize, value: &'w pb::Value) -> Result<RawValue<'w>, E> {
+        Ok(RawValue::of(value))
+    }
+
+    fn node(_: usize, node: &'w pb::Node) -> Result<RawNode<'w>, E> {
+        Ok(RawNode::of(node))
+    }
+}
+
+/// The bytes of a graph, walked once into its layout.
+struct Encoded<'w> {
+    bytes: &'w [u8],
+    layout: &'w Layout<'w>,
+}
+
+impl<'w> Encoded<'w> {
+    /// The part of the file holding one kind of element.
+    fn span(&self, span: &std::ops::Range<usize>) -> &'w [u8] {
+        self.bytes.get(span.clone()).unwrap_or_default()
+    }
+}
+
+/// Elements the layout listed, or walked again (one of two iterators: boxed, once per walk).
+type Elements<'w> = Box<dyn Iterator<Item = Result<&'w [u8], BuildError>> + 'w>;
+
+fn listed_elements<'w>(listed: &'w [&'w [u8]]) -> Elements<'w> {
+    Box::new(listed.iter().map(|&element| Ok(element)))
+}
+
+/// Decoding errors of an encoded graph's elements, as protobuf errors.
+fn protobuf_errors<T>(
+    elements: impl Iterator<Item = Result<T, String>>,
+) -> impl Iterator<Item = Result<T, BuildError>> {
+    elements.map(|element| element.map_err(BuildError::Protobuf))
+}
+
+impl<'w> Source<'w> for Encoded<'w> {
+    type Value = &'w [u8];
+    type Node = &'w [u8];
+    type Err = BuildError;
+
+    fn counts(&self) -> Counts {
+        Counts {
+            values: self.layout.values,
+            nodes: self.layout.nodes,
+            models: self.layout.models,
+            reserve: self.bytes.len().saturating_mul(RESERVE_TIMES_FILE),
+        }
+    }
+
+    fn name(&self) -> String {
+        self.layout.header.name.clone()
+    }
+
+    fn metadata(&self) -> Metadata {
+        convert_metadata(self.layout.header.metadata.clone().unwrap_or_default())
+    }
+
+    fn models(&self) -> impl Iterator<Item = Result<RawModel<'w>, BuildError>> {
+        protobuf_errors(elements(
+            self.span(&self.layout.model_span),
+            pick_model,
+            decode_model,
+        ))
+    }
+
+    fn values(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
+        match &self.layout.listed {
+            Some(listed) => listed_elements(&listed.values),
+            None => Box::new(protobuf_errors(elements(
+                self.span(&self.layout.value_span),
+                pick_value,
+                |_, b| Ok(b),
+            ))),
+        }
+    }
+
+    fn nodes(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
+        match &self.layout.listed {
+            Some(listed) => listed_elements(&listed.nodes),
+            None => Box::new(protobuf_errors(elements(
+                self.span(&self.layout.node_span),
+                pick_node,
+                |_, b| Ok(b),
+            ))),
+        }
+    }
+
+    fn outputs(&self) -> impl Iterator<Item = Result<&'w str, BuildError>> {
+        protobuf_errors(elements(
+            self.span(&self.layout.output_span),
+            pick_output,
+            decode_output,
+        ))
+    }
+
+    fn value(index: usize, value: &'w [u8]) -> Result<RawValue<'w>, BuildError> {
+        decode_value(index, value).map_err(BuildError::Protobuf)
+    }
+
+    fn node(index: usize, node: &'w [u8]) -> Result<RawNode<'w>, BuildError> {
+        decode_node(index, node).map_err(BuildError::Protobuf)
+    }
+}
+
+/// Converts the parts of `source` into a graph; checks run in a fixed order and the first
+/// error in element order wins.
+fn build<'w, S: Source<'w>>(source: &S, fingerprint: String) -> Result<Graph, S::Err> {
+    let counts = source.counts();
+    check_counts(&counts)?;
+    let models = convert_models(source.models())?;
+    let values = convert_in_batches(
+        source.values(),
+        counts.values.min(counts.reserve / size_of::<Value>()),
+        || (),
+        |(), index, v| Ok(convert_value(index, S::value(index, v)?)?),
+    )?;
     let value_ids =
         NameIndex::build(&values, |v| &v.name).map_err(|name| E::DuplicateValue { name })?;
     let model_ids =
         NameIndex::build(&models, |m| &m.name).map_err(|name| E::DuplicateModel { name })?;
-    let nodes = convert_nodes(nodes, node, &value_ids, &model_ids, &models)?;
-    let outputs = header
-        .outputs
-        .into_iter()
-        .map(|name| match value_ids.get(&name) {
-            Some(id) => Ok(id),
-            None => Err(E::UnknownGraphOutput { value: name }),
+    let nodes = convert_in_batches(
+        source.nodes(),
+        counts.nodes.min(counts.reserve / size_of::<Node>()),
+        || RecentFirst::new(&value_ids),
+        |resolver, index, n| {
+            Ok(convert_node(
+                index,
+                S::node(index, n)?,
+                resolver,
+                &model_ids,
+                &models,
+            )?)
+        },
+    )?;
+    let outputs = source
+        .outputs()
+        .map(|name| {
+            let name = name?;
+            value_ids.get(name).ok_or_else(|| {
+                E::UnknownGraphOutput {
+                    value: name.to_owned(),
+                }
+                .into()
+            })
         })
-        .collect::<Result<Vec<_>, _>>();
+        .collect::<Result<Vec<_>, S::Err>>();
     // The node-name check runs beside the structure; its error still comes first.
     let (names, structure) = rayon::join(
         || {
@@ -155,18 +325,53 @@ fn build<'w, V: Sync, N: Sync, Err: From<E> + Send>(
         storage,
     } = structure?;
     Ok(Graph {
-        name: header.name,
+        name: source.name(),
         fingerprint,
         nodes,
         values,
         models,
         outputs,
-        metadata: convert_metadata(header.metadata.unwrap_or_default()),
+        metadata: source.metadata(),
         producers,
         consumers,
         storage,
         backward_order: std::sync::OnceLock::new(),
     })
+}
+
+/// Converts `elements` batch by batch, each batch in parallel (`init` makes one worker's
+/// state), into a table reserved for `reserve` entries. Stops at the first error in element
+/// order: after an invalid element, at most one batch more is converted.
+fn convert_in_batches<I: EntityId, S: Copy + Send + Sync, T: Send, W, Err: Send>(
+    elements: impl Iterator<Item = Result<S, Err>>,
+    reserve: usize,
+    init: impl Fn() -> W + Sync + Send,
+    convert: impl Fn(&mut W, usize, S) -> Result<T, Err> + Sync + Send,
+) -> Result<IdVec<I, T>, Err> {
+    let mut table = Vec::new();
+    // One allocation for a valid graph; when even that fails, the table grows as it fills.
+    let _ = table.try_reserve_exact(reserve);
+    let mut elements = elements.peekable();
+    let mut batch = Vec::with_capacity(BATCH.min(reserve));
+    let mut converted = Vec::with_capacity(BATCH.min(reserve));
+    while elements.peek().is_some() {
+        batch.clear();
+        for element in elements.by_ref().take(BATCH) {
+            batch.push(element?);
+        }
+        let start = table.len();
+        batch
+            .par_iter()
+            .enumerate()
+            .map_init(&init, |state, (i, &element)| {
+                convert(state, start + i, element)
+            })
+            .collect_into_vec(&mut converted);
+        for element in converted.drain(..) {
+            table.push(element?);
+        }
+    }
+    Ok(IdVec::from_vec(table))
 }
 
 /// The fingerprint of a graph: xxh3-128 of its canonical protobuf encoding, so `.pb` and
@@ -209,11 +414,15 @@ impl Structure {
     }
 }
 
-fn check_counts(nodes: usize, values: usize, models: usize) -> Result<(), E> {
-    if nodes == 0 {
+fn check_counts(counts: &Counts) -> Result<(), E> {
+    if counts.nodes == 0 {
         return Err(E::NoNodes);
     }
-    for (what, count) in [("nodes", nodes), ("values", values), ("models", models)] {
+    for (what, count) in [
+        ("nodes", counts.nodes),
+        ("values", counts.values),
+        ("models", counts.models),
+    ] {
         if count > MAX_ENTITIES {
             return Err(E::TooMany {
                 what,
@@ -225,111 +434,139 @@ fn check_counts(nodes: usize, values: usize, models: usize) -> Result<(), E> {
     Ok(())
 }
 
-fn convert_models(wire: Vec<pb::Model>) -> Result<IdVec<ModelId, Model>, E> {
-    let names: Vec<String> = wire.iter().map(|m| m.name.clone()).collect();
-    let find = |name: &str| {
-        names
-            .iter()
-            .position(|n| n == name)
-            .map(ModelId::from_index)
-    };
+/// Converts the models one at a time, then resolves their parents by name (a parent may be
+/// declared after its child) and checks that no model is nested inside itself.
+fn convert_models<'w, Err: From<E>>(
+    wire: impl Iterator<Item = Result<RawModel<'w>, Err>>,
+) -> Result<IdVec<ModelId, Model>, Err> {
     let mut models = IdVec::new();
-    for (index, m) in wire.into_iter().enumerate() {
+    let mut parents = Vec::new();
+    for (index, m) in wire.enumerate() {
+        let m = m?;
         if m.name.is_empty() {
-            return Err(E::UnnamedModel { index });
+            return Err(E::UnnamedModel { index }.into());
         }
-        let parent = match m.parent.as_str() {
-            "" => None,
-            parent => Some(find(parent).ok_or_else(|| E::UndeclaredParent {
-                model: m.name.clone(),
-                parent: parent.to_owned(),
-            })?),
-        };
-        let units = convert_units(&m.name, m.units)?;
+        let units = convert_units(m.name, m.units)?;
         models.push(Model {
-            name: m.name,
-            parent,
+            name: m.name.to_owned(),
+            parent: None,
             num_layers: m.num_layers,
             units,
         });
+        parents.push(m.parent);
     }
+    resolve_parents(&mut models, &parents)?;
     check_nesting(&models)?;
     Ok(models)
 }
 
-fn check_nesting(models: &IdVec<ModelId, Model>) -> Result<(), E> {
+/// Sets each model's parent to the first model of that name.
+fn resolve_parents(models: &mut IdVec<ModelId, Model>, parents: &[&str]) -> Result<(), E> {
+    let mut first_of: HashMap<&str, ModelId> = HashMap::default();
     for (id, model) in models.iter() {
-        let mut current = model.parent;
-        for _ in 0..models.len() {
-            match current {
-                Some(p) if p == id => break,
-                Some(p) => current = models[p].parent,
-                None => break,
-            }
-        }
-        if current == Some(id) {
-            return Err(E::ParentCycle {
-                model: model.name.clone(),
-            });
-        }
+        first_of.entry(model.name.as_str()).or_insert(id);
+    }
+    let resolved = parents
+        .iter()
+        .enumerate()
+        .map(|(index, &parent)| match parent {
+            "" => Ok(None),
+            parent => match first_of.get(parent) {
+                Some(&id) => Ok(Some(id)),
+                None => Err(E::UndeclaredParent {
+                    model: models[ModelId::from_index(index)].name.clone(),
+                    parent: parent.to_owned(),
+                }),
+            },
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for (index, parent) in resolved.into_iter().enumerate() {
+        models[ModelId::from_index(index)].parent = parent;
     }
     Ok(())
 }
 
-fn convert_units(model: &str, wire: Vec<pb::UnitIntervals>) -> Result<IdVec<UnitId, Unit>, E> {
+/// The first model, in declaration order, that is its own ancestor. Each parent chain is
+/// walked once: linear in the number of models however they nest.
+fn check_nesting(models: &IdVec<ModelId, Model>) -> Result<(), E> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Walk {
+        Unseen,
+        /// On the chain being walked now.
+        OnPath,
+        Done,
+    }
+    let mut state = vec![Walk::Unseen; models.len()];
+    let mut on_cycle = vec![false; models.len()];
+    let mut path = Vec::new();
+    for start in models.ids() {
+        let mut current = Some(start);
+        while let Some(id) = current.filter(|id| state[id.index()] == Walk::Unseen) {
+            state[id.index()] = Walk::OnPath;
+            path.push(id);
+            current = models[id].parent;
+        }
+        // Back at a model of this walk: the chain from it on is a cycle.
+        if let Some(id) = current.filter(|id| state[id.index()] == Walk::OnPath) {
+            let from = path.iter().position(|&p| p == id).unwrap_or(path.len());
+            for &member in &path[from..] {
+                on_cycle[member.index()] = true;
+            }
+        }
+        for id in path.drain(..) {
+            state[id.index()] = Walk::Done;
+        }
+    }
+    match on_cycle.iter().position(|&c| c) {
+        Some(index) => Err(E::ParentCycle {
+            model: models[ModelId::from_index(index)].name.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A model's units, one at a time; a repeated unit name is found with a set.
+fn convert_units(model: &str, wire: RawUnits<'_>) -> Result<IdVec<UnitId, Unit>, E> {
     let mut units: IdVec<UnitId, Unit> = IdVec::new();
-    let mut seen: rustc_hash::FxHashSet<String> = rustc_hash::FxHashSet::default();
+    let mut seen: HashSet<&str> = HashSet::default();
     for (index, u) in wire.into_iter().enumerate() {
-        if u.unit.is_empty() {
+        if u.name.is_empty() {
             return Err(E::UnnamedUnit {
                 model: model.to_owned(),
                 index,
             });
         }
-        if !seen.insert(u.unit.clone()) {
+        if !seen.insert(u.name) {
             return Err(E::DuplicateUnit {
                 model: model.to_owned(),
-                unit: u.unit,
+                unit: u.name.to_owned(),
             });
         }
         let intervals = u
             .intervals
             .into_iter()
-            .map(|i| {
+            .map(|(begin, end)| {
                 let empty = |side| E::EmptyIntervalMarker {
                     model: model.to_owned(),
-                    unit: u.unit.clone(),
+                    unit: u.name.to_owned(),
                     side,
                 };
-                match (i.begin.is_empty(), i.end.is_empty()) {
+                match (begin.is_empty(), end.is_empty()) {
                     (true, _) => Err(empty("begin")),
                     (_, true) => Err(empty("end")),
                     _ => Ok(MarkerInterval {
-                        begin: i.begin,
-                        end: i.end,
+                        begin: begin.to_owned(),
+                        end: end.to_owned(),
                     }),
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
         units.push(Unit {
-            name: u.unit,
+            name: u.name.to_owned(),
             intervals,
         });
     }
     Ok(units)
-}
-
-/// Converts every value, in parallel; the first error in value order wins.
-fn convert_values<'w, V: Sync, Err: From<E> + Send>(
-    wire: &'w [V],
-    decode: impl Fn(usize, &'w V) -> Result<RawValue<'w>, Err> + Sync,
-) -> Result<IdVec<ValueId, Value>, Err> {
-    first_error_in_order(
-        wire.par_iter()
-            .enumerate()
-            .map(|(index, v)| Ok(convert_value(index, decode(index, v)?)?))
-            .collect(),
-    )
 }
 
 fn convert_value(index: usize, v: RawValue<'_>) -> Result<Value, E> {
@@ -350,17 +587,6 @@ fn convert_value(index: usize, v: RawValue<'_>) -> Result<Value, E> {
         role,
         bytes,
     })
-}
-
-/// The converted elements, or the first error in element order (so the message does not
-/// depend on scheduling).
-fn first_error_in_order<I: EntityId, T, Err>(
-    converted: Vec<Result<T, Err>>,
-) -> Result<IdVec<I, T>, Err> {
-    converted
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map(IdVec::from_vec)
 }
 
 fn convert_shape(value: &str, shape: &[i64]) -> Result<Shape, E> {
@@ -464,33 +690,6 @@ fn convert_collective(node: &str, code: i32) -> Result<Option<CollectiveKind>, E
     }
 }
 
-/// Converts every node, in parallel; the first error in node order wins.
-fn convert_nodes<'w, N: Sync, Err: From<E> + Send>(
-    wire: &'w [N],
-    decode: impl Fn(usize, &'w N) -> Result<RawNode<'w>, Err> + Sync,
-    value_ids: &NameIndex<ValueId, Value>,
-    model_ids: &NameIndex<ModelId, Model>,
-    models: &IdVec<ModelId, Model>,
-) -> Result<IdVec<NodeId, Node>, Err> {
-    first_error_in_order(
-        wire.par_iter()
-            .enumerate()
-            .map_init(
-                || RecentFirst::new(value_ids),
-                |resolver, (index, n)| {
-                    Ok(convert_node(
-                        index,
-                        decode(index, n)?,
-                        resolver,
-                        model_ids,
-                        models,
-                    )?)
-                },
-            )
-            .collect(),
-    )
-}
-
 fn convert_node(
     index: usize,
     n: RawNode<'_>,
@@ -573,7 +772,16 @@ fn resolve(
         .collect()
 }
 
-fn convert_attributes<'w>(
+fn convert_attributes(node: &str, attributes: RawAttributes<'_>) -> Result<Box<[Attribute]>, E> {
+    match attributes {
+        RawAttributes::Decoded(list) => convert_each_attribute(node, list),
+        RawAttributes::Encoded(bytes) => {
+            convert_each_attribute(node, RawAttributes::encoded(bytes))
+        }
+    }
+}
+
+fn convert_each_attribute<'w>(
     node: &str,
     wire: impl IntoIterator<Item = RawAttribute<'w>>,
 ) -> Result<Box<[Attribute]>, E> {

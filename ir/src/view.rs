@@ -9,11 +9,21 @@
 //! are both accepted, a repeated embedded message merges, unknown fields are skipped, and a
 //! known field with the wrong wire type or a string that is not UTF-8 is an error.
 //! `ir/tests/view.rs` checks that both paths give the same graph.
+//!
+//! A view costs a bounded multiple of its element's bytes. An element over [`LARGE`] bytes
+//! has its repeated fields counted first, so each list is allocated once at its size, and its
+//! attributes (or a model's units and their intervals) stay encoded in the view, checked but
+//! decoded again one at a time as they are converted: one node holding a million empty
+//! attributes costs nothing like a million decoded attributes.
 
 use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
 use smallvec::SmallVec;
 
 use crate::wire::graph as pb;
+
+/// Elements over this many bytes are decoded with their lists sized first and their
+/// attributes left encoded; smaller ones cost a bounded amount each whatever they hold.
+const LARGE: usize = 4096;
 
 /// A wire `Value`, strings borrowed.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,13 +35,13 @@ pub(crate) struct RawValue<'a> {
 }
 
 /// A wire `Node`, strings borrowed.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct RawNode<'a> {
     pub name: &'a str,
     pub op: &'a str,
     pub inputs: SmallVec<[&'a str; 4]>,
     pub outputs: SmallVec<[&'a str; 2]>,
-    pub attributes: SmallVec<[RawAttribute<'a>; 2]>,
+    pub attributes: RawAttributes<'a>,
     pub phase: i32,
     pub model: &'a str,
     pub layer: Option<u32>,
@@ -48,6 +58,54 @@ pub(crate) struct RawSchema {
     pub view_of: Option<u32>,
     pub random: bool,
     pub collective: i32,
+}
+
+/// A node's attributes: decoded, or (in a large node) still encoded.
+#[derive(Debug, Clone)]
+pub(crate) enum RawAttributes<'a> {
+    Decoded(SmallVec<[RawAttribute<'a>; 2]>),
+    /// The bytes of the node; its attributes are its fields 5, in order, already checked to
+    /// decode.
+    Encoded(&'a [u8]),
+}
+
+impl Default for RawAttributes<'_> {
+    fn default() -> Self {
+        RawAttributes::Decoded(SmallVec::new())
+    }
+}
+
+impl<'a> RawAttributes<'a> {
+    /// The attributes of a large node, decoded one at a time from its bytes. `RawNode::decode`
+    /// decoded these very bytes: decoding them again cannot fail, and would only end the list
+    /// if it could.
+    pub fn encoded(node: &'a [u8]) -> impl Iterator<Item = RawAttribute<'a>> {
+        fields_of(Reader::element(node), ATTRIBUTES)
+            .map_while(|field| RawAttribute::decode(field.ok()?).ok())
+    }
+}
+
+/// The field number of a node's attributes.
+const ATTRIBUTES: u32 = 5;
+
+/// The fields numbered `tag` of the message `r` reads, as readers of their contents, in order;
+/// an error ends them.
+fn fields_of<'a>(
+    mut r: Reader<'a>,
+    tag: u32,
+) -> impl Iterator<Item = Result<Reader<'a>, String>> + 'a {
+    std::iter::from_fn(move || loop {
+        match r.key() {
+            Ok(None) => return None,
+            Ok(Some((t, wire))) if t == tag => return Some(r.nested(wire)),
+            Ok(Some((t, wire))) => {
+                if let Err(e) = r.skip(wire, t) {
+                    return Some(Err(e));
+                }
+            }
+            Err(e) => return Some(Err(e)),
+        }
+    })
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +143,11 @@ impl<'a> RawValue<'a> {
             shape: SmallVec::new(),
             role: 0,
         };
+        if bytes.len() > LARGE {
+            value
+                .shape
+                .reserve_exact(count_numbers(Reader::element(bytes), 3)?);
+        }
         let mut r = Reader::element(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
@@ -115,7 +178,7 @@ impl<'a> RawNode<'a> {
             op: &n.op,
             inputs: n.inputs.iter().map(String::as_str).collect(),
             outputs: n.outputs.iter().map(String::as_str).collect(),
-            attributes: n.attributes.iter().map(RawAttribute::of).collect(),
+            attributes: RawAttributes::Decoded(n.attributes.iter().map(RawAttribute::of).collect()),
             phase: n.phase,
             model: &n.model,
             layer: n.layer,
@@ -130,6 +193,13 @@ impl<'a> RawNode<'a> {
     /// Decodes the bytes of one `Node` message.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
         let mut node = RawNode::default();
+        if bytes.len() > LARGE {
+            let [inputs, outputs, stack_trace] = count_fields(Reader::element(bytes), [3, 4, 13])?;
+            node.inputs.reserve_exact(inputs);
+            node.outputs.reserve_exact(outputs);
+            node.stack_trace.reserve_exact(stack_trace);
+            node.attributes = RawAttributes::Encoded(bytes);
+        }
         let mut r = Reader::element(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
@@ -137,7 +207,13 @@ impl<'a> RawNode<'a> {
                 2 => node.op = r.str(wire)?,
                 3 => node.inputs.push(r.str(wire)?),
                 4 => node.outputs.push(r.str(wire)?),
-                5 => node.attributes.push(RawAttribute::decode(r.nested(wire)?)?),
+                ATTRIBUTES => {
+                    let attribute = RawAttribute::decode(r.nested(wire)?)?;
+                    // A large node's attributes are only checked here.
+                    if let RawAttributes::Decoded(attributes) = &mut node.attributes {
+                        attributes.push(attribute);
+                    }
+                }
                 6 => node.phase = r.int32(wire)?,
                 7 => node.model = r.str(wire)?,
                 8 => node.layer = Some(r.varint(wire)? as u32),
@@ -151,6 +227,37 @@ impl<'a> RawNode<'a> {
         }
         Ok(node)
     }
+}
+
+/// How many fields of each of the `tags` the message `r` reads holds.
+fn count_fields<const N: usize>(mut r: Reader<'_>, tags: [u32; N]) -> Result<[usize; N], String> {
+    let mut counts = [0; N];
+    while let Some((tag, wire)) = r.key()? {
+        if let Some(i) = tags.iter().position(|&t| t == tag) {
+            counts[i] += 1;
+        }
+        r.skip(wire, tag)?;
+    }
+    Ok(counts)
+}
+
+/// How many numbers the repeated varint field `tag` of the message `r` reads holds, packed or
+/// not (in a packed run, every number ends with a byte below 0x80).
+fn count_numbers(mut r: Reader<'_>, tag: u32) -> Result<usize, String> {
+    let mut count = 0;
+    while let Some((t, wire)) = r.key()? {
+        match (t == tag, wire) {
+            (true, WireType::LengthDelimited) => {
+                count += r.message(wire)?.iter().filter(|&&b| b < 0x80).count();
+            }
+            (true, _) => {
+                count += 1;
+                r.skip(wire, t)?;
+            }
+            _ => r.skip(wire, t)?,
+        }
+    }
+    Ok(count)
 }
 
 impl RawSchema {
@@ -241,6 +348,154 @@ impl<'a> RawAttribute<'a> {
     }
 }
 
+/// A wire `Model`, strings borrowed; its units are read one at a time.
+#[derive(Debug, Clone)]
+pub(crate) struct RawModel<'a> {
+    pub name: &'a str,
+    pub parent: &'a str,
+    pub num_layers: u32,
+    pub units: RawUnits<'a>,
+}
+
+/// A model's units, from a decoded message or still encoded (checked to decode).
+#[derive(Debug, Clone)]
+pub(crate) enum RawUnits<'a> {
+    Decoded(&'a [pb::UnitIntervals]),
+    /// The model's bytes and their nesting depth: its fields 4.
+    Encoded(&'a [u8], u32),
+}
+
+/// One unit of a model and its intervals, read one at a time.
+pub(crate) struct RawUnit<'a> {
+    pub name: &'a str,
+    pub intervals: RawIntervals<'a>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum RawIntervals<'a> {
+    Decoded(&'a [pb::MarkerInterval]),
+    /// The unit's bytes and their nesting depth: its fields 2.
+    Encoded(&'a [u8], u32),
+}
+
+impl<'a> RawModel<'a> {
+    pub fn of(m: &'a pb::Model) -> Self {
+        RawModel {
+            name: &m.name,
+            parent: &m.parent,
+            num_layers: m.num_layers,
+            units: RawUnits::Decoded(&m.units),
+        }
+    }
+
+    /// Decodes the bytes of one `Model` message; its units and intervals are checked to
+    /// decode, and left encoded.
+    pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
+        let mut model = RawModel {
+            name: "",
+            parent: "",
+            num_layers: 0,
+            units: RawUnits::Encoded(bytes, ELEMENT_DEPTH),
+        };
+        let mut r = Reader::element(bytes);
+        while let Some((tag, wire)) = r.key()? {
+            match tag {
+                1 => model.name = r.str(wire)?,
+                2 => model.parent = r.str(wire)?,
+                3 => model.num_layers = r.varint(wire)? as u32,
+                UNITS => RawUnit::check(r.nested(wire)?)?,
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(model)
+    }
+}
+
+/// The field numbers of a model's units and of a unit's intervals.
+const UNITS: u32 = 4;
+const INTERVALS: u32 = 2;
+
+impl<'a> IntoIterator for RawUnits<'a> {
+    type Item = RawUnit<'a>;
+    type IntoIter = Box<dyn Iterator<Item = RawUnit<'a>> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        match self {
+            RawUnits::Decoded(units) => Box::new(units.iter().map(|u| RawUnit {
+                name: &u.unit,
+                intervals: RawIntervals::Decoded(&u.intervals),
+            })),
+            // `RawModel::decode` decoded these bytes: decoding them again cannot fail.
+            RawUnits::Encoded(model, depth) => Box::new(
+                fields_of(Reader { buf: model, depth }, UNITS)
+                    .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
+            ),
+        }
+    }
+}
+
+impl<'a> RawUnit<'a> {
+    /// Checks that a `UnitIntervals` and its intervals decode.
+    fn check(r: Reader<'a>) -> Result<(), String> {
+        let unit = RawUnit::decode(r.clone())?;
+        let RawIntervals::Encoded(bytes, depth) = unit.intervals else {
+            return Ok(());
+        };
+        for interval in fields_of(Reader { buf: bytes, depth }, INTERVALS) {
+            decode_interval(interval?)?;
+        }
+        Ok(())
+    }
+
+    /// The unit's name (its last field 1); its intervals stay encoded.
+    fn decode(mut r: Reader<'a>) -> Result<Self, String> {
+        let unit_bytes = r.buf;
+        let mut name = "";
+        while let Some((tag, wire)) = r.key()? {
+            match tag {
+                1 => name = r.str(wire)?,
+                _ => r.skip(wire, tag)?,
+            }
+        }
+        Ok(RawUnit {
+            name,
+            intervals: RawIntervals::Encoded(unit_bytes, r.depth),
+        })
+    }
+}
+
+impl<'a> IntoIterator for RawIntervals<'a> {
+    /// An interval's begin and end markers.
+    type Item = (&'a str, &'a str);
+    type IntoIter = Box<dyn Iterator<Item = Self::Item> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        match self {
+            RawIntervals::Decoded(intervals) => {
+                Box::new(intervals.iter().map(|i| (i.begin.as_str(), i.end.as_str())))
+            }
+            // `RawUnit::check` decoded these bytes: decoding them again cannot fail.
+            RawIntervals::Encoded(unit, depth) => Box::new(
+                fields_of(Reader { buf: unit, depth }, INTERVALS)
+                    .map_while(|interval| decode_interval(interval.ok()?).ok()),
+            ),
+        }
+    }
+}
+
+/// A `MarkerInterval`'s begin and end (the last of each).
+fn decode_interval(mut r: Reader<'_>) -> Result<(&str, &str), String> {
+    let (mut begin, mut end) = ("", "");
+    while let Some((tag, wire)) = r.key()? {
+        match tag {
+            1 => begin = r.str(wire)?,
+            2 => end = r.str(wire)?,
+            _ => r.skip(wire, tag)?,
+        }
+    }
+    Ok((begin, end))
+}
+
 /// Reads an `IntList`, `FloatList` or `StringList`: field 1 holds the items.
 fn list_items<'a>(
     mut r: Reader<'a>,
@@ -257,6 +512,7 @@ fn list_items<'a>(
 
 /// The unread rest of one message, and how many more levels of nesting prost would allow
 /// inside it (its recursion limit counts down from 100 at the `Graph`).
+#[derive(Clone)]
 struct Reader<'a> {
     buf: &'a [u8],
     depth: u32,

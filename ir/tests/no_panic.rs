@@ -29,7 +29,7 @@ proptest! {
 
     #[test]
     fn arbitrary_wire_graphs_never_panic(graph in wire_graph()) {
-        let encoded = io::encode(&graph, Format::Protobuf);
+        let encoded = io::encode(&graph, Format::Protobuf).unwrap();
         let _ = Graph::from_wire(graph);
         // Every prefix of a valid encoding is a truncated file.
         for cut in [encoded.len() / 3, encoded.len() / 2, encoded.len().saturating_sub(1)] {

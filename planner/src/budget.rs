@@ -1,70 +1,70 @@
 //! `--budget SIZE`: per checkpointed layer, the set of units that minimises predicted
-//! replay time with the predicted peak within the budget.
+//! replay time with the predicted peak within the budget, and the frontier `planner pareto`
+//! prints.
 //!
 //! Method:
-//! 1. Options are exact: every subset of the model's declared units. Each subset is evaluated
-//!    once per model (applied to all its checkpointed layers in one plan), and its effect is
-//!    read per layer: saved activation bytes `m(l, o)` and replay seconds `t(l, o)`. Identical
-//!    layers (same forward op, marker and region sequence) share the representative's figures,
-//!    so each distinct layer is solved once.
-//! 2. Small searches are exact: with at most [`EXHAUSTIVE_LIMIT`] per-layer combinations every
-//!    one is planned and simulated, and the fastest that fits wins.
-//! 3. Larger ones: a multiple-choice knapsack over the linear peak model
-//!    `peak ≈ peak(nothing kept) + Σ_l (m(l, o_l) − m(l, ∅))`, solved exactly by dynamic
-//!    programming over the headroom `budget − peak(∅)` quantised into [`BUCKETS`] steps (costs
-//!    rounded up). Each answer is simulated exactly: keeping everything that helps is tried
-//!    first; an answer over budget shrinks the headroom by the excess, one with slack grows it
-//!    (at most [`MAX_ROUNDS`] times); every uniform choice (`--keep` of a set of unit names,
-//!    the same in every layer) is simulated too; then a first-improvement local search over
-//!    single-layer changes, each simulated exactly, refines the best feasible answer (at most
-//!    [`MAX_REFINE_PLANS`] plans). The answer always fits (keeping nothing is the fallback) and,
-//!    when the graph declares at most [`MAX_UNITS`] unit names, is never slower than the best
-//!    uniform `--keep` that fits.
+//! 1. Options are exact: every subset of a model's declared units. Each is planned once in
+//!    every checkpointed layer of its model at the same time (a *run*: `2^units` per model,
+//!    in parallel), and each layer's contribution under it is read off the run: its replay,
+//!    replay seconds, the values it makes resident and its storages' lifetimes
+//!    ([`crate::compose`]). A choice of one option per layer is then simulated exactly by
+//!    composing contributions, without planning it: changing one layer's option costs that
+//!    layer's storages times log(steps).
+//! 2. The frontier ([`crate::explore`]): every combination when there are at most
+//!    [`EXHAUSTIVE_LIMIT`] (exact), else a greedy path ranked by simulated peak, a knapsack
+//!    sweep over the linear peak model, every uniform `--keep`, and the choices between
+//!    frontier points left too far apart; the candidates no other beats, thinned so that
+//!    consecutive points are at most `1/steps` of the peak range apart.
+//! 3. `--budget` answers the fastest point of the frontier of [`DEFAULT_STEPS`] (what
+//!    `pareto` prints by default) whose peak fits, planned in full and verified. So a larger
+//!    budget never answers slower, no answer lies below the `pareto` frontier, the answer
+//!    always fits and is never a configuration `plan` rejects, and, when the graph declares
+//!    at most [`MAX_UNITS`] unit names, it is never slower than the best uniform `--keep`
+//!    that fits (every uniform choice on the frontier stays on it).
 //!
-//! Optimality gap of step 3: the linear model overestimates the peak when keeping shrinks a
-//! replay's transient (it does in the last layers), which the slack rounds and the local search
-//! recover; the option tables come from one representative layer per class, so they can miss a
-//! unit that helps another layer a little, which the uniform seeds catch. On the three-layer
-//! test graph of `tests/budget.rs`, over 17 budgets, the knapsack alone was up to 61% slower
-//! than the optimum found by brute force, and with the local search 0%. On the MoE golden
-//! deepened to 10 layers (16^10 combinations, no brute force), over 9 budgets, the answer's
-//! replay time was 0% to 14.1% below the best uniform `--keep` that fits (0% to 10.9% on the
-//! GLM/DSA golden, main and MTP models); before the uniform seeds it was up to 29% above at one
-//! budget. The local search stops at a local optimum, so
-//! the gap is not bounded in general.
+//! Optimality gap: exact up to [`EXHAUSTIVE_LIMIT`] combinations. Beyond, against every
+//! combination simulated by the composed model, over 65 budgets from the smallest peak to the
+//! largest, the answer's replay time was 0.00% above the optimum on the MoE golden deepened to
+//! 3 layers (4096 combinations; `tests/budget.rs` checks it within 1%), mean 0.01% and at
+//! worst 0.29% at 4 layers (65536), and 0.00% on the GLM/DSA golden (main and MTP models,
+//! 32768). The local steps stop at local optima, so the gap is not bounded in general; and an
+//! answer is a frontier point, so on deep graphs a budget between two points gets the lower
+//! one (at most `1/steps` of the peak range below the budget).
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::OnceLock};
 
 use ir::{
-    plan::{Keep, LayerRef, Plan, SavedKind},
+    plan::{Keep, LayerRef, Plan},
     EntityId, Graph, ModelId, NodeId, Phase, UnitId,
 };
 use rayon::prelude::*;
 
 use crate::{
+    compose::{Figures, Layers, Model, Run},
     config::{self, PlanConfig, Resolved},
-    cost::HwProfile,
+    cost::{ForwardWork, HwProfile},
+    explore::{self, Candidate, Explorer, Knapsack},
     partition,
     plan::{self, Baselines, PlanError},
+    policy,
     progress::{Progress, Silent},
 };
 
-/// Quantisation of the headroom for the knapsack.
-pub const BUCKETS: u64 = 4096;
-/// Plans the heuristic's local search may simulate.
-pub const MAX_REFINE_PLANS: usize = 256;
-/// Up to this many per-layer combinations, every one is simulated: the answer is exact.
-pub const EXHAUSTIVE_LIMIT: u64 = 1024;
-/// Re-solves allowed when the exact simulation disagrees with the linear peak model.
-pub const MAX_ROUNDS: usize = 8;
-/// Models with more units than this are not searched exhaustively (2^units plans each).
+pub use crate::explore::{BUCKETS, EXHAUSTIVE_LIMIT};
+
+/// Models with more units than this are not searched (2^units runs each).
 pub const MAX_UNITS: usize = 8;
+/// Rounds of filling the frontier's wide gaps.
+const FILL_ROUNDS: usize = 8;
+/// The frontier's density by default (`pareto --steps`): consecutive points at most 1/32 of
+/// the peak range apart.
+pub const DEFAULT_STEPS: u64 = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BudgetError {
     #[error(transparent)]
     Plan(#[from] PlanError),
-    #[error("budget {budget} B is below the smallest achievable peak, {smallest} B (whole-layer recompute of the checkpointed layers); raise the budget or --recompute-ratio")]
+    #[error("budget {budget} B is below the smallest achievable peak, {smallest} B; raise the budget or --recompute-ratio")]
     Infeasible { budget: u64, smallest: u64 },
     #[error("--budget needs a joint forward+backward graph (this one has no backward nodes)")]
     NotJoint,
@@ -74,53 +74,38 @@ pub enum BudgetError {
     TooManyUnits { model: String, units: usize },
 }
 
-/// One checkpointed layer's figures under one option.
-#[derive(Debug, Clone, Copy)]
-struct Figures {
-    saved_bytes: u64,
-    replay_s: f64,
-    /// False when planning the option is rejected (an error diagnostic): never chosen.
-    allowed: bool,
-}
-
-impl Default for Figures {
-    fn default() -> Self {
-        Figures {
-            saved_bytes: 0,
-            replay_s: 0.0,
-            allowed: true,
-        }
-    }
-}
-
 /// A candidate answer for `budget`: its peak fits and `plan` accepts it (no error).
 fn fits(plan: &Plan, budget: u64) -> bool {
     plan.memory.peak_bytes.unwrap_or(0) <= budget && !plan.has_errors()
 }
 
-/// A layer to decide and the option table of its class.
-struct Slot {
-    at: LayerRef,
-    class: usize,
+/// A point of the frontier: a choice of units per layer and the figures its full plan has.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Point {
+    pub figures: Figures,
+    /// One option (a unit bitmask) per searched layer.
+    choice: Vec<u8>,
 }
 
-/// Everything the solver needs: the keep-nothing floor and each layer class's option table.
+/// Everything the solver needs: the layers it chooses units for, each one's contribution
+/// under each option, and the plan keeping nothing.
 pub struct Search<'g> {
     graph: &'g Graph,
     base: PlanConfig,
     hw: &'g HwProfile,
     resolved: Resolved,
-    /// Computed once: every candidate plan shares them.
+    /// Computed once: every full plan shares them.
     baselines: Baselines,
-    /// The plan keeping nothing: the smallest peak.
-    pub nothing: Plan,
-    slots: Vec<Slot>,
-    options: Vec<Vec<Figures>>,
+    layers: Layers,
+    model: Model,
+    work: ForwardWork,
     progress: &'g dyn Progress,
+    /// The frontier `--budget` answers from ([`DEFAULT_STEPS`]), once found.
+    default_frontier: OnceLock<Vec<Point>>,
 }
 
 impl<'g> Search<'g> {
-    /// Evaluates every unit subset of every model once (2^units plans per model).
+    /// Plans every unit subset of every model once (2^units runs per model).
     pub fn new(
         graph: &'g Graph,
         config: &PlanConfig,
@@ -129,7 +114,7 @@ impl<'g> Search<'g> {
         Search::with_progress(graph, config, hw, &Silent)
     }
 
-    /// [`Search::new`], reporting each candidate plan to `progress`.
+    /// [`Search::new`], reporting each run and each full plan to `progress`.
     pub fn with_progress(
         graph: &'g Graph,
         config: &PlanConfig,
@@ -144,29 +129,40 @@ impl<'g> Search<'g> {
         if !partition::is_joint(graph) {
             return Err(BudgetError::NotJoint);
         }
-        let baselines = Baselines::of(graph, config.executor)?;
-        let nothing = plan::plan_against(graph, &base, resolved.clone(), hw, &baselines)?;
-        let (slots, classes) = layer_classes(graph, &resolved);
-        let tables: u64 = distinct_models(&slots)
-            .iter()
-            .map(|&m| 1u64 << graph.model(m).units.len().min(MAX_UNITS + 1))
-            .sum();
-        progress.stage("option tables", Some(tables));
-        let plan = |resolved| {
-            progress.advance();
-            plan::plan_against(graph, &base, resolved, hw, &baselines)
-        };
-        let options = evaluate_options(graph, plan, &resolved, &slots, classes)?;
+        let layers = Layers::new(graph, searched_layers(graph, &resolved));
+        let jobs = runs_of(graph, &layers)?;
+        progress.stage("option tables", Some(jobs.len() as u64 + 1));
+        let work = ForwardWork::of(graph, hw);
+        let (baselines, runs) = rayon::join(
+            || {
+                let baselines = Baselines::of(graph, config.executor);
+                progress.advance();
+                baselines
+            },
+            || {
+                jobs.par_iter()
+                    .map(|&(model, option)| {
+                        let run = run(graph, &base, &resolved, &layers, (model, option), &work);
+                        progress.advance();
+                        run
+                    })
+                    .collect::<Vec<Run>>()
+            },
+        );
+        let baselines = baselines?;
+        progress.stage("composing", None);
+        let model = Model::new(graph, &layers, runs, &work);
         Ok(Search {
             graph,
             base,
             hw,
             resolved,
             baselines,
-            nothing,
-            slots,
-            options,
+            layers,
+            model,
+            work,
             progress,
+            default_frontier: OnceLock::new(),
         })
     }
 
@@ -175,62 +171,189 @@ impl<'g> Search<'g> {
         self.progress.stage(what, total);
     }
 
-    /// Distinct layer classes (identical layers share one).
-    pub fn classes(&self) -> usize {
-        self.options.len()
+    /// The smallest achievable peak: the first point of the default frontier (keeping
+    /// nothing if no choice is allowed).
+    pub fn floor(&self) -> Result<u64, BudgetError> {
+        match self.frontier(DEFAULT_STEPS)?.first() {
+            Some(point) => Ok(point.figures.peak_bytes),
+            None => Ok(self.nothing()?.memory.peak_bytes.unwrap_or(0)),
+        }
     }
 
-    /// The smallest achievable peak (keep nothing).
-    pub fn floor(&self) -> u64 {
-        self.nothing.memory.peak_bytes.unwrap_or(0)
+    /// The plan keeping nothing.
+    pub fn nothing(&self) -> Result<Plan, BudgetError> {
+        self.plan_of(&vec![0; self.layers.at.len()])
     }
 
-    /// The most extra bytes any choice can keep, by the linear model.
-    pub fn max_headroom(&self) -> u64 {
-        self.slots
+    /// Per-layer option combinations: the product of the option counts.
+    pub fn combinations(&self) -> u64 {
+        self.model
+            .options
             .iter()
-            .map(|s| {
-                let table = &self.options[s.class];
-                table
-                    .iter()
-                    .filter(|f| f.allowed)
-                    .map(|f| f.saved_bytes.saturating_sub(table[0].saved_bytes))
-                    .max()
-                    .unwrap_or(0)
-            })
-            .fold(0u64, u64::saturating_add)
+            .fold(1u64, |acc, o| acc.saturating_mul(o.len() as u64))
     }
 
-    /// What `keep` makes of the plans of the knapsack's choices for `steps + 1` evenly spaced
-    /// headrooms from 0 to the largest useful one, from one solved knapsack; repeated choices
-    /// are planned once, and each plan is dropped as soon as `keep` has seen it.
-    pub fn sweep<T: Send>(
-        &self,
-        steps: u64,
-        keep: impl Fn(Plan) -> T + Sync,
-    ) -> Result<Vec<T>, BudgetError> {
-        let max = self.max_headroom();
-        let table = Knapsack::solve(&self.slots, &self.options, max);
-        let mut choices: Vec<Vec<usize>> = (0..=steps.max(1))
-            .map(|k| {
-                let headroom = u128::from(max) * u128::from(k) / u128::from(steps.max(1));
-                table.choice(u64::try_from(headroom).unwrap_or(max))
-            })
-            .collect();
-        choices.dedup();
+    /// Whether the composed figures are exact; when they are not, every figure shown comes
+    /// from a full plan.
+    pub fn exact(&self) -> bool {
+        self.model.exact()
+    }
+
+    /// The composed figures of per-layer unit choices (layers not named keep nothing), what
+    /// a full plan of each reports when the model is exact; none for a choice with a rejected
+    /// option. One composer walks through them in order, as a search does: from one choice
+    /// to the next it changes the layers that differ, one at a time (or recomputes every
+    /// slot when most do).
+    pub fn composed(&self, choices: &[BTreeMap<LayerRef, Vec<UnitId>>]) -> Vec<Option<Figures>> {
+        let mut composer = crate::compose::Composer::new(&self.model);
         choices
-            .par_iter()
-            .map(|c| self.plan_of(c).map(&keep))
+            .iter()
+            .map(|layer_keep| {
+                let choice: Vec<u8> = self
+                    .layers
+                    .at
+                    .iter()
+                    .map(|at| {
+                        layer_keep
+                            .get(at)
+                            .map_or(0, |units| units.iter().fold(0u8, |o, u| o | 1 << u.index()))
+                    })
+                    .collect();
+                composer.set(&choice);
+                self.model.allowed(&choice).then(|| {
+                    self.model
+                        .figures(self.graph, &self.work, &choice, composer.peak())
+                })
+            })
             .collect()
     }
 
-    /// The plan keeping, in each slot's layer, the units of its option.
-    fn plan_of(&self, choice: &[usize]) -> Result<Plan, BudgetError> {
+    /// The frontier of density `steps`: the points no candidate beats, by increasing peak.
+    pub fn frontier(&self, steps: u64) -> Result<Vec<Point>, BudgetError> {
+        if steps == DEFAULT_STEPS {
+            if let Some(front) = self.default_frontier.get() {
+                return Ok(front.clone());
+            }
+        }
+        let front = self.find_frontier(steps)?;
+        if steps == DEFAULT_STEPS {
+            let _ = self.default_frontier.set(front.clone());
+        }
+        Ok(front)
+    }
+
+    fn find_frontier(&self, steps: u64) -> Result<Vec<Point>, BudgetError> {
+        let mut explorer = Explorer::new(&self.model);
+        let candidates = if explorer.combinations() <= EXHAUSTIVE_LIMIT {
+            self.stage("every combination", None);
+            explorer.every_combination();
+            explorer.unthinned().to_vec()
+        } else {
+            self.stage("frontier", None);
+            self.explore(&mut explorer, steps);
+            explorer.frontier(steps)
+        };
+        self.points(candidates)
+    }
+
+    /// The candidates of a large search (see [`crate::explore`]).
+    fn explore(&self, explorer: &mut Explorer, steps: u64) {
+        explorer.greedy_path();
+        let max = explore::max_headroom(&self.model);
+        let knapsack = Knapsack::solve(&self.model.options, max);
+        let sweep = (steps.max(1) * 2).min(BUCKETS);
+        let mut choices: Vec<Vec<u8>> = (0..=sweep)
+            .map(|k| {
+                let headroom = u128::from(max) * u128::from(k) / u128::from(sweep);
+                knapsack.choice(u64::try_from(headroom).unwrap_or(max))
+            })
+            .collect();
+        choices.dedup();
+        for choice in choices {
+            explorer.visit(&choice, false);
+        }
+        for choice in self.uniform_choices() {
+            explorer.visit(&choice, true);
+        }
+        // Filling a gap can leave narrower gaps between new points: fill those too.
+        let mut filled: Vec<(Candidate, Candidate)> = Vec::new();
+        for _ in 0..FILL_ROUNDS {
+            let gaps: Vec<_> = explore::wide_gaps(&explorer.frontier(steps), steps)
+                .into_iter()
+                .filter(|gap| !filled.contains(gap))
+                .collect();
+            if gaps.is_empty() {
+                break;
+            }
+            for (a, b) in gaps {
+                explorer.between(&a.choice, &b.choice);
+                explorer.fill(&a, &b);
+                filled.push((a, b));
+            }
+        }
+    }
+
+    /// The frontier points of `candidates`, with the figures their full plans report: composed
+    /// when the model is exact, else planned (and those `plan` rejects dropped).
+    fn points(&self, candidates: Vec<Candidate>) -> Result<Vec<Point>, BudgetError> {
+        if self.model.exact() {
+            return Ok(candidates
+                .into_par_iter()
+                .map(|c| Point {
+                    figures: self
+                        .model
+                        .figures(self.graph, &self.work, &c.choice, c.peak),
+                    choice: c.choice,
+                })
+                .collect());
+        }
+        let planned: Vec<Option<Point>> = candidates
+            .into_par_iter()
+            .map(|c| -> Result<_, BudgetError> {
+                let plan = self.plan_of(&c.choice)?;
+                Ok((!plan.has_errors()).then(|| Point {
+                    figures: figures_of(&plan),
+                    choice: c.choice,
+                }))
+            })
+            .collect::<Result<_, _>>()?;
+        let points: Vec<Point> = planned.into_iter().flatten().collect();
+        let mut front: Vec<Point> = points
+            .iter()
+            .filter(|p| !points.iter().any(|q| q.dominates(p)))
+            .cloned()
+            .collect();
+        front.sort_by(|a, b| {
+            a.figures
+                .peak_bytes
+                .cmp(&b.figures.peak_bytes)
+                .then(a.figures.replay_time_s.total_cmp(&b.figures.replay_time_s))
+        });
+        front.dedup_by(|a, b| a.figures == b.figures);
+        Ok(front)
+    }
+
+    /// The per-layer units of a point, as a plan's `layer_keep` states them.
+    pub fn layer_keep(&self, point: &Point) -> Vec<ir::plan::LayerKeep> {
+        self.layers
+            .at
+            .iter()
+            .zip(&point.choice)
+            .map(|(&at, &o)| ir::plan::LayerKeep {
+                at,
+                units: subset(usize::from(o)),
+            })
+            .collect()
+    }
+
+    /// The plan keeping, in each searched layer, the units of its option.
+    fn plan_of(&self, choice: &[u8]) -> Result<Plan, BudgetError> {
         let layer_units = self
-            .slots
+            .layers
+            .at
             .iter()
             .zip(choice)
-            .map(|(s, &o)| (s.at, subset(o)))
+            .map(|(&at, &o)| (at, subset(usize::from(o))))
             .collect();
         self.plan_resolved(self.resolved.clone().with_layer_units(layer_units))
     }
@@ -241,62 +364,38 @@ impl<'g> Search<'g> {
         Ok(plan?)
     }
 
-    /// The plan with the least predicted replay time whose simulated peak fits `budget`:
-    /// exhaustive when there are at most [`EXHAUSTIVE_LIMIT`] per-layer combinations, else
-    /// [`Search::heuristic_within`].
+    /// The plan of the fastest point of the default frontier whose peak fits `budget`,
+    /// planned in full and verified (if its full plan does not fit, which only an inexact
+    /// model allows, the next fastest point that fits; keeping nothing last, if it fits).
     pub fn within(&self, budget: u64) -> Result<Plan, BudgetError> {
-        if self.combinations() <= EXHAUSTIVE_LIMIT {
-            self.stage("every combination", Some(self.combinations()));
-            self.exhaustive_within(budget)
-        } else {
-            self.stage("knapsack and local search", None);
-            self.heuristic_within(budget)
-        }
-    }
-
-    /// Per-layer option combinations: the product of the option counts.
-    pub fn combinations(&self) -> u64 {
-        self.slots.iter().fold(1u64, |acc, s| {
-            acc.saturating_mul(self.options[s.class].len() as u64)
-        })
-    }
-
-    /// Simulates every combination and takes the fastest that fits: exact.
-    pub fn exhaustive_within(&self, budget: u64) -> Result<Plan, BudgetError> {
+        let front = self.frontier(DEFAULT_STEPS)?;
         self.check_floor(budget)?;
-        let mut best: Option<Plan> = None;
-        for plan in self.every_combination() {
-            let plan = plan?;
-            if fits(&plan, budget) && is_better(&plan, best.as_ref()) {
-                best = Some(plan);
+        self.stage("the answer", None);
+        // The frontier's time decreases with its peak: the last point that fits is fastest.
+        for point in front
+            .iter()
+            .rev()
+            .filter(|p| p.figures.peak_bytes <= budget)
+        {
+            let plan = self.plan_of(&point.choice)?;
+            if fits(&plan, budget) {
+                return Ok(plan);
             }
         }
-        Ok(best.unwrap_or_else(|| self.nothing.clone()))
-    }
-
-    /// The plan of every per-layer combination, in mixed-radix order.
-    pub fn every_combination(&self) -> impl Iterator<Item = Result<Plan, BudgetError>> + '_ {
-        let radix: Vec<usize> = self
-            .slots
-            .iter()
-            .map(|s| self.options[s.class].len())
-            .collect();
-        let total = radix.iter().product::<usize>();
-        (0..total).map(move |mut k| {
-            let choice: Vec<usize> = radix
-                .iter()
-                .map(|&r| {
-                    let o = k % r;
-                    k /= r;
-                    o
-                })
-                .collect();
-            self.plan_of(&choice)
+        // Only an inexact model gets here: keeping nothing is the last resort, and never an
+        // answer that does not fit.
+        let nothing = self.nothing()?;
+        if fits(&nothing, budget) {
+            return Ok(nothing);
+        }
+        Err(BudgetError::Infeasible {
+            budget,
+            smallest: nothing.memory.peak_bytes.unwrap_or(0),
         })
     }
 
     fn check_floor(&self, budget: u64) -> Result<(), BudgetError> {
-        let floor = self.floor();
+        let floor = self.floor()?;
         if budget < floor {
             return Err(BudgetError::Infeasible {
                 budget,
@@ -306,144 +405,122 @@ impl<'g> Search<'g> {
         Ok(())
     }
 
-    /// The knapsack over the linear peak model, corrected by exact simulation, seeded with
-    /// every uniform choice, then refined by local search.
-    ///
-    /// The linear peak model is conservative when the peak sits elsewhere (at the end of
-    /// backward, say), so a feasible answer with slack is retried with the slack added to the
-    /// headroom, and an infeasible one with the excess removed. The option tables come from
-    /// one representative layer per class, so "every unit that helps" can miss a unit that
-    /// helps another layer a little: the uniform choices (the same units in every layer, what
-    /// a user picks by hand with `--keep`) are tried too, and the answer is never worse than
-    /// the best of them that fits.
-    pub fn heuristic_within(&self, budget: u64) -> Result<Plan, BudgetError> {
-        self.check_floor(budget)?;
-        let mut best = Best {
-            budget,
-            choice: vec![0; self.slots.len()],
-            plan: self.nothing.clone(),
-        };
-        let max_headroom = self.max_headroom();
-        let all = knapsack(&self.slots, &self.options, max_headroom);
-        let everything = self.plan_of(&all)?;
-        if !best.offer(all, everything) {
-            let mut headroom = (budget - self.floor()).min(max_headroom);
-            for _ in 0..MAX_ROUNDS {
-                let choice = knapsack(&self.slots, &self.options, headroom);
-                let plan = self.plan_of(&choice)?;
-                let peak = plan.memory.peak_bytes.unwrap_or(0);
-                let next = if best.offer(choice, plan) {
-                    headroom.saturating_add(budget - peak).min(max_headroom)
-                } else {
-                    headroom.saturating_sub(peak - budget)
-                };
-                if next == headroom {
-                    break;
-                }
-                headroom = next;
-            }
-        }
-        for (choice, plan) in self.uniform_candidates() {
-            best.offer(choice, plan?);
-        }
-        self.refine(best)
-    }
-
-    /// Each uniform choice (the same unit names in every layer, as `--keep` would), planned.
-    pub fn uniform_plans(&self) -> Vec<Result<Plan, BudgetError>> {
-        self.uniform_candidates()
-            .into_iter()
-            .map(|(_, plan)| plan)
-            .collect()
-    }
-
-    /// Each uniform choice and its plan, planned in parallel.
-    fn uniform_candidates(&self) -> Vec<(Vec<usize>, Result<Plan, BudgetError>)> {
-        let choices: Vec<Vec<usize>> = self.uniform_choices().collect();
-        let plans: Vec<_> = choices.par_iter().map(|c| self.plan_of(c)).collect();
-        choices.into_iter().zip(plans).collect()
-    }
-
     /// Each `--keep` of a non-empty set of unit names, as a per-layer choice: a layer keeps
     /// those of its model's units the set names. None when the graph declares more than
-    /// [`MAX_UNITS`] distinct names (2^names plans).
-    fn uniform_choices(&self) -> impl Iterator<Item = Vec<usize>> + '_ {
+    /// [`MAX_UNITS`] distinct names (2^names choices).
+    fn uniform_choices(&self) -> Vec<Vec<u8>> {
         let names = config::declared_units(self.graph);
-        let sets = if names.len() <= MAX_UNITS {
-            1..1usize << names.len()
-        } else {
-            0..0
-        };
-        sets.map(move |set| {
-            let keep = Keep::Units(
-                (0..names.len())
-                    .filter(|i| set >> i & 1 == 1)
-                    .map(|i| names[i].clone())
-                    .collect(),
-            );
-            self.slots
-                .iter()
-                .map(|s| {
-                    let kept = config::kept_units_of(self.graph.model(s.at.model), &keep);
-                    kept.iter().fold(0, |o, &u| o | 1 << u.index())
-                })
-                .collect()
-        })
-    }
-
-    /// First-improvement local search with exact simulation: try single-layer option changes
-    /// by decreasing predicted gain, take the first that fits and is faster, repeat; at most
-    /// [`MAX_REFINE_PLANS`] plans.
-    fn refine(&self, start: Best) -> Result<Plan, BudgetError> {
-        let Best {
-            budget,
-            mut choice,
-            mut plan,
-        } = start;
-        let mut tries = 0;
-        'improve: loop {
-            let mut moves: Vec<(f64, usize, usize)> = Vec::new();
-            for (i, slot) in self.slots.iter().enumerate() {
-                let table = &self.options[slot.class];
-                let now = table[choice[i]].replay_s;
-                for (o, f) in table.iter().enumerate() {
-                    if f.allowed && f.replay_s < now {
-                        moves.push((now - f.replay_s, i, o));
-                    }
-                }
-            }
-            moves.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-            let candidates: Vec<Vec<usize>> = moves
-                .iter()
-                .map(|&(_, i, o)| {
-                    let mut candidate = choice.clone();
-                    candidate[i] = o;
-                    candidate
-                })
-                .collect();
-            // A batch per core is planned at once; the earliest improvement in move order
-            // wins and counts the tries a one-by-one scan would have made, so the answer does
-            // not depend on the number of cores.
-            for batch in candidates.chunks(rayon::current_num_threads().max(1)) {
-                let batch = &batch[..batch.len().min(MAX_REFINE_PLANS - tries)];
-                if batch.is_empty() {
-                    break 'improve;
-                }
-                let plans: Vec<_> = batch.par_iter().map(|c| self.plan_of(c)).collect();
-                for (k, (candidate, next)) in batch.iter().zip(plans).enumerate() {
-                    let next = next?;
-                    if fits(&next, budget) && is_better(&next, Some(&plan)) {
-                        tries += k + 1;
-                        (choice, plan) = (candidate.clone(), next);
-                        continue 'improve;
-                    }
-                }
-                tries += batch.len();
-            }
-            break;
+        if names.len() > MAX_UNITS {
+            return Vec::new();
         }
-        Ok(plan)
+        (1..1usize << names.len())
+            .map(|set| {
+                let keep = Keep::Units(
+                    (0..names.len())
+                        .filter(|i| set >> i & 1 == 1)
+                        .map(|i| names[i].clone())
+                        .collect(),
+                );
+                self.layers
+                    .at
+                    .iter()
+                    .map(|at| {
+                        let kept = config::kept_units_of(self.graph.model(at.model), &keep);
+                        kept.iter().fold(0u8, |o, &u| o | 1 << u.index())
+                    })
+                    .collect()
+            })
+            .collect()
     }
+}
+
+impl Point {
+    /// At least as good on both axes and better on one.
+    pub fn dominates(&self, other: &Point) -> bool {
+        let (a, b) = (&self.figures, &other.figures);
+        a.peak_bytes <= b.peak_bytes
+            && a.replay_time_s <= b.replay_time_s
+            && (a.peak_bytes < b.peak_bytes || a.replay_time_s < b.replay_time_s)
+    }
+}
+
+/// A plan's frontier figures.
+fn figures_of(plan: &Plan) -> Figures {
+    Figures {
+        peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
+        replay_time_s: plan.cost.replay_time_s,
+        saved_bytes: plan.memory.saved_bytes,
+    }
+}
+
+/// Checkpointed layers of models with units, in order.
+fn searched_layers(graph: &Graph, resolved: &Resolved) -> Vec<LayerRef> {
+    let mut at: Vec<LayerRef> = graph
+        .nodes()
+        .values()
+        .filter(|n| {
+            n.phase == Phase::Forward
+                && resolved.is_checkpointed(n.model, n.layer)
+                && !graph.model(n.model).units.is_empty()
+        })
+        .filter_map(|n| {
+            Some(LayerRef {
+                model: n.model,
+                layer: n.layer?,
+            })
+        })
+        .collect();
+    at.sort_unstable();
+    at.dedup();
+    at
+}
+
+/// The runs to plan: every unit subset of each model with searched layers.
+fn runs_of(graph: &Graph, layers: &Layers) -> Result<Vec<(ModelId, usize)>, BudgetError> {
+    let mut models: Vec<ModelId> = layers.at.iter().map(|at| at.model).collect();
+    models.dedup();
+    let mut jobs = Vec::new();
+    for model in models {
+        let units = graph.model(model).units.len();
+        if units > MAX_UNITS {
+            return Err(BudgetError::TooManyUnits {
+                model: graph.model(model).name.clone(),
+                units,
+            });
+        }
+        jobs.extend((0..1usize << units).map(|o| (model, o)));
+    }
+    Ok(jobs)
+}
+
+/// Plans `graph` with option `option` in every searched layer of `model` (policy and
+/// partition; what a candidate needs, so no verification) and reads the run off it.
+fn run(
+    graph: &Graph,
+    base: &PlanConfig,
+    resolved: &Resolved,
+    layers: &Layers,
+    (model, option): (ModelId, usize),
+    work: &ForwardWork,
+) -> Run {
+    let layer_units = layers
+        .at
+        .iter()
+        .filter(|at| at.model == model)
+        .map(|&at| (at, subset(option)))
+        .collect();
+    let resolved = resolved.clone().with_layer_units(layer_units);
+    let policy = policy::apply(graph, base, &resolved);
+    let partition = partition::partition(graph, &policy, base.executor);
+    Run::new(
+        graph,
+        layers,
+        (model, option),
+        &policy,
+        partition,
+        work,
+        base.executor,
+    )
 }
 
 impl Search<'_> {
@@ -529,30 +606,43 @@ impl Search<'_> {
     }
 }
 
-/// The best choice found so far for a budget.
-struct Best {
-    budget: u64,
-    choice: Vec<usize>,
-    plan: Plan,
+/// How finely `--budget` chooses what each checkpointed layer keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Granularity {
+    /// Whole units (a subset of the model's units per layer).
+    #[default]
+    Unit,
+    /// Units, then single ops of the layers where that saves replay time.
+    Op,
 }
 
-impl Best {
-    /// Takes `plan` if it fits and is better; says whether it fits.
-    fn offer(&mut self, choice: Vec<usize>, plan: Plan) -> bool {
-        let fits = fits(&plan, self.budget);
-        if fits && is_better(&plan, Some(&self.plan)) {
-            (self.choice, self.plan) = (choice, plan);
+impl Granularity {
+    /// The granularity spelled `text` (`unit`, `op`), if any.
+    pub fn from_name(text: &str) -> Option<Granularity> {
+        match text {
+            "unit" => Some(Granularity::Unit),
+            "op" => Some(Granularity::Op),
+            _ => None,
         }
-        fits
+    }
+
+    /// The spellings, comma-separated (for error messages).
+    pub fn spellings() -> String {
+        "unit, op".to_owned()
     }
 }
 
-/// Less replay time, or as much with a lower peak.
-fn is_better(plan: &Plan, best: Option<&Plan>) -> bool {
-    best.is_none_or(|b| {
-        let (t, bt) = (plan.cost.replay_time_s, b.cost.replay_time_s);
-        t < bt || (t == bt && plan.memory.peak_bytes < b.memory.peak_bytes)
-    })
+impl Search<'_> {
+    /// The answer to `--budget budget` at `granularity`, its configuration stating the budget:
+    /// what `planner plan --budget` and the Python `plan(budget=...)` return.
+    pub fn answer(&self, budget: u64, granularity: Granularity) -> Result<Plan, BudgetError> {
+        let mut plan = match granularity {
+            Granularity::Unit => self.within(budget),
+            Granularity::Op => self.within_ops(budget),
+        }?;
+        plan.config.budget_bytes = Some(budget);
+        Ok(plan)
+    }
 }
 
 /// Plans `graph` under `config`, choosing per-layer units to fit `budget` bytes.
@@ -573,184 +663,10 @@ fn subset(o: usize) -> Vec<UnitId> {
         .collect()
 }
 
-/// Checkpointed layers of models with units, and for each its class: layers with the same
-/// forward op, marker and compiled-region sequence behave alike.
-fn layer_classes(graph: &Graph, resolved: &Resolved) -> (Vec<Slot>, usize) {
-    // Per forward node: op, marker, compiled or not, micro-batch.
-    type Step<'g> = (&'g str, Option<&'g str>, bool, u32);
-    let mut signatures: BTreeMap<LayerRef, Vec<Step>> = BTreeMap::new();
-    for node in graph.nodes().values() {
-        let Some(layer) = node.layer else { continue };
-        if node.phase != Phase::Forward
-            || !resolved.is_checkpointed(node.model, Some(layer))
-            || graph.model(node.model).units.is_empty()
-        {
-            continue;
-        }
-        let at = LayerRef {
-            model: node.model,
-            layer,
-        };
-        signatures.entry(at).or_default().push((
-            node.op.as_str(),
-            node.marker.as_deref(),
-            node.compiled_region.is_some(),
-            node.micro_batch,
-        ));
-    }
-    // Identical layers share a class: one hash lookup per layer, not a scan of the classes.
-    let mut classes: rustc_hash::FxHashMap<(ModelId, &Vec<Step>), usize> =
-        rustc_hash::FxHashMap::default();
-    let mut slots = Vec::with_capacity(signatures.len());
-    for (&at, signature) in &signatures {
-        let next = classes.len();
-        let class = *classes.entry((at.model, signature)).or_insert(next);
-        slots.push(Slot { at, class });
-    }
-    (slots, classes.len())
-}
-
-/// The models that own the slots, each once, in slot order.
-fn distinct_models(slots: &[Slot]) -> Vec<ModelId> {
-    let mut models: Vec<ModelId> = slots.iter().map(|s| s.at.model).collect();
-    models.dedup();
-    models
-}
-
-/// `options[class][o]`: the figures of the class's representative layer under subset `o`.
-/// The option tables: `plan` plans the graph under per-layer choices.
-fn evaluate_options(
-    graph: &Graph,
-    plan: impl Fn(Resolved) -> Result<Plan, PlanError> + Sync,
-    resolved: &Resolved,
-    slots: &[Slot],
-    classes: usize,
-) -> Result<Vec<Vec<Figures>>, BudgetError> {
-    let mut options: Vec<Vec<Figures>> = vec![Vec::new(); classes];
-    for model in distinct_models(slots) {
-        let units = graph.model(model).units.len();
-        if units > MAX_UNITS {
-            return Err(BudgetError::TooManyUnits {
-                model: graph.model(model).name.clone(),
-                units,
-            });
-        }
-        let representatives: BTreeMap<usize, LayerRef> = slots
-            .iter()
-            .filter(|s| s.at.model == model)
-            .map(|s| (s.class, s.at))
-            .rev()
-            .collect();
-        let plans: Vec<_> = (0..1usize << units)
-            .into_par_iter()
-            .map(|o| {
-                let layer_units = slots
-                    .iter()
-                    .filter(|s| s.at.model == model)
-                    .map(|s| (s.at, subset(o)))
-                    .collect();
-                plan(resolved.clone().with_layer_units(layer_units))
-            })
-            .collect();
-        for plan in plans {
-            let plan = plan?;
-            let allowed = !plan.has_errors();
-            let figures = figures_by_layer(&plan);
-            for (&class, at) in &representatives {
-                let f = figures.get(at).copied().unwrap_or_default();
-                options[class].push(Figures { allowed, ..f });
-            }
-        }
-    }
-    Ok(options)
-}
-
-/// Each layer's figures under one plan, in one pass over its saved values and replays.
-fn figures_by_layer(plan: &Plan) -> rustc_hash::FxHashMap<LayerRef, Figures> {
-    let mut figures: rustc_hash::FxHashMap<LayerRef, Figures> = rustc_hash::FxHashMap::default();
-    for s in &plan.saved {
-        let (Some(model), Some(layer)) = (s.model, s.layer) else {
-            continue;
-        };
-        // An alias adds no storage of its own.
-        if matches!(s.kind, SavedKind::Kept | SavedKind::WritesResident) && s.alias_of.is_none() {
-            let f = figures.entry(LayerRef { model, layer }).or_default();
-            f.saved_bytes = f.saved_bytes.saturating_add(s.bytes);
-        }
-    }
-    for r in &plan.replay {
-        figures.entry(r.at).or_default().replay_s += r.seconds;
-    }
-    figures
-}
-
-/// Exact multiple-choice knapsack over quantised headroom: per slot the option index.
-fn knapsack(slots: &[Slot], options: &[Vec<Figures>], headroom: u64) -> Vec<usize> {
-    Knapsack::solve(slots, options, headroom).choice(headroom)
-}
-
-/// The solved knapsack for every headroom up to `max`, quantised in steps of `max / BUCKETS`:
-/// one dynamic program answers a whole sweep of headrooms.
-struct Knapsack<'a> {
-    slots: &'a [Slot],
-    options: &'a [Vec<Figures>],
-    quantum: u64,
-    /// Per slot and capacity in quanta, the option of the best choice using at most that many
-    /// quanta; one byte each (options are unit subsets of at most MAX_UNITS units).
-    picks: Vec<Vec<u8>>,
-}
-
-impl<'a> Knapsack<'a> {
-    fn solve(slots: &'a [Slot], options: &'a [Vec<Figures>], max: u64) -> Self {
-        let quantum = max.div_ceil(BUCKETS).max(1);
-        let capacity = (max / quantum) as usize;
-        // best[c] = least replay seconds using at most c quanta.
-        let mut best = vec![0.0f64; capacity + 1];
-        let mut picks: Vec<Vec<u8>> = Vec::with_capacity(slots.len());
-        for slot in slots {
-            let table = &options[slot.class];
-            let costs: Vec<usize> = table
-                .iter()
-                .map(|f| quanta(f, &table[0], quantum))
-                .collect();
-            let mut next = vec![f64::INFINITY; capacity + 1];
-            let mut pick = vec![0u8; capacity + 1];
-            for c in 0..=capacity {
-                for (o, (f, &k)) in table.iter().zip(&costs).enumerate() {
-                    if f.allowed && k <= c && best[c - k] + f.replay_s < next[c] {
-                        next[c] = best[c - k] + f.replay_s;
-                        pick[c] = o as u8;
-                    }
-                }
-            }
-            best = next;
-            picks.push(pick);
-        }
-        Knapsack {
-            slots,
-            options,
-            quantum,
-            picks,
-        }
-    }
-
-    /// The best choice with at most `headroom` extra bytes (at most the `max` solved for).
-    fn choice(&self, headroom: u64) -> Vec<usize> {
-        let capacity = self.picks.first().map_or(0, |p| p.len() - 1);
-        let mut c = ((headroom / self.quantum) as usize).min(capacity);
-        let mut choice = vec![0; self.slots.len()];
-        for (i, slot) in self.slots.iter().enumerate().rev() {
-            let o = usize::from(self.picks[i][c]);
-            choice[i] = o;
-            let table = &self.options[slot.class];
-            c -= quanta(&table[o], &table[0], self.quantum);
-        }
-        choice
-    }
-}
-
-/// The quanta option `f` costs over keeping nothing (`base`), rounded up.
-fn quanta(f: &Figures, base: &Figures, quantum: u64) -> usize {
-    let extra = f.saved_bytes.saturating_sub(base.saved_bytes);
-    usize::try_from(extra.div_ceil(quantum)).unwrap_or(usize::MAX)
+/// Less replay time, or as much with a lower peak.
+fn is_better(plan: &Plan, best: Option<&Plan>) -> bool {
+    best.is_none_or(|b| {
+        let (t, bt) = (plan.cost.replay_time_s, b.cost.replay_time_s);
+        t < bt || (t == bt && plan.memory.peak_bytes < b.memory.peak_bytes)
+    })
 }

@@ -5,9 +5,14 @@
 //! matmul rate for compute-intensive ops (matmuls, attention) and the vector rate otherwise;
 //! its communication adds `comm_bytes / link`. Ops are summed: replay runs them in sequence.
 
-use std::{fs, path::Path};
+use std::path::Path;
 
-use ir::{ops::Cost, EntityId, Graph, NodeId, Phase};
+use ir::{
+    display,
+    io::{read_input_file, InputKind},
+    ops::Cost,
+    EntityId, Graph, NodeId, Phase,
+};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -41,18 +46,25 @@ impl Default for HwProfile {
 }
 
 impl HwProfile {
-    /// Reads a JSON profile; fields it leaves out keep the H200 defaults.
+    /// Reads a JSON profile; fields it leaves out keep the H200 defaults. Only a regular file
+    /// of at most [`InputKind::HardwareProfile`]'s size is read.
     pub fn from_file(path: &Path) -> Result<HwProfile, String> {
-        let text = fs::read_to_string(path)
-            .map_err(|e| format!("cannot read hardware profile {}: {e}", path.display()))?;
-        HwProfile::from_json(&text, &path.display().to_string())
+        let bytes = read_input_file(path, InputKind::HardwareProfile).map_err(|e| e.to_string())?;
+        HwProfile::from_json(&bytes, &path.to_string_lossy())
     }
 
-    /// A profile from JSON text; `origin` names it in errors (a path, or what the text came
-    /// from). Fields it leaves out keep the H200 defaults.
-    pub fn from_json(text: &str, origin: &str) -> Result<HwProfile, String> {
-        let profile: HwProfile = serde_json::from_str(text)
-            .map_err(|e| format!("{origin}: not a valid hardware profile: {e}"))?;
+    /// Parses the bytes of a JSON profile; `origin` names it in errors (a path, or what the
+    /// bytes came from). Fields it leaves out keep the H200 defaults; every rate must be a
+    /// finite positive number.
+    pub fn from_json(bytes: &[u8], origin: &str) -> Result<HwProfile, String> {
+        let origin = display::name(origin);
+        let profile: HwProfile = serde_json::from_slice(bytes).map_err(|e| {
+            let reason = e.to_string();
+            format!(
+                "{origin}: not a valid hardware profile: {}",
+                display::message(&reason)
+            )
+        })?;
         for (field, value) in [
             ("matmul_flops_per_s", profile.matmul_flops_per_s),
             ("vector_flops_per_s", profile.vector_flops_per_s),
@@ -145,5 +157,58 @@ impl ForwardWork {
         nodes
             .into_iter()
             .fold(Work::default(), |acc, id| acc.plus(self.node(id)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<HwProfile, String> {
+        HwProfile::from_json(json.as_bytes(), "hw.json")
+    }
+
+    #[test]
+    fn rates_read_back_to_the_same_bits() {
+        // Seventeen significant digits: a parser that is not exact is a bit off here.
+        for text in [
+            "3.4028234663852886e+38",
+            "7.900000000000001e14",
+            "4.8e12",
+            "1.7976931348623157e308",
+            "5e-324",
+        ] {
+            let profile = parse(&format!(r#"{{"hbm_bytes_per_s": {text}}}"#)).unwrap();
+            let exact: f64 = text.parse().unwrap();
+            assert_eq!(profile.hbm_bytes_per_s.to_bits(), exact.to_bits(), "{text}");
+        }
+    }
+
+    #[test]
+    fn rates_must_be_finite_and_positive() {
+        for value in ["0", "-1", "-0.0"] {
+            let error = parse(&format!(r#"{{"link_bytes_per_s": {value}}}"#)).unwrap_err();
+            assert!(error.contains("link_bytes_per_s"), "{value}: {error}");
+        }
+        let error = parse(r#"{"link_bytes_per_s": 1e400}"#).unwrap_err();
+        assert!(error.contains("number out of range"), "{error}");
+    }
+
+    #[test]
+    fn a_device_is_not_read_as_a_profile() {
+        let error = HwProfile::from_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            error.starts_with("cannot read hardware profile /dev/zero: it is a character device"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_bad_profile_quotes_the_input_on_one_short_line() {
+        let key = format!("bad\nkey{}", "x".repeat(100_000));
+        let error = parse(&format!(r#"{{"{}": 1}}"#, key.replace('\n', "\\n"))).unwrap_err();
+        assert!(!error.contains('\n'), "{error}");
+        assert!(error.len() < 1_000, "{} bytes", error.len());
+        assert!(error.contains("unknown field `bad\\nkey"), "{error}");
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
+    display::{name as shown, Shown},
     plan::{Code, Diagnostic, Keep, Level, Reason},
     EntityId, Graph, ModelId, Phase, UnitId,
 };
@@ -86,8 +87,14 @@ pub fn diagnose(
     out.finish()
 }
 
-fn unit_name(graph: &Graph, model: ModelId, unit: UnitId) -> &str {
-    &graph.model(model).units[unit].name
+/// Names in messages come from the graph file: they are escaped and long ones shortened, so
+/// one diagnostic stays one line.
+fn unit_name(graph: &Graph, model: ModelId, unit: UnitId) -> Shown<'_> {
+    shown(&graph.model(model).units[unit].name)
+}
+
+fn model_name(graph: &Graph, model: ModelId) -> Shown<'_> {
+    shown(&graph.model(model).name)
 }
 
 /// `layers 0, 1` / `layer 3`.
@@ -110,7 +117,7 @@ fn no_units_declared(graph: &Graph, config: &PlanConfig, out: &mut Collector) {
                 (id, None),
                 format!(
                     "`--keep all` keeps nothing in model `{}`: it declares no recompute units",
-                    model.name
+                    shown(&model.name)
                 ),
                 "declare the model's unit -> marker interval map in the exporter, or keep units of the other models by name".to_owned(),
             );
@@ -134,7 +141,7 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
                 .iter()
                 .flat_map(|i| [&i.begin, &i.end])
                 .filter(|m| !seen.contains(m.as_str()))
-                .map(|m| format!("`{m}`"))
+                .map(|m| format!("`{}`", shown(m)))
                 .collect::<BTreeSet<_>>()
                 .into_iter()
                 .collect();
@@ -147,7 +154,7 @@ fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
                 format!(
                     "unit {} of model `{}` keeps nothing where its marker {} is missing: {} appears in no layer of the model",
                     unit_name(graph, model, unit),
-                    graph.model(model).name,
+                    model_name(graph, model),
                     missing.join(", "),
                     if missing.len() == 1 { "it" } else { "they" },
                 ),
@@ -202,7 +209,7 @@ fn interval_inert(graph: &Graph, resolved: &Resolved, findings: &Findings, out: 
                 format!(
                     "unit {} of model `{}` {}",
                     unit_name(graph, model, unit),
-                    graph.model(model).name,
+                    model_name(graph, model),
                     why.join("; ")
                 ),
                 "a region counts only if its contents run in eager: stop compiling what the interval encloses, or move the markers around eager ops".to_owned(),
@@ -250,7 +257,7 @@ fn reason_noun(reason: Reason) -> &'static str {
 fn quoted_list<'a>(items: impl IntoIterator<Item = &'a String>) -> String {
     items
         .into_iter()
-        .map(|s| format!("`{s}`"))
+        .map(|s| format!("`{}`", shown(s)))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -274,7 +281,7 @@ fn unbalanced(graph: &Graph, findings: &Findings, out: &mut Collector) {
                     }
                     Unbalance::BeginWhileOpen => "begin while already open (ignored)",
                 };
-                format!("`{marker}`: {what} in {}", layers_phrase(layers))
+                format!("`{}`: {what} in {}", shown(marker), layers_phrase(layers))
             })
             .collect();
         out.add(
@@ -283,7 +290,7 @@ fn unbalanced(graph: &Graph, findings: &Findings, out: &mut Collector) {
             format!(
                 "unit {} of model `{}` has unbalanced markers: {}",
                 unit_name(graph, model, unit),
-                graph.model(model).name,
+                model_name(graph, model),
                 parts.join("; ")
             ),
             "pair every `.begin` marker with its `.end` in the same layer and micro-batch"
@@ -310,7 +317,7 @@ fn crossings(graph: &Graph, findings: &Findings, out: &mut Collector) {
                 "intervals of units {} and {} of model `{}` cross in {}: {} opens inside {} and closes after it, so ops in between are kept and credited to {}",
                 unit_name(graph, model, unit),
                 unit_name(graph, model, other),
-                graph.model(model).name,
+                model_name(graph, model),
                 layers_phrase(layers),
                 unit_name(graph, model, other),
                 unit_name(graph, model, unit),
@@ -342,9 +349,9 @@ fn inplace(graph: &Graph, findings: &Findings, out: &mut Collector) {
             (model, Some(unit)),
             format!(
                 "in-place op `{}` ({}) writes `{}`, a tensor kept by unit {} in {}{more}: the kept value would be overwritten before backward reads it",
-                n.name,
-                n.op,
-                graph.value(first.value).name,
+                shown(&n.name),
+                shown(&n.op),
+                shown(&graph.value(first.value).name),
                 unit_name(graph, model, unit),
                 layers_phrase(layers),
             ),
@@ -375,11 +382,11 @@ fn demoted(graph: &Graph, findings: &Findings, out: &mut Collector) {
             format!(
                 "unit {} keeps `{}` ({}) in {}, but `{}` ({}) writes its output in place later{more}: it is recomputed and replays with its writers instead of being saved",
                 unit_name(graph, model, unit),
-                kept.name,
-                kept.op,
+                shown(&kept.name),
+                shown(&kept.op),
                 layers_phrase(layers),
-                writer.name,
-                writer.op,
+                shown(&writer.name),
+                shown(&writer.op),
             ),
             "make the write out-of-place (`w = w / s` instead of `w /= s`) if the op should be kept".to_owned(),
         );
@@ -395,7 +402,7 @@ fn compiled_whole(graph: &Graph, findings: &Findings, out: &mut Collector) {
             format!(
                 "{} of model `{}` run as one compiled region ({}): no unit can keep anything there",
                 layers_phrase(layers.keys().copied()),
-                graph.model(model).name,
+                model_name(graph, model),
                 quoted_list(regions)
             ),
             "compile smaller regions (as the expert-parallel config does) so kept regions run in eager".to_owned(),
@@ -438,7 +445,11 @@ fn nondeterministic_replay(
         }
     }
     for ((model, unit), replayed) in grouped {
-        let ops: Vec<String> = replayed.ops.iter().map(|o| format!("`{o}`")).collect();
+        let ops: Vec<String> = replayed
+            .ops
+            .iter()
+            .map(|o| format!("`{}`", shown(o)))
+            .collect();
         out.add(
             Code::NondeterministicReplay,
             (model, unit),
@@ -446,7 +457,7 @@ fn nondeterministic_replay(
                 "replay re-runs {} in {} of model `{}`: ties may resolve differently than in forward, and the result fixes shapes or indices downstream",
                 ops.join(", "),
                 layers_phrase(replayed.layers.iter().copied()),
-                graph.model(model).name
+                model_name(graph, model)
             ),
             nondeterministic_hint(graph, (config, resolved), model, unit, &replayed.regions),
         );
@@ -515,7 +526,11 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
         entry.layers.extend(node.layer);
     }
     for ((model, reason), found) in grouped {
-        let ops: Vec<String> = found.ops.iter().map(|o| format!("`{o}`")).collect();
+        let ops: Vec<String> = found
+            .ops
+            .iter()
+            .map(|o| format!("`{}`", shown(o)))
+            .collect();
         let (code, what, hint) = if reason == Reason::Random {
             (
                 Code::RandomOpSaved,
@@ -536,7 +551,7 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
                 "random ops {} in {} of model `{}` {what}",
                 ops.join(", "),
                 layers_phrase(found.layers.iter().copied()),
-                graph.model(model).name
+                model_name(graph, model)
             ),
             hint.to_owned(),
         );
@@ -561,7 +576,7 @@ fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
             (id, None),
             format!(
                 "model `{}` declares {} layers, but none of its forward ops carries a layer index: nothing of it is checkpointed",
-                model.name, model.num_layers
+                shown(&model.name), model.num_layers
             ),
             "when exporting, run each decoder layer inside `layer_scope(model, index)` (or call `recompute_planner.annotate(model, layers=...)`) so its ops carry their layer".to_owned(),
         );
@@ -581,12 +596,12 @@ fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {
         let what = match first.kind {
             HazardKind::WritesResident => format!(
                 "writes `{}` in place again, though it is resident and already holds that write",
-                graph.value(first.value).name
+                shown(&graph.value(first.value).name)
             ),
             HazardKind::ReadsOverwritten { writer } => format!(
                 "reads `{}` after forward wrote it in place (`{}`), not as forward read it",
-                graph.value(first.value).name,
-                graph.node(writer).name
+                shown(&graph.value(first.value).name),
+                shown(&graph.node(writer).name)
             ),
         };
         let layers: BTreeSet<u32> = hazards.iter().map(|h| h.layer.layer).collect();
@@ -600,9 +615,9 @@ fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {
             format!(
                 "eager recompute of {} of model `{}` re-runs `{}` ({}), which {what}{more}: the recompute would not reproduce forward",
                 layers_phrase(layers),
-                graph.model(model).name,
-                node.name,
-                node.op,
+                model_name(graph, model),
+                shown(&node.name),
+                shown(&node.op),
             ),
             "run the plan with a graph executor (`--executor graph`: the runtime, torch.compile), or make the in-place write out-of-place".to_owned(),
         );

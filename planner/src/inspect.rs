@@ -1,8 +1,11 @@
 //! `planner inspect`: what a graph holds, before any planning.
 
-use std::{collections::BTreeMap, fmt::Write as _};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+};
 
-use ir::{Graph, ModelId, Phase, Role};
+use ir::{display::name, EntityId, Graph, ModelId, Phase, Role};
 use serde::Serialize;
 
 use crate::units::format_bytes;
@@ -84,11 +87,7 @@ pub fn summarize(graph: &Graph) -> Summary {
         backward_nodes: nodes.len() - forward_nodes,
         values: graph.values().len(),
         bytes_by_role: bytes_by_role(graph),
-        models: graph
-            .models()
-            .ids()
-            .map(|m| model_summary(graph, m))
-            .collect(),
+        models: model_summaries(graph),
         compiled_regions: compiled_regions(graph),
         collectives: histogram(graph, |n| n.effects.collective.is_some()),
         op_histogram: histogram(graph, |_| true),
@@ -105,16 +104,18 @@ fn bytes_by_role(graph: &Graph) -> BTreeMap<&'static str, u64> {
     bytes
 }
 
-fn model_summary(graph: &Graph, model: ModelId) -> ModelSummary {
-    let declared = graph.model(model);
-    let mut layers: BTreeMap<u32, LayerSummary> = BTreeMap::new();
-    let mut outside = 0;
-    for node in graph.nodes().values().filter(|n| n.model == model) {
+/// Each model's summary, all from one pass over the nodes.
+fn model_summaries(graph: &Graph) -> Vec<ModelSummary> {
+    let mut layers: Vec<BTreeMap<u32, LayerSummary>> =
+        graph.models().ids().map(|_| BTreeMap::new()).collect();
+    let mut outside = vec![0usize; graph.models().len()];
+    for node in graph.nodes().values() {
+        let model = node.model.index();
         let Some(layer) = node.layer else {
-            outside += 1;
+            outside[model] += 1;
             continue;
         };
-        let summary = layers.entry(layer).or_insert_with(|| LayerSummary {
+        let summary = layers[model].entry(layer).or_insert_with(|| LayerSummary {
             layer,
             forward_nodes: 0,
             backward_nodes: 0,
@@ -138,53 +139,63 @@ fn model_summary(graph: &Graph, model: ModelId) -> ModelSummary {
             });
         }
     }
-    ModelSummary {
-        name: declared.name.clone(),
-        parent: declared.parent.map(|p| graph.model(p).name.clone()),
-        num_layers: declared.num_layers,
-        units: declared
-            .units
-            .values()
-            .map(|u| UnitSummary {
-                unit: u.name.clone(),
-                intervals: u
-                    .intervals
-                    .iter()
-                    .map(|i| [i.begin.clone(), i.end.clone()])
-                    .collect(),
-            })
-            .collect(),
-        layers: layers.into_values().collect(),
-        nodes_outside_layers: outside,
-    }
+    graph
+        .models()
+        .iter()
+        .zip(layers.into_iter().zip(outside))
+        .map(|((_, declared), (layers, outside))| ModelSummary {
+            name: declared.name.clone(),
+            parent: declared.parent.map(|p| graph.model(p).name.clone()),
+            num_layers: declared.num_layers,
+            units: declared
+                .units
+                .values()
+                .map(|u| UnitSummary {
+                    unit: u.name.clone(),
+                    intervals: u
+                        .intervals
+                        .iter()
+                        .map(|i| [i.begin.clone(), i.end.clone()])
+                        .collect(),
+                })
+                .collect(),
+            layers: layers.into_values().collect(),
+            nodes_outside_layers: outside,
+        })
+        .collect()
 }
 
 fn compiled_regions(graph: &Graph) -> Vec<RegionSummary> {
-    let mut regions: BTreeMap<(&str, ModelId), RegionSummary> = BTreeMap::new();
+    let mut regions: BTreeMap<(&str, ModelId), (RegionSummary, BTreeSet<u32>)> = BTreeMap::new();
     for node in graph.nodes().values() {
         let Some(region) = &node.compiled_region else {
             continue;
         };
-        let summary = regions
+        let (summary, layers) = regions
             .entry((region.as_str(), node.model))
-            .or_insert_with(|| RegionSummary {
-                region: region.to_string(),
-                model: graph.model(node.model).name.clone(),
-                layers: Vec::new(),
-                forward_nodes: 0,
-                backward_nodes: 0,
+            .or_insert_with(|| {
+                let summary = RegionSummary {
+                    region: region.to_string(),
+                    model: graph.model(node.model).name.clone(),
+                    layers: Vec::new(),
+                    forward_nodes: 0,
+                    backward_nodes: 0,
+                };
+                (summary, BTreeSet::new())
             });
         match node.phase {
             Phase::Forward => summary.forward_nodes += 1,
             Phase::Backward => summary.backward_nodes += 1,
         }
-        if let Some(layer) = node.layer {
-            if let Err(at) = summary.layers.binary_search(&layer) {
-                summary.layers.insert(at, layer);
-            }
-        }
+        layers.extend(node.layer);
     }
-    regions.into_values().collect()
+    regions
+        .into_values()
+        .map(|(summary, layers)| RegionSummary {
+            layers: layers.into_iter().collect(),
+            ..summary
+        })
+        .collect()
 }
 
 /// Counts of the ops of the nodes `keep` selects, most frequent first, then by name.
@@ -201,14 +212,15 @@ fn histogram(graph: &Graph, keep: impl Fn(&ir::Node) -> bool) -> Vec<OpCount> {
     ops
 }
 
-/// The human form of a summary.
+/// The human form of a summary. Every name from the graph is shown through
+/// [`ir::display::name`] (escaped, long ones shortened), so one entry stays one line.
 pub fn render_text(s: &Summary) -> String {
     let mut out = String::new();
     let w = &mut out;
     let _ = writeln!(
         w,
         "graph {}  (exporter {}, torch {}, rank {} of {})",
-        s.graph,
+        name(&s.graph),
         or_dash(&s.exporter_version),
         or_dash(&s.torch_version),
         s.rank,
@@ -233,25 +245,50 @@ pub fn render_text(s: &Summary) -> String {
     out
 }
 
+/// Columns of names are padded to the longest name shown, up to this many characters; a
+/// longer name pushes its own line's next column out.
+const MAX_COLUMN: usize = 80;
+
+/// The width of a column of `names` as shown.
+fn column_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    names
+        .map(|n| name(n).to_string().chars().count())
+        .max()
+        .unwrap_or(0)
+        .min(MAX_COLUMN)
+}
+
+/// `text` shown and padded with spaces to `width` characters.
+fn padded(text: &str, width: usize) -> String {
+    let shown = name(text).to_string();
+    let pad = width.saturating_sub(shown.chars().count());
+    format!("{shown}{}", " ".repeat(pad))
+}
+
 fn render_model(w: &mut String, m: &ModelSummary) {
     let parent = m
         .parent
         .as_ref()
-        .map(|p| format!(", nested in {p}"))
+        .map(|p| format!(", nested in {}", name(p)))
         .unwrap_or_default();
-    let _ = writeln!(w, "model {}  ({} layers{parent})", m.name, m.num_layers);
+    let _ = writeln!(
+        w,
+        "model {}  ({} layers{parent})",
+        name(&m.name),
+        m.num_layers
+    );
     if m.units.is_empty() {
         let _ = writeln!(w, "  units: none declared");
     } else {
         let _ = writeln!(w, "  units:");
-        let width = m.units.iter().map(|u| u.unit.len()).max().unwrap_or(0);
+        let width = column_width(m.units.iter().map(|u| u.unit.as_str()));
         for u in &m.units {
             let intervals: Vec<String> = u
                 .intervals
                 .iter()
-                .map(|[b, e]| format!("[{b}, {e})"))
+                .map(|[b, e]| format!("[{}, {})", name(b), name(e)))
                 .collect();
-            let _ = writeln!(w, "    {:<width$}  {}", u.unit, intervals.join(" "));
+            let _ = writeln!(w, "    {}  {}", padded(&u.unit, width), intervals.join(" "));
         }
     }
     let _ = writeln!(w, "  nodes outside layers: {}", m.nodes_outside_layers);
@@ -267,7 +304,8 @@ fn render_model(w: &mut String, m: &ModelSummary) {
         let markers = if l.markers.is_empty() {
             "(none)".to_owned()
         } else {
-            l.markers.join(" ")
+            let shown: Vec<String> = l.markers.iter().map(|m| name(m).to_string()).collect();
+            shown.join(" ")
         };
         let _ = writeln!(w, "            markers: {markers}");
     }
@@ -284,8 +322,8 @@ fn render_regions(w: &mut String, regions: &[RegionSummary]) {
         let _ = writeln!(
             w,
             "  {}  model {}  layers [{}]  nodes {} fwd / {} bwd",
-            r.region,
-            r.model,
+            name(&r.region),
+            name(&r.model),
             layers.join(", "),
             r.forward_nodes,
             r.backward_nodes
@@ -299,16 +337,117 @@ fn render_counts(w: &mut String, title: &str, counts: &[OpCount]) {
         return;
     }
     let _ = writeln!(w, "{title}:");
-    let width = counts.iter().map(|c| c.op.len()).max().unwrap_or(0);
+    let width = column_width(counts.iter().map(|c| c.op.as_str()));
     for c in counts {
-        let _ = writeln!(w, "  {:<width$}  {}", c.op, c.count);
+        let _ = writeln!(w, "  {}  {}", padded(&c.op, width), c.count);
     }
 }
 
-fn or_dash(s: &str) -> &str {
+/// A version string shown, or `-` when empty.
+fn or_dash(s: &str) -> String {
     if s.is_empty() {
-        "-"
+        "-".to_owned()
     } else {
-        s
+        name(s).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ir::wire::graph as pb;
+
+    /// A one-node graph whose every name is `name` with a suffix.
+    fn graph_named(name: &str) -> Graph {
+        let attribute = |value: &str| pb::Attribute {
+            name: "name".to_owned(),
+            value: Some(pb::attribute::Value::Str(value.to_owned())),
+        };
+        let value = |suffix: &str, role: pb::Role| pb::Value {
+            name: format!("{name}{suffix}"),
+            dtype: pb::Dtype::Float32 as i32,
+            shape: vec![2],
+            role: role as i32,
+        };
+        let node = |suffix: &str, op: String, inputs: &str, outputs: &str| pb::Node {
+            name: format!("{name}{suffix}"),
+            op,
+            inputs: vec![format!("{name}{inputs}")],
+            outputs: vec![format!("{name}{outputs}")],
+            phase: pb::Phase::Forward as i32,
+            model: format!("{name}model"),
+            layer: Some(0),
+            compiled_region: format!("{name}region"),
+            attributes: Vec::new(),
+            ..Default::default()
+        };
+        let mut marker = node("marker", ir::MARKER_OP.to_owned(), "in", "marked");
+        marker.attributes = vec![attribute(&format!("{name}begin"))];
+        let wire = pb::Graph {
+            name: format!("{name}graph"),
+            values: vec![
+                value("in", pb::Role::Input),
+                value("marked", pb::Role::Activation),
+                value("out", pb::Role::Activation),
+            ],
+            nodes: vec![marker, node("op", format!("{name}op"), "marked", "out")],
+            models: vec![pb::Model {
+                name: format!("{name}model"),
+                num_layers: 1,
+                units: vec![
+                    pb::UnitIntervals {
+                        unit: format!("{name}unit"),
+                        intervals: vec![pb::MarkerInterval {
+                            begin: format!("{name}begin"),
+                            end: format!("{name}end"),
+                        }],
+                    },
+                    pb::UnitIntervals {
+                        unit: "short".to_owned(),
+                        intervals: Vec::new(),
+                    },
+                ],
+                ..Default::default()
+            }],
+            metadata: Some(pb::Metadata {
+                exporter_version: format!("{name}exporter"),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        Graph::from_wire(wire).expect("a valid graph")
+    }
+
+    #[test]
+    fn very_long_names_render_shortened_without_panicking() {
+        // Longer than any formatting width can be (65535).
+        let long = "n".repeat(100_000);
+        let text = render_text(&summarize(&graph_named(&long)));
+        assert!(text.contains("bytes cut"), "{text}");
+        let longest = text.lines().map(str::len).max().unwrap_or(0);
+        assert!(longest < 1_000, "a line of {longest} bytes");
+    }
+
+    #[test]
+    fn control_characters_in_names_are_escaped() {
+        let text = render_text(&summarize(&graph_named("evil\n\u{1b}[2J\r\u{202e}")));
+        assert!(text.contains("evil\\n\\u{1b}[2J\\r\\u{202e}"), "{text}");
+        assert!(
+            !text.chars().any(|c| c != '\n' && c.is_control()),
+            "{text:?}"
+        );
+        // Every line is an entry of the summary: no name broke one in two.
+        assert!(text.lines().all(|l| !l.starts_with("[2J")), "{text}");
+    }
+
+    #[test]
+    fn a_long_name_pads_a_column_only_up_to_its_limit() {
+        let text = render_text(&summarize(&graph_named(&"o".repeat(150))));
+        let short = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("short"))
+            .expect("the short unit's line");
+        // `    short` padded to the column's limit, then two spaces.
+        assert_eq!(short.len(), 4 + MAX_COLUMN + 2, "{short:?}");
     }
 }

@@ -4,11 +4,13 @@
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
 pub mod budget;
+pub mod compose;
 pub mod config;
 pub mod convert;
 pub mod cost;
 pub mod diagnostics;
 pub mod diff;
+pub mod explore;
 pub mod inspect;
 pub mod memory;
 pub mod pareto;

@@ -40,6 +40,7 @@ struct Storage {
 
 /// Storage ids per value, per copy: the forward one, the replayed one, the backward one
 /// ([`NO_STORAGE`] where there is none: 4 bytes a value, not 8).
+#[derive(Clone)]
 struct Instances {
     forward: Vec<u32>,
     replayed: Vec<u32>,
@@ -52,17 +53,84 @@ fn storage(id: u32) -> Option<u32> {
     (id != NO_STORAGE).then_some(id)
 }
 
-struct Simulator<'g> {
+/// Which copy of a value a read found: the one forward made, the one a replay made, or the
+/// one backward made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Instance {
+    Forward,
+    Replayed,
+    Backward,
+}
+
+/// One step of a training step's schedule.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Step<'r> {
+    pub stage: Stage,
+    pub node: NodeId,
+    /// For a backward or replay step, the position in the backward order it runs at.
+    pub position: usize,
+    /// For a replay step, its replay.
+    pub replay: Option<&'r Replay>,
+}
+
+/// Watches a simulation: what each step reads and makes. The plain simulation watches
+/// nothing; [`crate::compose`] records lifetimes per layer through it.
+pub(crate) trait Observer {
+    /// `step` is about to run (graph inputs are placed before the first).
+    fn step(&mut self, _step: &Step) {}
+    /// A fresh storage was made for `value`.
+    fn made(&mut self, _storage: u32, _value: ValueId) {}
+    /// A read of `value` at `stage` found `storage`, the copy `copy` (graph outputs are read
+    /// once more at the end, in backward).
+    fn read(&mut self, _stage: Stage, _value: ValueId, _storage: u32, _copy: Instance) {}
+    /// `output` aliases `base`, whose read found the copy `copy` (none: a parameter).
+    fn aliased(
+        &mut self,
+        _stage: Stage,
+        _output: ValueId,
+        _base: ValueId,
+        _copy: Option<Instance>,
+    ) {
+    }
+}
+
+/// The plain simulation watches nothing.
+impl Observer for () {}
+
+#[derive(Clone)]
+struct Simulator<'g, O> {
     graph: &'g Graph,
     storages: Vec<Storage>,
     inst: Instances,
     /// Steps run so far.
     steps: usize,
+    observer: O,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
 /// the given replays (none: no checkpointing at all).
 pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulation {
+    simulate_with(graph, order, replays, ()).0
+}
+
+/// [`simulate`], reporting every step, storage and read to `observer`; returns it after the
+/// simulation.
+pub(crate) fn simulate_with<O: Observer>(
+    graph: &Graph,
+    order: &[NodeId],
+    replays: &[Replay],
+    observer: O,
+) -> (Simulation, O) {
+    forward(graph, observer).backward(order, replays)
+}
+
+/// A simulation that has run forward: what every partition of the graph shares, to continue
+/// under several ones (a clone each).
+#[derive(Clone)]
+pub(crate) struct AfterForward<'g, O>(Simulator<'g, O>);
+
+/// Runs forward (graph inputs placed, every forward node), reporting to `observer`.
+pub(crate) fn forward<O: Observer>(graph: &Graph, observer: O) -> AfterForward<'_, O> {
     let n = graph.values().len();
     let mut sim = Simulator {
         graph,
@@ -73,18 +141,40 @@ pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulati
             backward: vec![NO_STORAGE; n],
         },
         steps: 0,
+        observer,
     };
     sim.place_graph_inputs();
-    for (stage, id) in schedule(graph, order, replays) {
-        sim.run(stage, id);
+    for step in forward_steps(graph) {
+        sim.run(&step);
     }
-    let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
-    Simulation {
-        peak_bytes,
-        peak: peak_step
-            .and_then(|s| schedule(graph, order, replays).nth(s))
-            .map(|(stage, node)| Peak { stage, node }),
-        gradient_bytes,
+    AfterForward(sim)
+}
+
+impl<O: Observer> AfterForward<'_, O> {
+    /// The observer, as forward left it.
+    pub(crate) fn observer_mut(&mut self) -> &mut O {
+        &mut self.0.observer
+    }
+
+    /// Runs backward in `order` under `replays`, and finds the peak.
+    pub(crate) fn backward(self, order: &[NodeId], replays: &[Replay]) -> (Simulation, O) {
+        let mut sim = self.0;
+        let graph = sim.graph;
+        for step in backward_steps(order, replays) {
+            sim.run(&step);
+        }
+        let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
+        let simulation = Simulation {
+            peak_bytes,
+            peak: peak_step
+                .and_then(|s| schedule(graph, order, replays).nth(s))
+                .map(|step| Peak {
+                    stage: step.stage,
+                    node: step.node,
+                }),
+            gradient_bytes,
+        };
+        (simulation, sim.observer)
     }
 }
 
@@ -94,31 +184,58 @@ fn schedule<'a>(
     graph: &'a Graph,
     order: &'a [NodeId],
     replays: &'a [Replay],
-) -> impl Iterator<Item = (Stage, NodeId)> + 'a {
-    let forward = graph
+) -> impl Iterator<Item = Step<'a>> + 'a {
+    forward_steps(graph).chain(backward_steps(order, replays))
+}
+
+fn forward_steps(graph: &Graph) -> impl Iterator<Item = Step<'_>> + '_ {
+    graph
         .nodes()
         .iter()
         .filter(|(_, node)| node.phase == Phase::Forward)
-        .map(|(id, _)| (Stage::Forward, id));
+        .map(|(id, _)| Step {
+            stage: Stage::Forward,
+            node: id,
+            position: 0,
+            replay: None,
+        })
+}
+
+fn backward_steps<'a>(
+    order: &'a [NodeId],
+    replays: &'a [Replay],
+) -> impl Iterator<Item = Step<'a>> + 'a {
     let mut pending = replays.iter().peekable();
-    let backward = order.iter().enumerate().flat_map(move |(at, &id)| {
+    order.iter().enumerate().flat_map(move |(at, &id)| {
         let mut due = Vec::new();
         while let Some(replay) = pending.next_if(|r| r.position <= at) {
             due.push(replay);
         }
         due.into_iter()
-            .flat_map(|r| r.nodes.iter().map(|&n| (Stage::Replay, n)))
-            .chain(std::iter::once((Stage::Backward, id)))
-    });
-    forward.chain(backward)
+            .flat_map(move |r| {
+                r.nodes.iter().map(move |&n| Step {
+                    stage: Stage::Replay,
+                    node: n,
+                    position: at,
+                    replay: Some(r),
+                })
+            })
+            .chain(std::iter::once(Step {
+                stage: Stage::Backward,
+                node: id,
+                position: at,
+                replay: None,
+            }))
+    })
 }
 
-impl Simulator<'_> {
+impl<O: Observer> Simulator<'_, O> {
     /// Data inputs and tangents are alive from the start; parameters are counted apart.
     fn place_graph_inputs(&mut self) {
         for (id, value) in self.graph.values().iter() {
             if self.graph.producer(id).is_none() && value.role != ir::Role::Parameter {
                 let storage = self.new_storage(value.bytes, 0);
+                self.observer.made(storage, id);
                 self.inst.forward[id.index()] = storage;
             }
         }
@@ -133,34 +250,51 @@ impl Simulator<'_> {
         (self.storages.len() - 1) as u32
     }
 
-    /// The storage a read of `value` at `stage` sees.
-    fn read(&self, stage: Stage, value: ValueId) -> Option<u32> {
+    /// The storage a read of `value` at `stage` sees, and which copy of the value it is.
+    fn read(&self, stage: Stage, value: ValueId) -> Option<(u32, Instance)> {
         let i = value.index();
-        let forward = || storage(self.inst.forward[i]);
+        let forward = || storage(self.inst.forward[i]).map(|s| (s, Instance::Forward));
+        let replayed = || storage(self.inst.replayed[i]).map(|s| (s, Instance::Replayed));
         match stage {
             Stage::Forward => forward(),
-            Stage::Replay => storage(self.inst.replayed[i]).or_else(forward),
+            Stage::Replay => replayed().or_else(forward),
             Stage::Backward => storage(self.inst.backward[i])
-                .or(storage(self.inst.replayed[i]))
+                .map(|s| (s, Instance::Backward))
+                .or_else(replayed)
                 .or_else(forward),
         }
     }
 
-    fn run(&mut self, stage: Stage, id: NodeId) {
-        let step = self.steps;
+    fn run(&mut self, step: &Step) {
+        let Step {
+            stage, node: id, ..
+        } = *step;
+        let at = self.steps;
         self.steps += 1;
+        self.observer.step(step);
         let node = self.graph.node(id);
         for &v in &node.inputs {
-            if let Some(s) = self.read(stage, v) {
-                self.storages[s as usize].last = step;
+            if let Some((s, copy)) = self.read(stage, v) {
+                self.storages[s as usize].last = at;
+                self.observer.read(stage, v, s, copy);
             }
         }
         for (k, &v) in node.outputs.iter().enumerate() {
             let storage = match node.aliased_input(k) {
                 // None when the base is a parameter (no storage): the view is resident memory
                 // too, counted in `parameter_bytes`.
-                Some(p) => self.read(stage, node.inputs[p]),
-                None => Some(self.new_storage(self.graph.value(v).bytes, step)),
+                Some(p) => {
+                    let base = node.inputs[p];
+                    let found = self.read(stage, base);
+                    self.observer
+                        .aliased(stage, v, base, found.map(|(_, copy)| copy));
+                    found.map(|(s, _)| s)
+                }
+                None => {
+                    let s = self.new_storage(self.graph.value(v).bytes, at);
+                    self.observer.made(s, v);
+                    Some(s)
+                }
             };
             let slot = match stage {
                 Stage::Forward => &mut self.inst.forward,
@@ -172,12 +306,13 @@ impl Simulator<'_> {
     }
 
     /// The peak, the step it is first reached at, and the bytes of the output gradients.
-    fn finish(mut self) -> (u64, Option<usize>, u64) {
+    fn finish(&mut self) -> (u64, Option<usize>, u64) {
         let end = self.steps.saturating_sub(1);
         let mut gradient_bytes = 0u64;
         for &v in self.graph.outputs() {
-            if let Some(s) = self.read(Stage::Backward, v) {
+            if let Some((s, copy)) = self.read(Stage::Backward, v) {
                 self.storages[s as usize].last = end;
+                self.observer.read(Stage::Backward, v, s, copy);
             }
             if self.graph.value(v).role == ir::Role::Gradient {
                 gradient_bytes = gradient_bytes.saturating_add(self.graph.value(v).bytes);

@@ -1,18 +1,13 @@
-//! `planner pareto`: the whole memory / recompute trade-off. Candidates are every per-layer
-//! combination when there are few (exact), else the budget solver's choices for evenly spaced
-//! headrooms from "keep nothing" to "keep every unit that saves anything", plus every uniform
-//! `--keep` (the same units in every layer); each is simulated exactly, and the points no other
-//! point beats on both peak and replay time form the frontier.
+//! `planner pareto`: the whole memory / recompute trade-off: the frontier the budget search
+//! finds ([`crate::budget`]), every combination when there are few (exact), else a dense
+//! sample of it; `--budget` answers from the same frontier.
 
 use std::fmt::Write as _;
 
-use ir::{
-    plan::{LayerKeep, Plan},
-    Graph,
-};
+use ir::{plan::LayerKeep, Graph};
 
 use crate::{
-    budget::{BudgetError, Search, EXHAUSTIVE_LIMIT},
+    budget::{BudgetError, Search},
     units::{format_bytes, format_seconds},
 };
 
@@ -26,63 +21,19 @@ pub struct Point {
     pub layer_keep: Vec<LayerKeep>,
 }
 
-impl Point {
-    /// The point of a candidate plan; none when `plan` rejects it (an error diagnostic).
-    fn of(plan: &Plan) -> Option<Point> {
-        (!plan.has_errors()).then(|| Point {
-            peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
-            replay_time_s: plan.cost.replay_time_s,
-            saved_bytes: plan.memory.saved_bytes,
-            layer_keep: plan.config.layer_keep.clone(),
-        })
-    }
-
-    /// At least as good on both axes and better on one.
-    fn dominates(&self, other: &Point) -> bool {
-        self.peak_bytes <= other.peak_bytes
-            && self.replay_time_s <= other.replay_time_s
-            && (self.peak_bytes < other.peak_bytes || self.replay_time_s < other.replay_time_s)
-    }
-}
-
-/// The frontier by increasing peak: exact (every combination simulated) up to
-/// [`EXHAUSTIVE_LIMIT`] combinations, else from the budget solver at `steps + 1` evenly spaced
-/// headrooms and every uniform `--keep`.
+/// The frontier by increasing peak, with consecutive points at most `1/steps` of the peak
+/// range apart where candidates allow (every point when the search is exhaustive).
 pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
-    let mut points: Vec<Point> = Vec::new();
-    if search.combinations() <= EXHAUSTIVE_LIMIT {
-        search.stage("every combination", Some(search.combinations()));
-        for plan in search.every_combination() {
-            points.extend(Point::of(&plan?));
-        }
-    } else {
-        search.stage("frontier candidates", None);
-        for point in search.sweep(steps, |plan| Point::of(&plan))? {
-            let Some(point) = point else {
-                continue;
-            };
-            if !points.iter().any(|p| p.layer_keep == point.layer_keep) {
-                points.push(point);
-            }
-        }
-        // The knapsack's tables come from one layer per class and can miss what a plain
-        // `--keep` achieves: those points join the candidates.
-        for plan in search.uniform_plans() {
-            points.extend(Point::of(&plan?));
-        }
-    }
-    let mut front: Vec<Point> = points
+    Ok(search
+        .frontier(steps)?
         .iter()
-        .filter(|p| !points.iter().any(|q| q.dominates(p)))
-        .cloned()
-        .collect();
-    front.sort_by(|a, b| {
-        a.peak_bytes
-            .cmp(&b.peak_bytes)
-            .then(a.replay_time_s.total_cmp(&b.replay_time_s))
-    });
-    front.dedup_by(|a, b| a.peak_bytes == b.peak_bytes && a.replay_time_s == b.replay_time_s);
-    Ok(front)
+        .map(|p| Point {
+            peak_bytes: p.figures.peak_bytes,
+            replay_time_s: p.figures.replay_time_s,
+            saved_bytes: p.figures.saved_bytes,
+            layer_keep: search.layer_keep(p),
+        })
+        .collect())
 }
 
 /// `main layers 0-3: SAVE_ATTN; main layer 4: ...`, or `nothing`.

@@ -262,9 +262,16 @@ fn replayed(partition: &Partition) -> impl Iterator<Item = NodeId> + '_ {
 /// of a weight or of the labels holds no activation, and two saved views of one tensor hold
 /// it once.
 fn saved_activation_bytes(graph: &Graph, partition: &Partition) -> u64 {
-    let mut roots: Vec<ir::ValueId> = partition
-        .saved
-        .iter()
+    activation_bytes(graph, &partition.saved)
+}
+
+/// [`saved_activation_bytes`] of any saved values (repeats count once).
+pub(crate) fn activation_bytes<'s>(
+    graph: &Graph,
+    saved: impl IntoIterator<Item = &'s partition::Saved>,
+) -> u64 {
+    let mut roots: Vec<ir::ValueId> = saved
+        .into_iter()
         .filter(|s| s.kind.is_activation())
         .map(|s| graph.storage_root(s.value))
         .filter(|&root| graph.producer(root).is_some())

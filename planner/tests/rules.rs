@@ -578,6 +578,28 @@ fn r7_a_marker_missing_from_the_model_is_reported() {
 }
 
 #[test]
+fn names_in_diagnostics_are_escaped_and_shortened_to_one_line() {
+    let long = format!("mlp.begin\n\u{1b}[2J{}", "x".repeat(100_000));
+    let unit: (&str, &[(&str, &str)]) = ("SAVE_MLP", &[(&long, "mlp.end")]);
+    let mut b = Builder::new(1, &[unit]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let y = b.op(&x);
+    b.layer(None);
+    backward(&mut b, &[&y]);
+    let p = run(&b, &config(&["save_mlp"]));
+    let d = &p.diagnostics[0];
+    assert_eq!(d.code, "marker-missing");
+    assert!(!d.message.chars().any(char::is_control), "{:?}", d.message);
+    assert!(
+        d.message.contains("mlp.begin\\n\\u{1b}[2J"),
+        "{}",
+        d.message
+    );
+    assert!(d.message.len() < 1_000, "{} bytes", d.message.len());
+}
+
+#[test]
 fn r7_replaying_a_topk_is_reported_with_the_unit_that_would_save_it() {
     let mut b = Builder::new(1, &[ATTN]);
     let x = b.input("x");

@@ -231,7 +231,13 @@ pub struct Diagnostic {
 
 /// A plan used with a graph it was not made for.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("the plan was made for graph `{plan_graph}` ({plan_fingerprint}), not for `{graph}` ({fingerprint}): re-plan this graph")]
+#[error(
+    "the plan was made for graph `{}` ({}), not for `{}` ({}): re-plan this graph",
+    crate::display::name(.plan_graph),
+    crate::display::name(.plan_fingerprint),
+    crate::display::name(.graph),
+    crate::display::name(.fingerprint)
+)]
 pub struct GraphMismatch {
     pub plan_graph: String,
     pub plan_fingerprint: String,
@@ -242,17 +248,17 @@ pub struct GraphMismatch {
 /// A plan file that cannot be read, or not for this graph.
 #[derive(Debug, Error)]
 pub enum PlanReadError {
-    #[error("{path}: unknown plan format: expected a `.json` or `.pb` plan")]
+    #[error("{}: unknown plan format: expected a `.json` or `.pb` plan", crate::display::name(.path))]
     UnknownFormat { path: String },
     #[error("{0}")]
     Load(#[from] crate::LoadError),
-    #[error("not a valid protobuf plan ({0})")]
+    #[error("not a valid protobuf plan ({})", crate::display::message(.0))]
     Protobuf(String),
-    #[error("not a valid JSON plan: {0}")]
+    #[error("not a valid JSON plan: {}", crate::display::message(.0))]
     Json(String),
     #[error("the plan file is empty")]
     Empty,
-    #[error("{field} `{value}` is not one of: {expected}")]
+    #[error("{field} `{}` is not one of: {expected}", crate::display::name(.value))]
     UnknownName {
         field: &'static str,
         value: String,
@@ -265,12 +271,32 @@ pub enum PlanReadError {
     },
     #[error(transparent)]
     Mismatch(#[from] GraphMismatch),
-    #[error("the plan names {what} `{name}`, which graph `{graph}` does not have")]
+    #[error(
+        "the plan names {what} `{}`, which graph `{}` does not have",
+        crate::display::name(.name),
+        crate::display::name(.graph)
+    )]
     Unresolved {
         what: &'static str,
         name: String,
         graph: String,
     },
+    /// An error about the contents of the plan file at `path`.
+    #[error("{}: {error}", crate::display::path(.path))]
+    InFile {
+        path: std::path::PathBuf,
+        error: Box<PlanReadError>,
+    },
+}
+
+impl PlanReadError {
+    /// This error, naming the file it is about.
+    fn in_file(self, path: &Path) -> PlanReadError {
+        PlanReadError::InFile {
+            path: path.to_owned(),
+            error: Box::new(self),
+        }
+    }
 }
 
 /// The two encodings of a plan file.
@@ -327,23 +353,20 @@ impl Plan {
         let format = Format::from_path(path).ok_or_else(|| PlanReadError::UnknownFormat {
             path: path.display().to_string(),
         })?;
-        let bytes = std::fs::read(path).map_err(|source| crate::LoadError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        Plan::decode(&bytes, format)
+        let bytes = crate::io::read_input_file(path, crate::io::InputKind::Plan)?;
+        Plan::decode(&bytes, format).map_err(|e| e.in_file(path))
     }
 
     /// Reads the plan file at `path` for `graph`: refused unless it was made for that graph.
     pub fn read_for(path: &Path, graph: &Graph) -> Result<Plan, PlanReadError> {
         let (plan, names) = Plan::read(path)?;
-        plan.resolve(&names, graph)
+        plan.resolve(&names, graph).map_err(|e| e.in_file(path))
     }
 
     /// The bytes of this plan in `format`, its ids named by `names`.
     pub fn encode(&self, names: &dyn PlanNames, format: Format) -> Vec<u8> {
         match format {
-            Format::Json => json::write(self, names).into_bytes(),
+            Format::Json => json::write(self, names),
             Format::Protobuf => wire::encode(self, names),
         }
     }

@@ -96,26 +96,79 @@ pub fn wire_graph() -> impl Strategy<Value = pb::Graph> {
                 name("m"),
                 prop_oneof![Just(String::new()), name("m")],
                 0u32..3,
+                prop::collection::vec(wire_unit(), 0..3),
             ),
             0..3,
         ),
+        prop::option::of((name("x"), 0u32..3, 0u32..3)),
     )
-        .prop_map(|(values, nodes, outputs, models)| pb::Graph {
+        .prop_map(|(values, nodes, outputs, models, metadata)| pb::Graph {
             name: "fuzz".to_owned(),
             values,
             nodes,
             outputs,
             models: models
                 .into_iter()
-                .map(|(name, parent, num_layers)| pb::Model {
+                .map(|(name, parent, num_layers, units)| pb::Model {
                     name,
                     parent,
                     num_layers,
-                    units: Vec::new(),
+                    units,
                 })
                 .collect(),
-            metadata: None,
+            metadata: metadata.map(|(version, world_size, rank)| pb::Metadata {
+                exporter_version: version,
+                torch_version: String::new(),
+                world_size,
+                rank,
+            }),
         })
+}
+
+/// A unit and its intervals, names drawn from small pools (some empty).
+pub fn wire_unit() -> impl Strategy<Value = pb::UnitIntervals> {
+    let marker = || prop_oneof![Just(String::new()), name("k")];
+    (
+        prop_oneof![Just(String::new()), name("u")],
+        prop::collection::vec((marker(), marker()), 0..3),
+    )
+        .prop_map(|(unit, intervals)| pb::UnitIntervals {
+            unit,
+            intervals: intervals
+                .into_iter()
+                .map(|(begin, end)| pb::MarkerInterval { begin, end })
+                .collect(),
+        })
+}
+
+/// Any double: random bit patterns (NaNs with any payload and sign among them), and the
+/// edges: zeros, subnormals, extremes, infinities, float32's extremes as f64.
+pub fn any_double() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        any::<u64>().prop_map(f64::from_bits),
+        prop::sample::select(vec![
+            0.0,
+            -0.0,
+            f64::MIN_POSITIVE,
+            -f64::MIN_POSITIVE,
+            f64::from_bits(1),
+            -f64::from_bits(1),
+            f64::from_bits(0x000f_ffff_ffff_ffff),
+            f64::MAX,
+            f64::MIN,
+            f64::EPSILON,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+            -f64::NAN,
+            f64::from_bits(0x7ff0_0000_0000_0001),
+            f64::from(f32::MIN),
+            f64::from(f32::MAX),
+            f64::from(f32::MIN_POSITIVE),
+            0.1,
+            1.0 / 3.0,
+        ]),
+    ]
 }
 
 /// Every kind of attribute value, and none.
@@ -124,12 +177,12 @@ pub fn wire_attribute() -> impl Strategy<Value = pb::Attribute> {
     let value = prop_oneof![
         Just(None),
         any::<i64>().prop_map(|v| Some(W::Int(v))),
-        any::<f64>().prop_map(|v| Some(W::Float(v))),
+        any_double().prop_map(|v| Some(W::Float(v))),
         name("s").prop_map(|v| Some(W::Str(v))),
         any::<bool>().prop_map(|v| Some(W::Bool(v))),
         prop::collection::vec(any::<i64>(), 0..4)
             .prop_map(|values| Some(W::Ints(pb::IntList { values }))),
-        prop::collection::vec(any::<f64>(), 0..4)
+        prop::collection::vec(any_double(), 0..4)
             .prop_map(|values| Some(W::Floats(pb::FloatList { values }))),
         prop::collection::vec(name("s"), 0..3)
             .prop_map(|values| Some(W::Strs(pb::StringList { values }))),

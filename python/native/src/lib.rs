@@ -16,7 +16,7 @@ use ir::{
     Graph, LoadError,
 };
 use planner::{
-    budget::{BudgetError, Search},
+    budget::{BudgetError, Granularity, Search},
     config::{self, ConfigError, PlanConfig},
     cost::HwProfile,
     plan::PlanError,
@@ -130,7 +130,7 @@ impl Source<'_> {
 /// `--budget` and `--granularity`.
 struct Budget {
     bytes: u64,
-    single_ops: bool,
+    granularity: Granularity,
 }
 
 fn graph_format(name: &str) -> Result<GraphFormat, Failure> {
@@ -172,19 +172,15 @@ fn spelled<T>(
 }
 
 fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failure> {
-    let single_ops = match granularity {
-        "unit" => false,
-        "op" => true,
-        _ => {
-            return Err(Failure::new(
-                "invalid-option",
-                format!("granularity must be `unit` or `op`, not `{granularity}`"),
-            ))
-        }
-    };
+    let granularity = spelled(
+        "granularity",
+        granularity,
+        Granularity::from_name,
+        Granularity::spellings,
+    )?;
     size.map(|size| {
         let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
-        Ok(Budget { bytes, single_ops })
+        Ok(Budget { bytes, granularity })
     })
     .transpose()
 }
@@ -200,14 +196,7 @@ fn plan_graph(
     let plan = match budget {
         None => planner::plan::plan(&graph, config, hw)?,
         Some(budget) => {
-            let search = Search::new(&graph, config, hw)?;
-            let mut plan = if budget.single_ops {
-                search.within_ops(budget.bytes)?
-            } else {
-                search.within(budget.bytes)?
-            };
-            plan.config.budget_bytes = Some(budget.bytes);
-            plan
+            Search::new(&graph, config, hw)?.answer(budget.bytes, budget.granularity)?
         }
     };
     Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
@@ -269,7 +258,7 @@ fn plan(
             ..PlanConfig::default()
         };
         let hw = match hw_json {
-            Some(text) => HwProfile::from_json(text, "hardware profile")
+            Some(text) => HwProfile::from_json(text.as_bytes(), "hardware profile")
                 .map_err(|e| Failure::new("invalid-option", e))?,
             None => HwProfile::default(),
         };
