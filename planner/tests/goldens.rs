@@ -231,7 +231,7 @@ fn saved_values(p: &Plan) -> BTreeSet<&str> {
 }
 
 #[test]
-fn r5_a_gpu_runs_host_copy_of_routing_counts_is_saved_on_request_and_replayed_by_default() {
+fn a_gpu_runs_host_copy_of_routing_counts_is_saved_on_request_and_replayed_by_default() {
     // The joint graph of a GPU run, exported with fake CUDA tensors: per MoE layer the routing
     // counts are copied to the host (a sync) and the mask made from them comes back (no sync).
     let g = golden("moe_ep2_cuda");
