@@ -187,6 +187,8 @@ fn check_golden(golden: &str) {
 
 macro_rules! goldens {
     ($($name:ident),* $(,)?) => {
+        /// The goldens the matrix runs, one test each.
+        const RUN: &[&str] = &[$(stringify!($name)),*];
         $(
             #[test]
             fn $name() {
@@ -204,6 +206,7 @@ goldens!(
     moe_hf_router,
     moe_ep2,
     moe_ep2_compiled,
+    moe_ep2_cuda,
     moe_ep4,
     moe_layer_compiled,
     moe_domino,
@@ -212,6 +215,29 @@ goldens!(
     glm_dsa_ep2,
     glm_dsa_ep2_compiled,
 );
+
+/// The golden graphs under `tests/golden/` (rank 0's; other ranks' are `NAME.rank<r>.pb`).
+fn golden_names() -> Vec<String> {
+    let dir = testkit::repo_root().join("tests/golden");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "pb"))
+        .filter_map(|path| path.file_stem()?.to_str().map(str::to_owned))
+        .filter(|stem| !stem.contains(".rank"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// No golden is left out of the matrix: `moe_ep2_cuda`, the graph of a GPU run, runs on the
+/// CPU too (its device arguments run on the run's device).
+#[test]
+fn every_golden_graph_is_in_the_matrix() {
+    let mut run = RUN.to_vec();
+    run.sort_unstable();
+    assert_eq!(golden_names(), run);
+}
 
 /// With `--keep save_dsa_indexer` the indexer's `aten.topk` (kept by the unit) runs zero times
 /// in replay, where whole-layer recompute re-runs it in every layer.

@@ -1,7 +1,10 @@
 //! The rules on the exporter's golden graphs (real PyTorch joint graphs, `tests/golden/`).
 //! Each test names the behaviour it pins; the full text plans are in `tests/golden/plans/`.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+};
 
 use ir::{
     plan::{Collectives, Format},
@@ -212,6 +215,68 @@ fn r5_collectives_re_run_by_default_and_functional_ones_are_saved_on_request() {
         "{saved_ops:?}"
     );
     assert!(!replayed_ops(&save).contains(&"_c10d_functional.all_to_all_single.default"));
+}
+
+/// The forward nodes a plan replays.
+fn replayed_nodes(p: &Plan) -> BTreeSet<&str> {
+    p.replay
+        .iter()
+        .flat_map(|r| r.nodes.iter().map(String::as_str))
+        .collect()
+}
+
+/// The values a plan saves for backward.
+fn saved_values(p: &Plan) -> BTreeSet<&str> {
+    p.saved.iter().map(|s| s.value.as_str()).collect()
+}
+
+#[test]
+fn a_gpu_runs_host_copy_of_routing_counts_is_saved_on_request_and_replayed_by_default() {
+    // The joint graph of a GPU run, exported with fake CUDA tensors: per MoE layer the routing
+    // counts are copied to the host (a sync) and the mask made from them comes back (no sync).
+    let g = golden("moe_ep2_cuda");
+    let to_host: Vec<&ir::Node> = g
+        .nodes()
+        .values()
+        .filter(|n| n.is_device_to_host_copy())
+        .collect();
+    assert_eq!(to_host.len(), 2, "one per MoE layer");
+    let outputs: BTreeSet<&str> = to_host
+        .iter()
+        .map(|n| g.value(n.outputs[0]).name.as_str())
+        .collect();
+    let default = run(&g, &keep(&[]));
+    let save = run(
+        &g,
+        &PlanConfig {
+            collectives: Collectives::Save,
+            ..keep(&[])
+        },
+    );
+    let decision = |p: &'_ Plan, name: &str| {
+        let d = p.nodes.iter().find(|d| d.name == name).expect("decided");
+        (d.decision.clone(), d.reason.clone())
+    };
+    for copy in &to_host {
+        let name = copy.name.as_str();
+        assert_eq!(
+            decision(&save, name),
+            ("save".into(), "saved-collective".into())
+        );
+        assert!(!replayed_nodes(&save).contains(name), "{name}");
+        assert_eq!(decision(&default, name).0, "recompute");
+        assert!(replayed_nodes(&default).contains(name), "{name}");
+    }
+    assert!(outputs.is_subset(&saved_values(&save)), "{outputs:?}");
+    assert!(outputs.is_disjoint(&saved_values(&default)), "{outputs:?}");
+    // The copy back to the device is no sync: `--collectives save` leaves it to its layer.
+    let to_device: Vec<&str> = save
+        .nodes
+        .iter()
+        .filter(|n| n.op == "aten._to_copy.default" && n.reason != "saved-collective")
+        .map(|n| n.decision.as_str())
+        .collect();
+    assert_eq!(to_device, ["recompute"; 2]);
 }
 
 #[test]

@@ -1,15 +1,28 @@
-"""Reading exported graphs in tests: markers, per-layer node sequences, unit intervals."""
+"""Reading exported graphs in tests: the goldens, markers, per-layer node sequences, unit
+intervals."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from recompute_planner import _native
 from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP
 from recompute_planner.proto import graph_pb2
+from recompute_planner.zoo.goldens import golden
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+
+
+def golden_param(name: str, *values: object, **kwargs: object):
+    """A test parameter for golden `name` (`values` after it), skipped with the reason when the
+    model's step on this CPU is not the golden's graph (a device golden)."""
+    reason = golden(name).cpu_step_differs
+    marks = [pytest.mark.skip(reason=reason)] if reason else []
+    return pytest.param(name, *values, marks=marks, **kwargs)
+
 
 # (model, layer, micro-batch): one run of a decoder layer's forward on one micro-batch.
 LayerRun = tuple[str, int, int]

@@ -31,6 +31,7 @@ import torch
 from functorch.compile import aot_module, make_boxed_func
 
 import recompute_planner as rp
+from graph_walk import golden_param
 from recompute_planner import compile as stage_mod
 from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_compiled_graphs
 from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
@@ -144,7 +145,7 @@ def aot_step(name: str, keep, *, warn: bool = False):
 
 def aot_cases():
     for name in JOINT:
-        yield pytest.param(name, "all", id=f"{name}-all")
+        yield golden_param(name, "all", id=f"{name}-all")
     yield pytest.param("dense", None, id="dense-none")
     yield pytest.param("moe_ep2", ["SAVE_MOE_DISPATCH"], id="moe_ep2-dispatch")
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recompute_planner as rp
-from graph_walk import GOLDEN_DIR, load_graph
+from graph_walk import GOLDEN_DIR, golden_param, load_graph
 from recompute_planner import measure, sac
 from recompute_planner.export import ModelDecl, export_joint
 from recompute_planner.markers import checkpoint_record, layer_scope
@@ -98,7 +98,7 @@ def _bytes(value) -> int:
 
 def held_cases():
     for name in JOINT:
-        yield pytest.param(name, KEEP_ALL.get(name, "all"), "recompute", id=f"{name}-all")
+        yield golden_param(name, KEEP_ALL.get(name, "all"), "recompute", id=f"{name}-all")
     yield pytest.param("glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "recompute", id="glm-indexer")
     yield pytest.param("moe_ep2", None, "save", id="moe_ep2-collectives-save")
 

@@ -335,7 +335,7 @@ def regions_of(nodes) -> set[str]:
 
 
 EAGER = ["dense", "moe_ep2", "moe_ep4", "moe_domino", "moe_ep2_inplace", UNBALANCED]
-EAGER += ["moe_hf_router", "dsv3_kv_expand", "dense_dropout"]
+EAGER += ["moe_hf_router", "dsv3_kv_expand", "dense_dropout", "moe_ep2_cuda"]
 
 
 @by_name(EAGER)

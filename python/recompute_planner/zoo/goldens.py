@@ -7,6 +7,13 @@ process group, which exchanges no real data. The reference tensors (weights, inp
 PyTorch's loss and gradients) must be real, so for a multi-rank model the whole export runs on
 real gloo ranks, one process per rank, each exporting its own rank's step and tensors; rank 0's
 graph must be byte-identical to the fake-group trace (checked).
+
+A device golden (`device` set) is the graph of a GPU run, traced on this CPU-only machine with
+fake tensors on that device (`recompute_planner.device_export`): it carries the devices and the
+device-to-host copies a CPU trace cannot have. Its tensors are those of the same step exported
+and run on this CPU (`with_device_graph`), so the runtime runs and checks it on the CPU like
+any golden; tests that compare the graph with the model's own step on this CPU skip it
+(`Golden.cpu_step_differs`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
+from ..device_export import (
+    export_forward_on_device,
+    export_joint_on_device,
+    with_device_graph,
+)
 from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
@@ -24,11 +36,13 @@ from .distributed import fake_process_group, run_on_ranks
 
 @dataclass(frozen=True)
 class Golden:
-    """One golden graph: a zoo model exported jointly (forward+backward) or forward-only."""
+    """One golden graph: a zoo model exported jointly (forward+backward) or forward-only, on
+    this CPU with its reference step or, for a `device` golden, as it runs on that device."""
 
     name: str
     entry: ZooEntry
     joint: bool = True
+    device: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -36,11 +50,25 @@ class Golden:
 
     @property
     def summary(self) -> str:
-        return self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
+        summary = self.entry.summary if self.joint else f"{self.entry.summary}; forward graph only"
+        if self.device is not None:
+            summary += f"; as it runs on {self.device}, traced with fake tensors"
+        return summary
+
+    @property
+    def cpu_step_differs(self) -> str | None:
+        """Why the model's step run on this CPU is not this golden's graph, or None."""
+        if self.device is None:
+            return None
+        return (
+            f"{self.name} is the graph of a {self.device} run: the model's step on this CPU "
+            "dispatches other ops (its own attention kernel, no copies between devices)"
+        )
 
 
 GOLDENS: tuple[Golden, ...] = tuple(Golden(e.name, e) for e in ENTRIES) + (
     Golden("dense_forward", entry("dense"), joint=False),
+    Golden("moe_ep2_cuda", entry("moe_ep2"), device="cuda"),
 )
 
 
@@ -53,10 +81,11 @@ def golden(name: str) -> Golden:
 
 
 def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
-    """Exports `rank`'s step of `gold` under whatever process group is current."""
+    """Exports `rank`'s step of `gold` under whatever process group is current; a device
+    golden's graph comes with the tensors of the same step run on this CPU."""
     cfg = gold.entry.config.for_rank(gold.world_size, rank)
     exporter = export_joint if gold.joint else export_forward
-    return exporter(
+    result = exporter(
         gold.entry.build(rank=rank),
         make_inputs(cfg),
         name=gold.name,
@@ -64,6 +93,9 @@ def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
         world_size=cfg.world_size,
         rank=rank,
     )
+    if gold.device is None:
+        return result
+    return with_device_graph(result, device_graph(gold, gold.device, rank))
 
 
 def traced_group(world_size: int) -> ContextManager[None]:
@@ -74,7 +106,24 @@ def traced_group(world_size: int) -> ContextManager[None]:
 def trace_graph_bytes(gold: Golden) -> bytes:
     """The `.pb` bytes of rank 0's graph, traced in this process (fake group if multi-rank)."""
     with traced_group(gold.world_size):
-        return export_rank(gold).graph.SerializeToString(deterministic=True)
+        graph = export_rank(gold).graph if gold.device is None else device_graph(gold, gold.device)
+        return graph.SerializeToString(deterministic=True)
+
+
+def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
+    """Rank `rank`'s graph of `gold`'s model traced with fake tensors on `device`
+    (`recompute_planner.device_export`), under whatever process group is current."""
+    cfg = gold.entry.config.for_rank(gold.world_size, rank)
+    exporter = export_joint_on_device if gold.joint else export_forward_on_device
+    return exporter(
+        gold.entry.build(rank=rank),
+        make_inputs(cfg),
+        name=gold.name,
+        models=model_decls(cfg),
+        device=device,
+        world_size=cfg.world_size,
+        rank=rank,
+    )
 
 
 def rank_path(out_dir: Path, name: str, rank: int, extension: str) -> Path:
