@@ -380,7 +380,9 @@ impl Graph {
             .find(|(_, n)| n.phase == Phase::Forward)
             .map(|(id, _)| id);
         let early = |id: NodeId| last_forward.is_some_and(|f| id < f);
-        // For each early backward node, the first late backward node that needs it.
+        // For each early backward node, the first late backward node that needs it, directly
+        // or through early ones; `None` runs first: needed by no late node, or by an early
+        // node that runs first (`None` is the smallest `Option`, so it wins the minimum).
         let mut due: Vec<Option<NodeId>> = vec![None; self.nodes.len()];
         for (id, node) in self.nodes.iter().rev() {
             if node.phase != Phase::Backward || !early(id) {
@@ -390,8 +392,9 @@ impl Graph {
                 .successors(id)
                 .into_iter()
                 .filter(|&c| self.nodes[c].phase == Phase::Backward)
-                .filter_map(|c| if early(c) { due[c.index()] } else { Some(c) })
-                .min();
+                .map(|c| if early(c) { due[c.index()] } else { Some(c) })
+                .min()
+                .flatten();
         }
         let mut waiting: Vec<(NodeId, NodeId)> = self
             .nodes

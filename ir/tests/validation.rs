@@ -566,3 +566,48 @@ fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
         .collect();
     assert_eq!(order, ["expand", "t", "mm_bwd", "det", "use_det"]);
 }
+
+#[test]
+fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_it() {
+    // `det2` reads `det`'s output and no later backward node reads `det2`'s: `det2` runs
+    // first, so `det` must run before it although `use_det` would have it run later.
+    let mut g = base();
+    for name in ["y_det", "y_det2", "late"] {
+        g.values
+            .push(value(name, pb::Dtype::Float32, &[4, 2], pb::Role::Gradient));
+    }
+    g.nodes.insert(
+        2,
+        node(
+            "det",
+            "aten.detach.default",
+            &["y"],
+            &["y_det"],
+            pb::Phase::Backward,
+        ),
+    );
+    g.nodes.insert(
+        3,
+        node(
+            "det2",
+            "aten.detach.default",
+            &["y_det"],
+            &["y_det2"],
+            pb::Phase::Backward,
+        ),
+    );
+    g.nodes.push(node(
+        "use_det",
+        "aten.mul.Tensor",
+        &["y_det", "grad_y"],
+        &["late"],
+        pb::Phase::Backward,
+    ));
+    let g = Graph::from_wire(g).expect("valid");
+    let order: Vec<&str> = g
+        .backward_order()
+        .iter()
+        .map(|&id| g.node(id).name.as_str())
+        .collect();
+    assert_eq!(order, ["det", "det2", "expand", "t", "mm_bwd", "use_det"]);
+}

@@ -984,3 +984,28 @@ fn eager_recompute_stops_before_what_the_next_checkpoint_saves() {
         .collect();
     assert_eq!(layer0, ["n1"]);
 }
+
+#[test]
+fn an_alias_saved_for_a_later_layer_is_not_written_again_by_replay() {
+    // Layer 0 writes in place the `wait_tensor` alias of an all-to-all's output; layer 1 reads
+    // that alias, so it is saved as layer 1's input while its storage's root is replayable.
+    // Replaying the write would write the saved tensor twice: the writer stays resident.
+    let mut b = Builder::new(2, &[ATTN]);
+    let x = b.input("x");
+    let w = b.param("w");
+    b.layer(Some(0));
+    let sent = b
+        .node("_c10d_functional.all_to_all_single.default", &[&x])
+        .1;
+    let waited = b.node("_c10d_functional.wait_tensor.default", &[&sent]).1;
+    let written = b.write_in_place("aten.add_.Tensor", &[&waited], &[&x]);
+    let h = b.op(&written);
+    b.layer(Some(1));
+    let y = b.node("aten.mm.default", &[&waited, &w]).1;
+    b.layer(None);
+    backward(&mut b, &[&y, &h, &written]);
+    for keep in [&[][..], &["all"][..]] {
+        let p = run(&b, &config(keep));
+        assert!(!has_errors(&p), "{keep:?}: {:?}", p.diagnostics);
+    }
+}

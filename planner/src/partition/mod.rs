@@ -299,12 +299,16 @@ impl<'a> Builder<'a> {
     }
 
     /// Whether `node` writes in place the storage of a tensor that is resident rather than
-    /// replayed (directly or through a view): a replay would write it twice.
+    /// replayed (directly or through a view): a replay would write it twice. The written
+    /// tensor itself may be resident while its storage's root is not (an alias saved as the
+    /// input of a later layer), so both are asked.
     fn writes_resident(&self, node: NodeId) -> bool {
         let node = self.graph.node(node);
         node.effects.mutates.iter().any(|&p| {
-            let root = self.graph.storage_root(node.inputs[p]);
-            matches!(self.classify(root), Source::Saved(_))
+            let written = node.inputs[p];
+            [written, self.graph.storage_root(written)]
+                .into_iter()
+                .any(|v| matches!(self.classify(v), Source::Saved(_)))
         })
     }
 
