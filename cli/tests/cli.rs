@@ -911,6 +911,31 @@ fn malformed_cases() -> Vec<Case> {
             &["value `orphan` (activation) is never produced"],
         ),
         graph_case(
+            "a forward node reading a backward result",
+            "phase.pb",
+            |g| {
+                let backward = pb::Phase::Backward as i32;
+                let gradient = g
+                    .nodes
+                    .iter()
+                    .find(|n| n.phase == backward)
+                    .unwrap()
+                    .outputs[0]
+                    .clone();
+                let mut late = g.values[0].clone();
+                late.name = "late".to_owned();
+                late.role = pb::Role::Activation as i32;
+                g.values.push(late);
+                let mut reader = g.nodes[0].clone();
+                reader.name = "late_forward".to_owned();
+                reader.phase = pb::Phase::Forward as i32;
+                reader.inputs = vec![gradient];
+                reader.outputs = vec!["late".to_owned()];
+                g.nodes.push(reader);
+            },
+            &["forward node `late_forward` reads", "which backward node"],
+        ),
+        graph_case(
             "a dependency cycle",
             "cycle.pb",
             |g| {

@@ -162,11 +162,17 @@ impl GraphSpec {
             specs => specs,
         };
         for (i, spec) in specs.iter().take(MAX_NODES).enumerate() {
+            // Forward reads no result of backward (gradients): the loader refuses that.
+            let readable: Vec<&str> = values
+                .iter()
+                .filter(|v| spec.backward || v.role != pb::Role::Gradient as i32)
+                .map(|v| v.name.as_str())
+                .collect();
             let inputs: Vec<String> = spec
                 .inputs
                 .iter()
                 .take(4)
-                .map(|&pick| values[usize::from(pick) % values.len()].name.clone())
+                .map(|&pick| readable[usize::from(pick) % readable.len()].to_owned())
                 .collect();
             let role = if spec.backward {
                 pb::Role::Gradient

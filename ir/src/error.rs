@@ -143,6 +143,12 @@ pub enum ValidationError {
         value: String,
         producer: String,
     },
+    #[error("forward node `{}` reads `{}`, which backward node `{}` produces: forward never reads a result of backward (is the node's phase right?)", display::name(.node), display::name(.value), display::name(.producer))]
+    ForwardReadsBackward {
+        node: String,
+        value: String,
+        producer: String,
+    },
     #[error("graph output `{}` is not a declared value", display::name(.value))]
     UnknownGraphOutput { value: String },
     #[error("node `{}` belongs to model `{}`, which the graph does not declare", display::name(.node), display::name(.model))]

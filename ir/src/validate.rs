@@ -402,6 +402,7 @@ impl Structure {
                 None => misordered,
             });
         }
+        check_phases(nodes, values, &producers)?;
         let (consumers, storage) = rayon::join(
             || Consumers::build(values.len(), nodes),
             || storage(nodes, values.len()),
@@ -940,7 +941,27 @@ fn check_execution_order(
     Ok(())
 }
 
-/// Per written value, the nodes that write it, in execution order.
+/// Forward computes the loss, backward its gradients: no forward node reads what a backward
+/// node produced (it could not be saved for, or replayed in, a pass that runs before it).
+fn check_phases(
+    nodes: &IdVec<NodeId, Node>,
+    values: &IdVec<ValueId, Value>,
+    producers: &IdVec<ValueId, Option<NodeId>>,
+) -> Result<(), E> {
+    for node in nodes.values().filter(|n| n.phase == Phase::Forward) {
+        for &v in &node.inputs {
+            if let Some(producer) = producers[v].filter(|&p| nodes[p].phase == Phase::Backward) {
+                return Err(E::ForwardReadsBackward {
+                    node: node.name.to_string(),
+                    value: values[v].name.to_string(),
+                    producer: nodes[producer].name.to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Which storage each value lives in, and the nodes that write each storage in place.
 fn storage(nodes: &IdVec<NodeId, Node>, num_values: usize) -> Storage {
     let mut roots: IdVec<ValueId, ValueId> =

@@ -611,3 +611,27 @@ fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_
         .collect();
     assert_eq!(order, ["det", "det2", "expand", "t", "mm_bwd", "use_det"]);
 }
+
+#[test]
+fn a_forward_node_reading_a_backward_result_is_refused_naming_both() {
+    let mut g = base();
+    // `t` (backward) makes `x_t`; a forward node placed after it reads it.
+    g.values.push(value(
+        "z",
+        pb::Dtype::Float32,
+        &[8, 4],
+        pb::Role::Activation,
+    ));
+    g.nodes.push(node(
+        "late_fwd",
+        "aten.sin.default",
+        &["x_t"],
+        &["z"],
+        pb::Phase::Forward,
+    ));
+    let error = Graph::from_wire(g).unwrap_err().to_string();
+    assert!(
+        error.contains("forward node `late_fwd` reads `x_t`, which backward node `t` produces"),
+        "{error}"
+    );
+}
