@@ -515,8 +515,11 @@ fn verify_replay(
                     value: graph.value(v).name.to_string(),
                 });
             }
-            let root_here = here(graph.storage_root(v), produced_by);
-            check_reads_see_forward(graph, replay, id, v, root_here)?;
+            // The replay reads `v`'s own copy: a storage this replay made only if `v` was made
+            // here too (a resident alias of it, like the output of an in-place op that does
+            // not replay, still holds the forward storage with its writes).
+            let storage_here = produced_here && here(graph.storage_root(v), produced_by);
+            check_reads_see_forward(graph, replay, id, v, storage_here)?;
         }
         for &p in &node.effects.mutates {
             let written = node.inputs[p];
