@@ -137,6 +137,34 @@ fn the_base_graph_is_valid() {
     assert_eq!(begin.marker.as_deref(), Some("mlp.begin"));
 }
 
+/// Values and nodes convert in parallel batches: whichever worker meets a broken element
+/// first, the error is the first broken element in file order.
+#[test]
+fn the_first_broken_element_is_reported_however_the_workers_race() {
+    let mut g = base();
+    // Thousands of values, every 97th unnamed from the 1000th on: broken elements in every
+    // worker's share of the batch, the first of them in the first share.
+    g.values.extend((0..6000).map(|i| {
+        let name = match i {
+            1000.. if i % 97 == 0 => String::new(),
+            _ => format!("extra_{i}"),
+        };
+        value(&name, pb::Dtype::Float32, &[1], pb::Role::Input)
+    }));
+    let first = g.values.iter().position(|v| v.name.is_empty()).unwrap();
+    let workers = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    for _ in 0..10 {
+        let err = workers.install(|| Graph::from_wire(g.clone()));
+        assert_eq!(
+            err.expect_err("unnamed values"),
+            ValidationError::UnnamedValue { index: first }
+        );
+    }
+}
+
 #[test]
 fn a_graph_without_nodes_is_rejected() {
     check_rejected(|g| g.nodes.clear(), ValidationError::NoNodes, &["no nodes"]);
