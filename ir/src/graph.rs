@@ -191,22 +191,20 @@ pub struct Node {
     pub phase: Phase,
     pub model: ModelId,
     pub layer: Option<u32>,
-    pub module_path: Name,
     /// The compiled region the op runs in; `None` when it runs in eager.
     pub compiled_region: Option<Name>,
     pub micro_batch: u32,
     pub effects: Effects,
     /// What the op knowledge base knows of `op`.
     pub info: OpInfo,
-    /// The marker name when this node is a `checkpoint_record` point marker.
-    pub marker: Option<Name>,
-    pub stack_trace: Box<[String]>,
 }
 
 // Every node of a million-node graph is one of these: keep them small (the memory is most of
-// what loading costs). Grow the bound only for a reason.
+// what loading costs, and a one-shot run pays for every fresh page). What nothing reads stays
+// in the file (a node's module path and stack trace), and what can be derived is (its marker
+// name). Grow the bound only for a reason.
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() <= 304 && std::mem::size_of::<Value>() <= 80);
+const _: () = assert!(std::mem::size_of::<Node>() <= 240 && std::mem::size_of::<Value>() <= 80);
 
 /// The op of a copy that may cross devices.
 const TO_COPY_OP: &str = "aten._to_copy.default";
@@ -251,6 +249,18 @@ impl Node {
         zero("dropout_p")
             || (self.op.contains("dropout") && zero("p"))
             || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
+    }
+
+    /// The marker name when this node is a `checkpoint_record` point marker (loading checks
+    /// that every marker has a non-empty one).
+    pub fn marker(&self) -> Option<&Name> {
+        if self.op != MARKER_OP {
+            return None;
+        }
+        match self.attribute(MARKER_NAME_ATTR) {
+            Some(AttrValue::Str(name)) => Some(name),
+            _ => None,
+        }
     }
 
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {

@@ -803,7 +803,7 @@ fn convert_node<'w>(
     let attributes = convert_attributes(name, n.attributes)?;
     let info = worker.ops.lookup(n.op);
     let effects = effects(name, &n.schema, &info, inputs.len())?;
-    let marker = marker_name(name, n.op, &attributes)?;
+    check_marker_name(name, n.op, &attributes)?;
     Ok(Node {
         name: Name::new(name),
         op: Name::new(n.op),
@@ -813,15 +813,12 @@ fn convert_node<'w>(
         phase,
         model,
         layer: n.layer,
-        module_path: Name::new(n.module_path),
         compiled_region: Some(n.compiled_region)
             .filter(|r| !r.is_empty())
             .map(Name::new),
         micro_batch: n.micro_batch,
         effects,
         info,
-        marker,
-        stack_trace: n.stack_trace.iter().map(|&f| f.to_owned()).collect(),
     })
 }
 
@@ -836,13 +833,10 @@ fn unconverted_node() -> Node {
         phase: Phase::Forward,
         model: ModelId::from_index(0),
         layer: None,
-        module_path: Name::default(),
         compiled_region: None,
         micro_batch: 0,
         effects: Effects::default(),
         info: ops::OpInfo::UNKNOWN,
-        marker: None,
-        stack_trace: Box::default(),
     }
 }
 
@@ -959,15 +953,16 @@ fn strongest_collective(
     a.max(b)
 }
 
-fn marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<Option<Name>, E> {
+/// A marker node must name its marker in a non-empty string attribute.
+fn check_marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<(), E> {
     if op != MARKER_OP {
-        return Ok(None);
+        return Ok(());
     }
     match attributes.iter().find(|a| a.name == MARKER_NAME_ATTR) {
         Some(Attribute {
             value: AttrValue::Str(name),
             ..
-        }) if !name.is_empty() => Ok(Some(name.clone())),
+        }) if !name.is_empty() => Ok(()),
         _ => Err(E::UnnamedMarker {
             node: node.to_owned(),
         }),

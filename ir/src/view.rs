@@ -34,7 +34,8 @@ pub(crate) struct RawValue<'a> {
     pub role: i32,
 }
 
-/// A wire `Node`, strings borrowed.
+/// A wire `Node`, strings borrowed; its module path and stack trace are checked but not kept
+/// (nothing reads them).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RawNode<'a> {
     pub name: &'a str,
@@ -45,11 +46,9 @@ pub(crate) struct RawNode<'a> {
     pub phase: i32,
     pub model: &'a str,
     pub layer: Option<u32>,
-    pub module_path: &'a str,
     pub compiled_region: &'a str,
     pub micro_batch: u32,
     pub schema: RawSchema,
-    pub stack_trace: Vec<&'a str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -182,11 +181,9 @@ impl<'a> RawNode<'a> {
             phase: n.phase,
             model: &n.model,
             layer: n.layer,
-            module_path: &n.module_path,
             compiled_region: &n.compiled_region,
             micro_batch: n.micro_batch,
             schema,
-            stack_trace: n.stack_trace.iter().map(String::as_str).collect(),
         }
     }
 
@@ -194,10 +191,9 @@ impl<'a> RawNode<'a> {
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
         let mut node = RawNode::default();
         if bytes.len() > LARGE {
-            let [inputs, outputs, stack_trace] = count_fields(Reader::element(bytes), [3, 4, 13])?;
+            let [inputs, outputs] = count_fields(Reader::element(bytes), [3, 4])?;
             node.inputs.reserve_exact(inputs);
             node.outputs.reserve_exact(outputs);
-            node.stack_trace.reserve_exact(stack_trace);
             node.attributes = RawAttributes::Encoded(bytes);
         }
         let mut r = Reader::element(bytes);
@@ -217,11 +213,12 @@ impl<'a> RawNode<'a> {
                 6 => node.phase = r.int32(wire)?,
                 7 => node.model = r.str(wire)?,
                 8 => node.layer = Some(r.varint(wire)? as u32),
-                9 => node.module_path = r.str(wire)?,
+                // The module path and the stack trace are checked, not kept: nothing reads
+                // them.
+                9 | 13 => drop(r.str(wire)?),
                 10 => node.compiled_region = r.str(wire)?,
                 11 => node.micro_batch = r.varint(wire)? as u32,
                 12 => node.schema.merge(r.nested(wire)?)?,
-                13 => node.stack_trace.push(r.str(wire)?),
                 _ => r.skip(wire, tag)?,
             }
         }

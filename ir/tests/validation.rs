@@ -134,7 +134,7 @@ fn the_base_graph_is_valid() {
     let g = Graph::from_wire(base()).expect("base graph loads");
     assert_eq!(g.nodes().len(), 7);
     let begin = g.nodes().values().next().unwrap();
-    assert_eq!(begin.marker.as_deref(), Some("mlp.begin"));
+    assert_eq!(begin.marker().map(|m| m.as_str()), Some("mlp.begin"));
 }
 
 /// Values and nodes convert in parallel batches: whichever worker meets a broken element

@@ -168,7 +168,7 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
         let mut session = Session::new(graph, index, kept, site, &mut findings);
         for &id in members {
             let node = graph.node(id);
-            nodes[id] = Some(match &node.marker {
+            nodes[id] = Some(match node.marker() {
                 Some(marker) => session.on_marker(node, marker),
                 None => {
                     let open = session.enclosure(id, node);
@@ -311,7 +311,7 @@ pub fn interval_contents(graph: &Graph) -> Vec<IntervalContents<'_>> {
         session.list_members();
         for id in members {
             let node = graph.node(id);
-            match &node.marker {
+            match node.marker() {
                 Some(marker) => {
                     session.on_marker(node, marker);
                 }
@@ -490,7 +490,7 @@ fn find_layers_compiled_whole(
         let seen = regions.entry(site.at).or_insert(Some(BTreeSet::new()));
         for &id in members {
             let node = graph.node(id);
-            if node.marker.is_some() {
+            if node.marker().is_some() {
                 continue;
             }
             match (&node.compiled_region, seen.as_mut()) {
