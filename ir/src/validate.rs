@@ -632,17 +632,16 @@ fn unconverted_value() -> Value {
 }
 
 fn convert_shape(value: &str, shape: &[i64]) -> Result<Shape, E> {
-    shape
-        .iter()
-        .enumerate()
-        .map(|(dim, &size)| {
-            u64::try_from(size).map_err(|_| E::NegativeDim {
-                value: value.to_owned(),
-                dim,
-                size,
-            })
-        })
-        .collect()
+    let mut sizes = Shape::with_capacity(shape.len());
+    for (dim, &size) in shape.iter().enumerate() {
+        let size = u64::try_from(size).map_err(|_| E::NegativeDim {
+            value: value.to_owned(),
+            dim,
+            size,
+        })?;
+        sizes.push(size);
+    }
+    Ok(sizes)
 }
 
 /// `numel × element size`, or `None` when it does not fit in 64 bits.
@@ -847,10 +846,12 @@ fn resolve(
     mut find: impl FnMut(&str) -> Option<ValueId>,
     unknown: fn(String, String) -> E,
 ) -> Result<ValueIds, E> {
-    names
-        .iter()
-        .map(|&v| find(v).ok_or_else(|| unknown(node.to_owned(), v.to_owned())))
-        .collect()
+    let mut ids = ValueIds::with_capacity(names.len());
+    for &name in names {
+        let id = find(name).ok_or_else(|| unknown(node.to_owned(), name.to_owned()))?;
+        ids.push(id);
+    }
+    Ok(ids)
 }
 
 fn convert_attributes(node: &str, attributes: RawAttributes<'_>) -> Result<Box<[Attribute]>, E> {

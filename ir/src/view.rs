@@ -147,7 +147,7 @@ impl<'a> RawValue<'a> {
                 .shape
                 .reserve_exact(count_numbers(Reader::element(bytes), 3)?);
         }
-        let mut r = Reader::element(bytes);
+        let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => value.name = r.str(wire)?,
@@ -196,7 +196,7 @@ impl<'a> RawNode<'a> {
             node.outputs.reserve_exact(outputs);
             node.attributes = RawAttributes::Encoded(bytes);
         }
-        let mut r = Reader::element(bytes);
+        let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => node.name = r.str(wire)?,
@@ -424,8 +424,15 @@ impl<'a> IntoIterator for RawUnits<'a> {
             })),
             // `RawModel::decode` decoded these bytes: decoding them again cannot fail.
             RawUnits::Encoded(model, depth) => Box::new(
-                fields_of(Reader { buf: model, depth }, UNITS)
-                    .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
+                fields_of(
+                    Reader {
+                        buf: model,
+                        depth,
+                        text: "",
+                    },
+                    UNITS,
+                )
+                .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
             ),
         }
     }
@@ -438,7 +445,12 @@ impl<'a> RawUnit<'a> {
         let RawIntervals::Encoded(bytes, depth) = unit.intervals else {
             return Ok(());
         };
-        for interval in fields_of(Reader { buf: bytes, depth }, INTERVALS) {
+        let unit = Reader {
+            buf: bytes,
+            depth,
+            text: "",
+        };
+        for interval in fields_of(unit, INTERVALS) {
             decode_interval(interval?)?;
         }
         Ok(())
@@ -473,8 +485,15 @@ impl<'a> IntoIterator for RawIntervals<'a> {
             }
             // `RawUnit::check` decoded these bytes: decoding them again cannot fail.
             RawIntervals::Encoded(unit, depth) => Box::new(
-                fields_of(Reader { buf: unit, depth }, INTERVALS)
-                    .map_while(|interval| decode_interval(interval.ok()?).ok()),
+                fields_of(
+                    Reader {
+                        buf: unit,
+                        depth,
+                        text: "",
+                    },
+                    INTERVALS,
+                )
+                .map_while(|interval| decode_interval(interval.ok()?).ok()),
             ),
         }
     }
@@ -513,6 +532,9 @@ fn list_items<'a>(
 struct Reader<'a> {
     buf: &'a [u8],
     depth: u32,
+    /// Text around `buf` already checked to be UTF-8 (see [`Reader::element_text`]): a string
+    /// field inside it is not checked again.
+    text: &'a str,
 }
 
 /// The nesting prost allows inside a value or node: one level below the `Graph` it decodes.
@@ -524,6 +546,26 @@ impl<'a> Reader<'a> {
         Reader {
             buf,
             depth: ELEMENT_DEPTH,
+            text: "",
+        }
+    }
+
+    /// A `Value` or `Node` of a graph whose string fields are all read: the element's longest
+    /// prefix that is UTF-8 is checked in one pass, which is a fraction of the cost of checking
+    /// each short string alone. Keys, lengths and small numbers are ASCII, so in an exported
+    /// graph the prefix runs to the first number over 127 (a layer index, a dimension), and
+    /// mostly holds every name of the element.
+    fn element_text(buf: &'a [u8]) -> Self {
+        let text = match std::str::from_utf8(buf) {
+            Ok(text) => text,
+            Err(e) => buf
+                .get(..e.valid_up_to())
+                .and_then(|prefix| std::str::from_utf8(prefix).ok())
+                .unwrap_or_default(),
+        };
+        Reader {
+            text,
+            ..Reader::element(buf)
         }
     }
 
@@ -546,6 +588,7 @@ impl<'a> Reader<'a> {
         Ok(Reader {
             buf: self.message(wire)?,
             depth,
+            text: self.text,
         })
     }
 
@@ -579,6 +622,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A length-delimited field's bytes.
+    #[inline]
     fn message(&mut self, wire: WireType) -> Result<&'a [u8], String> {
         expect(wire, WireType::LengthDelimited)?;
         let len = self.raw_varint()?;
@@ -592,9 +636,13 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     fn str(&mut self, wire: WireType) -> Result<&'a str, String> {
-        std::str::from_utf8(self.message(wire)?)
-            .map_err(|_| "invalid string value: data is not UTF-8 encoded".to_owned())
+        let bytes = self.message(wire)?;
+        match checked_text(self.text, bytes) {
+            Some(text) => Ok(text),
+            None => std::str::from_utf8(bytes).map_err(|_| not_utf8()),
+        }
     }
 
     /// A repeated varint field, packed or not.
@@ -623,7 +671,7 @@ impl<'a> Reader<'a> {
         }
         let mut packed = Reader {
             buf: self.message(wire)?,
-            depth: self.depth,
+            ..self.clone()
         };
         while !packed.buf.is_empty() {
             push(read(&mut packed)?);
@@ -670,13 +718,33 @@ fn decode_varint_slowly(buf: &mut &[u8]) -> Result<u64, String> {
     decode_varint(buf).map_err(|e| e.to_string())
 }
 
+/// `bytes` as a part of `text`, when they lie inside it at character boundaries: then they
+/// are UTF-8 without another look.
+#[inline]
+fn checked_text<'a>(text: &'a str, bytes: &[u8]) -> Option<&'a str> {
+    let start = (bytes.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    text.get(start..start.checked_add(bytes.len())?)
+}
+
+#[inline]
 fn expect(wire: WireType, expected: WireType) -> Result<(), String> {
     if wire == expected {
         return Ok(());
     }
-    Err(format!(
-        "invalid wire type: {wire:?} (expected {expected:?})"
-    ))
+    Err(wrong_wire_type(wire, expected))
+}
+
+// The messages of broken input are made out of line, so that the readers of valid input
+// inline into their callers.
+
+#[cold]
+fn wrong_wire_type(wire: WireType, expected: WireType) -> String {
+    format!("invalid wire type: {wire:?} (expected {expected:?})")
+}
+
+#[cold]
+fn not_utf8() -> String {
+    "invalid string value: data is not UTF-8 encoded".to_owned()
 }
 
 /// prost's `skip_field` with the recursion limit counted from `depth`: every field needs one
@@ -700,10 +768,12 @@ fn skip_nested(buf: &mut &[u8], wire: WireType, tag: u32, depth: u32) -> Result<
     }
 }
 
+#[cold]
 fn recursion_limit() -> String {
     "recursion limit reached".to_owned()
 }
 
+#[cold]
 fn truncated() -> String {
     "buffer underflow".to_owned()
 }
