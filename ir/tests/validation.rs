@@ -553,6 +553,26 @@ fn consumers_and_producers_agree_with_the_nodes() {
     }
 }
 
+/// A node reading one value twice (`mm(x, x)`) is one consumer of it, listed once, and the
+/// consumers of the values around it are unaffected.
+#[test]
+fn a_node_reading_a_value_twice_is_listed_once_among_its_consumers() {
+    let mut g = base();
+    node_mut(&mut g, "mm").inputs = vec!["x_m".to_owned(), "x_m".to_owned()];
+    let g = Graph::from_wire(g).expect("valid");
+    let consumers = |value: &str| -> Vec<&str> {
+        let (id, _) = g.values().iter().find(|(_, v)| v.name == value).unwrap();
+        g.consumers(id)
+            .iter()
+            .map(|&n| g.node(n).name.as_str())
+            .collect()
+    };
+    assert_eq!(consumers("x_m"), ["mm", "t"]);
+    assert_eq!(consumers("x"), ["begin"]);
+    assert_eq!(consumers("w"), Vec::<&str>::new());
+    assert_eq!(consumers("grad_y"), ["mm_bwd"]);
+}
+
 #[test]
 fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
     // AOTAutograd puts the `detach` of a saved output right after its producer, in forward.
