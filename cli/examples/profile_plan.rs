@@ -1,4 +1,6 @@
-//! Times the phases of `planner plan` on one graph, each once, single process:
+//! Times the phases of `planner plan` on one graph, each once, single process: wall time, the
+//! process's CPU time (user + system, all threads: what a shared machine does not inflate as
+//! much), and the resident memory after the phase:
 //!
 //!     cargo run --release -p planner-cli --example profile_plan -- GRAPH.pb
 //!
@@ -26,7 +28,7 @@ fn main() {
         std::process::exit(2);
     };
     allocator::keep_freed_memory();
-    let mut clock = Clock(Instant::now());
+    let mut clock = Clock::start();
     let graph = ir::io::load(Path::new(&path)).unwrap_or_else(|e| panic!("{e}"));
     clock.lap(&format!("load ({} nodes)", graph.nodes().len()));
     let config = PlanConfig {
@@ -58,17 +60,43 @@ fn main() {
     clock.lap("drop graph");
 }
 
-struct Clock(Instant);
+struct Clock {
+    wall: Instant,
+    cpu: Option<u64>,
+}
 
 impl Clock {
+    fn start() -> Self {
+        Clock {
+            wall: Instant::now(),
+            cpu: cpu_ms(),
+        }
+    }
+
     fn lap(&mut self, what: &str) {
+        let cpu = cpu_ms();
+        let spent = cpu.zip(self.cpu).map_or_else(
+            || "?".to_owned(),
+            |(now, before)| (now - before).to_string(),
+        );
         println!(
-            "{:>8.1} ms  {:>6} MB resident  {what}",
-            self.0.elapsed().as_secs_f64() * 1e3,
+            "{:>8.1} ms  {spent:>6} ms cpu  {:>6} MB resident  {what}",
+            self.wall.elapsed().as_secs_f64() * 1e3,
             resident_mb()
         );
-        self.0 = Instant::now();
+        *self = Clock::start();
     }
+}
+
+/// User + system CPU time of the process so far, all threads, from `/proc/self/stat` (Linux;
+/// in clock ticks, taken as the usual 100 per second).
+fn cpu_ms() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name may hold spaces; the fields after its closing parenthesis do not.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    // utime and stime are fields 14 and 15 of the line; the state, field 3, is the first here.
+    Some((ticks(11)? + ticks(12)?) * 10)
 }
 
 /// Resident set size from `/proc/self/statm` (Linux), `?` elsewhere.

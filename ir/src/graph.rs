@@ -191,22 +191,20 @@ pub struct Node {
     pub phase: Phase,
     pub model: ModelId,
     pub layer: Option<u32>,
-    pub module_path: Name,
     /// The compiled region the op runs in; `None` when it runs in eager.
     pub compiled_region: Option<Name>,
     pub micro_batch: u32,
     pub effects: Effects,
     /// What the op knowledge base knows of `op`.
     pub info: OpInfo,
-    /// The marker name when this node is a `checkpoint_record` point marker.
-    pub marker: Option<Name>,
-    pub stack_trace: Box<[String]>,
 }
 
 // Every node of a million-node graph is one of these: keep them small (the memory is most of
-// what loading costs). Grow the bound only for a reason.
+// what loading costs, and a one-shot run pays for every fresh page). What nothing reads stays
+// in the file (a node's module path and stack trace), and what can be derived is (its marker
+// name). Grow the bound only for a reason.
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() <= 304 && std::mem::size_of::<Value>() <= 80);
+const _: () = assert!(std::mem::size_of::<Node>() <= 240 && std::mem::size_of::<Value>() <= 80);
 
 /// The op of a copy that may cross devices.
 const TO_COPY_OP: &str = "aten._to_copy.default";
@@ -251,6 +249,18 @@ impl Node {
         zero("dropout_p")
             || (self.op.contains("dropout") && zero("p"))
             || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
+    }
+
+    /// The marker name when this node is a `checkpoint_record` point marker (loading checks
+    /// that every marker has a non-empty one).
+    pub fn marker(&self) -> Option<&Name> {
+        if self.op != MARKER_OP {
+            return None;
+        }
+        match self.attribute(MARKER_NAME_ATTR) {
+            Some(AttrValue::Str(name)) => Some(name),
+            _ => None,
+        }
     }
 
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
@@ -482,49 +492,57 @@ pub(crate) struct Consumers {
 }
 
 impl Consumers {
+    /// Counts each value's readers, lays the rows out by prefix sums and fills them in node
+    /// order, then drops repeats in place: two tables the size of the result, nothing more.
     pub(crate) fn build(num_values: usize, nodes: &IdVec<NodeId, Node>) -> Self {
-        let mut counts = vec![0usize; num_values + 1];
+        let mut offsets = vec![0usize; num_values + 1];
         for node in nodes.values() {
             for v in &node.inputs {
-                counts[v.index() + 1] += 1;
+                offsets[v.index() + 1] += 1;
             }
         }
-        for i in 1..counts.len() {
-            counts[i] += counts[i - 1];
+        for i in 1..offsets.len() {
+            offsets[i] += offsets[i - 1];
         }
-        let mut cursor = counts.clone();
-        let mut flat = vec![NodeId::from_index(0); counts[num_values]];
+        // `offsets[v]` is where v's next reader goes; filled, it is where v's row ends.
+        let mut flat = vec![NodeId::from_index(0); offsets[num_values]];
         for (id, node) in nodes.iter() {
             for v in &node.inputs {
-                let slot = &mut cursor[v.index()];
+                let slot = &mut offsets[v.index()];
                 flat[*slot] = id;
                 *slot += 1;
             }
         }
-        let mut consumers = Self {
-            offsets: counts,
-            flat,
-        };
+        offsets.rotate_right(1);
+        offsets[0] = 0;
+        let mut consumers = Self { offsets, flat };
         consumers.dedup_rows();
         consumers
     }
 
-    /// A node reading the same value twice (`mul(x, x)`) is listed once.
+    /// A node reading the same value twice (`mul(x, x)`) is listed once: rows are in node
+    /// order, so a repeat is next to the first.
     fn dedup_rows(&mut self) {
-        let mut flat = Vec::with_capacity(self.flat.len());
-        let mut offsets = Vec::with_capacity(self.offsets.len());
-        offsets.push(0);
-        for w in self.offsets.windows(2) {
-            let row = &self.flat[w[0]..w[1]];
-            for (i, &n) in row.iter().enumerate() {
-                if i == 0 || row[i - 1] != n {
-                    flat.push(n);
+        let mut kept = 0;
+        let mut row_start = 0;
+        for v in 0..self.offsets.len() - 1 {
+            let row_end = self.offsets[v + 1];
+            self.offsets[v] = kept;
+            let mut last = None;
+            for read in row_start..row_end {
+                let node = self.flat[read];
+                if last != Some(node) {
+                    self.flat[kept] = node;
+                    kept += 1;
+                    last = Some(node);
                 }
             }
-            offsets.push(flat.len());
+            row_start = row_end;
         }
-        self.flat = flat;
-        self.offsets = offsets;
+        if let Some(end) = self.offsets.last_mut() {
+            *end = kept;
+        }
+        self.flat.truncate(kept);
     }
 
     fn of(&self, value: ValueId) -> &[NodeId] {

@@ -6,12 +6,12 @@
 use std::ops::Range;
 
 use prost::{
-    encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType},
+    encoding::{skip_field, DecodeContext, WireType},
     Message,
 };
 
 use crate::{
-    view::{RawModel, RawNode, RawValue},
+    view::{read_key, read_varint, RawModel, RawNode, RawValue},
     wire::graph as pb,
 };
 
@@ -56,10 +56,10 @@ impl<'a> Fields<'a> {
     #[inline]
     fn read(&mut self) -> Result<Field<'a>, String> {
         let start = self.bytes.len() - self.rest.len();
-        let (tag, wire) = decode_key(&mut self.rest).map_err(|e| e.to_string())?;
+        let (tag, wire) = read_key(&mut self.rest)?;
         let repeated = matches!(tag, VALUES | NODES | OUTPUTS | MODELS);
         if wire == WireType::LengthDelimited && repeated {
-            let len = decode_varint(&mut self.rest).map_err(|e| e.to_string())?;
+            let len = read_varint(&mut self.rest)?;
             let len = match usize::try_from(len) {
                 Ok(len) if len <= self.rest.len() => len,
                 _ => return Err(format!("field {tag} of length {len} runs past the end")),
@@ -101,7 +101,7 @@ impl<'a> Iterator for Fields<'a> {
 /// What one walk over an encoded `Graph` learns: how many values, nodes and models it holds,
 /// where each kind of element lies, and its other fields decoded (`values`, `nodes`, `models`
 /// and `outputs` left empty).
-pub(crate) struct Layout<'a> {
+pub(crate) struct Layout {
     pub header: pb::Graph,
     pub values: usize,
     pub nodes: usize,
@@ -112,46 +112,27 @@ pub(crate) struct Layout<'a> {
     pub node_span: Range<usize>,
     pub model_span: Range<usize>,
     pub output_span: Range<usize>,
-    /// Every value and node, in order, unless listing them would take more memory than the
-    /// file (millions of empty elements): then they are walked again instead.
-    pub listed: Option<Listed<'a>>,
 }
 
-/// The values and nodes of a graph, one slice each.
-pub(crate) struct Listed<'a> {
-    pub values: Vec<&'a [u8]>,
-    pub nodes: Vec<&'a [u8]>,
-}
-
-impl<'a> Layout<'a> {
+impl Layout {
     /// Walks `bytes` once; a field that runs past the end, a bad key or a bad header field is
-    /// an error (the elements themselves are decoded later).
-    pub fn of(bytes: &'a [u8]) -> Result<Layout<'a>, String> {
+    /// an error (the elements themselves are decoded later). Nothing is listed: walking a
+    /// kind's span again costs less than a list of millions of slices would in fresh memory.
+    pub fn of(bytes: &[u8]) -> Result<Layout, String> {
         let mut header = Vec::new();
         let (mut values, mut nodes, mut models) = (0, 0, 0);
         let mut spans: [Option<Range<usize>>; 4] = Default::default();
-        let most_listed = bytes.len() / std::mem::size_of::<&[u8]>();
-        let mut listed = Some(Listed {
-            values: Vec::new(),
-            nodes: Vec::new(),
-        });
         let mut fields = Fields::new(bytes);
         loop {
             let start = bytes.len() - fields.rest.len();
             let Some(field) = fields.next() else { break };
             let kind = match field? {
-                Field::Value(value) => {
+                Field::Value(_) => {
                     values += 1;
-                    if let Some(listed) = &mut listed {
-                        listed.values.push(value);
-                    }
                     0
                 }
-                Field::Node(node) => {
+                Field::Node(_) => {
                     nodes += 1;
-                    if let Some(listed) = &mut listed {
-                        listed.nodes.push(node);
-                    }
                     1
                 }
                 Field::Model(_) => {
@@ -165,9 +146,6 @@ impl<'a> Layout<'a> {
                 }
                 Field::Unknown => continue,
             };
-            if values + nodes > most_listed {
-                listed = None;
-            }
             let end = bytes.len() - fields.rest.len();
             let span = spans[kind].get_or_insert(start..end);
             span.end = end;
@@ -183,7 +161,6 @@ impl<'a> Layout<'a> {
             node_span,
             model_span,
             output_span,
-            listed,
         })
     }
 }

@@ -47,8 +47,13 @@ impl<'t, I: EntityId + Send + Sync, T: Sync> NameIndex<'t, I, T> {
     }
 
     pub fn get(&self, key: &str) -> Option<I> {
+        self.get_hashed(key, hash(key))
+    }
+
+    /// [`NameIndex::get`] for a key whose [`hash`] is known.
+    fn get_hashed(&self, key: &str, hash: u64) -> Option<I> {
         self.ids
-            .find(hash(key), |&id| (self.name)(&self.table[id]) == key)
+            .find(hash, |&id| (self.name)(&self.table[id]) == key)
             .copied()
     }
 }
@@ -59,10 +64,12 @@ fn hash(name: &str) -> u64 {
 
 /// [`NameIndex::get`] for names met in execution order, trying first the ids met last, and
 /// the id after the last output: a node mostly reads what the nodes just before it produced
-/// and produces the values declared next, and those entries are still in cache.
+/// and produces the values declared next, and those entries are still in cache. The recent
+/// ids are kept with their names' hashes: a key is hashed once, compared with each of them as
+/// a number, and the hash serves the table when none matches.
 pub(crate) struct RecentFirst<'i, 't, I, T> {
     index: &'i NameIndex<'t, I, T>,
-    recent: [Option<I>; RECENT],
+    recent: [Option<(u64, I)>; RECENT],
     next_slot: usize,
     last_output: Option<I>,
 }
@@ -82,24 +89,30 @@ impl<'i, 't, I: EntityId + Send + Sync, T: Sync> RecentFirst<'i, 't, I, T> {
 
     /// An input's id.
     pub fn input(&mut self, key: &str) -> Option<I> {
+        let hash = hash(key);
         let hit = self
             .recent
             .iter()
             .flatten()
-            .copied()
-            .find(|&id| self.is(id, key));
-        hit.or_else(|| self.index.get(key).inspect(|&id| self.remember(id)))
+            .find(|&&(h, id)| h == hash && self.is(id, key))
+            .map(|&(_, id)| id);
+        hit.or_else(|| {
+            let id = self.index.get_hashed(key, hash)?;
+            self.remember(hash, id);
+            Some(id)
+        })
     }
 
     /// An output's id.
     pub fn output(&mut self, key: &str) -> Option<I> {
+        let hash = hash(key);
         let next = self
             .last_output
             .map(|id| I::from_index(id.index() + 1))
             .filter(|&id| id.index() < self.index.table.len() && self.is(id, key));
-        let id = next.or_else(|| self.index.get(key))?;
+        let id = next.or_else(|| self.index.get_hashed(key, hash))?;
         self.last_output = Some(id);
-        self.remember(id);
+        self.remember(hash, id);
         Some(id)
     }
 
@@ -107,8 +120,8 @@ impl<'i, 't, I: EntityId + Send + Sync, T: Sync> RecentFirst<'i, 't, I, T> {
         (self.index.name)(&self.index.table[id]) == key
     }
 
-    fn remember(&mut self, id: I) {
-        self.recent[self.next_slot] = Some(id);
+    fn remember(&mut self, hash: u64, id: I) {
+        self.recent[self.next_slot] = Some((hash, id));
         self.next_slot = (self.next_slot + 1) % RECENT;
     }
 }

@@ -15,6 +15,8 @@
 //! saturating operations and clamped to `u64`, so absurd shapes give `u64::MAX`, never a panic,
 //! and a missing or malformed argument gives zero FLOPs (the op still moves its bytes).
 
+use std::hash::BuildHasher;
+
 /// How a collective treats its buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CollectiveKind {
@@ -193,6 +195,37 @@ impl OpInfo {
             flops: clamp(model.flops(inputs, outputs)),
             bytes: clamp(bytes),
             comm_bytes: clamp(model.comm_bytes(inputs, outputs)),
+        }
+    }
+}
+
+/// [`lookup`] for one worker converting many nodes: the last op looked up in each of a few
+/// hundred slots, picked by a hash of its name. A graph has a few hundred distinct ops and may
+/// have millions of nodes; a slot lookup costs a tenth of a table lookup.
+pub(crate) struct LookupCache<'a> {
+    slots: Box<[Option<(&'a str, OpInfo)>; CACHE_SLOTS]>,
+}
+
+const CACHE_SLOTS: usize = 256;
+
+impl<'a> LookupCache<'a> {
+    pub fn new() -> Self {
+        LookupCache {
+            slots: Box::new([None; CACHE_SLOTS]),
+        }
+    }
+
+    /// What [`lookup`] says of `op`.
+    pub fn lookup(&mut self, op: &'a str) -> OpInfo {
+        let hash = rustc_hash::FxBuildHasher.hash_one(op);
+        let slot = &mut self.slots[hash as usize % CACHE_SLOTS];
+        match slot {
+            Some((cached, info)) if *cached == op => *info,
+            _ => {
+                let info = lookup(op);
+                *slot = Some((op, info));
+                info
+            }
         }
     }
 }

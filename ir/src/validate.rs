@@ -4,6 +4,8 @@
 //! first invalid element: a file of millions of broken elements costs one batch of work and
 //! memory, not a conversion of all of them.
 
+use std::sync::{Mutex, PoisonError};
+
 use rayon::prelude::*;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
@@ -58,7 +60,7 @@ impl Graph {
     /// before any broken rule.
     pub(crate) fn from_encoded(
         bytes: &[u8],
-        layout: &Layout<'_>,
+        layout: &Layout,
         fingerprint: String,
     ) -> Result<Graph, BuildError> {
         build(&Encoded { bytes, layout }, fingerprint).map_err(|error| match error {
@@ -173,7 +175,7 @@ impl<'w> Source<'w> for Decoded<'w> {
 /// The bytes of a graph, walked once into its layout.
 struct Encoded<'w> {
     bytes: &'w [u8],
-    layout: &'w Layout<'w>,
+    layout: &'w Layout,
 }
 
 impl<'w> Encoded<'w> {
@@ -181,13 +183,6 @@ impl<'w> Encoded<'w> {
     fn span(&self, span: &std::ops::Range<usize>) -> &'w [u8] {
         self.bytes.get(span.clone()).unwrap_or_default()
     }
-}
-
-/// Elements the layout listed, or walked again (one of two iterators: boxed, once per walk).
-type Elements<'w> = Box<dyn Iterator<Item = Result<&'w [u8], BuildError>> + 'w>;
-
-fn listed_elements<'w>(listed: &'w [&'w [u8]]) -> Elements<'w> {
-    Box::new(listed.iter().map(|&element| Ok(element)))
 }
 
 /// Decoding errors of an encoded graph's elements, as protobuf errors.
@@ -228,25 +223,19 @@ impl<'w> Source<'w> for Encoded<'w> {
     }
 
     fn values(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
-        match &self.layout.listed {
-            Some(listed) => listed_elements(&listed.values),
-            None => Box::new(protobuf_errors(elements(
-                self.span(&self.layout.value_span),
-                pick_value,
-                |_, b| Ok(b),
-            ))),
-        }
+        protobuf_errors(elements(
+            self.span(&self.layout.value_span),
+            pick_value,
+            |_, b| Ok(b),
+        ))
     }
 
     fn nodes(&self) -> impl Iterator<Item = Result<&'w [u8], BuildError>> {
-        match &self.layout.listed {
-            Some(listed) => listed_elements(&listed.nodes),
-            None => Box::new(protobuf_errors(elements(
-                self.span(&self.layout.node_span),
-                pick_node,
-                |_, b| Ok(b),
-            ))),
-        }
+        protobuf_errors(elements(
+            self.span(&self.layout.node_span),
+            pick_node,
+            |_, b| Ok(b),
+        ))
     }
 
     fn outputs(&self) -> impl Iterator<Item = Result<&'w str, BuildError>> {
@@ -277,6 +266,7 @@ fn build<'w, S: Source<'w>>(source: &S, fingerprint: String) -> Result<Graph, S:
         counts.values.min(counts.reserve / size_of::<Value>()),
         || (),
         |(), index, v| Ok(convert_value(index, S::value(index, v)?)?),
+        unconverted_value,
     )?;
     let value_ids =
         NameIndex::build(&values, |v| &v.name).map_err(|name| E::DuplicateValue { name })?;
@@ -285,16 +275,21 @@ fn build<'w, S: Source<'w>>(source: &S, fingerprint: String) -> Result<Graph, S:
     let nodes = convert_in_batches(
         source.nodes(),
         counts.nodes.min(counts.reserve / size_of::<Node>()),
-        || RecentFirst::new(&value_ids),
-        |resolver, index, n| {
+        || NodeWorker {
+            values: RecentFirst::new(&value_ids),
+            ops: ops::LookupCache::new(),
+            last_model: None,
+        },
+        |worker, index, n| {
             Ok(convert_node(
                 index,
                 S::node(index, n)?,
-                resolver,
+                worker,
                 &model_ids,
                 &models,
             )?)
         },
+        unconverted_node,
     )?;
     let outputs = source
         .outputs()
@@ -342,36 +337,72 @@ fn build<'w, S: Source<'w>>(source: &S, fingerprint: String) -> Result<Graph, S:
 /// Converts `elements` batch by batch, each batch in parallel (`init` makes one worker's
 /// state), into a table reserved for `reserve` entries. Stops at the first error in element
 /// order: after an invalid element, at most one batch more is converted.
+///
+/// Workers write the converted elements straight into the table, so its fresh memory is
+/// faulted in by both cores and nothing is copied again; an element that fails leaves
+/// `unconverted()` in its place, and the table is dropped with the batch's first error.
 fn convert_in_batches<I: EntityId, S: Copy + Send + Sync, T: Send, W, Err: Send>(
     elements: impl Iterator<Item = Result<S, Err>>,
     reserve: usize,
     init: impl Fn() -> W + Sync + Send,
     convert: impl Fn(&mut W, usize, S) -> Result<T, Err> + Sync + Send,
+    unconverted: fn() -> T,
 ) -> Result<IdVec<I, T>, Err> {
     let mut table = Vec::new();
     // One allocation for a valid graph; when even that fails, the table grows as it fills.
     let _ = table.try_reserve_exact(reserve);
     let mut elements = elements.peekable();
     let mut batch = Vec::with_capacity(BATCH.min(reserve));
-    let mut converted = Vec::with_capacity(BATCH.min(reserve));
     while elements.peek().is_some() {
         batch.clear();
         for element in elements.by_ref().take(BATCH) {
             batch.push(element?);
         }
         let start = table.len();
-        batch
-            .par_iter()
-            .enumerate()
-            .map_init(&init, |state, (i, &element)| {
-                convert(state, start + i, element)
-            })
-            .collect_into_vec(&mut converted);
-        for element in converted.drain(..) {
-            table.push(element?);
+        let first_error = FirstError::default();
+        table.par_extend(
+            batch
+                .par_iter()
+                .enumerate()
+                .map_init(&init, |state, (i, &element)| {
+                    convert(state, start + i, element).unwrap_or_else(|error| {
+                        first_error.record(i, error);
+                        unconverted()
+                    })
+                }),
+        );
+        if let Some(error) = first_error.take() {
+            return Err(error);
         }
     }
     Ok(IdVec::from_vec(table))
+}
+
+/// The error of the first element, by position, that failed among those converted in
+/// parallel: the same whichever worker fails first.
+struct FirstError<Err>(Mutex<Option<(usize, Err)>>);
+
+impl<Err> Default for FirstError<Err> {
+    fn default() -> Self {
+        FirstError(Mutex::new(None))
+    }
+}
+
+impl<Err> FirstError<Err> {
+    fn record(&self, position: usize, error: Err) {
+        let mut first = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if first
+            .as_ref()
+            .is_none_or(|&(earlier, _)| position < earlier)
+        {
+            *first = Some((position, error));
+        }
+    }
+
+    fn take(self) -> Option<Err> {
+        let first = self.0.into_inner().unwrap_or_else(PoisonError::into_inner);
+        first.map(|(_, error)| error)
+    }
 }
 
 /// The fingerprint of a graph: xxh3-128 of its canonical protobuf encoding, so `.pb` and
@@ -590,18 +621,28 @@ fn convert_value(index: usize, v: RawValue<'_>) -> Result<Value, E> {
     })
 }
 
+/// What the table holds in place of a value that failed to convert, until the error drops it.
+fn unconverted_value() -> Value {
+    Value {
+        name: Name::default(),
+        dtype: DType::F32,
+        shape: Shape::new(),
+        role: Role::Input,
+        bytes: 0,
+    }
+}
+
 fn convert_shape(value: &str, shape: &[i64]) -> Result<Shape, E> {
-    shape
-        .iter()
-        .enumerate()
-        .map(|(dim, &size)| {
-            u64::try_from(size).map_err(|_| E::NegativeDim {
-                value: value.to_owned(),
-                dim,
-                size,
-            })
-        })
-        .collect()
+    let mut sizes = Shape::with_capacity(shape.len());
+    for (dim, &size) in shape.iter().enumerate() {
+        let size = u64::try_from(size).map_err(|_| E::NegativeDim {
+            value: value.to_owned(),
+            dim,
+            size,
+        })?;
+        sizes.push(size);
+    }
+    Ok(sizes)
 }
 
 /// `numel × element size`, or `None` when it does not fit in 64 bits.
@@ -691,10 +732,32 @@ fn convert_collective(node: &str, code: i32) -> Result<Option<CollectiveKind>, E
     }
 }
 
-fn convert_node(
+/// What one worker converting nodes keeps from node to node: the value ids it resolved last,
+/// and the ops it looked up.
+struct NodeWorker<'i, 't, 'w> {
+    values: RecentFirst<'i, 't, ValueId, Value>,
+    ops: ops::LookupCache<'w>,
+    /// The model the last node named, and its id: nodes of one model come in runs.
+    last_model: Option<(&'w str, ModelId)>,
+}
+
+impl<'w> NodeWorker<'_, '_, 'w> {
+    fn model(&mut self, name: &'w str, ids: &NameIndex<ModelId, Model>) -> Option<ModelId> {
+        match self.last_model {
+            Some((last, id)) if last == name => Some(id),
+            _ => {
+                let id = ids.get(name)?;
+                self.last_model = Some((name, id));
+                Some(id)
+            }
+        }
+    }
+}
+
+fn convert_node<'w>(
     index: usize,
-    n: RawNode<'_>,
-    value_ids: &mut RecentFirst<ValueId, Value>,
+    n: RawNode<'w>,
+    worker: &mut NodeWorker<'_, '_, 'w>,
     model_ids: &NameIndex<ModelId, Model>,
     models: &IdVec<ModelId, Model>,
 ) -> Result<Node, E> {
@@ -710,20 +773,22 @@ fn convert_node(
     let inputs = resolve(
         name,
         &n.inputs,
-        |v| value_ids.input(v),
+        |v| worker.values.input(v),
         |node, value| E::UnknownInput { node, value },
     )?;
     let outputs = resolve(
         name,
         &n.outputs,
-        |v| value_ids.output(v),
+        |v| worker.values.output(v),
         |node, value| E::UnknownOutput { node, value },
     )?;
     let phase = convert_phase(name, n.phase)?;
-    let model = model_ids.get(n.model).ok_or_else(|| E::UndeclaredModel {
-        node: name.to_owned(),
-        model: n.model.to_owned(),
-    })?;
+    let model = worker
+        .model(n.model, model_ids)
+        .ok_or_else(|| E::UndeclaredModel {
+            node: name.to_owned(),
+            model: n.model.to_owned(),
+        })?;
     if let Some(layer) = n.layer {
         let declared = &models[model];
         if layer >= declared.num_layers {
@@ -736,9 +801,9 @@ fn convert_node(
         }
     }
     let attributes = convert_attributes(name, n.attributes)?;
-    let info = ops::lookup(n.op);
+    let info = worker.ops.lookup(n.op);
     let effects = effects(name, &n.schema, &info, inputs.len())?;
-    let marker = marker_name(name, n.op, &attributes)?;
+    check_marker_name(name, n.op, &attributes)?;
     Ok(Node {
         name: Name::new(name),
         op: Name::new(n.op),
@@ -748,16 +813,31 @@ fn convert_node(
         phase,
         model,
         layer: n.layer,
-        module_path: Name::new(n.module_path),
         compiled_region: Some(n.compiled_region)
             .filter(|r| !r.is_empty())
             .map(Name::new),
         micro_batch: n.micro_batch,
         effects,
         info,
-        marker,
-        stack_trace: n.stack_trace.iter().map(|&f| f.to_owned()).collect(),
     })
+}
+
+/// What the table holds in place of a node that failed to convert, until the error drops it.
+fn unconverted_node() -> Node {
+    Node {
+        name: Name::default(),
+        op: Name::default(),
+        inputs: ValueIds::new(),
+        outputs: ValueIds::new(),
+        attributes: Box::default(),
+        phase: Phase::Forward,
+        model: ModelId::from_index(0),
+        layer: None,
+        compiled_region: None,
+        micro_batch: 0,
+        effects: Effects::default(),
+        info: ops::OpInfo::UNKNOWN,
+    }
 }
 
 /// The ids of a node's value names; `unknown(node, value)` for the first that is not declared.
@@ -767,10 +847,12 @@ fn resolve(
     mut find: impl FnMut(&str) -> Option<ValueId>,
     unknown: fn(String, String) -> E,
 ) -> Result<ValueIds, E> {
-    names
-        .iter()
-        .map(|&v| find(v).ok_or_else(|| unknown(node.to_owned(), v.to_owned())))
-        .collect()
+    let mut ids = ValueIds::with_capacity(names.len());
+    for &name in names {
+        let id = find(name).ok_or_else(|| unknown(node.to_owned(), name.to_owned()))?;
+        ids.push(id);
+    }
+    Ok(ids)
 }
 
 fn convert_attributes(node: &str, attributes: RawAttributes<'_>) -> Result<Box<[Attribute]>, E> {
@@ -782,42 +864,46 @@ fn convert_attributes(node: &str, attributes: RawAttributes<'_>) -> Result<Box<[
     }
 }
 
+/// The attributes in a box of their exact size, allocated once when their number is known
+/// (a collected `Result` would grow a vector, then shrink it into the box).
 fn convert_each_attribute<'w>(
     node: &str,
     wire: impl IntoIterator<Item = RawAttribute<'w>>,
 ) -> Result<Box<[Attribute]>, E> {
-    wire.into_iter()
-        .enumerate()
-        .map(|(index, a)| {
-            if a.name.is_empty() {
-                return Err(E::UnnamedAttribute {
-                    node: node.to_owned(),
-                    index,
-                });
-            }
-            let value = match a.value {
-                Some(RawAttrValue::Int(v)) => AttrValue::Int(v),
-                Some(RawAttrValue::Float(v)) => AttrValue::Float(v),
-                Some(RawAttrValue::Str(v)) => AttrValue::Str(Name::new(v)),
-                Some(RawAttrValue::Bool(v)) => AttrValue::Bool(v),
-                Some(RawAttrValue::Ints(v)) => AttrValue::Ints(v),
-                Some(RawAttrValue::Floats(v)) => AttrValue::Floats(v),
-                Some(RawAttrValue::Strs(v)) => {
-                    AttrValue::Strs(v.iter().map(|&s| s.to_owned()).collect())
-                }
-                None => {
-                    return Err(E::EmptyAttribute {
-                        node: node.to_owned(),
-                        attribute: a.name.to_owned(),
-                    })
-                }
-            };
-            Ok(Attribute {
-                name: Name::new(a.name),
-                value,
+    let wire = wire.into_iter();
+    let mut attributes = Vec::with_capacity(wire.size_hint().0);
+    for (index, a) in wire.enumerate() {
+        attributes.push(convert_attribute(node, index, a)?);
+    }
+    Ok(attributes.into_boxed_slice())
+}
+
+fn convert_attribute(node: &str, index: usize, a: RawAttribute<'_>) -> Result<Attribute, E> {
+    if a.name.is_empty() {
+        return Err(E::UnnamedAttribute {
+            node: node.to_owned(),
+            index,
+        });
+    }
+    let value = match a.value {
+        Some(RawAttrValue::Int(v)) => AttrValue::Int(v),
+        Some(RawAttrValue::Float(v)) => AttrValue::Float(v),
+        Some(RawAttrValue::Str(v)) => AttrValue::Str(Name::new(v)),
+        Some(RawAttrValue::Bool(v)) => AttrValue::Bool(v),
+        Some(RawAttrValue::Ints(v)) => AttrValue::Ints(v),
+        Some(RawAttrValue::Floats(v)) => AttrValue::Floats(v),
+        Some(RawAttrValue::Strs(v)) => AttrValue::Strs(v.iter().map(|&s| s.to_owned()).collect()),
+        None => {
+            return Err(E::EmptyAttribute {
+                node: node.to_owned(),
+                attribute: a.name.to_owned(),
             })
-        })
-        .collect()
+        }
+    };
+    Ok(Attribute {
+        name: Name::new(a.name),
+        value,
+    })
 }
 
 /// The exporter's schema facts merged with the knowledge base's: either source is enough to
@@ -869,15 +955,16 @@ fn strongest_collective(
     a.max(b)
 }
 
-fn marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<Option<Name>, E> {
+/// A marker node must name its marker in a non-empty string attribute.
+fn check_marker_name(node: &str, op: &str, attributes: &[Attribute]) -> Result<(), E> {
     if op != MARKER_OP {
-        return Ok(None);
+        return Ok(());
     }
     match attributes.iter().find(|a| a.name == MARKER_NAME_ATTR) {
         Some(Attribute {
             value: AttrValue::Str(name),
             ..
-        }) if !name.is_empty() => Ok(Some(name.clone())),
+        }) if !name.is_empty() => Ok(()),
         _ => Err(E::UnnamedMarker {
             node: node.to_owned(),
         }),

@@ -34,7 +34,8 @@ pub(crate) struct RawValue<'a> {
     pub role: i32,
 }
 
-/// A wire `Node`, strings borrowed.
+/// A wire `Node`, strings borrowed; its module path and stack trace are checked but not kept
+/// (nothing reads them).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RawNode<'a> {
     pub name: &'a str,
@@ -45,11 +46,9 @@ pub(crate) struct RawNode<'a> {
     pub phase: i32,
     pub model: &'a str,
     pub layer: Option<u32>,
-    pub module_path: &'a str,
     pub compiled_region: &'a str,
     pub micro_batch: u32,
     pub schema: RawSchema,
-    pub stack_trace: Vec<&'a str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -148,7 +147,7 @@ impl<'a> RawValue<'a> {
                 .shape
                 .reserve_exact(count_numbers(Reader::element(bytes), 3)?);
         }
-        let mut r = Reader::element(bytes);
+        let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => value.name = r.str(wire)?,
@@ -182,11 +181,9 @@ impl<'a> RawNode<'a> {
             phase: n.phase,
             model: &n.model,
             layer: n.layer,
-            module_path: &n.module_path,
             compiled_region: &n.compiled_region,
             micro_batch: n.micro_batch,
             schema,
-            stack_trace: n.stack_trace.iter().map(String::as_str).collect(),
         }
     }
 
@@ -194,13 +191,12 @@ impl<'a> RawNode<'a> {
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
         let mut node = RawNode::default();
         if bytes.len() > LARGE {
-            let [inputs, outputs, stack_trace] = count_fields(Reader::element(bytes), [3, 4, 13])?;
+            let [inputs, outputs] = count_fields(Reader::element(bytes), [3, 4])?;
             node.inputs.reserve_exact(inputs);
             node.outputs.reserve_exact(outputs);
-            node.stack_trace.reserve_exact(stack_trace);
             node.attributes = RawAttributes::Encoded(bytes);
         }
-        let mut r = Reader::element(bytes);
+        let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
                 1 => node.name = r.str(wire)?,
@@ -217,11 +213,12 @@ impl<'a> RawNode<'a> {
                 6 => node.phase = r.int32(wire)?,
                 7 => node.model = r.str(wire)?,
                 8 => node.layer = Some(r.varint(wire)? as u32),
-                9 => node.module_path = r.str(wire)?,
+                // The module path and the stack trace are checked, not kept: nothing reads
+                // them.
+                9 | 13 => drop(r.str(wire)?),
                 10 => node.compiled_region = r.str(wire)?,
                 11 => node.micro_batch = r.varint(wire)? as u32,
                 12 => node.schema.merge(r.nested(wire)?)?,
-                13 => node.stack_trace.push(r.str(wire)?),
                 _ => r.skip(wire, tag)?,
             }
         }
@@ -427,8 +424,15 @@ impl<'a> IntoIterator for RawUnits<'a> {
             })),
             // `RawModel::decode` decoded these bytes: decoding them again cannot fail.
             RawUnits::Encoded(model, depth) => Box::new(
-                fields_of(Reader { buf: model, depth }, UNITS)
-                    .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
+                fields_of(
+                    Reader {
+                        buf: model,
+                        depth,
+                        text: "",
+                    },
+                    UNITS,
+                )
+                .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
             ),
         }
     }
@@ -441,7 +445,12 @@ impl<'a> RawUnit<'a> {
         let RawIntervals::Encoded(bytes, depth) = unit.intervals else {
             return Ok(());
         };
-        for interval in fields_of(Reader { buf: bytes, depth }, INTERVALS) {
+        let unit = Reader {
+            buf: bytes,
+            depth,
+            text: "",
+        };
+        for interval in fields_of(unit, INTERVALS) {
             decode_interval(interval?)?;
         }
         Ok(())
@@ -476,8 +485,15 @@ impl<'a> IntoIterator for RawIntervals<'a> {
             }
             // `RawUnit::check` decoded these bytes: decoding them again cannot fail.
             RawIntervals::Encoded(unit, depth) => Box::new(
-                fields_of(Reader { buf: unit, depth }, INTERVALS)
-                    .map_while(|interval| decode_interval(interval.ok()?).ok()),
+                fields_of(
+                    Reader {
+                        buf: unit,
+                        depth,
+                        text: "",
+                    },
+                    INTERVALS,
+                )
+                .map_while(|interval| decode_interval(interval.ok()?).ok()),
             ),
         }
     }
@@ -516,6 +532,9 @@ fn list_items<'a>(
 struct Reader<'a> {
     buf: &'a [u8],
     depth: u32,
+    /// Text around `buf` already checked to be UTF-8 (see [`Reader::element_text`]): a string
+    /// field inside it is not checked again.
+    text: &'a str,
 }
 
 /// The nesting prost allows inside a value or node: one level below the `Graph` it decodes.
@@ -527,6 +546,26 @@ impl<'a> Reader<'a> {
         Reader {
             buf,
             depth: ELEMENT_DEPTH,
+            text: "",
+        }
+    }
+
+    /// A `Value` or `Node` of a graph whose string fields are all read: the element's longest
+    /// prefix that is UTF-8 is checked in one pass, which is a fraction of the cost of checking
+    /// each short string alone. Keys, lengths and small numbers are ASCII, so in an exported
+    /// graph the prefix runs to the first number over 127 (a layer index, a dimension), and
+    /// mostly holds every name of the element.
+    fn element_text(buf: &'a [u8]) -> Self {
+        let text = match std::str::from_utf8(buf) {
+            Ok(text) => text,
+            Err(e) => buf
+                .get(..e.valid_up_to())
+                .and_then(|prefix| std::str::from_utf8(prefix).ok())
+                .unwrap_or_default(),
+        };
+        Reader {
+            text,
+            ..Reader::element(buf)
         }
     }
 
@@ -535,9 +574,7 @@ impl<'a> Reader<'a> {
         if self.buf.is_empty() {
             return Ok(None);
         }
-        decode_key(&mut self.buf)
-            .map(Some)
-            .map_err(|e| e.to_string())
+        read_key(&mut self.buf).map(Some)
     }
 
     /// Skips an unknown field; groups nest, and count against the recursion limit.
@@ -551,11 +588,12 @@ impl<'a> Reader<'a> {
         Ok(Reader {
             buf: self.message(wire)?,
             depth,
+            text: self.text,
         })
     }
 
     fn raw_varint(&mut self) -> Result<u64, String> {
-        decode_varint(&mut self.buf).map_err(|e| e.to_string())
+        read_varint(&mut self.buf)
     }
 
     fn varint(&mut self, wire: WireType) -> Result<u64, String> {
@@ -584,6 +622,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A length-delimited field's bytes.
+    #[inline]
     fn message(&mut self, wire: WireType) -> Result<&'a [u8], String> {
         expect(wire, WireType::LengthDelimited)?;
         let len = self.raw_varint()?;
@@ -597,9 +636,13 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     fn str(&mut self, wire: WireType) -> Result<&'a str, String> {
-        std::str::from_utf8(self.message(wire)?)
-            .map_err(|_| "invalid string value: data is not UTF-8 encoded".to_owned())
+        let bytes = self.message(wire)?;
+        match checked_text(self.text, bytes) {
+            Some(text) => Ok(text),
+            None => std::str::from_utf8(bytes).map_err(|_| not_utf8()),
+        }
     }
 
     /// A repeated varint field, packed or not.
@@ -628,7 +671,7 @@ impl<'a> Reader<'a> {
         }
         let mut packed = Reader {
             buf: self.message(wire)?,
-            depth: self.depth,
+            ..self.clone()
         };
         while !packed.buf.is_empty() {
             push(read(&mut packed)?);
@@ -637,13 +680,71 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// prost's `decode_key` over a byte slice, with a one-byte key (fields 1 to 15) read in
+/// place: a million-node file holds ten million keys. Anything else, errors included, is
+/// prost's.
+#[inline]
+pub(crate) fn read_key(buf: &mut &[u8]) -> Result<(u32, WireType), String> {
+    if let Some((&byte, rest)) = buf.split_first() {
+        let wire = WireType::try_from(u64::from(byte & 0x07));
+        if let (true, 1.., Ok(wire)) = (byte < 0x80, byte >> 3, wire) {
+            *buf = rest;
+            return Ok((u32::from(byte >> 3), wire));
+        }
+    }
+    decode_key_slowly(buf)
+}
+
+#[cold]
+#[inline(never)]
+fn decode_key_slowly(buf: &mut &[u8]) -> Result<(u32, WireType), String> {
+    decode_key(buf).map_err(|e| e.to_string())
+}
+
+/// prost's `decode_varint` over a byte slice, with a one-byte varint read in place.
+#[inline]
+pub(crate) fn read_varint(buf: &mut &[u8]) -> Result<u64, String> {
+    match buf.split_first() {
+        Some((&byte, rest)) if byte < 0x80 => {
+            *buf = rest;
+            Ok(u64::from(byte))
+        }
+        _ => decode_varint_slowly(buf),
+    }
+}
+
+#[inline(never)]
+fn decode_varint_slowly(buf: &mut &[u8]) -> Result<u64, String> {
+    decode_varint(buf).map_err(|e| e.to_string())
+}
+
+/// `bytes` as a part of `text`, when they lie inside it at character boundaries: then they
+/// are UTF-8 without another look.
+#[inline]
+fn checked_text<'a>(text: &'a str, bytes: &[u8]) -> Option<&'a str> {
+    let start = (bytes.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    text.get(start..start.checked_add(bytes.len())?)
+}
+
+#[inline]
 fn expect(wire: WireType, expected: WireType) -> Result<(), String> {
     if wire == expected {
         return Ok(());
     }
-    Err(format!(
-        "invalid wire type: {wire:?} (expected {expected:?})"
-    ))
+    Err(wrong_wire_type(wire, expected))
+}
+
+// The messages of broken input are made out of line, so that the readers of valid input
+// inline into their callers.
+
+#[cold]
+fn wrong_wire_type(wire: WireType, expected: WireType) -> String {
+    format!("invalid wire type: {wire:?} (expected {expected:?})")
+}
+
+#[cold]
+fn not_utf8() -> String {
+    "invalid string value: data is not UTF-8 encoded".to_owned()
 }
 
 /// prost's `skip_field` with the recursion limit counted from `depth`: every field needs one
@@ -656,7 +757,7 @@ fn skip_nested(buf: &mut &[u8], wire: WireType, tag: u32, depth: u32) -> Result<
         return skip_field(wire, tag, buf, DecodeContext::default()).map_err(|e| e.to_string());
     }
     loop {
-        let (inner_tag, inner_wire) = decode_key(buf).map_err(|e| e.to_string())?;
+        let (inner_tag, inner_wire) = read_key(buf)?;
         if inner_wire == WireType::EndGroup {
             if inner_tag != tag {
                 return Err("unexpected end group tag".to_owned());
@@ -667,10 +768,41 @@ fn skip_nested(buf: &mut &[u8], wire: WireType, tag: u32, depth: u32) -> Result<
     }
 }
 
+#[cold]
 fn recursion_limit() -> String {
     "recursion limit reached".to_owned()
 }
 
+#[cold]
 fn truncated() -> String {
     "buffer underflow".to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every input of up to two bytes (and each followed by more), read by the fast readers and
+    /// by prost: the same key or number, the same bytes left, or an error from both.
+    #[test]
+    fn keys_and_varints_read_as_prost_reads_them() {
+        let short = (0..=u8::MAX).map(|b| vec![b]);
+        let pairs = (0..=u8::MAX).flat_map(|a| (0..=u8::MAX).map(move |b| vec![a, b]));
+        for input in std::iter::once(Vec::new()).chain(short).chain(pairs) {
+            let (mut fast, mut reference) = (input.as_slice(), input.as_slice());
+            let key = read_key(&mut fast);
+            let expected = decode_key(&mut reference).map_err(|e| e.to_string());
+            assert_eq!(key, expected, "key {input:?}");
+            if key.is_ok() {
+                assert_eq!(fast, reference, "rest after key {input:?}");
+            }
+            let (mut fast, mut reference) = (input.as_slice(), input.as_slice());
+            let number = read_varint(&mut fast);
+            let expected = decode_varint(&mut reference).map_err(|e| e.to_string());
+            assert_eq!(number, expected, "varint {input:?}");
+            if number.is_ok() {
+                assert_eq!(fast, reference, "rest after varint {input:?}");
+            }
+        }
+    }
 }

@@ -134,7 +134,35 @@ fn the_base_graph_is_valid() {
     let g = Graph::from_wire(base()).expect("base graph loads");
     assert_eq!(g.nodes().len(), 7);
     let begin = g.nodes().values().next().unwrap();
-    assert_eq!(begin.marker.as_deref(), Some("mlp.begin"));
+    assert_eq!(begin.marker().map(|m| m.as_str()), Some("mlp.begin"));
+}
+
+/// Values and nodes convert in parallel batches: whichever worker meets a broken element
+/// first, the error is the first broken element in file order.
+#[test]
+fn the_first_broken_element_is_reported_however_the_workers_race() {
+    let mut g = base();
+    // Thousands of values, every 97th unnamed from the 1000th on: broken elements in every
+    // worker's share of the batch, the first of them in the first share.
+    g.values.extend((0..6000).map(|i| {
+        let name = match i {
+            1000.. if i % 97 == 0 => String::new(),
+            _ => format!("extra_{i}"),
+        };
+        value(&name, pb::Dtype::Float32, &[1], pb::Role::Input)
+    }));
+    let first = g.values.iter().position(|v| v.name.is_empty()).unwrap();
+    let workers = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    for _ in 0..10 {
+        let err = workers.install(|| Graph::from_wire(g.clone()));
+        assert_eq!(
+            err.expect_err("unnamed values"),
+            ValidationError::UnnamedValue { index: first }
+        );
+    }
 }
 
 #[test]
@@ -523,6 +551,26 @@ fn consumers_and_producers_agree_with_the_nodes() {
             assert_eq!(g.producer(v), Some(id));
         }
     }
+}
+
+/// A node reading one value twice (`mm(x, x)`) is one consumer of it, listed once, and the
+/// consumers of the values around it are unaffected.
+#[test]
+fn a_node_reading_a_value_twice_is_listed_once_among_its_consumers() {
+    let mut g = base();
+    node_mut(&mut g, "mm").inputs = vec!["x_m".to_owned(), "x_m".to_owned()];
+    let g = Graph::from_wire(g).expect("valid");
+    let consumers = |value: &str| -> Vec<&str> {
+        let (id, _) = g.values().iter().find(|(_, v)| v.name == value).unwrap();
+        g.consumers(id)
+            .iter()
+            .map(|&n| g.node(n).name.as_str())
+            .collect()
+    };
+    assert_eq!(consumers("x_m"), ["mm", "t"]);
+    assert_eq!(consumers("x"), ["begin"]);
+    assert_eq!(consumers("w"), Vec::<&str>::new());
+    assert_eq!(consumers("grad_y"), ["mm_bwd"]);
 }
 
 #[test]

@@ -238,6 +238,42 @@ fn a_wrong_wire_type_or_bad_utf8_is_a_protobuf_error() {
     }
 }
 
+/// The loader checks the UTF-8 of a node's or value's leading bytes in one pass, and of each
+/// string after the first byte over 127 (a number over 127, a character outside ASCII) on its
+/// own: names of any script decode as prost decodes them wherever they lie, and a broken
+/// string is an error before or after such a byte.
+#[test]
+fn names_before_and_after_long_numbers_and_other_scripts_decode_as_in_prost() {
+    let graph = fixture();
+    let long_number = |bytes: Vec<u8>| with_field(bytes, 90, WireType::Varint, &varint(300));
+    let renamed = |n: &pb::Node| pb::Node {
+        name: format!("{}_ñ名", n.name),
+        module_path: format!("{}·", n.module_path),
+        ..n.clone()
+    };
+    let number_first =
+        |n: &pb::Node| [long_number(Vec::new()), renamed(n).encode_to_vec()].concat();
+    let number_last = |n: &pb::Node| long_number(renamed(n).encode_to_vec());
+    for bytes in [
+        encode_with(&graph, Message::encode_to_vec, number_first),
+        encode_with(&graph, Message::encode_to_vec, number_last),
+    ] {
+        let loaded = agree(&bytes).expect("loads");
+        let first = loaded.node(ir::NodeId::from_index(0));
+        assert_eq!(first.name, format!("{}_ñ名", graph.nodes[0].name));
+    }
+    let bad = |bytes: Vec<u8>| with_field(bytes, 9, WireType::LengthDelimited, &[b'a', 0xff]);
+    let bad_before = |n: &pb::Node| long_number(bad(n.encode_to_vec()));
+    let bad_after = |n: &pb::Node| bad(long_number(n.encode_to_vec()));
+    for bytes in [
+        encode_with(&graph, Message::encode_to_vec, bad_before),
+        encode_with(&graph, Message::encode_to_vec, bad_after),
+    ] {
+        let error = agree(&bytes).expect_err("bad UTF-8");
+        assert!(matches!(error, LoadError::Protobuf { .. }), "{error}");
+    }
+}
+
 /// An unknown group field nested `depth` deep.
 fn nested_group(depth: usize) -> Vec<u8> {
     let mut bytes = Vec::new();

@@ -594,7 +594,7 @@ impl Search<'_> {
     fn keepable(&self, id: NodeId) -> bool {
         let node = self.graph.node(id);
         node.compiled_region.is_none()
-            && node.marker.is_none()
+            && node.marker().is_none()
             && !node.effects.is_mutable()
             && node.effects.view_of.is_none()
             && node.effects.collective.is_none()

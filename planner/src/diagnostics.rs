@@ -128,7 +128,7 @@ fn no_units_declared(graph: &Graph, config: &PlanConfig, out: &mut Collector) {
 fn marker_missing(graph: &Graph, resolved: &Resolved, out: &mut Collector) {
     let mut present: BTreeMap<ModelId, BTreeSet<&str>> = BTreeMap::new();
     for node in graph.nodes().values() {
-        if let Some(marker) = &node.marker {
+        if let Some(marker) = node.marker() {
             present.entry(node.model).or_default().insert(marker);
         }
     }

@@ -132,7 +132,7 @@ fn model_summaries(graph: &Graph) -> Vec<ModelSummary> {
                 summary.activation_bytes = summary.activation_bytes.saturating_add(value.bytes);
             }
         }
-        if let Some(marker) = &node.marker {
+        if let Some(marker) = node.marker() {
             summary.markers.push(match node.micro_batch {
                 0 => marker.to_string(),
                 mb => format!("{marker}@mb{mb}"),

@@ -185,7 +185,7 @@ proptest! {
             let node = graph.node(doc.node);
             prop_assert!(node.compiled_region.is_none(), "{} kept in a compiled region", node.name);
             prop_assert!(!node.effects.is_mutable(), "{} kept though mutable", node.name);
-            prop_assert!(node.marker.is_none(), "{} is a marker", node.name);
+            prop_assert!(node.marker().is_none(), "{} is a marker", node.name);
             prop_assert!(node.effects.view_of.is_none(), "{} is a view", node.name);
         }
         // A random op in a checkpointed layer is saved, or replays with its forward generator

@@ -65,12 +65,7 @@ pub fn load_bytes(bytes: &[u8], format: Format, path: &Path) -> Result<Graph, Lo
 }
 
 /// Validates the graph in `encoded` (read from the file `bytes`) into a [`Graph`].
-fn build(
-    encoded: &[u8],
-    layout: &Layout<'_>,
-    bytes: &[u8],
-    path: &Path,
-) -> Result<Graph, LoadError> {
+fn build(encoded: &[u8], layout: &Layout, bytes: &[u8], path: &Path) -> Result<Graph, LoadError> {
     let fingerprint = crate::fingerprint(encoded);
     Graph::from_encoded(encoded, layout, fingerprint).map_err(|e| match e {
         BuildError::Protobuf(reason) => protobuf_error(bytes, path, reason),
@@ -174,7 +169,7 @@ fn canonical_input<'b>(
 }
 
 /// Walks the top level of `encoded` (read from the file `bytes`).
-fn walk<'e>(encoded: &'e [u8], bytes: &[u8], path: &Path) -> Result<Layout<'e>, LoadError> {
+fn walk(encoded: &[u8], bytes: &[u8], path: &Path) -> Result<Layout, LoadError> {
     Layout::of(encoded).map_err(|reason| protobuf_error(bytes, path, reason))
 }
 

@@ -203,8 +203,8 @@ pub struct Peak {
     pub node: NodeId,
 }
 
-/// What replay costs, on a hardware profile. It holds no ids, so the JSON writes it as it is.
-#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
+/// What replay costs, on a hardware profile.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Cost {
     pub replay_flops: u64,
     pub replay_bytes: u64,

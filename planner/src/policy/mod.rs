@@ -168,7 +168,7 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
         let mut session = Session::new(graph, index, kept, site, &mut findings);
         for &id in members {
             let node = graph.node(id);
-            nodes[id] = Some(match &node.marker {
+            nodes[id] = Some(match node.marker() {
                 Some(marker) => session.on_marker(node, marker),
                 None => {
                     let open = session.enclosure(id, node);
@@ -311,7 +311,7 @@ pub fn interval_contents(graph: &Graph) -> Vec<IntervalContents<'_>> {
         session.list_members();
         for id in members {
             let node = graph.node(id);
-            match &node.marker {
+            match node.marker() {
                 Some(marker) => {
                     session.on_marker(node, marker);
                 }
@@ -337,13 +337,18 @@ pub fn interval_contents(graph: &Graph) -> Vec<IntervalContents<'_>> {
 }
 
 /// The forward nodes of each checkpointed site, in execution order; every other forward node
-/// is decided here (not checkpointed).
+/// is decided here (not checkpointed). A site's nodes come in runs (a layer's forward), so a
+/// run is gathered before it is filed under its site, one map lookup per run.
 fn sessions(
     graph: &Graph,
     resolved: &Resolved,
     nodes: &mut IdVec<NodeId, Option<NodePolicy>>,
 ) -> BTreeMap<Site, Vec<NodeId>> {
     let mut sessions: BTreeMap<Site, Vec<NodeId>> = BTreeMap::new();
+    let mut file = |(site, run): (Site, Vec<NodeId>)| {
+        sessions.entry(site).or_default().extend(run);
+    };
+    let mut run: Option<(Site, Vec<NodeId>)> = None;
     for (id, node) in graph.nodes().iter() {
         if node.phase != Phase::Forward {
             continue;
@@ -357,11 +362,21 @@ fn sessions(
                     },
                     micro_batch: node.micro_batch,
                 };
-                sessions.entry(site).or_default().push(id);
+                match &mut run {
+                    Some((current, members)) if *current == site => members.push(id),
+                    _ => {
+                        if let Some(done) = run.replace((site, vec![id])) {
+                            file(done);
+                        }
+                    }
+                }
             }
             Some(_) => nodes[id] = Some(not_checkpointed(Reason::LayerNotCheckpointed)),
             None => nodes[id] = Some(not_checkpointed(Reason::OutsideLayers)),
         }
+    }
+    if let Some(done) = run {
+        file(done);
     }
     sessions
 }
@@ -490,7 +505,7 @@ fn find_layers_compiled_whole(
         let seen = regions.entry(site.at).or_insert(Some(BTreeSet::new()));
         for &id in members {
             let node = graph.node(id);
-            if node.marker.is_some() {
+            if node.marker().is_some() {
                 continue;
             }
             match (&node.compiled_region, seen.as_mut()) {
