@@ -97,13 +97,34 @@ fn model_name(graph: &Graph, model: ModelId) -> Shown<'_> {
     shown(&graph.model(model).name)
 }
 
-/// `layers 0, 1` / `layer 3`.
+/// Ranges of layers shown before the rest are counted.
+const SHOWN_RANGES: usize = 8;
+
+/// `layer 3` / `layers 0, 1` / `layers 0-2, 5, 7-9`: runs of three or more layers as ranges, at most
+/// [`SHOWN_RANGES`] of them and a count of the rest, so a deep model's message stays short.
 fn layers_phrase(layers: impl IntoIterator<Item = u32>) -> String {
-    let layers: Vec<String> = layers.into_iter().map(|l| l.to_string()).collect();
-    match layers.len() {
-        1 => format!("layer {}", layers[0]),
-        _ => format!("layers {}", layers.join(", ")),
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for layer in layers {
+        match ranges.last_mut() {
+            Some((_, last)) if last.checked_add(1) == Some(layer) => *last = layer,
+            _ => ranges.push((layer, layer)),
+        }
     }
+    let single = matches!(ranges.as_slice(), [(first, last)] if first == last);
+    let mut shown: Vec<String> = ranges
+        .iter()
+        .take(SHOWN_RANGES)
+        .map(|&(first, last)| match last - first {
+            0 => first.to_string(),
+            1 => format!("{first}, {last}"),
+            _ => format!("{first}-{last}"),
+        })
+        .collect();
+    if ranges.len() > SHOWN_RANGES {
+        shown.push(format!("and {} more", ranges.len() - SHOWN_RANGES));
+    }
+    let noun = if single { "layer" } else { "layers" };
+    format!("{noun} {}", shown.join(", "))
 }
 
 fn no_units_declared(graph: &Graph, config: &PlanConfig, out: &mut Collector) {

@@ -1009,3 +1009,32 @@ fn an_alias_saved_for_a_later_layer_is_not_written_again_by_replay() {
         assert!(!has_errors(&p), "{keep:?}: {:?}", p.diagnostics);
     }
 }
+
+#[test]
+fn a_diagnostic_names_runs_of_layers_as_ranges_and_stays_short() {
+    let layers = 40;
+    let mut b = Builder::new(layers, &[ATTN]);
+    let mut h = b.input("x");
+    let mut reads = Vec::new();
+    for l in 0..layers {
+        b.layer(Some(l));
+        let m = b.marker("attn.begin", &h);
+        let t = b.node("aten.topk.default", &[&m]).1;
+        h = b.marker("attn.end", &t);
+        reads.push(t);
+    }
+    b.layer(None);
+    let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+    backward(&mut b, &reads);
+    let p = run(&b, &config(&[]));
+    let d = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "nondeterministic-replay")
+        .expect("replayed top-k is reported");
+    assert!(
+        d.message.contains("in layers 0-39 of model"),
+        "{}",
+        d.message
+    );
+}
