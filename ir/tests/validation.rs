@@ -573,54 +573,11 @@ fn a_node_reading_a_value_twice_is_listed_once_among_its_consumers() {
     assert_eq!(consumers("grad_y"), ["mm_bwd"]);
 }
 
-#[test]
-fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
-    // AOTAutograd puts the `detach` of a saved output right after its producer, in forward.
+/// `base` with `det`, the `detach` of a saved output that AOTAutograd puts right after its
+/// producer, in forward, as a backward node, and `use_det`, a late backward node reading it.
+fn with_detach_in_forward() -> pb::Graph {
     let mut g = base();
-    g.values.push(value(
-        "y_det",
-        pb::Dtype::Float32,
-        &[4, 2],
-        pb::Role::Gradient,
-    ));
-    g.values.push(value(
-        "late",
-        pb::Dtype::Float32,
-        &[4, 2],
-        pb::Role::Gradient,
-    ));
-    g.nodes.insert(
-        2,
-        node(
-            "det",
-            "aten.detach.default",
-            &["y"],
-            &["y_det"],
-            pb::Phase::Backward,
-        ),
-    );
-    g.nodes.push(node(
-        "use_det",
-        "aten.mul.Tensor",
-        &["y_det", "grad_y"],
-        &["late"],
-        pb::Phase::Backward,
-    ));
-    let g = Graph::from_wire(g).expect("valid");
-    let order: Vec<&str> = g
-        .backward_order()
-        .iter()
-        .map(|&id| g.node(id).name.as_str())
-        .collect();
-    assert_eq!(order, ["expand", "t", "mm_bwd", "det", "use_det"]);
-}
-
-#[test]
-fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_it() {
-    // `det2` reads `det`'s output and no later backward node reads `det2`'s: `det2` runs
-    // first, so `det` must run before it although `use_det` would have it run later.
-    let mut g = base();
-    for name in ["y_det", "y_det2", "late"] {
+    for name in ["y_det", "late"] {
         g.values
             .push(value(name, pb::Dtype::Float32, &[4, 2], pb::Role::Gradient));
     }
@@ -634,6 +591,44 @@ fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_
             pb::Phase::Backward,
         ),
     );
+    g.nodes.push(node(
+        "use_det",
+        "aten.mul.Tensor",
+        &["y_det", "grad_y"],
+        &["late"],
+        pb::Phase::Backward,
+    ));
+    g
+}
+
+/// The names of `g`'s backward nodes in the order they run.
+fn backward_names(g: &Graph) -> Vec<&str> {
+    g.backward_order()
+        .iter()
+        .map(|&id| g.node(id).name.as_str())
+        .collect()
+}
+
+#[test]
+fn backward_nodes_placed_in_forward_run_just_before_their_first_backward_use() {
+    let g = Graph::from_wire(with_detach_in_forward()).expect("valid");
+    assert_eq!(
+        backward_names(&g),
+        ["expand", "t", "mm_bwd", "det", "use_det"]
+    );
+}
+
+#[test]
+fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_it() {
+    // `det2` reads `det`'s output and no later backward node reads `det2`'s: `det2` runs
+    // first, so `det` must run before it although `use_det` would have it run later.
+    let mut g = with_detach_in_forward();
+    g.values.push(value(
+        "y_det2",
+        pb::Dtype::Float32,
+        &[4, 2],
+        pb::Role::Gradient,
+    ));
     g.nodes.insert(
         3,
         node(
@@ -644,20 +639,11 @@ fn a_backward_node_placed_in_forward_runs_before_every_backward_node_that_reads_
             pb::Phase::Backward,
         ),
     );
-    g.nodes.push(node(
-        "use_det",
-        "aten.mul.Tensor",
-        &["y_det", "grad_y"],
-        &["late"],
-        pb::Phase::Backward,
-    ));
     let g = Graph::from_wire(g).expect("valid");
-    let order: Vec<&str> = g
-        .backward_order()
-        .iter()
-        .map(|&id| g.node(id).name.as_str())
-        .collect();
-    assert_eq!(order, ["det", "det2", "expand", "t", "mm_bwd", "use_det"]);
+    assert_eq!(
+        backward_names(&g),
+        ["det", "det2", "expand", "t", "mm_bwd", "use_det"]
+    );
 }
 
 #[test]
