@@ -579,27 +579,35 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
     }
 }
 
-/// A model that declares decoder layers but none of whose forward nodes carries a layer
-/// index: nothing of it can be checkpointed, which is almost always a forgotten annotation.
+/// A model of which nothing can be checkpointed: it declares no decoder layers, or declares
+/// some but none of its forward nodes carries a layer index. Either is almost always a
+/// forgotten annotation, and every plan of such a model is "no checkpointing".
 fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
-    let mut annotated = vec![false; graph.models().len()];
+    let models = graph.models().len();
+    let mut has_forward = vec![false; models];
+    let mut annotated = vec![false; models];
     for node in graph.nodes().values() {
-        if node.phase == Phase::Forward && node.layer.is_some() {
-            annotated[node.model.index()] = true;
+        if node.phase == Phase::Forward {
+            has_forward[node.model.index()] = true;
+            annotated[node.model.index()] |= node.layer.is_some();
         }
     }
     for (id, model) in graph.models().iter() {
-        if model.num_layers == 0 || annotated[id.index()] {
+        if !has_forward[id.index()] || annotated[id.index()] {
             continue;
         }
+        let declared = match model.num_layers {
+            0 => "declares no decoder layers".to_owned(),
+            n => format!("declares {n} layers, but none of its forward ops carries a layer index"),
+        };
         out.add(
             Code::NoLayersAnnotated,
             (id, None),
             format!(
-                "model `{}` declares {} layers, but none of its forward ops carries a layer index: nothing of it is checkpointed",
-                shown(&model.name), model.num_layers
+                "model `{}` {declared}: nothing of it is checkpointed",
+                shown(&model.name)
             ),
-            "when exporting, run each decoder layer inside `layer_scope(model, index)` (or call `recompute_planner.annotate(model, layers=...)`) so its ops carry their layer".to_owned(),
+            "when exporting, annotate the model first (`recompute_planner.annotate(model, layers=\"model.layers\", units=...)`) or run each decoder layer inside `layer_scope(model, index)`, so its ops carry their layer".to_owned(),
         );
     }
 }

@@ -766,6 +766,30 @@ fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
 }
 
 #[test]
+fn a_model_that_declares_no_layers_is_a_warning_so_deny_warnings_refuses_it() {
+    // What `rp.export` of a model nobody annotated produces: no layer declared, no op in one.
+    let mut b = Builder::new(0, &[]);
+    let x = b.input("x");
+    let a = b.op(&x);
+    let c = b.op(&a);
+    backward(&mut b, &[&a, &c]);
+    let p = run(&b, &config(&["none"]));
+    assert!(p.nodes.iter().all(|n| n.decision == "no-checkpoint"));
+    let d = p
+        .diagnostics
+        .iter()
+        .find(|d| d.code == "no-layers-annotated")
+        .expect("warned");
+    assert_eq!(d.level, "warning");
+    assert!(
+        d.message.contains("declares no decoder layers"),
+        "{}",
+        d.message
+    );
+    assert!(d.hint.contains("recompute_planner.annotate"), "{}", d.hint);
+}
+
+#[test]
 fn a_hint_never_recommends_keeping_a_unit_that_plan_would_reject() {
     let plan_for = |corrupting: bool| {
         let mut b = Builder::new(1, &[ATTN]);

@@ -169,3 +169,13 @@ def test_annotation_errors_name_what_exists():
         rp.annotate(model, layers="model.blocks")
     with pytest.raises(ValueError, match=r"no submodule `moe`.*self_attn"):
         rp.annotate(model, units={"SAVE_MOE": ["moe"]})
+
+
+def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning():
+    # Forgetting `rp.annotate` declares no layer: the plan can only be "no checkpointing",
+    # and it says so instead of a silent "keep nothing (whole-layer recompute)".
+    model, inputs = llama(), tokens()
+    graph = rp.export(model, inputs).graph
+    with pytest.warns(rp.PlannerWarning, match="no-layers-annotated.*declares no decoder layers"):
+        plan = rp.plan(graph, ["none"])
+    assert plan.nodes and all(n.decision == "no-checkpoint" for n in plan.nodes)
