@@ -1,8 +1,9 @@
 """Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md).
 
 ``export_joint`` captures the joint forward+backward graph AOTAutograd builds
-(``functorch.compile.aot_module``; the ``partition_fn`` hook receives the joint graph, which is
-all we need, so it stops compilation there). ``export_forward`` captures the forward graph of the
+(``functorch.compile.aot_function`` over the module's ``functional_call``, each tensor lifted
+once; the ``partition_fn`` hook receives the joint graph, which is all we need, so it stops
+compilation there). ``export_forward`` captures the forward graph of the
 same step traced without autograd. Both map the FX graph to ``recompute.ir.v1.Graph`` and return
 the step's weights, inputs and, for the joint graph, the eager PyTorch reference loss and
 gradients from the same process. The reference step draws dropout masks with PyTorch's own
@@ -63,7 +64,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from functorch.compile import aot_module
+from functorch.compile import aot_function
 from google.protobuf import json_format
 from torch._functorch._aot_autograd.descriptors import (
     GradAOTOutput,
@@ -287,7 +288,7 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
     def forward_compiler(graph_module, _inputs):
         raise _GraphCaptured(graph_module, len(_output_args(graph_module)), joint=False)
 
-    compiled = aot_module(
+    compiled = _aot_module(
         module,
         fw_compiler=forward_compiler,
         partition_fn=partition,
@@ -345,31 +346,41 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
 
 
 def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
-    """AOTAutograd's flat inputs of ``aot_module(module)(*args)``, named as IR values.
+    """AOTAutograd's flat inputs of ``_aot_module(module)(*args)``, named as IR values.
 
-    Parameters and buffers keep their fully qualified names; data arguments are ``input.<i>``.
+    Parameters and buffers keep their fully qualified names; a tensor registered under several
+    names (tied input and output embeddings) is one input, named by its first name, as
+    ``named_parameters()`` lists it; data arguments are ``input.<i>``.
     """
     if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
-    named_params = list(module.named_parameters(remove_duplicate=False))
-    named_buffers = list(module.named_buffers(remove_duplicate=False))
-    _reject_tied(named_params + named_buffers)
-    flat = [_FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in named_params]
-    flat += [_FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in named_buffers]
+    flat = [_FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
+    flat += [_FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
     flat += [_FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
     return flat
 
 
-def _reject_tied(named: list[tuple[str, torch.Tensor]]) -> None:
-    """``aot_module`` cannot lift a tensor registered under two names: say so up front."""
-    first_name: dict[int, str] = {}
-    for name, tensor in named:
-        if id(tensor) in first_name:
-            raise ValueError(
-                f"tied tensors `{first_name[id(tensor)]}` and `{name}` are not supported: "
-                "aot_module lifts each name as its own input"
-            )
-        first_name[id(tensor)] = name
+def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any]:
+    """``aot_module`` lifting each parameter and buffer once, however many names it has.
+
+    torch's ``aot_module`` lifts every name as its own input, so a tied weight would become two
+    inputs with two gradients (and AOTAutograd deduplicates the pair behind the graph's back).
+    Here the flat inputs are ``named_parameters()`` / ``named_buffers()`` without duplicates,
+    and ``functional_call`` (which ties weights by default) hands the one tensor to every name
+    it is registered under, so the graph has one input and one gradient per tensor, the sum of
+    its uses, as eager autograd computes it.
+    """
+    torch._dynamo.utils.assert_no_fake_params_or_buffers(module)
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+
+    def functional_call(named_params, named_buffers, *args: Any) -> Any:
+        return torch.func.functional_call(module, {**named_params, **named_buffers}, args)
+
+    compiled = aot_function(
+        functional_call, num_params_buffers=len(params) + len(buffers), **aot_kwargs
+    )
+    return lambda *args: compiled(params, buffers, *args)
 
 
 def _eager_reference(

@@ -390,14 +390,29 @@ def test_errors_name_the_culprit():
     with pytest.raises(ValueError, match=r"node `_to_copy` .*complex128"):
         to_complex = Lambda(lambda self, x: self.lin(x).to(torch.complex128).abs().sum())
         export_forward(to_complex, (torch.randn(2, 4),), name="e", models=MAIN)
-    tied = Lambda(lambda self, x: self.lin(x).sum())
-    tied.other = nn.Linear(4, 4)
-    tied.other.weight = tied.lin.weight
-    with pytest.raises(ValueError, match="tied tensors `lin.weight` and `other.weight`"):
-        export_joint(tied, (torch.randn(2, 4),), name="e", models=MAIN)
     with pytest.raises(ValueError, match="declare at least one model"):
         no_models = Lambda(lambda self, x: self.lin(x).sum())
         export_joint(no_models, (torch.randn(2, 4),), name="e", models=[])
+
+
+def test_a_tied_weight_is_one_parameter_whose_gradient_sums_its_uses():
+    # Tied input/output embeddings: one tensor registered under two names.
+    tied = Lambda(lambda self, x: self.other(torch.tanh(self.lin(x))).square().sum())
+    tied.other = nn.Linear(4, 4)
+    tied.other.weight = tied.lin.weight
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    result = export_joint(tied, (x,), name="e", models=MAIN)
+    params = [v.name for v in result.graph.values if v.role == graph_pb2.ROLE_PARAMETER]
+    assert params == ["lin.weight", "lin.bias", "other.bias"]
+    assert set(result.params) == set(params)
+    tied.zero_grad()
+    loss = tied(x)
+    loss.backward()
+    torch.testing.assert_close(result.loss, loss.detach())
+    gradients = {tuple(g.shape): g for g in result.grads.values()}
+    assert len(result.grads) == 3
+    # Both uses of the weight flow into its one gradient, as eager autograd sums them.
+    torch.testing.assert_close(gradients[(4, 4)], tied.lin.weight.grad)
 
 
 def test_stack_traces_keep_the_innermost_three_frames():

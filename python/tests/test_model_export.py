@@ -179,3 +179,29 @@ def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning():
     with pytest.warns(rp.PlannerWarning, match="no-layers-annotated.*declares no decoder layers"):
         plan = rp.plan(graph, ["none"])
     assert plan.nodes and all(n.decision == "no-checkpoint" for n in plan.nodes)
+
+
+def test_tied_input_and_output_embeddings_export_as_one_weight_with_the_models_loss():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True)
+    )
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rp.annotate(model, layers="model.layers", units=DENSE_UNITS)
+    inputs = tokens()
+    result = rp.export(model, inputs)
+    unmasked = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    loss = model(**unmasked).loss
+    torch.testing.assert_close(result.loss, loss.detach())
+    names = {v.name for v in result.graph.values}
+    assert any(n.endswith("embed_tokens.weight") for n in names)
+    assert not any(n.endswith("lm_head.weight") for n in names)
+    # The one weight's gradient sums the embedding's and the output projection's.
+    model.zero_grad()
+    loss.backward()
+    embedding = model.model.embed_tokens.weight.grad
+    matching = [g for g in result.grads.values() if g.shape == embedding.shape]
+    assert len(matching) == 1
+    torch.testing.assert_close(matching[0], embedding)
+    plan = planned(result.graph, list(DENSE_UNITS))
+    assert kept_units_by_layer(plan) == {(layer, unit) for layer in (0, 1) for unit in DENSE_UNITS}
