@@ -216,6 +216,34 @@ fn r4_unbalanced_markers_are_safe_and_reported() {
 }
 
 #[test]
+fn r4_an_end_repeated_on_each_output_of_a_region_closes_once_and_is_no_fault() {
+    // A module or method returning two tensors gets the end marker on each of them.
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x); // n1
+    let k = b.op(&m); // n2: kept
+    let v = b.op(&m); // n3: kept
+    let ek = b.marker("attn.end", &k); // n4
+    let ev = b.marker("attn.end", &v); // n5: the same close, repeated
+    let after = b.op(&ev); // n6: outside
+    let stray = b.marker("attn.end", &after); // n7: still the same close
+    b.layer(None);
+    backward(&mut b, &[&ek, &stray]);
+    let p = run(&b, &config(&["save_attn"]));
+    assert_eq!(decision(&p, "n2").0, "save");
+    assert_eq!(decision(&p, "n3").0, "save");
+    assert_eq!(decision(&p, "n6").1, "outside-kept-interval");
+    assert!(
+        !p.diagnostics
+            .iter()
+            .any(|d| d.code == "interval-unbalanced"),
+        "{:?}",
+        p.diagnostics
+    );
+}
+
+#[test]
 fn r4_crossing_intervals_keep_if_any_is_open_credit_the_inner_one_and_are_reported() {
     let mut b = Builder::new(1, &[ATTN, MLP]);
     let x = b.input("x");

@@ -9,7 +9,15 @@ forward hooks, no source edit:
 - on each unit's submodules (paths relative to a layer: ``"self_attn"``, ``"mlp.gate"``), a
   pre-hook putting the marker ``<path>.begin`` on the module's (first) tensor input and a hook
   putting ``<path>.end`` on its tensor outputs, so the unit's interval encloses exactly that
-  module's ops.
+  module's ops;
+- on each unit's methods (a path whose last part names a method of a submodule:
+  ``"mlp.route_tokens_to_experts"``), the same markers around that method's calls, by a wrapper
+  set on the submodule instance (the class is not touched), so a unit can be a region smaller
+  than a module without editing the model's source.
+
+A unit path absent from some layers (a MoE gate in a model whose first layers are dense) applies
+in the layers that have it; ``Annotation.absent`` says where it is missing, and the plan lists
+per layer what each unit keeps. A path found in no layer is an error.
 
 It returns an ``Annotation``: the ``ModelDecl`` list the exporter and the compile stage need
 (``.models``) and ``.remove()`` to take the hooks off again. ``recompute_planner.export``
@@ -38,7 +46,9 @@ class Annotation:
     """What ``annotate`` installed: the declared models and the hooks."""
 
     models: list[ModelDecl]
-    handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+    # Unit -> path -> the layers that lack it (only paths missing somewhere).
+    absent: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    handles: list[RemovableHandle | _MethodWrapper] = field(default_factory=list, repr=False)
     root: nn.Module | None = field(default=None, repr=False)
 
     def remove(self) -> None:
@@ -66,11 +76,23 @@ def annotate(
     annotation = Annotation(
         models=[ModelDecl(name, len(layer_list), _unit_intervals(units))], root=model
     )
+    targets = {
+        (unit, path): _unit_targets(layer_list, unit, path)
+        for unit, paths in units.items()
+        for path in paths
+    }
+    for (unit, path), found in targets.items():
+        missing = [i for i, target in enumerate(found) if target is None]
+        if missing:
+            annotation.absent.setdefault(unit, {})[path] = missing
     for index, layer in enumerate(layer_list):
         annotation.handles += _scope_hooks(layer, name, index)
-        for unit, paths in units.items():
-            for path in paths:
-                annotation.handles += _marker_hooks(_submodule(layer, path, unit, index), path)
+        for (_unit, path), found in targets.items():
+            target = found[index]
+            if isinstance(target, nn.Module):
+                annotation.handles += _marker_hooks(target, path)
+            elif target is not None:
+                annotation.handles.append(_MethodWrapper(target[0], target[1], path))
     setattr(model, ANNOTATION_ATTR, annotation)
     return annotation
 
@@ -99,15 +121,58 @@ def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
     return found
 
 
-def _submodule(layer: nn.Module, path: str, unit: str, index: int) -> nn.Module:
+# What a unit path names in one layer: a submodule, a (submodule, method name) pair, or
+# nothing.
+_Target = nn.Module | tuple[nn.Module, str] | None
+
+
+def _unit_targets(layer_list: nn.ModuleList, unit: str, path: str) -> list[_Target]:
+    """What ``path`` names in each layer; an error if it names nothing in any layer."""
+    found = [_target(layer, path) for layer in layer_list]
+    if layer_list and all(target is None for target in found):
+        layer = layer_list[0]
+        children = ", ".join(n for n, _ in layer.named_children())
+        raise ValueError(
+            f"unit {unit}: no layer has a submodule or method `{path}` (layer 0, "
+            f"{type(layer).__name__}, has children: {children})"
+        )
+    return found
+
+
+def _target(layer: nn.Module, path: str) -> _Target:
     try:
         return layer.get_submodule(path)
     except AttributeError:
-        children = ", ".join(n for n, _ in layer.named_children())
-        raise ValueError(
-            f"unit {unit}: layer {index} ({type(layer).__name__}) has no submodule `{path}` "
-            f"(its children: {children})"
-        ) from None
+        pass
+    owner_path, _, method = path.rpartition(".")
+    try:
+        owner = layer.get_submodule(owner_path)
+    except AttributeError:
+        return None
+    attribute = getattr(type(owner), method, None)
+    if callable(attribute) and not isinstance(attribute, nn.Module):
+        return owner, method
+    return None
+
+
+class _MethodWrapper:
+    """Markers around every call of ``owner.<method>``: a wrapper set on the instance (which
+    shadows the class's method), removed by ``remove()``."""
+
+    def __init__(self, owner: nn.Module, method: str, path: str):
+        self.owner, self.method = owner, method
+        original = getattr(owner, method)
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _mark_begin(path, args, kwargs)
+            return _mark_end(path, original(*args, **kwargs))
+
+        self.wrapper = marked
+        owner.__dict__[method] = marked
+
+    def remove(self) -> None:
+        if self.owner.__dict__.get(self.method) is self.wrapper:
+            del self.owner.__dict__[self.method]
 
 
 def _scope_hooks(layer: nn.Module, name: str, index: int) -> list[RemovableHandle]:
@@ -142,29 +207,40 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     """
 
     def begin(_module, args, kwargs):
-        args, marked = _mark_all(list(args), f"{path}.begin", first_only=True)
-        if not marked:
-            kwargs, marked = _mark_all(dict(kwargs), f"{path}.begin", first_only=True)
-        if not marked:
-            raise ValueError(f"`{path}` was called without a tensor input to put its marker on")
-        return tuple(args), kwargs
+        return _mark_begin(path, args, kwargs)
 
     def end(_module, _args, _kwargs, output):
-        if isinstance(output, torch.Tensor):
-            return checkpoint_record(f"{path}.end", output)
-        if isinstance(output, (tuple, list)):
-            items, marked = _mark_all(list(output), f"{path}.end")
-            if marked:
-                return type(output)(items)
-        raise ValueError(
-            f"`{path}` returned {type(output).__name__}, which holds no tensor to put its end "
-            "marker on"
-        )
+        return _mark_end(path, output)
 
     return [
         module.register_forward_pre_hook(begin, with_kwargs=True),
         module.register_forward_hook(end, with_kwargs=True),
     ]
+
+
+def _mark_begin(path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``<path>.begin`` on the first floating-point tensor argument, positional else keyword."""
+    marked_args, marked = _mark_all(list(args), f"{path}.begin", first_only=True)
+    if marked:
+        return tuple(marked_args), kwargs
+    marked_kwargs, marked = _mark_all(dict(kwargs), f"{path}.begin", first_only=True)
+    if not marked:
+        raise ValueError(f"`{path}` was called without a tensor input to put its marker on")
+    return args, marked_kwargs
+
+
+def _mark_end(path: str, output: Any) -> Any:
+    """``<path>.end`` on the output, or on every floating-point tensor of a tuple or list."""
+    if isinstance(output, torch.Tensor):
+        return checkpoint_record(f"{path}.end", output)
+    if isinstance(output, (tuple, list)):
+        items, marked = _mark_all(list(output), f"{path}.end")
+        if marked:
+            return type(output)(items)
+    raise ValueError(
+        f"`{path}` returned {type(output).__name__}, which holds no tensor to put its end "
+        "marker on"
+    )
 
 
 def _mark_all(

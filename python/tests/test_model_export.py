@@ -167,7 +167,7 @@ def test_annotation_errors_name_what_exists():
     model = llama()
     with pytest.raises(ValueError, match=r"has no `blocks` \(its children: .*layers"):
         rp.annotate(model, layers="model.blocks")
-    with pytest.raises(ValueError, match=r"no submodule `moe`.*self_attn"):
+    with pytest.raises(ValueError, match=r"no layer has a submodule or method `moe`.*self_attn"):
         rp.annotate(model, units={"SAVE_MOE": ["moe"]})
 
 
@@ -205,3 +205,39 @@ def test_tied_input_and_output_embeddings_export_as_one_weight_with_the_models_l
     torch.testing.assert_close(matching[0], embedding)
     plan = planned(result.graph, list(DENSE_UNITS))
     assert kept_units_by_layer(plan) == {(layer, unit) for layer in (0, 1) for unit in DENSE_UNITS}
+
+
+def deepseek_v3():
+    """DeepSeek-V3's shape in miniature: MLA attention, a dense first layer, then MoE."""
+    config = transformers.DeepseekV3Config(
+        **{k: v for k, v in SHAPE.items() if k not in ("head_dim", "num_key_value_heads")},
+        num_key_value_heads=2,
+        q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+    )
+    torch.manual_seed(0)
+    # bfloat16: the default grouped-matmul experts accept nothing else.
+    return transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+
+
+def test_units_by_method_and_units_absent_from_dense_layers_need_no_source_edit():
+    model = deepseek_v3()
+    units = {"SAVE_MOE_GATE": ["mlp.gate"], "SAVE_KV_EXPAND": ["self_attn.expand_kv"]}
+    annotation = rp.annotate(model, layers="model.layers", units=units)
+    # Layer 0 is dense: the gate applies where it exists, and the annotation says where not.
+    assert annotation.absent == {"SAVE_MOE_GATE": {"mlp.gate": [0]}}
+    inputs = tokens(torch.bfloat16)
+    result = rp.export(model, inputs)
+    unmasked = {k: v for k, v in inputs.items() if k != "attention_mask"}
+    torch.testing.assert_close(result.loss, model(**unmasked).loss.detach())
+    plan = planned(result.graph, list(units))
+    assert kept_units_by_layer(plan) == {
+        (1, "SAVE_MOE_GATE"), (0, "SAVE_KV_EXPAND"), (1, "SAVE_KV_EXPAND")
+    }
+    assert not [d for d in plan.diagnostics if d.code.startswith(("interval", "marker"))]
+    # The method wrapper lives on the instance and goes with the annotation.
+    attention = model.model.layers[0].self_attn
+    assert "expand_kv" in vars(attention)
+    annotation.remove()
+    assert "expand_kv" not in vars(attention)

@@ -4,7 +4,9 @@
 //! Intervals are `[begin, end)` between two point markers, walked in execution order: an end
 //! without a begin is ignored, a begin while open is ignored, a begin without an end closes at
 //! the end of the layer, and ends are handled before begins so that `[a, b)` followed by
-//! `[b, c)` hands over cleanly. Markers inside a compiled region never fire.
+//! `[b, c)` hands over cleanly. An end that repeats the end which closed its interval (a
+//! region with several outputs marks each of them) is the same close, not a fault. Markers
+//! inside a compiled region never fire.
 //!
 //! The walk costs O(1) per op however many intervals are open: identical intervals of several
 //! units are one interval, what an interval encloses is read from running counters (the
@@ -99,6 +101,8 @@ pub(super) struct Session<'a, 'g> {
     /// open interval sees every region it encloses.
     region_log: Vec<&'g str>,
     opened_since_log: bool,
+    /// Per interval: closed by its end and not opened since, so a repeated end is no fault.
+    closed: Vec<bool>,
     /// Kept units with a marker that fired in eager in this session.
     fired: BTreeSet<UnitId>,
     /// Kept units with markers inside compiled regions, with the regions.
@@ -139,6 +143,7 @@ impl<'a, 'g> Session<'a, 'g> {
             },
             region_log: Vec::new(),
             opened_since_log: false,
+            closed: vec![false; intervals],
             fired: BTreeSet::new(),
             compiled_markers: BTreeMap::new(),
             listing: None,
@@ -251,7 +256,11 @@ impl<'a, 'g> Session<'a, 'g> {
             let units = self.kept_units(i);
             self.fired.extend(units);
             match self.open[i].take() {
-                Some(mark) => self.close(i, mark),
+                Some(mark) => {
+                    self.close(i, mark);
+                    self.closed[i] = true;
+                }
+                None if self.closed[i] => {}
                 None => self.unbalanced(i, marker, Unbalance::EndWithoutBegin),
             }
         }
@@ -271,6 +280,7 @@ impl<'a, 'g> Session<'a, 'g> {
                 ..self.now
             };
             self.open[i] = Some(mark);
+            self.closed[i] = false;
             self.open_order.insert(mark.seq, i);
             self.opened_since_log = true;
         }
