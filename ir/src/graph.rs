@@ -229,7 +229,7 @@ impl Node {
 
     /// Whether running the node draws random numbers: its schema or the op knowledge base says
     /// it is random, unless it is a dropout switched off (probability 0, as attention kernels
-    /// are called with `dropout_p=0.0` outside training, or `train=False`).
+    /// are called by default and outside training, or `train=False`).
     pub fn draws_random(&self) -> bool {
         self.effects.random && !self.is_dropout_off()
     }
@@ -244,8 +244,11 @@ impl Node {
     }
 
     fn is_dropout_off(&self) -> bool {
-        let zero =
-            |name: &str| matches!(self.attribute(name), Some(AttrValue::Float(p)) if *p == 0.0);
+        let zero = |name: &str| match self.attribute(name) {
+            Some(AttrValue::Float(p)) => *p == 0.0,
+            Some(AttrValue::Int(p)) => *p == 0,
+            _ => false,
+        };
         zero("dropout_p")
             || (self.op.contains("dropout") && zero("p"))
             || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
@@ -263,11 +266,15 @@ impl Node {
         }
     }
 
+    /// The value the call gives argument `name`: the node's attribute, else the schema default
+    /// the op knowledge base records ([`crate::ops::attribute_default`]), since the exporter
+    /// leaves out the arguments a call leaves at their default.
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()
             .find(|a| a.name == name)
             .map(|a| &a.value)
+            .or_else(|| crate::ops::attribute_default(&self.op, name))
     }
 }
 
