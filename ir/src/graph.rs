@@ -8,7 +8,7 @@ use std::fmt;
 
 use crate::{
     id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
-    ops::{CollectiveKind, OpInfo, TensorRef},
+    ops::{CollectiveKind, OpInfo, TensorRef, UnorderedSum},
 };
 
 /// The op of a `checkpoint_record` point marker; its `name` attribute names the marker.
@@ -241,6 +241,19 @@ impl Node {
     pub fn replay_may_differ(&self) -> bool {
         self.info.replay_nondeterministic
             && !matches!(self.attribute("stable"), Some(AttrValue::Bool(true)))
+    }
+
+    /// Whether the node's kernel may add in no fixed order, so that the same inputs can give
+    /// other last bits from run to run unless PyTorch's deterministic algorithms are on: what
+    /// the op knowledge base says, `index_put` only when it accumulates.
+    pub fn sums_in_no_fixed_order(&self) -> bool {
+        match crate::ops::unordered_sum(&self.op) {
+            Some(UnorderedSum::Always) => true,
+            Some(UnorderedSum::When(flag)) => {
+                matches!(self.attribute(flag), Some(AttrValue::Bool(true)))
+            }
+            None => false,
+        }
     }
 
     fn is_dropout_off(&self) -> bool {

@@ -937,6 +937,43 @@ pub fn attribute_default(op: &str, name: &str) -> Option<&'static AttrValue> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels that add in no fixed order: float sums whose order depends on the thread split (the
+// CPU's parallel `index_put_` with `accumulate=True`) or on atomics (CUDA's scatter-adds), so
+// that the same inputs may give other last bits from one run to the next, unless PyTorch's
+// deterministic algorithms are on (then these kernels sum in a fixed order).
+
+/// When an op's kernel adds in no fixed order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnorderedSum {
+    /// Every call.
+    Always,
+    /// Only when this bool argument is true (`index_put`'s `accumulate`).
+    When(&'static str),
+}
+
+/// Per op packet (in-place forms share their base's), sorted bytewise (a test checks it).
+const UNORDERED_SUMS: &[(&str, UnorderedSum)] = &[
+    ("aten._index_put_impl", UnorderedSum::When("accumulate")),
+    ("aten._unsafe_index_put", UnorderedSum::When("accumulate")),
+    ("aten.embedding_dense_backward", UnorderedSum::Always),
+    ("aten.index_add", UnorderedSum::Always),
+    ("aten.index_put", UnorderedSum::When("accumulate")),
+    ("aten.scatter_add", UnorderedSum::Always),
+    ("aten.scatter_reduce", UnorderedSum::Always),
+];
+
+/// When `op`'s kernel adds in no fixed order (`None`: its result does not depend on the order
+/// it runs in).
+pub fn unordered_sum(op: &str) -> Option<UnorderedSum> {
+    let op = OpName::parse(op)?;
+    let packet = op.in_place_base().unwrap_or(op.packet);
+    let slot = UNORDERED_SUMS
+        .binary_search_by_key(&packet, |&(key, _)| key)
+        .ok()?;
+    Some(UNORDERED_SUMS[slot].1)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cost formulas. `u128` with saturating operations throughout; `clamp` narrows at the end.
 
 /// Wide enough that one product of two `u64` dims is exact; saturates beyond.
@@ -1283,6 +1320,25 @@ mod tests {
         assert_eq!(default("aten.index_put.default", "dropout_p"), None);
         assert_eq!(default("mylib.fancy.default", "dropout_p"), None);
         assert_eq!(default("not an op", "dropout_p"), None);
+    }
+
+    #[test]
+    fn unordered_sums_are_sorted_known_and_found_in_place_forms_too() {
+        for pair in UNORDERED_SUMS.windows(2) {
+            assert!(pair[0].0 < pair[1].0, "{} !< {}", pair[0].0, pair[1].0);
+        }
+        for (key, _) in UNORDERED_SUMS {
+            assert!(find(key).is_some(), "{key} has no table entry");
+        }
+        let accumulate = Some(UnorderedSum::When("accumulate"));
+        assert_eq!(unordered_sum("aten.index_put_.default"), accumulate);
+        assert_eq!(unordered_sum("aten._index_put_impl_.default"), accumulate);
+        assert_eq!(
+            unordered_sum("aten.index_add_.default"),
+            Some(UnorderedSum::Always)
+        );
+        assert_eq!(unordered_sum("aten.mm.default"), None);
+        assert_eq!(unordered_sum("aten.index_select.default"), None);
     }
 
     #[test]
