@@ -197,6 +197,28 @@ fn at_an_activation_dominated_shape_every_run_measures_its_prediction_to_the_byt
     }
 }
 
+/// The gradient of a batched-matmul MoE's expert weights is an accumulating `index_put`, whose
+/// CPU kernel adds in no fixed order on several threads: the runs `--check` compares agree bit
+/// for bit all the same (on this machine's cores; libtorch uses them all).
+#[test]
+fn an_accumulating_index_put_passes_check_whatever_the_thread_schedule() {
+    let graph = Arc::new(testkit::accumulating_index_put());
+    for _ in 0..3 {
+        let jobs = vec![job(
+            graph.clone(),
+            &PlanConfig::default(),
+            "/nonexistent.safetensors".into(),
+        )];
+        let report = run::run_loopback(jobs, &run_config(Some(5))).expect("the graph runs");
+        assert_eq!(report.first_failure(), None);
+        assert_eq!(
+            report.ranks[0].runs.len(),
+            2,
+            "the plan and no checkpointing"
+        );
+    }
+}
+
 fn kept(plan: &Plan) -> Vec<NodeId> {
     plan.nodes
         .iter()

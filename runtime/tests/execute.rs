@@ -165,34 +165,6 @@ fn a_graph_input_nothing_reads_is_freed_after_the_first_step_as_the_planner_coun
     assert_eq!(result.peak_bytes, 3 * value);
 }
 
-/// `index_put(dest [4, 128], [idx [4096]], vals [4096, 128], accumulate=True)`: every row of
-/// `vals` is added into row `idx[i]` of `dest`, half a million additions, which libtorch's CPU
-/// kernel splits over threads with atomic adds (in no fixed order) unless asked to be
-/// deterministic.
-fn accumulating_index_put() -> Graph {
-    let mut b = Builder::new(1, &[]);
-    let dest = b.input("dest");
-    let idx = b.input("idx");
-    let vals = b.input("vals");
-    let (_, out) = b.node("aten.index_put.default", &[&dest, &idx, &vals]);
-    b.output(&out);
-    let mut wire = b.wire();
-    for value in &mut wire.values {
-        let (dtype, shape) = match value.name.as_str() {
-            "idx" => (pb::Dtype::Int64, vec![4096]),
-            "vals" => (pb::Dtype::Float32, vec![4096, 128]),
-            _ => (pb::Dtype::Float32, vec![4, 128]),
-        };
-        value.dtype = dtype as i32;
-        value.shape = shape;
-    }
-    wire.nodes[0].attributes.push(pb::Attribute {
-        name: "accumulate".to_owned(),
-        value: Some(pb::attribute::Value::Bool(true)),
-    });
-    Graph::from_wire(wire).expect("valid")
-}
-
 /// The sums `index_put` accumulates, added in index order one element at a time.
 fn sums_in_index_order(dest: &Tensor, idx: &Tensor, vals: &Tensor) -> Tensor {
     let mut out = Vec::<f32>::try_from(dest.flatten(0, -1)).expect("floats");
@@ -210,7 +182,7 @@ fn sums_in_index_order(dest: &Tensor, idx: &Tensor, vals: &Tensor) -> Tensor {
 #[test]
 fn an_accumulating_index_put_sums_in_index_order_on_several_threads() {
     tch::set_num_threads(2);
-    let graph = accumulating_index_put();
+    let graph = testkit::accumulating_index_put();
     let inputs = seeded_inputs(&graph);
     let input = |name: &str| {
         let (id, _) = graph.values().iter().find(|(_, v)| v.name == name).unwrap();
