@@ -8,7 +8,7 @@ use std::fmt;
 
 use crate::{
     id::{EntityId, IdVec, ModelId, NodeId, UnitId, ValueId},
-    ops::{CollectiveKind, OpInfo, TensorRef},
+    ops::{CollectiveKind, OpInfo, TensorRef, UnorderedSum},
 };
 
 /// The op of a `checkpoint_record` point marker; its `name` attribute names the marker.
@@ -229,7 +229,7 @@ impl Node {
 
     /// Whether running the node draws random numbers: its schema or the op knowledge base says
     /// it is random, unless it is a dropout switched off (probability 0, as attention kernels
-    /// are called with `dropout_p=0.0` outside training, or `train=False`).
+    /// are called by default and outside training, or `train=False`).
     pub fn draws_random(&self) -> bool {
         self.effects.random && !self.is_dropout_off()
     }
@@ -243,9 +243,25 @@ impl Node {
             && !matches!(self.attribute("stable"), Some(AttrValue::Bool(true)))
     }
 
+    /// Whether the node's kernel may add in no fixed order, so that the same inputs can give
+    /// other last bits from run to run unless PyTorch's deterministic algorithms are on: what
+    /// the op knowledge base says, `index_put` only when it accumulates.
+    pub fn sums_in_no_fixed_order(&self) -> bool {
+        match crate::ops::unordered_sum(&self.op) {
+            Some(UnorderedSum::Always) => true,
+            Some(UnorderedSum::When(flag)) => {
+                matches!(self.attribute(flag), Some(AttrValue::Bool(true)))
+            }
+            None => false,
+        }
+    }
+
     fn is_dropout_off(&self) -> bool {
-        let zero =
-            |name: &str| matches!(self.attribute(name), Some(AttrValue::Float(p)) if *p == 0.0);
+        let zero = |name: &str| match self.attribute(name) {
+            Some(AttrValue::Float(p)) => *p == 0.0,
+            Some(AttrValue::Int(p)) => *p == 0,
+            _ => false,
+        };
         zero("dropout_p")
             || (self.op.contains("dropout") && zero("p"))
             || matches!(self.attribute("train"), Some(AttrValue::Bool(false)))
@@ -263,11 +279,15 @@ impl Node {
         }
     }
 
+    /// The value the call gives argument `name`: the node's attribute, else the schema default
+    /// the op knowledge base records ([`crate::ops::attribute_default`]), since the exporter
+    /// leaves out the arguments a call leaves at their default.
     pub fn attribute(&self, name: &str) -> Option<&AttrValue> {
         self.attributes
             .iter()
             .find(|a| a.name == name)
             .map(|a| &a.value)
+            .or_else(|| crate::ops::attribute_default(&self.op, name))
     }
 }
 

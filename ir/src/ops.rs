@@ -17,6 +17,8 @@
 
 use std::hash::BuildHasher;
 
+use crate::graph::AttrValue;
+
 /// How a collective treats its buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CollectiveKind {
@@ -442,6 +444,13 @@ const GROUPED_MM: OpInfo = compute_intensive(CostModel::GroupedMm);
 const CONVOLUTION: OpInfo = compute_intensive(CostModel::Convolution);
 const CONVOLUTION_BACKWARD: OpInfo = compute_intensive(CostModel::ConvolutionBackward);
 const ATTENTION: OpInfo = compute_intensive(CostModel::Attention);
+/// The fused attention kernels: they draw a dropout mask when called with `dropout_p > 0`
+/// (their schemas carry `nondeterministic_seeded`); [`attribute_default`] knows that an omitted
+/// `dropout_p` is 0, so the default call draws nothing.
+const DROPOUT_ATTENTION: OpInfo = OpInfo {
+    random: true,
+    ..ATTENTION
+};
 const ATTENTION_BACKWARD: OpInfo = compute_intensive(CostModel::AttentionBackward);
 const TOPK: OpInfo = replay_nondeterministic(CostModel::TopK);
 const SORT: OpInfo = replay_nondeterministic(CostModel::Sort);
@@ -551,25 +560,34 @@ const TABLE: &[(&str, OpInfo)] = &[
     ("aten._native_batch_norm_legit_no_training", NORM),
     ("aten._reshape_alias", VIEW),
     ("aten._safe_softmax", SOFTMAX),
-    ("aten._scaled_dot_product_attention_math", ATTENTION),
-    ("aten._scaled_dot_product_cudnn_attention", ATTENTION),
+    ("aten._scaled_dot_product_attention_math", DROPOUT_ATTENTION),
+    (
+        "aten._scaled_dot_product_cudnn_attention",
+        DROPOUT_ATTENTION,
+    ),
     (
         "aten._scaled_dot_product_cudnn_attention_backward",
         ATTENTION_BACKWARD,
     ),
-    ("aten._scaled_dot_product_efficient_attention", ATTENTION),
+    (
+        "aten._scaled_dot_product_efficient_attention",
+        DROPOUT_ATTENTION,
+    ),
     (
         "aten._scaled_dot_product_efficient_attention_backward",
         ATTENTION_BACKWARD,
     ),
-    ("aten._scaled_dot_product_flash_attention", ATTENTION),
+    (
+        "aten._scaled_dot_product_flash_attention",
+        DROPOUT_ATTENTION,
+    ),
     (
         "aten._scaled_dot_product_flash_attention_backward",
         ATTENTION_BACKWARD,
     ),
     (
         "aten._scaled_dot_product_flash_attention_for_cpu",
-        ATTENTION,
+        DROPOUT_ATTENTION,
     ),
     (
         "aten._scaled_dot_product_flash_attention_for_cpu_backward",
@@ -775,7 +793,7 @@ const TABLE: &[(&str, OpInfo)] = &[
     ("aten.rsqrt", TRANSCENDENTAL),
     ("aten.rsub", ARITH),
     ("aten.scalar_tensor", MEMORY),
-    ("aten.scaled_dot_product_attention", ATTENTION),
+    ("aten.scaled_dot_product_attention", DROPOUT_ATTENTION),
     ("aten.scatter", GATHER),
     ("aten.scatter_add", ACCUMULATE),
     ("aten.scatter_reduce", ACCUMULATE),
@@ -859,6 +877,101 @@ const TABLE: &[(&str, OpInfo)] = &[
     ("c10d.reduce_scatter_", MUTATING_REDUCE_SCATTER),
     ("recompute.checkpoint_record", MEMORY),
 ];
+
+// ---------------------------------------------------------------------------------------------
+// Schema defaults. The exporter records the arguments a call passes; one left at its default is
+// not in the node. Whoever reads an attribute (through `Node::attribute`) gets the default from
+// here, so that an omitted argument means what it means to PyTorch.
+
+/// `dropout_p` and `is_causal` of the fused attention kernels: no dropout, no causal mask.
+const ATTENTION_DEFAULTS: &[(&str, AttrValue)] = &[
+    ("dropout_p", AttrValue::Float(0.0)),
+    ("is_causal", AttrValue::Bool(false)),
+];
+/// `accumulate` of the `index_put` family: assign, do not add.
+const INDEX_PUT_DEFAULTS: &[(&str, AttrValue)] = &[("accumulate", AttrValue::Bool(false))];
+
+/// Per op packet (`namespace.name`, every overload; in-place forms share their base's), the
+/// schema defaults of the non-tensor arguments anything reads, sorted bytewise (a test checks
+/// it, and another that every key is an op of the table).
+const DEFAULTS: &[(&str, &[(&str, AttrValue)])] = &[
+    ("aten._index_put_impl", INDEX_PUT_DEFAULTS),
+    (
+        "aten._scaled_dot_product_attention_math",
+        ATTENTION_DEFAULTS,
+    ),
+    (
+        "aten._scaled_dot_product_cudnn_attention",
+        ATTENTION_DEFAULTS,
+    ),
+    (
+        "aten._scaled_dot_product_efficient_attention",
+        ATTENTION_DEFAULTS,
+    ),
+    (
+        "aten._scaled_dot_product_flash_attention",
+        ATTENTION_DEFAULTS,
+    ),
+    (
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        ATTENTION_DEFAULTS,
+    ),
+    ("aten._unsafe_index_put", INDEX_PUT_DEFAULTS),
+    ("aten.index_put", INDEX_PUT_DEFAULTS),
+    ("aten.scaled_dot_product_attention", ATTENTION_DEFAULTS),
+];
+
+/// The value PyTorch gives argument `name` of `op` when a call leaves it out, for the arguments
+/// the knowledge base records (those the planner and the runtime read); `None` otherwise.
+pub fn attribute_default(op: &str, name: &str) -> Option<&'static AttrValue> {
+    let op = OpName::parse(op)?;
+    let packet = op.in_place_base().unwrap_or(op.packet);
+    let slot = DEFAULTS
+        .binary_search_by_key(&packet, |&(key, _)| key)
+        .ok()?;
+    DEFAULTS[slot]
+        .1
+        .iter()
+        .find(|(arg, _)| *arg == name)
+        .map(|(_, value)| value)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels that add in no fixed order: float sums whose order depends on the thread split (the
+// CPU's parallel `index_put_` with `accumulate=True`) or on atomics (CUDA's scatter-adds), so
+// that the same inputs may give other last bits from one run to the next, unless PyTorch's
+// deterministic algorithms are on (then these kernels sum in a fixed order).
+
+/// When an op's kernel adds in no fixed order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnorderedSum {
+    /// Every call.
+    Always,
+    /// Only when this bool argument is true (`index_put`'s `accumulate`).
+    When(&'static str),
+}
+
+/// Per op packet (in-place forms share their base's), sorted bytewise (a test checks it).
+const UNORDERED_SUMS: &[(&str, UnorderedSum)] = &[
+    ("aten._index_put_impl", UnorderedSum::When("accumulate")),
+    ("aten._unsafe_index_put", UnorderedSum::When("accumulate")),
+    ("aten.embedding_dense_backward", UnorderedSum::Always),
+    ("aten.index_add", UnorderedSum::Always),
+    ("aten.index_put", UnorderedSum::When("accumulate")),
+    ("aten.scatter_add", UnorderedSum::Always),
+    ("aten.scatter_reduce", UnorderedSum::Always),
+];
+
+/// When `op`'s kernel adds in no fixed order (`None`: its result does not depend on the order
+/// it runs in).
+pub fn unordered_sum(op: &str) -> Option<UnorderedSum> {
+    let op = OpName::parse(op)?;
+    let packet = op.in_place_base().unwrap_or(op.packet);
+    let slot = UNORDERED_SUMS
+        .binary_search_by_key(&packet, |&(key, _)| key)
+        .ok()?;
+    Some(UNORDERED_SUMS[slot].1)
+}
 
 // ---------------------------------------------------------------------------------------------
 // Cost formulas. `u128` with saturating operations throughout; `clamp` narrows at the end.
@@ -1158,6 +1271,87 @@ mod tests {
             assert!(info.known, "{key}");
             assert_eq!(lookup(key), *info, "{key}");
         }
+    }
+
+    #[test]
+    fn defaults_are_sorted_and_every_key_is_a_known_op() {
+        for pair in DEFAULTS.windows(2) {
+            assert!(pair[0].0 < pair[1].0, "{} !< {}", pair[0].0, pair[1].0);
+        }
+        for (key, _) in DEFAULTS {
+            assert!(find(key).is_some(), "{key} has defaults but no table entry");
+        }
+    }
+
+    #[test]
+    fn an_omitted_argument_takes_its_schema_default_in_every_overload_and_in_place_form() {
+        let default = |op, name| attribute_default(op, name).cloned();
+        for op in [
+            "aten._scaled_dot_product_flash_attention_for_cpu.default",
+            "aten._scaled_dot_product_efficient_attention.default",
+            "aten._scaled_dot_product_flash_attention.quantized",
+            "aten.scaled_dot_product_attention.default",
+        ] {
+            assert_eq!(
+                default(op, "dropout_p"),
+                Some(AttrValue::Float(0.0)),
+                "{op}"
+            );
+            assert_eq!(
+                default(op, "is_causal"),
+                Some(AttrValue::Bool(false)),
+                "{op}"
+            );
+        }
+        for op in [
+            "aten.index_put.default",
+            "aten.index_put_.default",
+            "aten._index_put_impl_.default",
+            "aten._unsafe_index_put.hacked_twin",
+        ] {
+            assert_eq!(
+                default(op, "accumulate"),
+                Some(AttrValue::Bool(false)),
+                "{op}"
+            );
+        }
+        // Required arguments have no default; neither have ops or arguments nobody records.
+        assert_eq!(default("aten.native_dropout.default", "p"), None);
+        assert_eq!(default("aten.index_put.default", "dropout_p"), None);
+        assert_eq!(default("mylib.fancy.default", "dropout_p"), None);
+        assert_eq!(default("not an op", "dropout_p"), None);
+    }
+
+    #[test]
+    fn unordered_sums_are_sorted_known_and_found_in_place_forms_too() {
+        for pair in UNORDERED_SUMS.windows(2) {
+            assert!(pair[0].0 < pair[1].0, "{} !< {}", pair[0].0, pair[1].0);
+        }
+        for (key, _) in UNORDERED_SUMS {
+            assert!(find(key).is_some(), "{key} has no table entry");
+        }
+        let accumulate = Some(UnorderedSum::When("accumulate"));
+        assert_eq!(unordered_sum("aten.index_put_.default"), accumulate);
+        assert_eq!(unordered_sum("aten._index_put_impl_.default"), accumulate);
+        assert_eq!(
+            unordered_sum("aten.index_add_.default"),
+            Some(UnorderedSum::Always)
+        );
+        assert_eq!(unordered_sum("aten.mm.default"), None);
+        assert_eq!(unordered_sum("aten.index_select.default"), None);
+    }
+
+    #[test]
+    fn fused_attention_is_random_because_it_may_draw_a_dropout_mask() {
+        for op in [
+            "aten._scaled_dot_product_flash_attention_for_cpu.default",
+            "aten._scaled_dot_product_attention_math.default",
+            "aten._scaled_dot_product_cudnn_attention.default",
+        ] {
+            assert!(lookup(op).random && lookup(op).compute_intensive, "{op}");
+        }
+        let backward = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default";
+        assert!(!lookup(backward).random);
     }
 
     #[test]

@@ -906,6 +906,68 @@ fn a_stable_sort_replays_deterministically_and_a_zero_dropout_draws_nothing() {
     );
 }
 
+/// The fused attention kernels PyTorch dispatches to (CPU flash, math, CUDA flash, efficient,
+/// cuDNN) and the composite op, as the exporter writes them: random by their schema.
+const ATTENTION_OPS: &[&str] = &[
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten.scaled_dot_product_attention.default",
+];
+
+/// One checkpointed layer around attention `op` (node `n2`), random by its schema facts.
+fn attention_layer(op: &str) -> Builder {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let q = b.op(&x); // n1
+    let random = ir::wire::graph::SchemaFacts {
+        random: true,
+        ..Default::default()
+    };
+    let out = b.node_with(op, &[&q, &q, &q], Some(random)).1; // n2
+    let y = b.op(&out); // n3
+    b.layer(None);
+    backward(&mut b, &[&q, &out, &y]);
+    b
+}
+
+#[test]
+fn attention_with_the_default_dropout_draws_nothing_and_whole_layer_recompute_saves_none_of_it() {
+    use ir::wire::graph::attribute::Value as A;
+    for &op in ATTENTION_OPS {
+        let b = attention_layer(op);
+        let causal = with_attribute(b.wire(), "n2", "is_causal", A::Bool(true));
+        let explicit_zero = with_attribute(b.wire(), "n2", "dropout_p", A::Float(0.0));
+        for graph in [b.build(), causal, explicit_zero] {
+            let p = plan_named(&graph, &config(&["none"]));
+            assert_eq!(decision(&p, "n2").0, "recompute", "{op}");
+            let graph_inputs = vec![("x", "graph-input"), ("tangent", "graph-input")];
+            assert_eq!(saved(&p), graph_inputs, "{op}");
+            assert!(codes(&p).is_empty(), "{op}: {:?}", codes(&p));
+        }
+    }
+}
+
+#[test]
+fn attention_with_dropout_is_random_and_saved_unless_replay_restores_its_generator_state() {
+    use ir::wire::graph::attribute::Value as A;
+    for &op in ATTENTION_OPS {
+        let dropout = with_attribute(attention_layer(op).wire(), "n2", "dropout_p", A::Float(0.1));
+        let p = plan_named(&dropout, &config(&["none"]));
+        assert_eq!(decision(&p, "n2"), ("save", "random", None), "{op}");
+        assert_eq!(codes(&p), vec![("random-op-saved", None)], "{op}");
+        let replay = PlanConfig {
+            random_ops: ir::plan::RandomOps::Replay,
+            ..config(&["none"])
+        };
+        let p = plan_named(&dropout, &replay);
+        assert_eq!(decision(&p, "n2").0, "recompute", "{op}");
+    }
+}
+
 #[test]
 fn r4_thousands_of_units_on_one_interval_are_one_interval_not_thousands_of_overlaps() {
     let names: Vec<String> = (0..4000).map(|u| format!("SAVE_U{u}")).collect();

@@ -28,7 +28,9 @@ IR mapping (the contract the Rust loader and planner rely on):
   when a tensor argument (passed or defaulted) or tensor-list slot is ``None`` the node carries
   the string-list attribute ``absent_tensor_args`` naming them (``weight``, ``indices.0``), so
   a consumer can rebind inputs to schema arguments; every non-tensor argument the node passes
-  is an attribute by schema name (defaults are left to the schema; bool lists as 0/1 ints;
+  is an attribute by schema name (defaults are left to the schema: the op knowledge base
+  records the defaults of the arguments the planner reads, such as attention's ``dropout_p``;
+  bool lists as 0/1 ints;
   dtypes, devices, layouts, memory formats and TorchBind objects as strings; ``None``
   omitted);
 - phase: the pass that ran the op. AOTAutograd records the joint graph by running the forward,

@@ -206,6 +206,37 @@ struct Slot {
   std::vector<std::optional<size_t>> items;  // lists: IR input per item, nullopt = None
 };
 
+// PyTorch's deterministic algorithms, on while at least one call that asks for them runs (a
+// kernel that sums in no fixed order then sums in a fixed one). The setting is process-wide
+// and ranks run as threads, so the calls in flight are counted: the first turns it on, the last
+// restores what it found. Warn-only: an op without a deterministic kernel still runs.
+class DeterministicSection {
+ public:
+  DeterministicSection() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (depth_++ == 0) {
+      auto& context = at::globalContext();
+      saved_ = context.deterministicAlgorithms();
+      saved_warn_only_ = context.deterministicAlgorithmsWarnOnly();
+      context.setDeterministicAlgorithms(true, /*warn_only=*/true);
+    }
+  }
+  ~DeterministicSection() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--depth_ == 0) {
+      at::globalContext().setDeterministicAlgorithms(saved_, saved_warn_only_);
+    }
+  }
+  DeterministicSection(const DeterministicSection&) = delete;
+  DeterministicSection& operator=(const DeterministicSection&) = delete;
+
+ private:
+  static inline std::mutex mutex_;
+  static inline int depth_ = 0;
+  static inline bool saved_ = false;
+  static inline bool saved_warn_only_ = false;
+};
+
 // An operator with every argument bound to a constant or to IR inputs.
 struct BoundCall {
   c10::OperatorHandle op;
@@ -573,11 +604,13 @@ char* rt_call_schema(void* call) {
   return error_message(text.str());
 }
 
-// Runs a bound call on `inputs` (`num_inputs` must be what it was bound with). Writes up to
-// `capacity` returned tensors to `outputs` (each a new `at::Tensor*`) and their count to
-// `*num_outputs`; more than `capacity` is an error.
+// Runs a bound call on `inputs` (`num_inputs` must be what it was bound with), under PyTorch's
+// deterministic algorithms when `deterministic` is not 0. Writes up to `capacity` returned
+// tensors to `outputs` (each a new `at::Tensor*`) and their count to `*num_outputs`; more than
+// `capacity` is an error.
 char* rt_call_run(void* call_ptr, const at::Tensor* const* inputs, size_t num_inputs,
-                  at::Tensor** outputs, size_t capacity, size_t* num_outputs) {
+                  int32_t deterministic, at::Tensor** outputs, size_t capacity,
+                  size_t* num_outputs) {
   return guarded([&] {
     const auto* call = static_cast<BoundCall*>(call_ptr);
     if (num_inputs != call->num_inputs) {
@@ -610,7 +643,11 @@ char* rt_call_run(void* call_ptr, const at::Tensor* const* inputs, size_t num_in
         }
       }
     }
-    call->op.callBoxed(stack);
+    {
+      std::optional<DeterministicSection> section;
+      if (deterministic != 0) section.emplace();
+      call->op.callBoxed(stack);
+    }
     std::vector<at::Tensor> results;
     for (const auto& value : stack) collect_tensors(value, results);
     if (results.size() > capacity) {

@@ -54,6 +54,7 @@ mod sys {
             call: *mut c_void,
             inputs: *const *const AtTensor,
             num_inputs: usize,
+            deterministic: i32,
             outputs: *mut *mut AtTensor,
             capacity: usize,
             num_outputs: *mut usize,
@@ -142,6 +143,8 @@ pub fn schema_name(op: &str) -> Option<(String, String)> {
 pub struct BoundCall {
     call: NonNull<c_void>,
     num_inputs: usize,
+    /// Run under PyTorch's deterministic algorithms.
+    deterministic: bool,
 }
 
 // SAFETY: a bound call is immutable after binding; running it copies its constants onto a
@@ -269,7 +272,19 @@ impl BoundCall {
             )
         })?;
         let call = NonNull::new(call).ok_or("the shim bound nothing")?;
-        Ok(BoundCall { call, num_inputs })
+        Ok(BoundCall {
+            call,
+            num_inputs,
+            deterministic: false,
+        })
+    }
+
+    /// The same call, run under PyTorch's deterministic algorithms: for a kernel that sums in
+    /// no fixed order (the op knowledge base knows which), so that two runs on the same inputs
+    /// agree bit for bit whatever the thread count.
+    pub fn deterministic(mut self) -> BoundCall {
+        self.deterministic = true;
+        self
     }
 
     /// Whether libtorch has a kernel for this operator on `device` (its own, a composite one
@@ -303,6 +318,7 @@ impl BoundCall {
                 self.call.as_ptr(),
                 ptrs.as_ptr(),
                 ptrs.len(),
+                i32::from(self.deterministic),
                 outputs.as_mut_ptr(),
                 max_outputs,
                 &mut count,

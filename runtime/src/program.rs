@@ -1,11 +1,11 @@
 //! A graph made executable: one kernel per node, checked before anything runs.
 //!
 //! ATen ops are bound to libtorch's dispatcher by schema name ([`BoundCall`]); the marker op
-//! and `wait_tensor` are identities; functional collectives go to the [`Communicator`]
+//! runs as the copy eager PyTorch makes (`aten.clone`); `wait_tensor` is an identity; functional collectives go to the [`Communicator`]
 //! (crate::comm) instead of libtorch. Preparing fails on the first node, in execution order,
 //! whose op the runtime cannot execute on the run's device.
 
-use ir::{AttrValue, EntityId, Graph, Node, NodeId, MARKER_OP};
+use ir::{AttrValue, Attribute, EntityId, Graph, Node, NodeId, MARKER_OP};
 use tch::Device;
 use thiserror::Error;
 
@@ -17,14 +17,20 @@ use crate::{
 /// The namespace of functional collectives (`_c10d_functional.all_to_all_single.default`).
 const FUNCTIONAL_COLLECTIVES: &str = "_c10d_functional.";
 const WAIT_TENSOR: &str = "_c10d_functional.wait_tensor.default";
+/// What the marker op does: `checkpoint_record` returns a copy of its input. The runtime makes
+/// the copy too, so that its memory is the graph's as exported, which the planner predicts (an
+/// identity would hold one tensor less wherever a marker's input and output are both live).
+const MARKER_KERNEL: &str = "aten.clone.default";
 
 /// What runs for one node.
 #[derive(Debug)]
 pub enum Kernel {
-    /// An ATen operator through the dispatcher.
+    /// An ATen operator through the dispatcher; one whose kernel sums in no fixed order (the op
+    /// knowledge base says which: `index_put` accumulating, scatter-adds) runs under PyTorch's
+    /// deterministic algorithms, so that `--check` compares plans, not thread schedules.
     Aten(BoundCall),
-    /// The output is the input itself, no copy (the marker op, `wait_tensor`: collectives
-    /// complete before they return).
+    /// The output is the input itself, no copy (`wait_tensor`: collectives complete before
+    /// they return).
     Identity,
     /// A functional collective, through the rank's communicator.
     Collective(Collective),
@@ -155,7 +161,7 @@ fn kernel(
     world_size: usize,
 ) -> Result<Kernel, PrepareError> {
     let op = node.op.as_str();
-    if op == MARKER_OP || op == WAIT_TENSOR {
+    if op == WAIT_TENSOR {
         return Ok(Kernel::Identity);
     }
     if op.starts_with(FUNCTIONAL_COLLECTIVES) {
@@ -167,8 +173,14 @@ fn kernel(
             "mutating collectives (`c10d.*_`) are not executed; export functional collectives",
         ));
     }
-    let call = BoundCall::bind(op, node.inputs.len(), &node.attributes, home, device).map_err(
-        |reason| {
+    // The marker's one attribute, its name, is not an argument of the copy.
+    let (op, attributes): (&str, &[Attribute]) = if op == MARKER_OP {
+        (MARKER_KERNEL, &[])
+    } else {
+        (op, &node.attributes)
+    };
+    let call =
+        BoundCall::bind(op, node.inputs.len(), attributes, home, device).map_err(|reason| {
             if reason.contains("Could not find schema") {
                 unsupported(node, "libtorch has no such operator")
             } else {
@@ -178,11 +190,13 @@ fn kernel(
                     reason,
                 }
             }
-        },
-    )?;
+        })?;
     if !call.runs_on(device) {
         let reason = format!("libtorch has no kernel for it on {}", device_name(device));
         return Err(unsupported(node, &reason));
+    }
+    if node.sums_in_no_fixed_order() {
+        return Ok(Kernel::Aten(call.deterministic()));
     }
     Ok(Kernel::Aten(call))
 }

@@ -11,6 +11,8 @@
 //! anyway): every other forward value is freed right after its last forward use. Any later read
 //! of a forward copy that is not saved means the plan is not closed, which is an error before
 //! anything runs. Every copy is freed right after its last read; graph outputs live to the end.
+//! A graph input nothing reads (a buffer the step never uses) is freed after the first step, as
+//! an output nothing reads is freed after the step that made it.
 
 use ir::{plan::Stage, EntityId, Graph, NodeId, Phase, Role, ValueId};
 use thiserror::Error;
@@ -122,14 +124,18 @@ impl<'a> Builder<'a> {
     fn new(graph: &'a Graph, saved: &'a [bool]) -> Self {
         let n = graph.values().len();
         let mut forward = vec![false; n];
+        // Until a read says otherwise, a graph input's last use is the first step.
+        let mut last_forward = vec![None; n];
         for (id, _) in graph.values().iter() {
-            forward[id.index()] = graph.producer(id).is_none();
+            let input = graph.producer(id).is_none();
+            forward[id.index()] = input;
+            last_forward[id.index()] = input.then_some(0);
         }
         Builder {
             graph,
             saved,
             exists: [forward, vec![false; n], vec![false; n]],
-            last: [vec![None; n], vec![None; n], vec![None; n]],
+            last: [last_forward, vec![None; n], vec![None; n]],
             steps: Vec::new(),
             reads: Vec::new(),
             read_start: vec![0],
@@ -237,7 +243,8 @@ impl<'a> Builder<'a> {
         for stage in Stage::ALL {
             for (i, last) in self.last[index(*stage)].iter().enumerate() {
                 let Some(last) = *last else { continue };
-                if kept[index(*stage)][i] {
+                // A graph without steps frees nothing.
+                if kept[index(*stage)][i] || last >= by_step.len() {
                     continue;
                 }
                 by_step[last].push(Slot {

@@ -1,5 +1,6 @@
 //! One rank executing a step: every golden's ops run, unsupported ops are refused before
-//! anything runs, the marker is an identity, replay (random ops included) reproduces forward
+//! anything runs, the marker copies its input as eager PyTorch does, kernels that sum in no
+//! fixed order run deterministically, replay (random ops included) reproduces forward
 //! bit for bit, and memory is measured by storage.
 
 mod common;
@@ -18,6 +19,7 @@ use runtime::{
     schedule::{ReplaySpec, Schedule, ScheduleError},
     Device,
 };
+use tch::Tensor;
 use testkit::Builder;
 
 fn node(graph: &Graph, name: &str) -> NodeId {
@@ -127,7 +129,7 @@ fn the_cpu_exported_attention_runs_on_cuda_through_the_fallback() {
 }
 
 #[test]
-fn the_marker_runs_as_an_identity_without_a_copy() {
+fn the_marker_runs_as_the_copy_eager_pytorch_makes() {
     let mut b = Builder::new(1, &[]);
     let x = b.input("x");
     let marked = b.marker("attn.begin", &x);
@@ -137,8 +139,66 @@ fn the_marker_runs_as_an_identity_without_a_copy() {
     let result = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
     let input = &inputs.values[0].1;
     let output = &result.outputs[0].1;
-    assert_eq!(ffi::storage(output), ffi::storage(input));
-    assert_eq!(output.data_ptr(), input.data_ptr());
+    assert_ne!(ffi::storage(output), ffi::storage(input));
+    assert!(check::identical(output, input));
+    // Input and output are both live after the marker: two storages, as the planner counts.
+    assert_eq!(result.peak_bytes, 2 * graph.value(graph.outputs()[0]).bytes);
+}
+
+#[test]
+fn a_graph_input_nothing_reads_is_freed_after_the_first_step_as_the_planner_counts_it() {
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    b.input("unused");
+    let a = b.op(&x);
+    let c = b.node("aten.cos.default", &[&a]).1;
+    let product = b.node("aten.mul.Tensor", &[&a, &c]).1;
+    b.output(&product);
+    let graph = b.build();
+    let result = step(
+        &graph,
+        &Schedule::no_checkpoint(&graph),
+        &seeded_inputs(&graph),
+    );
+    // The peak is the product's step, `a`, `cos(a)` and the product live, and not `unused`.
+    let value = graph.value(graph.outputs()[0]).bytes;
+    assert_eq!(result.peak_bytes, 3 * value);
+}
+
+/// The sums `index_put` accumulates, added in index order one element at a time.
+fn sums_in_index_order(dest: &Tensor, idx: &Tensor, vals: &Tensor) -> Tensor {
+    let mut out = Vec::<f32>::try_from(dest.flatten(0, -1)).expect("floats");
+    let rows = Vec::<i64>::try_from(idx).expect("indices");
+    let added = Vec::<f32>::try_from(vals.flatten(0, -1)).expect("floats");
+    let width = vals.size()[1] as usize;
+    for (i, &row) in rows.iter().enumerate() {
+        for j in 0..width {
+            out[row as usize * width + j] += added[i * width + j];
+        }
+    }
+    Tensor::from_slice(&out).view([dest.size()[0], dest.size()[1]])
+}
+
+#[test]
+fn an_accumulating_index_put_sums_in_index_order_on_several_threads() {
+    tch::set_num_threads(2);
+    let graph = testkit::accumulating_index_put();
+    let inputs = seeded_inputs(&graph);
+    let input = |name: &str| {
+        let (id, _) = graph.values().iter().find(|(_, v)| v.name == name).unwrap();
+        inputs
+            .values
+            .iter()
+            .find(|(v, _)| *v == id)
+            .unwrap()
+            .1
+            .shallow_clone()
+    };
+    let expected = sums_in_index_order(&input("dest"), &input("idx"), &input("vals"));
+    for _ in 0..3 {
+        let result = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
+        assert!(check::identical(&result.outputs[0].1, &expected));
+    }
 }
 
 /// `x -> a -> b -> c` in layer 0; backward multiplies the running gradient by `c`, `b`, `a`.

@@ -200,3 +200,31 @@ impl Builder {
         Graph::from_wire(self.graph.clone()).expect("the builder makes valid graphs")
     }
 }
+
+/// `index_put(dest [4, 128], [idx [4096]], vals [4096, 128], accumulate=True)`: every row of
+/// `vals` is added into row `idx[i]` of `dest`, half a million additions, which libtorch's CPU
+/// kernel splits over threads with atomic adds (in no fixed order) unless asked to be
+/// deterministic.
+pub fn accumulating_index_put() -> Graph {
+    let mut b = Builder::new(1, &[]);
+    let dest = b.input("dest");
+    let idx = b.input("idx");
+    let vals = b.input("vals");
+    let (_, out) = b.node("aten.index_put.default", &[&dest, &idx, &vals]);
+    b.output(&out);
+    let mut wire = b.wire();
+    for value in &mut wire.values {
+        let (dtype, shape) = match value.name.as_str() {
+            "idx" => (pb::Dtype::Int64, vec![4096]),
+            "vals" => (pb::Dtype::Float32, vec![4096, 128]),
+            _ => (pb::Dtype::Float32, vec![4, 128]),
+        };
+        value.dtype = dtype as i32;
+        value.shape = shape;
+    }
+    wire.nodes[0].attributes.push(pb::Attribute {
+        name: "accumulate".to_owned(),
+        value: Some(pb::attribute::Value::Bool(true)),
+    });
+    Graph::from_wire(wire).expect("valid")
+}

@@ -6,6 +6,6 @@ pub mod builder;
 pub mod deepen;
 pub mod golden;
 
-pub use builder::{Builder, MODEL};
+pub use builder::{accumulating_index_put, Builder, MODEL};
 pub use deepen::{deepen, DeepenError};
 pub use golden::{golden_graph, line_diff, repo_root};
