@@ -127,3 +127,37 @@ fn eager_replay_writing_through_a_view_another_layer_made_is_reported_not_an_int
         "{message}"
     );
 }
+
+#[test]
+fn a_replayed_op_remakes_its_resident_sibling_output_with_the_writes_forward_made() {
+    // `var_mean` makes two tensors; backward needs the first, so the op replays, and the replay
+    // makes the second again although it stays resident (an op outside the layer reads it).
+    // A replayed reader of the second reads the replayed copy: the in-place write forward made
+    // to it must replay too.
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let (stats, mean) = (b.node("aten.var_mean.correction", &[&x]), "mean".to_owned());
+    b.node("aten.add_.Tensor", &[&mean, &x]); // n2 writes the second output
+    let read = b.op(&mean); // n3 reads it written
+    b.layer(None);
+    b.op(&mean); // n4: outside the layer, so `mean` is saved as a layer input
+    b.backward_through("tangent", &[&stats.1, &read]);
+    let mut wire = b.wire();
+    let mut second = wire.values[1].clone();
+    second.name = mean.clone();
+    wire.values.push(second);
+    let producer = wire.nodes.iter_mut().find(|n| n.name == stats.0).unwrap();
+    producer.outputs.push(mean.clone());
+    let graph = Graph::from_wire(wire).expect("valid");
+
+    let plan = plan_under(&graph, Executor::Graph);
+    assert!(errors(&plan).is_empty(), "{:?}", plan.diagnostics);
+    let replayed: Vec<&str> = plan
+        .replay
+        .iter()
+        .flat_map(|r| &r.nodes)
+        .map(String::as_str)
+        .collect();
+    assert_eq!(replayed, ["n1", "n2", "n3"]);
+}
