@@ -44,7 +44,19 @@ impl Output {
     }
 }
 
+/// Whether two paths name one existing file (a missing output cannot be an input): the same
+/// device and inode, so a hard link or a symbolic link to the input is the input too.
+#[cfg(unix)]
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (fs::metadata(a), fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
 /// Whether two paths name one existing file (a missing output cannot be an input).
+#[cfg(not(unix))]
 fn same_file(a: &Path, b: &Path) -> bool {
     match (fs::canonicalize(a), fs::canonicalize(b)) {
         (Ok(a), Ok(b)) => a == b,

@@ -501,6 +501,25 @@ fn output_never_overwrites_an_input() {
 }
 
 #[test]
+fn output_onto_a_hard_link_of_the_input_is_refused() {
+    let copy = Scratch::new("linked.pb", &fs::read(golden_graph("dense")).unwrap());
+    let before = fs::read(&copy.0).unwrap();
+    let link = Scratch::empty_path("hard-link.pb");
+    fs::hard_link(&copy.0, &link.0).unwrap();
+    let json_link = Scratch::empty_path("hard-link.json");
+    fs::hard_link(&copy.0, &json_link.0).unwrap();
+    assert_clean_error(
+        &planner(&[&"plan", &copy.0, &"-o", &link.0]),
+        &["refusing", "input"],
+    );
+    assert_clean_error(
+        &planner(&[&"convert", &copy.0, &json_link.0]),
+        &["refusing"],
+    );
+    assert_eq!(fs::read(&copy.0).unwrap(), before, "the graph is intact");
+}
+
+#[test]
 fn the_output_format_follows_the_extension_unless_given() {
     let graph = golden_graph("dense");
     let json = Scratch::empty_path("inferred.json");
@@ -843,6 +862,36 @@ fn malformed_cases() -> Vec<Case> {
             &["invalid type: integer `5`"],
         ),
         case(
+            "a JSON integer out of its field's range",
+            vec![f(
+                "range.json",
+                br#"{"nodes": [{"name": "n", "layer": 4294967296}]}"#,
+            )],
+            &["inspect", "range.json"],
+            &["`layer` must be an integer from 0 to 4294967295, not 4294967296"],
+        ),
+        case(
+            "a JSON enum name the enum does not have",
+            vec![f(
+                "enum.json",
+                br#"{"values": [{"name": "v", "dtype": "DTYPE_FLOAT99"}]}"#,
+            )],
+            &["inspect", "enum.json"],
+            &[
+                "`dtype` must be one of DTYPE_UNSPECIFIED, DTYPE_FLOAT32,",
+                "not `DTYPE_FLOAT99`",
+            ],
+        ),
+        case(
+            "a JSON enum of the wrong type",
+            vec![f(
+                "enumtype.json",
+                br#"{"nodes": [{"name": "n", "phase": true}]}"#,
+            )],
+            &["inspect", "enumtype.json"],
+            &["expected `phase` to be one of PHASE_UNSPECIFIED"],
+        ),
+        case(
             "unclosed JSON",
             vec![f("unclosed.json", b"{\"name\": \"g\", \"nodes\": [")],
             &["inspect", "unclosed.json"],
@@ -1102,6 +1151,12 @@ fn malformed_cases() -> Vec<Case> {
             &["plan", "g.pb", "--choices", "point.json"],
             &["cannot read choices file point.json: it is a character device"],
         ),
+        case(
+            "an empty unit name (`--keep \"\"`)",
+            vec![Make::File("g.pb", fs::read(golden_graph("dense")).unwrap())],
+            &["plan", "g.pb", "--keep", ""],
+            &["--keep takes `none`, `all` or unit names, not an empty name"],
+        ),
     ];
     cases.push(Case {
         input: "no graph given (usage)",
@@ -1111,6 +1166,15 @@ fn malformed_cases() -> Vec<Case> {
         says: &["required arguments were not provided"],
     });
     cases
+}
+
+/// `args` as a shell command line shows them: an empty argument as `""`.
+fn shell_words(args: &[String]) -> String {
+    let shown: Vec<&str> = args
+        .iter()
+        .map(|a| if a.is_empty() { "\"\"" } else { a.as_str() })
+        .collect();
+    shown.join(" ")
 }
 
 fn make_in(dir: &Path, make: &Make) {
@@ -1185,7 +1249,7 @@ fn run_malformed_cases() -> Vec<[String; 4]> {
         }
         rows.push([
             case.input.to_owned(),
-            format!("`planner {}`", case.args.join(" ")),
+            format!("`planner {}`", shell_words(&case.args)),
             case.exit.to_string(),
             first,
         ]);

@@ -72,6 +72,17 @@ pub enum BudgetError {
         "model `{model}` declares {units} units; the exact search handles at most {MAX_UNITS}"
     )]
     TooManyUnits { model: String, units: usize },
+    #[error("the search was interrupted")]
+    Interrupted,
+}
+
+/// Stops a search its caller interrupted.
+fn check_interrupt(progress: &dyn Progress) -> Result<(), BudgetError> {
+    if progress.interrupted() {
+        Err(BudgetError::Interrupted)
+    } else {
+        Ok(())
+    }
 }
 
 /// A candidate answer for `budget`: its peak fits and `plan` accepts it (no error).
@@ -142,14 +153,15 @@ impl<'g> Search<'g> {
             || {
                 jobs.par_iter()
                     .map(|&(model, option)| {
+                        check_interrupt(progress)?;
                         let run = run(graph, &base, &resolved, &layers, (model, option), &work);
                         progress.advance();
-                        run
+                        Ok(run)
                     })
-                    .collect::<Vec<Run>>()
+                    .collect::<Result<Vec<Run>, BudgetError>>()
             },
         );
-        let baselines = baselines?;
+        let (baselines, runs) = (baselines?, runs?);
         progress.stage("composing", None);
         let model = Model::new(graph, &layers, runs, &work);
         Ok(Search {
@@ -359,6 +371,7 @@ impl<'g> Search<'g> {
     }
 
     fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
+        check_interrupt(self.progress)?;
         self.progress.advance();
         let plan = plan::plan_against(self.graph, &self.base, resolved, self.hw, &self.baselines);
         Ok(plan?)

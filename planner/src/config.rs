@@ -10,8 +10,17 @@ use ir::{
 use thiserror::Error;
 
 /// Parses the `--keep` values: `none`, `all`, or unit names (case-insensitive, repeats
-/// ignored). An empty list is `none`.
+/// ignored). An empty list is `none`; an empty name (`--keep ""`, `a,,b`) is an error, not
+/// a silent `none`.
 pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
+    if let Some(value) = values
+        .iter()
+        .find(|v| v.split(',').any(|name| name.trim().is_empty()))
+    {
+        return Err(ConfigError::EmptyUnit {
+            value: value.clone(),
+        });
+    }
     let mut seen = rustc_hash::FxHashSet::default();
     let names: Vec<String> = values
         .iter()
@@ -66,6 +75,11 @@ pub enum ConfigError {
     },
     #[error("--keep takes `none`, `all` or a list of units, not a mix: {}", values.join(","))]
     MixedKeep { values: Vec<String> },
+    #[error(
+        "--keep takes `none`, `all` or unit names, not an empty name: {}",
+        empty_unit(value)
+    )]
+    EmptyUnit { value: String },
     #[error("--recompute-ratio must be between 0 and 1, got {ratio}")]
     Ratio { ratio: String },
     #[error("not a choices file: {reason} (expected the JSON of a `pareto` point or of a plan, with `layer_keep`)")]
@@ -80,6 +94,15 @@ fn quoted(names: &[String]) -> String {
         .map(|n| format!("`{n}`"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Where [`ConfigError::EmptyUnit`]'s value has its empty name.
+fn empty_unit(value: &str) -> String {
+    if value.trim().is_empty() {
+        "the value is empty".to_owned()
+    } else {
+        format!("`{}` has one", ir::display::name(value))
+    }
 }
 
 fn list_or_none(names: &[String]) -> String {
@@ -313,6 +336,26 @@ mod tests {
             keep(&["all", "save_attn"]),
             Err(ConfigError::MixedKeep { .. })
         ));
+    }
+
+    #[test]
+    fn an_empty_keep_name_is_an_error_not_none() {
+        for values in [
+            &[""][..],
+            &[" "],
+            &["save_attn,"],
+            &["save_attn,,save_mlp"],
+            &["all", ""],
+        ] {
+            assert!(
+                matches!(keep(values), Err(ConfigError::EmptyUnit { .. })),
+                "{values:?}"
+            );
+        }
+        assert_eq!(
+            keep(&[""]).unwrap_err().to_string(),
+            "--keep takes `none`, `all` or unit names, not an empty name: the value is empty"
+        );
     }
 
     #[test]

@@ -8,6 +8,11 @@ pub trait Progress: Sync {
     fn stage(&self, what: &str, total: Option<u64>);
     /// One more candidate plan was simulated.
     fn advance(&self);
+    /// Whether the caller wants the search stopped (Ctrl-C in Python): a search asks before
+    /// each candidate plan and then ends with [`crate::budget::BudgetError::Interrupted`].
+    fn interrupted(&self) -> bool {
+        false
+    }
 }
 
 /// Progress nobody watches.

@@ -605,3 +605,45 @@ fn m3_optimality_gap_against_every_combination() {
     );
     assert!(worst <= 0.01, "worst gap {:.2}%", 100.0 * worst);
 }
+
+/// A caller that asks the search to stop after `after` candidate plans.
+struct StopAfter {
+    after: usize,
+    planned: std::sync::atomic::AtomicUsize,
+}
+
+impl planner::progress::Progress for StopAfter {
+    fn stage(&self, _: &str, _: Option<u64>) {}
+    fn advance(&self) {
+        self.planned
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn interrupted(&self) -> bool {
+        self.planned.load(std::sync::atomic::Ordering::Relaxed) >= self.after
+    }
+}
+
+#[test]
+fn an_interrupted_search_stops_before_its_next_candidate() {
+    let graph = deep();
+    let (config, hw) = (PlanConfig::default(), HwProfile::default());
+    let search = |after| {
+        let stop = StopAfter {
+            after,
+            planned: Default::default(),
+        };
+        let answer = Search::with_progress(&graph, &config, &hw, &stop)
+            .and_then(|search| search.within(u64::MAX));
+        (answer, stop.planned.into_inner())
+    };
+    let (answer, all) = search(usize::MAX);
+    assert!(answer.is_ok(), "{answer:?}");
+    for after in [0, 1, all / 2] {
+        let (answer, planned) = search(after);
+        assert!(
+            matches!(answer, Err(BudgetError::Interrupted)),
+            "{answer:?}"
+        );
+        assert!(planned < all, "{planned} of {all} candidates after {after}");
+    }
+}

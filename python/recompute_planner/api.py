@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Union
 
 from . import _native
@@ -65,7 +64,7 @@ def plan(
             "a budget chooses the units per layer: give `budget` or `keep`, not both",
             "invalid-option",
         )
-    hw_json = _hw_json(hw)
+    hw_source = _hw_source(hw)
     text = _native.plan(
         **_graph_source(graph, format),
         keep=_keep_list(keep),
@@ -75,7 +74,7 @@ def plan(
         executor_name=executor,
         budget_size=None if budget is None else str(budget),
         granularity=granularity,
-        hw_json=hw_json,
+        **hw_source,
     )
     result = Plan(text)
     if check:
@@ -95,19 +94,29 @@ def check_plan(result: Plan, *, stacklevel: int = 3) -> None:
 
 
 def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
+    """The ``keep`` unit names as strings. Bytes are refused: iterating them gives numbers
+    (``b"SAVE"`` would read as units ``83``, ``65``, ...)."""
     if keep is None:
         return []
     if isinstance(keep, str):
         return [keep]
-    return [str(k) for k in keep]
+    if isinstance(keep, (bytes, bytearray, memoryview)):
+        raise TypeError(f"keep takes unit names as str, not {type(keep).__name__}")
+    names = list(keep)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"keep takes unit names as str, not {type(name).__name__}: {name!r}")
+    return names
 
 
-def _hw_json(hw: HwLike) -> str | None:
+def _hw_source(hw: HwLike) -> dict[str, str]:
+    """The ``_native.plan`` arguments giving the hardware profile: its JSON, or its file, which
+    the planner reads as the CLI reads ``--hw`` (a regular file under the profile size limit)."""
     if hw is None:
-        return None
+        return {}
     if isinstance(hw, Mapping):
-        return json.dumps(dict(hw))
-    return Path(hw).read_text()
+        return {"hw_json": json.dumps(dict(hw))}
+    return {"hw_path": os.fspath(hw)}
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:

@@ -241,13 +241,12 @@ def _unit(doc: dict) -> UnitSummary:
 
 def load_plan(source: str | os.PathLike | bytes, format: str | None = None) -> Plan:
     """A plan from a ``.json`` or ``.pb`` file (or its bytes, with ``format`` ``"json"`` or
-    ``"pb"``), read by the planner's own reader."""
+    ``"pb"``), read by the planner's own reader: a file is read as the CLI reads one (a
+    regular file under the plan size limit; a device or a FIFO is an error, not a hang)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         if format is None:
             raise ValueError('plan bytes need their format: format="json" or format="pb"')
-        data = bytes(source)
-    else:
-        path = Path(source)
-        format = format or path.suffix.removeprefix(".")
-        data = path.read_bytes()
-    return Plan(_native.convert_plan(data, format, "json").decode())
+        return Plan(_native.convert_plan(bytes(source), format, "json").decode())
+    path = Path(source)
+    format = format or path.suffix.removeprefix(".")
+    return Plan(_native.read_plan_file(os.fspath(path), format, "json").decode())

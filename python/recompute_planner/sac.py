@@ -353,7 +353,13 @@ def checkpoint_layers(
     layers: nn.ModuleList, plan: Plan, model: str = "main"
 ) -> dict[int, PlanPolicy]:
     """Wraps every layer of ``layers`` that ``plan`` checkpoints (layer ``i`` of ``model``) in
-    a selective checkpoint saving what the plan keeps; returns the policies by layer index."""
+    a selective checkpoint saving what the plan keeps; returns the policies by layer index.
+    A ``model`` the plan does not have is a ``KeyError`` (not a model left unwrapped)."""
+    models = {n.model for n in plan.nodes}
+    if model not in models:
+        raise KeyError(
+            f"the plan has no model `{model}`; its models: {', '.join(sorted(models)) or 'none'}"
+        )
     checkpointed = {l for m, l in plan.layers() if m == model}
     policies = {}
     for index in range(len(layers)):

@@ -7,8 +7,12 @@ extension is proved to be the same planner with the same error texts.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -105,6 +109,23 @@ def test_an_unknown_unit_raises_the_cli_error_text_and_code():
     assert str(raised.value) == cli_error(str(GLM), "--keep", "save_nothing")
 
 
+def test_an_empty_unit_name_raises_the_cli_error_text_and_code():
+    for keep in ([""], "", ["save_dsa_indexer", " "]):
+        with pytest.raises(rp.PlannerError) as raised:
+            rp.plan(GLM, keep=keep)
+        assert raised.value.code == "invalid-keep"
+        assert "not an empty name" in str(raised.value)
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.plan(GLM, keep=[""])
+    assert str(raised.value) == cli_error(str(GLM), "--keep", "")
+
+
+@pytest.mark.parametrize("keep", [b"SAVE_DSA_INDEXER", bytearray(b"SAVE"), [b"SAVE_DSA_INDEXER"]])
+def test_unit_names_as_bytes_are_a_type_error(keep):
+    with pytest.raises(TypeError, match="keep takes unit names as str"):
+        rp.plan(GLM, keep=keep)
+
+
 def test_an_invalid_graph_raises_the_cli_error_text(tmp_path):
     broken = tmp_path / "broken.pb"
     broken.write_bytes(b"\x0a\x05hello\xff\xff")
@@ -162,6 +183,43 @@ def test_a_hardware_profile_changes_the_times():
         rp.plan(GLM, hw={"link_bytes_per_s": -1})
 
 
+@pytest.fixture(scope="module")
+def deep_graph(tmp_path_factory) -> Path:
+    """`moe_ep2` with its decoder layer repeated 200 times (testkit's `deepen_file`): a graph
+    whose `budget` search takes a while."""
+    deep = tmp_path_factory.mktemp("deep") / "moe_ep2_deep.pb"
+    done = subprocess.run(
+        ["cargo", "run", "-q", "-p", "testkit", "--example", "deepen_file", "--",
+         str(GOLDEN_DIR / "moe_ep2.pb"), str(deep), "200"],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return deep
+
+
+def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):
+    """SIGINT during `plan(..., budget=...)` raises KeyboardInterrupt from the search itself,
+    long before the search would have finished (not when it returns)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        baseline = rp.plan(deep_graph, check=False).memory
+        budget = (baseline.no_checkpoint_peak_bytes + baseline.full_recompute_peak_bytes) // 2
+        started = time.monotonic()
+        rp.plan(deep_graph, budget=budget, check=False)
+        search = time.monotonic() - started
+
+        timer = threading.Timer(search / 10, os.kill, (os.getpid(), signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                rp.plan(deep_graph, budget=budget, check=False)
+        finally:
+            timer.cancel()
+    interrupted = time.monotonic() - started
+    assert interrupted < search / 2, (interrupted, search)
+
+
 # --------------------------------------------------------------------------------------------
 # Plan files: one reader (the Rust one), one JSON dialect
 
@@ -202,6 +260,27 @@ def test_a_broken_plan_file_raises_the_readers_error(tmp_path):
         rp.load_plan(path)
     assert raised.value.code == "invalid-plan"
     assert "sometimes" in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", ["character device", "FIFO"])
+def test_hw_and_plan_files_are_read_like_the_cli_reads_them(tmp_path, kind):
+    """`hw=` files and `load_plan` paths go through the CLI's reader of input files: a device
+    or a FIFO is refused at once with the CLI's text, never read until memory runs out or
+    waited on for a writer."""
+    if kind == "FIFO":
+        special = tmp_path / "pipe.json"
+        os.mkfifo(special)
+    else:
+        special = Path("/dev/zero")
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.plan(GLM, hw=special)
+    assert raised.value.code == "invalid-option"
+    assert str(raised.value) == cli_error(str(GLM), "--hw", str(special))
+    assert kind in str(raised.value)
+    with pytest.raises(rp.PlannerError) as raised:
+        rp.load_plan(special, format="json")
+    assert raised.value.code == "invalid-plan"
+    assert kind in str(raised.value) and str(special) in str(raised.value)
 
 
 # --------------------------------------------------------------------------------------------

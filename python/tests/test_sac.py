@@ -282,3 +282,17 @@ def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
         assert policy.recomputed.count("aten.mm") == 1
         assert policy.recomputed.count("aten.sigmoid") == 0
         assert policy.recomputed.count("aten.scatter_") == 1  # one_hot re-runs in eager
+
+
+def test_checkpoint_layers_of_a_model_the_plan_does_not_have_is_an_error():
+    """A misspelt model (`Main` for `main`) would otherwise wrap no layer and checkpoint
+    nothing without a word."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(GOLDEN_DIR / "glm_dsa_ep2.pb")
+    layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    unwrapped = list(layers)
+    with pytest.raises(KeyError, match="no model `Main`; its models: main"):
+        sac.checkpoint_layers(layers, plan, model="Main")
+    assert list(layers) == unwrapped
+    assert sac.checkpoint_layers(layers, plan, model="main")

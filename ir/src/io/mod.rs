@@ -6,6 +6,7 @@
 //! message, for tools and tests that build or edit graphs.
 
 mod file;
+mod json_value;
 mod transcode;
 
 use std::{

@@ -5,10 +5,11 @@
 //!
 //! - JSON -> protobuf ([`to_protobuf`]): every message is encoded as it is read, and every
 //!   repeated field item by item; the reader holds the encoding (at most a few times the JSON)
-//!   and one message per level of nesting being read. Each value is read with the type pbjson
-//!   reads it with, so what is accepted, and the errors, are pbjson's: both spellings of a
-//!   field name, an `int64` as a number or a string, `null` for a message, an `optional`
-//!   field or a `oneof` member meaning absent, an unknown or repeated key an error.
+//!   and one message per level of nesting being read. Each value is read as pbjson reads it,
+//!   so what is accepted, and the errors, are pbjson's: both spellings of a field name, an
+//!   `int64` as a number or a string, `null` for a message, an `optional` field or a `oneof`
+//!   member meaning absent, an unknown or repeated key an error. Integers and enums are read
+//!   by `json_value`, which words their errors plainly, naming the field, at the same place.
 //! - protobuf -> canonical protobuf or JSON ([`write_protobuf`], [`write_json`]): each field
 //!   is resolved in the encoded bytes as prost decodes it (the last scalar wins, repeated
 //!   fields append, packed or not, messages merge, the last `oneof` member wins) and written as
@@ -18,15 +19,16 @@
 //! `proto/graph.proto`. `ir/tests/streaming.rs` holds every direction to pbjson and prost on
 //! arbitrary graphs, non-canonical encodings and malformed JSON.
 
-use std::{fmt, ops::Range};
+use std::{fmt, marker::PhantomData, ops::Range};
 
-use pbjson::private::NumberDeserialize;
 use prost::encoding::{encode_key, encode_varint, WireType};
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
+use super::json_value::{EnumNames, EnumOf, IntegerOf};
 use crate::wire::{graph as pb, FieldKey, JsonF64};
 
-/// The canonical protobuf encoding of the JSON graph in `json`; a JSON error is pbjson's.
+/// The canonical protobuf encoding of the JSON graph in `json`; a JSON error is where pbjson's
+/// would be.
 pub(crate) fn to_protobuf(json: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
     let mut deserializer = serde_json::Deserializer::from_slice(json);
     let encoded = Transcode(&GRAPH).deserialize(&mut deserializer)?;
@@ -357,22 +359,22 @@ fn read_field<'de, A: MapAccess<'de>>(
             }
         }
         Kind::U32 => {
-            let v = map.next_value::<NumberDeserialize<u32>>()?.0;
+            let v = map.next_value_seed(IntegerOf::<u32>::field(field.json))?;
             if v != 0 {
                 encode_varint_field(tag, u64::from(v), out);
             }
         }
-        Kind::OptionalU32 => match map.next_value::<Option<NumberDeserialize<u32>>>()? {
-            Some(v) => encode_varint_field(tag, u64::from(v.0), out),
-            None => return Ok(false),
-        },
+        Kind::OptionalU32 => {
+            match map.next_value_seed(Nullable(IntegerOf::<u32>::field(field.json)))? {
+                Some(v) => encode_varint_field(tag, u64::from(v), out),
+                None => return Ok(false),
+            }
+        }
         Kind::Enum(kind) => {
-            let v = match kind {
-                EnumType::Dtype => map.next_value::<pb::Dtype>()? as i32,
-                EnumType::Role => map.next_value::<pb::Role>()? as i32,
-                EnumType::Phase => map.next_value::<pb::Phase>()? as i32,
-                EnumType::Collective => map.next_value::<pb::CollectiveKind>()? as i32,
-            };
+            let v = map.next_value_seed(EnumOf {
+                field: field.json,
+                names: kind,
+            })?;
             if v != 0 {
                 // An `int32` is sign-extended to 64 bits on the wire.
                 encode_varint_field(tag, i64::from(v) as u64, out);
@@ -380,21 +382,24 @@ fn read_field<'de, A: MapAccess<'de>>(
         }
         Kind::Strings => map.next_value_seed(Items(tag, out, EncodeStrings))?,
         Kind::PackedI64 => {
-            let payload = map.next_value_seed(Packed(|v: NumberDeserialize<i64>, out| {
-                encode_varint(v.0 as u64, out)
-            }))?;
+            let payload = map.next_value_seed(Packed(
+                IntegerOf::<i64>::field(field.json),
+                |v: i64, out| encode_varint(v as u64, out),
+            ))?;
             encode_packed(tag, &payload, out);
         }
         Kind::PackedU32 => {
-            let payload = map.next_value_seed(Packed(|v: NumberDeserialize<u32>, out| {
-                encode_varint(u64::from(v.0), out)
-            }))?;
+            let payload = map.next_value_seed(Packed(
+                IntegerOf::<u32>::field(field.json),
+                |v: u32, out| encode_varint(u64::from(v), out),
+            ))?;
             encode_packed(tag, &payload, out);
         }
         Kind::PackedF64 => {
-            let payload = map.next_value_seed(Packed(|v: JsonF64, out| {
-                out.extend_from_slice(&v.0.to_bits().to_le_bytes())
-            }))?;
+            let payload = map
+                .next_value_seed(Packed(PhantomData::<JsonF64>, |v: JsonF64, out| {
+                    out.extend_from_slice(&v.0.to_bits().to_le_bytes())
+                }))?;
             encode_packed(tag, &payload, out);
         }
         Kind::Message(message) | Kind::OneofMessage(message) => {
@@ -404,10 +409,12 @@ fn read_field<'de, A: MapAccess<'de>>(
             }
         }
         Kind::Messages(message) => map.next_value_seed(Items(tag, out, EncodeMessage(message)))?,
-        Kind::OneofI64 => match map.next_value::<Option<NumberDeserialize<i64>>>()? {
-            Some(v) => encode_varint_field(tag, v.0 as u64, out),
-            None => return Ok(false),
-        },
+        Kind::OneofI64 => {
+            match map.next_value_seed(Nullable(IntegerOf::<i64>::field(field.json)))? {
+                Some(v) => encode_varint_field(tag, v as u64, out),
+                None => return Ok(false),
+            }
+        }
         Kind::OneofF64 => match map.next_value::<Option<JsonF64>>()? {
             Some(v) => {
                 encode_key(tag, WireType::SixtyFourBit, out);
@@ -520,10 +527,11 @@ impl<'de> ItemEncoder<'de> for EncodeMessage {
     }
 }
 
-/// A JSON array of numbers read into a packed payload, each item appended by `.0`.
-struct Packed<T>(fn(T, &mut Vec<u8>));
+/// A JSON array of numbers read into a packed payload, each item read by the seed `.0` and
+/// appended by `.1`.
+struct Packed<'de, S: DeserializeSeed<'de>>(S, fn(S::Value, &mut Vec<u8>));
 
-impl<'de, T: serde::Deserialize<'de>> DeserializeSeed<'de> for Packed<T> {
+impl<'de, S: DeserializeSeed<'de> + Copy> DeserializeSeed<'de> for Packed<'de, S> {
     type Value = Vec<u8>;
 
     fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<Vec<u8>, D::Error> {
@@ -531,7 +539,7 @@ impl<'de, T: serde::Deserialize<'de>> DeserializeSeed<'de> for Packed<T> {
     }
 }
 
-impl<'de, T: serde::Deserialize<'de>> Visitor<'de> for Packed<T> {
+impl<'de, S: DeserializeSeed<'de> + Copy> Visitor<'de> for Packed<'de, S> {
     type Value = Vec<u8>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -540,8 +548,8 @@ impl<'de, T: serde::Deserialize<'de>> Visitor<'de> for Packed<T> {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
         let mut payload = Vec::new();
-        while let Some(item) = seq.next_element::<T>()? {
-            (self.0)(item, &mut payload);
+        while let Some(item) = seq.next_element_seed(self.0)? {
+            (self.1)(item, &mut payload);
         }
         Ok(payload)
     }
@@ -766,7 +774,7 @@ fn numbers<'a>(
     })
 }
 
-impl EnumType {
+impl EnumNames for EnumType {
     /// The proto3 JSON name of `code`, if the enum has one.
     fn name(self, code: i32) -> Option<&'static str> {
         match self {
@@ -776,6 +784,15 @@ impl EnumType {
             EnumType::Collective => pb::CollectiveKind::try_from(code)
                 .ok()
                 .map(|e| e.as_str_name()),
+        }
+    }
+
+    fn number(self, name: &str) -> Option<i32> {
+        match self {
+            EnumType::Dtype => pb::Dtype::from_str_name(name).map(|e| e as i32),
+            EnumType::Role => pb::Role::from_str_name(name).map(|e| e as i32),
+            EnumType::Phase => pb::Phase::from_str_name(name).map(|e| e as i32),
+            EnumType::Collective => pb::CollectiveKind::from_str_name(name).map(|e| e as i32),
         }
     }
 }

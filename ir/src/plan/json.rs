@@ -43,7 +43,45 @@ pub fn layer_keep_value(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> serd
 }
 
 pub(super) fn decode(bytes: &[u8]) -> Result<pb::Plan, PlanReadError> {
-    serde_json::from_slice(bytes).map_err(|e| PlanReadError::Json(e.to_string()))
+    serde_json::from_slice(bytes).map_err(|e| PlanReadError::Json(plain_error(bytes, &e)))
+}
+
+/// What pbjson says of a number it cannot read (out of range, negative for an unsigned field,
+/// a fraction, a string of something else than digits).
+const PBJSON_BAD_NUMBER: &str = "data did not match any variant of untagged enum Content";
+
+/// serde_json's message for `json`, with pbjson's words for a bad number replaced by plain
+/// ones naming the key whose value it is.
+fn plain_error(json: &[u8], error: &serde_json::Error) -> String {
+    let message = error.to_string();
+    if !message.starts_with(PBJSON_BAD_NUMBER) {
+        return message;
+    }
+    let key = key_before(json, error.line(), error.column()).unwrap_or("a number field");
+    message.replacen(
+        PBJSON_BAD_NUMBER,
+        &format!("`{key}` must be a whole number in its range (a number or a string of digits)"),
+        1,
+    )
+}
+
+/// The object key whose value ends at `line`, `column` (serde_json's 1-based position): the
+/// last `"key":` before it.
+fn key_before(json: &[u8], line: usize, column: usize) -> Option<&str> {
+    let line_start = match line {
+        0 | 1 => 0,
+        _ => json
+            .iter()
+            .enumerate()
+            .filter(|&(_, &b)| b == b'\n')
+            .nth(line - 2)
+            .map(|(i, _)| i + 1)?,
+    };
+    let before = json.get(..line_start.saturating_add(column).min(json.len()))?;
+    let colon = before.iter().rposition(|&b| b == b':')?;
+    let quoted = before[..colon].trim_ascii_end().strip_suffix(b"\"")?;
+    let open = quoted.iter().rposition(|&b| b == b'"')?;
+    std::str::from_utf8(&quoted[open + 1..]).ok()
 }
 
 fn write_plan(j: &mut Pretty, p: &Plan, names: &dyn PlanNames) {
@@ -355,7 +393,18 @@ fn escape(b: u8) -> Option<u8> {
 mod tests {
     use serde::Serialize;
 
-    use super::Pretty;
+    use super::{decode, Pretty};
+
+    #[test]
+    fn a_number_out_of_range_names_its_key_in_plain_words() {
+        let json = b"{\n  \"nodes\": [\n    {\"name\": \"n\", \"layer\": 4294967296}\n  ]\n}";
+        let error = decode(json).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "not a valid JSON plan: `layer` must be a whole number in its range (a number or a \
+             string of digits) at line 3 column 38"
+        );
+    }
 
     #[derive(Serialize)]
     struct Doc {

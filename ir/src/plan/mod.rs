@@ -353,6 +353,12 @@ impl Plan {
         let format = Format::from_path(path).ok_or_else(|| PlanReadError::UnknownFormat {
             path: path.display().to_string(),
         })?;
+        Plan::read_as(path, format)
+    }
+
+    /// Reads the plan file at `path` as `format`, whatever its extension: a regular file
+    /// under the plan size limit ([`crate::io::read_input_file`]).
+    pub fn read_as(path: &Path, format: Format) -> Result<(Plan, NameTable), PlanReadError> {
         let bytes = crate::io::read_input_file(path, crate::io::InputKind::Plan)?;
         Plan::decode(&bytes, format).map_err(|e| e.in_file(path))
     }

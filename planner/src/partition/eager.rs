@@ -9,7 +9,7 @@
 //! whose output backward reads. So a layer's replay is the prefix of its forward up to that op,
 //! less the kept ops, run just before the first backward read of anything the layer made.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use ir::{
     plan::{Decision, LayerRef, SavedKind},
@@ -41,30 +41,44 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
 }
 
 /// Where the replayed prefix `replay` would not reproduce forward: a replayed op that writes a
-/// storage the replay did not make (it is resident, and already holds the write), or that
-/// reads a storage the replay did not make after forward wrote it later.
+/// tensor that is not the replay's own copy (it is resident, and already holds the write), or
+/// that reads one after forward wrote it later.
+///
+/// The replay's own copy of a value is one it produced, over a storage it made. An alias made
+/// outside the replay (by an op of no layer or of another layer) stays the resident forward
+/// tensor even when the replay makes its storage's root again, as the verifier and the runtime
+/// resolve it.
 fn hazards(graph: &Graph, replay: &Replay) -> Vec<Hazard> {
-    let mut made_here = std::collections::HashSet::new();
+    let mut produced = HashSet::new();
+    let mut made_here = HashSet::new();
     let mut found = Vec::new();
     for &id in &replay.nodes {
         let node = graph.node(id);
-        for &p in &node.effects.mutates {
-            let root = graph.storage_root(node.inputs[p]);
+        // The resident tensor behind `v`: its storage's root unless the replay made that
+        // root again, in which case `v` itself (an alias of the forward storage).
+        let resident = |v: ValueId| {
+            let root = graph.storage_root(v);
             if !made_here.contains(&root) {
+                Some(root)
+            } else if produced.contains(&v) {
+                None
+            } else {
+                Some(v)
+            }
+        };
+        for &p in &node.effects.mutates {
+            if let Some(value) = resident(node.inputs[p]) {
                 found.push(Hazard {
                     layer: replay.layer,
                     node: id,
-                    value: root,
+                    value,
                     kind: HazardKind::WritesResident,
                 });
             }
         }
         if node.effects.view_of.is_none() {
             for &v in &node.inputs {
-                let root = graph.storage_root(v);
-                if made_here.contains(&root) {
-                    continue;
-                }
+                let Some(value) = resident(v) else { continue };
                 let later = graph
                     .storage_writers(v)
                     .iter()
@@ -74,7 +88,7 @@ fn hazards(graph: &Graph, replay: &Replay) -> Vec<Hazard> {
                     found.push(Hazard {
                         layer: replay.layer,
                         node: id,
-                        value: root,
+                        value,
                         kind: HazardKind::ReadsOverwritten { writer },
                     });
                 }
@@ -82,6 +96,7 @@ fn hazards(graph: &Graph, replay: &Replay) -> Vec<Hazard> {
         }
         // A fresh output is made here; a view or in-place result keeps its base's storage.
         for &v in &node.outputs {
+            produced.insert(v);
             if graph.storage_root(v) == v {
                 made_here.insert(v);
             }

@@ -190,10 +190,24 @@ impl<'a> Builder<'a> {
                 .expect("replayed values have a producer");
             // A replayed tensor must also be written by the in-place ops that wrote it in
             // forward, or later readers of its old name would see it unwritten.
-            for n in std::iter::once(producer).chain(self.in_place_writers(v)) {
-                if !self.in_replay[n.index()] {
-                    self.in_replay[n.index()] = true;
-                    stack.extend(self.graph.node(n).inputs.iter().copied());
+            let mut joining: Vec<NodeId> = std::iter::once(producer)
+                .chain(self.in_place_writers(v))
+                .collect();
+            while let Some(n) = joining.pop() {
+                if self.in_replay[n.index()] {
+                    continue;
+                }
+                self.in_replay[n.index()] = true;
+                let node = self.graph.node(n);
+                stack.extend(node.inputs.iter().copied());
+                // A replayed node makes every output again, not only the one needed: a sibling
+                // output resident for other readers gets a replayed copy too, which replayed
+                // readers then read. The in-place writers of each storage it makes replay with
+                // it, so that copy holds what forward wrote.
+                for &o in &node.outputs {
+                    if self.graph.storage_root(o) == o {
+                        joining.extend(self.layer_writers(o));
+                    }
                 }
             }
         }

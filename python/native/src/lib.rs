@@ -2,12 +2,23 @@
 //!
 //! A thin layer over the Rust crates. A graph (a file path, or bytes with their format) and
 //! the options of `planner plan` go in; the plan comes out as its JSON text, the one dialect
-//! `recompute_planner.plans` parses into typed objects. Plan files are read and converted
-//! through `ir::plan`. Planning runs with the GIL released. Every error raises
+//! `recompute_planner.plans` parses into typed objects. Plan files and `--hw` profiles are read
+//! through the CLI's reader of input files, and plans converted through `ir::plan`. Planning
+//! runs on a thread of its own while the caller waits with the GIL released, checking Python's
+//! signals (Ctrl-C raises at once). Every error raises
 //! `recompute_planner.errors.PlannerError(message, code)`, whose message is the text the CLI
 //! prints after `error: `.
 
-use std::path::Path;
+use std::{
+    ops::Deref,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc::{self, RecvTimeoutError},
+        Arc,
+    },
+    time::Duration,
+};
 
 use ir::{
     io::Format as GraphFormat,
@@ -20,9 +31,11 @@ use planner::{
     config::{self, ConfigError, PlanConfig},
     cost::HwProfile,
     plan::PlanError,
-    policy, units,
+    policy,
+    progress::Progress,
+    units,
 };
-use pyo3::{prelude::*, types::PyBytes};
+use pyo3::{prelude::*, pybacked::PyBackedBytes, types::PyBytes};
 
 /// A failure on the Rust side: the CLI's `error:` text and a stable code for Python.
 #[derive(Debug)]
@@ -62,7 +75,7 @@ impl From<ConfigError> for Failure {
     fn from(e: ConfigError) -> Self {
         let code = match e {
             ConfigError::UnknownUnit { .. } => "unknown-unit",
-            ConfigError::MixedKeep { .. } => "invalid-keep",
+            ConfigError::MixedKeep { .. } | ConfigError::EmptyUnit { .. } => "invalid-keep",
             ConfigError::Ratio { .. } => "invalid-ratio",
             ConfigError::ChoicesFormat { .. } | ConfigError::ChoicesUnknown { .. } => {
                 "invalid-choices"
@@ -88,6 +101,7 @@ impl From<BudgetError> for Failure {
             BudgetError::Infeasible { .. } => "budget-infeasible",
             BudgetError::NotJoint => "budget-needs-joint-graph",
             BudgetError::TooManyUnits { .. } => "too-many-units",
+            BudgetError::Interrupted => "interrupted",
         };
         Failure::new(code, e)
     }
@@ -103,26 +117,26 @@ impl From<PlanReadError> for Failure {
     }
 }
 
-/// Where the graph comes from: a file, or bytes in a known format (`origin` names them in
+/// Where the graph comes from: a file, or bytes `D` in a known format (`origin` names them in
 /// errors, as a path would).
-enum Source<'a> {
-    File(&'a Path),
+enum Source<D> {
+    File(PathBuf),
     Bytes {
-        data: &'a [u8],
+        data: D,
         format: GraphFormat,
-        origin: &'a Path,
+        origin: PathBuf,
     },
 }
 
-impl Source<'_> {
+impl<D: Deref<Target = [u8]>> Source<D> {
     fn load(&self) -> Result<Graph, Failure> {
-        Ok(match *self {
+        Ok(match self {
             Source::File(path) => ir::io::load(path)?,
             Source::Bytes {
                 data,
                 format,
                 origin,
-            } => ir::io::load_bytes(data, format, origin)?,
+            } => ir::io::load_bytes(data, *format, origin)?,
         })
     }
 }
@@ -185,21 +199,89 @@ fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failu
     .transpose()
 }
 
-/// Plans the graph as `planner plan` does: the unit choice of `--budget` when given.
-fn plan_graph(
-    source: &Source<'_>,
-    config: &PlanConfig,
-    budget: Option<&Budget>,
-    hw: &HwProfile,
-) -> Result<String, Failure> {
-    let graph = source.load()?;
-    let plan = match budget {
-        None => planner::plan::plan(&graph, config, hw)?,
-        Some(budget) => {
-            Search::new(&graph, config, hw)?.answer(budget.bytes, budget.granularity)?
+/// One `planner plan`: the graph and every option, owned, so that it can run on a thread of
+/// its own.
+struct Planning {
+    source: Source<PyBackedBytes>,
+    config: PlanConfig,
+    budget: Option<Budget>,
+    hw: HwProfile,
+}
+
+impl Planning {
+    /// Plans the graph as `planner plan` does: the unit choice of `--budget` when given, its
+    /// search stopping when `progress` is interrupted.
+    fn run(&self, progress: &dyn Progress) -> Result<String, Failure> {
+        let graph = self.source.load()?;
+        let plan = match &self.budget {
+            None => planner::plan::plan(&graph, &self.config, &self.hw)?,
+            Some(budget) => Search::with_progress(&graph, &self.config, &self.hw, progress)?
+                .answer(budget.bytes, budget.granularity)?,
+        };
+        Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
+    }
+}
+
+/// How often a thread waiting for the planner checks Python's signals.
+const SIGNAL_CHECK: Duration = Duration::from_millis(50);
+
+/// A [`Progress`] that only carries a request to stop.
+#[derive(Default)]
+struct Interrupt(AtomicBool);
+
+impl Progress for Interrupt {
+    fn stage(&self, _: &str, _: Option<u64>) {}
+    fn advance(&self) {}
+    fn interrupted(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs `work` on a thread of its own while the calling thread waits with the GIL released,
+/// checking Python's signals every [`SIGNAL_CHECK`]: Ctrl-C (or any signal handler that
+/// raises) raises in the caller at once, and asks `work` to stop (a search stops before its
+/// next candidate plan). Whatever `work` then returns is dropped. Signals reach only Python's
+/// main thread; elsewhere the call simply waits.
+fn interruptible<T: Send + 'static>(
+    py: Python<'_>,
+    work: impl FnOnce(&dyn Progress) -> Result<T, Failure> + Send + 'static,
+) -> PyResult<T> {
+    let interrupt = Arc::new(Interrupt::default());
+    let (done, result) = mpsc::channel::<Result<T, Failure>>();
+    let flag = Arc::clone(&interrupt);
+    std::thread::Builder::new()
+        .name("planner".to_owned())
+        .spawn(move || {
+            // The caller may have gone (interrupted): nobody to tell.
+            let _ = done.send(work(flag.as_ref()));
+        })
+        .map_err(|e| {
+            Failure::new("internal-error", format!("cannot start the planner: {e}")).into_py_err(py)
+        })?;
+    let mut result = result;
+    loop {
+        // A receiver is not shared between threads: it goes to the waiting side and back.
+        let (receiver, received) = py.detach(move || {
+            let received = result.recv_timeout(SIGNAL_CHECK);
+            (result, received)
+        });
+        result = receiver;
+        match received {
+            Ok(outcome) => return outcome.map_err(|f| f.into_py_err(py)),
+            Err(RecvTimeoutError::Timeout) => {
+                if let Err(raised) = py.check_signals() {
+                    interrupt.0.store(true, Ordering::Relaxed);
+                    return Err(raised);
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(
+                    Failure::new("internal-error", "the planner stopped without an answer")
+                        .into_py_err(py),
+                )
+            }
         }
-    };
-    Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
+    }
 }
 
 fn json_text(bytes: Vec<u8>) -> String {
@@ -211,13 +293,13 @@ fn json_text(bytes: Vec<u8>) -> String {
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
-    executor_name, budget_size=None, granularity, hw_json=None
+    executor_name, budget_size=None, granularity, hw_json=None, hw_path=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
     py: Python<'_>,
     path: &str,
-    data: Option<&[u8]>,
+    data: Option<PyBackedBytes>,
     format: Option<&str>,
     keep: Vec<String>,
     recompute_ratio: f64,
@@ -227,8 +309,9 @@ fn plan(
     budget_size: Option<&str>,
     granularity: &str,
     hw_json: Option<&str>,
+    hw_path: Option<&str>,
 ) -> PyResult<String> {
-    let planned = (|| -> Result<String, Failure> {
+    let planning = (|| -> Result<Planning, Failure> {
         // Configuration errors come before any other work, as in the CLI.
         let keep = config::parse_keep(&keep)?;
         let recompute_ratio = config::check_ratio(recompute_ratio)?;
@@ -257,16 +340,12 @@ fn plan(
             )?,
             ..PlanConfig::default()
         };
-        let hw = match hw_json {
-            Some(text) => HwProfile::from_json(text.as_bytes(), "hardware profile")
-                .map_err(|e| Failure::new("invalid-option", e))?,
-            None => HwProfile::default(),
-        };
+        let hw = hw_profile(py, hw_json, hw_path)?;
         let source = match (data, format) {
             (Some(data), Some(format)) => Source::Bytes {
                 data,
                 format: graph_format(format)?,
-                origin: Path::new(path),
+                origin: PathBuf::from(path),
             },
             (Some(_), None) => {
                 return Err(Failure::new(
@@ -274,11 +353,59 @@ fn plan(
                     "graph bytes need their format (`pb` or `json`)",
                 ))
             }
-            (None, _) => Source::File(Path::new(path)),
+            (None, _) => Source::File(PathBuf::from(path)),
         };
-        py.detach(|| plan_graph(&source, &config, budget.as_ref(), &hw))
+        Ok(Planning {
+            source,
+            config,
+            budget,
+            hw,
+        })
+    })()
+    .map_err(|f| f.into_py_err(py))?;
+    interruptible(py, move |progress| planning.run(progress))
+}
+
+/// The hardware profile given as JSON text or as a file (read as the CLI reads `--hw`: a
+/// regular file under the profile's size limit), else the default.
+fn hw_profile(
+    py: Python<'_>,
+    json: Option<&str>,
+    path: Option<&str>,
+) -> Result<HwProfile, Failure> {
+    let profile = match (json, path) {
+        (Some(_), Some(_)) => {
+            return Err(Failure::new(
+                "invalid-option",
+                "a hardware profile is JSON text or a file, not both",
+            ))
+        }
+        (Some(text), None) => HwProfile::from_json(text.as_bytes(), "hardware profile"),
+        (None, Some(path)) => py.detach(|| HwProfile::from_file(Path::new(path))),
+        (None, None) => Ok(HwProfile::default()),
+    };
+    profile.map_err(|e| Failure::new("invalid-option", e))
+}
+
+/// Reads the plan file at `path` (`from_format`: `json` or `pb`) through the planner's
+/// reader of input files (a regular file under the plan size limit: never a device or a FIFO)
+/// and writes it in `to_format`.
+#[pyfunction]
+fn read_plan_file<'py>(
+    py: Python<'py>,
+    path: &str,
+    from_format: &str,
+    to_format: &str,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let converted = (|| -> Result<Vec<u8>, Failure> {
+        let (from, to) = (plan_format(from_format)?, plan_format(to_format)?);
+        let (plan, names) = py.detach(|| Plan::read_as(Path::new(path), from))?;
+        Ok(plan.encode(&names, to))
     })();
-    planned.map_err(|f| f.into_py_err(py))
+    match converted {
+        Ok(bytes) => Ok(PyBytes::new(py, &bytes)),
+        Err(f) => Err(f.into_py_err(py)),
+    }
 }
 
 /// Reads a plan (`from_format`: `json` or `pb`) through `ir::plan` and writes it in
@@ -327,7 +454,7 @@ fn interval_contents(
         let source = Source::Bytes {
             data,
             format: graph_format(format)?,
-            origin: Path::new(origin),
+            origin: PathBuf::from(origin),
         };
         let graph = source.load()?;
         Ok(policy::interval_contents(&graph)
@@ -355,6 +482,7 @@ type IntervalRow = (String, u32, u32, String, String, Vec<String>);
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(read_plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
     m.add_function(wrap_pyfunction!(interval_contents, m)?)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
