@@ -12,7 +12,7 @@ TORCH_VERSION=2.13.0  # keep in sync with scripts/env.sh and tch in Cargo.toml
 VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$TORCH_VERSION}"
 # transformers: the HuggingFace model families the exporter is tested on (tiny configs, random
 # weights, nothing downloaded).
-PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "grpcio-tools>=1.74" "pytest>=8" "safetensors>=0.4" "numpy>=1.26" "maturin>=1.9.4,<2" "transformers==5.23.0")
+PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "pytest>=8" "safetensors>=0.4" "numpy>=1.26" "maturin>=1.9.4,<2" "transformers==5.23.0")
 STAMP="$VENV/.planner-setup-ok"
 
 want_stamp() { printf '%s\n' "${PY_DEPS[@]}"; }

@@ -32,21 +32,13 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// Compares `actual` with the golden file, or rewrites it when `UPDATE_GOLDEN=1`.
+/// Holds `actual` to the golden file `tests/golden/inspect/NAME` (re-blessed with
+/// `UPDATE_GOLDEN=1`).
 fn check_golden(name: &str, actual: &str) {
     let path = repo_root().join("tests/golden/inspect").join(name);
-    if std::env::var_os("UPDATE_GOLDEN").is_some() {
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(&path, actual).unwrap();
-        return;
+    if let Err(diff) = testkit::check_golden(&path, actual) {
+        panic!("{diff}");
     }
-    let expected = fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        expected == actual,
-        "{} differs from the output (re-bless with UPDATE_GOLDEN=1 after checking the change):\n{}",
-        path.display(),
-        testkit::line_diff(&expected, actual)
-    );
 }
 
 /// A scratch file that is removed when dropped.
@@ -1302,18 +1294,9 @@ fn malformed_inputs_fail_cleanly_as_documented() {
         malformed_table(&run_malformed_cases())
     );
     let path = repo_root().join("docs/malformed-inputs.md");
-    if std::env::var_os("UPDATE_GOLDEN").is_some() {
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        fs::write(&path, &doc).unwrap();
-        return;
+    if let Err(diff) = testkit::check_golden(&path, &doc) {
+        panic!("{diff}");
     }
-    let committed = fs::read_to_string(&path).unwrap_or_default();
-    assert!(
-        committed == doc,
-        "{} differs from the cases (re-bless with UPDATE_GOLDEN=1 after checking):\n{}",
-        path.display(),
-        testkit::line_diff(&committed, &doc)
-    );
 }
 
 #[test]

@@ -11,7 +11,7 @@
 //! <stderr>
 //! ```
 //!
-//! A mismatch prints a line diff; `UPDATE_GOLDEN=1 cargo test --test golden_plans` rewrites the
+//! A mismatch prints a unified diff; `UPDATE_GOLDEN=1 cargo test --test golden_plans` rewrites the
 //! expected part after reading the diff.
 
 use std::{
@@ -88,7 +88,7 @@ fn golden_plans() {
         "no golden plan cases in {}",
         dir.display()
     );
-    let bless = std::env::var_os("UPDATE_GOLDEN").is_some();
+    let bless = testkit::updating();
     let mut failures = Vec::new();
     for path in &paths {
         let case = parse(path);
@@ -99,11 +99,8 @@ fn golden_plans() {
         if bless {
             fs::write(&case.path, format!("{}\n---\n{actual}", case.header)).unwrap();
         } else {
-            failures.push(format!(
-                "{}:\n{}",
-                case.path.display(),
-                testkit::line_diff(&case.expected, &actual)
-            ));
+            let name = case.path.display().to_string();
+            failures.push(testkit::unified_diff(&name, &case.expected, &actual));
         }
     }
     assert!(

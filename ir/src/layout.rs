@@ -12,16 +12,11 @@ use prost::{
 
 use crate::{
     view::{read_key, read_varint, RawModel, RawNode, RawValue},
-    wire::graph as pb,
+    wire::{
+        fields::graph::{LAST, MODELS, NODES, OUTPUTS, VALUES},
+        graph as pb,
+    },
 };
-
-/// Top-level field numbers of `Graph` (see `proto/graph.proto`).
-const VALUES: u32 = 2;
-const NODES: u32 = 3;
-const OUTPUTS: u32 = 4;
-const MODELS: u32 = 5;
-/// The highest field number `Graph` declares; fields above it are unknown and skipped.
-const LAST_FIELD: u32 = 6;
 
 /// One top-level field of an encoded `Graph`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +70,7 @@ impl<'a> Fields<'a> {
         }
         skip_field(wire, tag, &mut self.rest, DecodeContext::default())
             .map_err(|e| e.to_string())?;
-        if tag > LAST_FIELD {
+        if tag > LAST {
             return Ok(Field::Unknown);
         }
         let end = self.bytes.len() - self.rest.len();

@@ -19,7 +19,11 @@
 use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
 use smallvec::SmallVec;
 
-use crate::wire::graph as pb;
+use crate::wire::{
+    fields::{attribute, float_list, int_list, marker_interval, model, node, schema_facts},
+    fields::{string_list, unit_intervals, value},
+    graph as pb,
+};
 
 /// Elements over this many bytes are decoded with their lists sized first and their
 /// attributes left encoded; smaller ones cost a bounded amount each whatever they hold.
@@ -78,14 +82,11 @@ impl<'a> RawAttributes<'a> {
     /// The attributes of a large node, decoded one at a time from its bytes. `RawNode::decode`
     /// decoded these very bytes: decoding them again cannot fail, and would only end the list
     /// if it could.
-    pub fn encoded(node: &'a [u8]) -> impl Iterator<Item = RawAttribute<'a>> {
-        fields_of(Reader::element(node), ATTRIBUTES)
+    pub fn encoded(bytes: &'a [u8]) -> impl Iterator<Item = RawAttribute<'a>> {
+        fields_of(Reader::element(bytes), node::ATTRIBUTES)
             .map_while(|field| RawAttribute::decode(field.ok()?).ok())
     }
 }
-
-/// The field number of a node's attributes.
-const ATTRIBUTES: u32 = 5;
 
 /// The fields numbered `tag` of the message `r` reads, as readers of their contents, in order;
 /// an error ends them.
@@ -136,28 +137,27 @@ impl<'a> RawValue<'a> {
 
     /// Decodes the bytes of one `Value` message.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
-        let mut value = RawValue {
+        let mut raw = RawValue {
             name: "",
             dtype: 0,
             shape: SmallVec::new(),
             role: 0,
         };
         if bytes.len() > LARGE {
-            value
-                .shape
-                .reserve_exact(count_numbers(Reader::element(bytes), 3)?);
+            raw.shape
+                .reserve_exact(count_numbers(Reader::element(bytes), value::SHAPE)?);
         }
         let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
-                1 => value.name = r.str(wire)?,
-                2 => value.dtype = r.int32(wire)?,
-                3 => r.repeated_varints(wire, |v| value.shape.push(v as i64))?,
-                4 => value.role = r.int32(wire)?,
+                value::NAME => raw.name = r.str(wire)?,
+                value::DTYPE => raw.dtype = r.int32(wire)?,
+                value::SHAPE => r.repeated_varints(wire, |v| raw.shape.push(v as i64))?,
+                value::ROLE => raw.role = r.int32(wire)?,
                 _ => r.skip(wire, tag)?,
             }
         }
-        Ok(value)
+        Ok(raw)
     }
 }
 
@@ -189,40 +189,41 @@ impl<'a> RawNode<'a> {
 
     /// Decodes the bytes of one `Node` message.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
-        let mut node = RawNode::default();
+        let mut raw = RawNode::default();
         if bytes.len() > LARGE {
-            let [inputs, outputs] = count_fields(Reader::element(bytes), [3, 4])?;
-            node.inputs.reserve_exact(inputs);
-            node.outputs.reserve_exact(outputs);
-            node.attributes = RawAttributes::Encoded(bytes);
+            let [inputs, outputs] =
+                count_fields(Reader::element(bytes), [node::INPUTS, node::OUTPUTS])?;
+            raw.inputs.reserve_exact(inputs);
+            raw.outputs.reserve_exact(outputs);
+            raw.attributes = RawAttributes::Encoded(bytes);
         }
         let mut r = Reader::element_text(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
-                1 => node.name = r.str(wire)?,
-                2 => node.op = r.str(wire)?,
-                3 => node.inputs.push(r.str(wire)?),
-                4 => node.outputs.push(r.str(wire)?),
-                ATTRIBUTES => {
+                node::NAME => raw.name = r.str(wire)?,
+                node::OP => raw.op = r.str(wire)?,
+                node::INPUTS => raw.inputs.push(r.str(wire)?),
+                node::OUTPUTS => raw.outputs.push(r.str(wire)?),
+                node::ATTRIBUTES => {
                     let attribute = RawAttribute::decode(r.nested(wire)?)?;
                     // A large node's attributes are only checked here.
-                    if let RawAttributes::Decoded(attributes) = &mut node.attributes {
+                    if let RawAttributes::Decoded(attributes) = &mut raw.attributes {
                         attributes.push(attribute);
                     }
                 }
-                6 => node.phase = r.int32(wire)?,
-                7 => node.model = r.str(wire)?,
-                8 => node.layer = Some(r.varint(wire)? as u32),
+                node::PHASE => raw.phase = r.int32(wire)?,
+                node::MODEL => raw.model = r.str(wire)?,
+                node::LAYER => raw.layer = Some(r.varint(wire)? as u32),
                 // The module path and the stack trace are checked, not kept: nothing reads
                 // them.
-                9 | 13 => drop(r.str(wire)?),
-                10 => node.compiled_region = r.str(wire)?,
-                11 => node.micro_batch = r.varint(wire)? as u32,
-                12 => node.schema.merge(r.nested(wire)?)?,
+                node::MODULE_PATH | node::STACK_TRACE => drop(r.str(wire)?),
+                node::COMPILED_REGION => raw.compiled_region = r.str(wire)?,
+                node::MICRO_BATCH => raw.micro_batch = r.varint(wire)? as u32,
+                node::SCHEMA => raw.schema.merge(r.nested(wire)?)?,
                 _ => r.skip(wire, tag)?,
             }
         }
-        Ok(node)
+        Ok(raw)
     }
 }
 
@@ -262,10 +263,12 @@ impl RawSchema {
     fn merge(&mut self, mut r: Reader<'_>) -> Result<(), String> {
         while let Some((tag, wire)) = r.key()? {
             match tag {
-                1 => r.repeated_varints(wire, |v| self.mutates.push(v as u32))?,
-                2 => self.view_of = Some(r.varint(wire)? as u32),
-                3 => self.random = r.varint(wire)? != 0,
-                4 => self.collective = r.int32(wire)?,
+                schema_facts::MUTATES => {
+                    r.repeated_varints(wire, |v| self.mutates.push(v as u32))?
+                }
+                schema_facts::VIEW_OF => self.view_of = Some(r.varint(wire)? as u32),
+                schema_facts::RANDOM => self.random = r.varint(wire)? != 0,
+                schema_facts::COLLECTIVE => self.collective = r.int32(wire)?,
                 _ => r.skip(wire, tag)?,
             }
         }
@@ -294,54 +297,60 @@ impl<'a> RawAttribute<'a> {
     /// Decodes one `Attribute`. Of its `oneof`, the last field wins; a list field over a list
     /// already there takes more items into the same list, as prost merges it.
     fn decode(mut r: Reader<'a>) -> Result<Self, String> {
-        let mut attribute = RawAttribute {
+        let mut raw = RawAttribute {
             name: "",
             value: None,
         };
         while let Some((tag, wire)) = r.key()? {
-            let value = &mut attribute.value;
+            let value = &mut raw.value;
             match tag {
-                1 => attribute.name = r.str(wire)?,
-                2 => *value = Some(RawAttrValue::Int(r.varint(wire)? as i64)),
-                3 => *value = Some(RawAttrValue::Float(f64::from_bits(r.fixed64(wire)?))),
-                4 => *value = Some(RawAttrValue::Str(r.str(wire)?)),
-                5 => *value = Some(RawAttrValue::Bool(r.varint(wire)? != 0)),
+                attribute::NAME => raw.name = r.str(wire)?,
+                attribute::INT => *value = Some(RawAttrValue::Int(r.varint(wire)? as i64)),
+                attribute::FLOAT => {
+                    *value = Some(RawAttrValue::Float(f64::from_bits(r.fixed64(wire)?)))
+                }
+                attribute::STR => *value = Some(RawAttrValue::Str(r.str(wire)?)),
+                attribute::BOOL => *value = Some(RawAttrValue::Bool(r.varint(wire)? != 0)),
                 // A list over the same kind of list merges into it; over anything else it
                 // starts anew.
-                6 => {
+                attribute::INTS => {
                     let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Ints(values)) => values,
                         _ => Vec::new(),
                     };
-                    list_items(list, |r, w| {
+                    list_items(list, int_list::VALUES, |r, w| {
                         r.repeated_varints(w, |v| values.push(v as i64))
                     })?;
                     *value = Some(RawAttrValue::Ints(values));
                 }
-                7 => {
+                attribute::FLOATS => {
                     let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Floats(values)) => values,
                         _ => Vec::new(),
                     };
                     let mut push = |v| values.push(f64::from_bits(v));
-                    list_items(list, |r, w| r.repeated_fixed64(w, &mut push))?;
+                    list_items(list, float_list::VALUES, |r, w| {
+                        r.repeated_fixed64(w, &mut push)
+                    })?;
                     *value = Some(RawAttrValue::Floats(values));
                 }
-                8 => {
+                attribute::STRS => {
                     let list = r.nested(wire)?;
                     let mut values = match value.take() {
                         Some(RawAttrValue::Strs(values)) => values,
                         _ => Vec::new(),
                     };
-                    list_items(list, |r, w| r.str(w).map(|v| values.push(v)))?;
+                    list_items(list, string_list::VALUES, |r, w| {
+                        r.str(w).map(|v| values.push(v))
+                    })?;
                     *value = Some(RawAttrValue::Strs(values));
                 }
                 _ => r.skip(wire, tag)?,
             }
         }
-        Ok(attribute)
+        Ok(raw)
     }
 }
 
@@ -388,7 +397,7 @@ impl<'a> RawModel<'a> {
     /// Decodes the bytes of one `Model` message; its units and intervals are checked to
     /// decode, and left encoded.
     pub fn decode(bytes: &'a [u8]) -> Result<Self, String> {
-        let mut model = RawModel {
+        let mut raw = RawModel {
             name: "",
             parent: "",
             num_layers: 0,
@@ -397,20 +406,16 @@ impl<'a> RawModel<'a> {
         let mut r = Reader::element(bytes);
         while let Some((tag, wire)) = r.key()? {
             match tag {
-                1 => model.name = r.str(wire)?,
-                2 => model.parent = r.str(wire)?,
-                3 => model.num_layers = r.varint(wire)? as u32,
-                UNITS => RawUnit::check(r.nested(wire)?)?,
+                model::NAME => raw.name = r.str(wire)?,
+                model::PARENT => raw.parent = r.str(wire)?,
+                model::NUM_LAYERS => raw.num_layers = r.varint(wire)? as u32,
+                model::UNITS => RawUnit::check(r.nested(wire)?)?,
                 _ => r.skip(wire, tag)?,
             }
         }
-        Ok(model)
+        Ok(raw)
     }
 }
-
-/// The field numbers of a model's units and of a unit's intervals.
-const UNITS: u32 = 4;
-const INTERVALS: u32 = 2;
 
 impl<'a> IntoIterator for RawUnits<'a> {
     type Item = RawUnit<'a>;
@@ -430,7 +435,7 @@ impl<'a> IntoIterator for RawUnits<'a> {
                         depth,
                         text: "",
                     },
-                    UNITS,
+                    model::UNITS,
                 )
                 .map_while(|unit| RawUnit::decode(unit.ok()?).ok()),
             ),
@@ -450,7 +455,7 @@ impl<'a> RawUnit<'a> {
             depth,
             text: "",
         };
-        for interval in fields_of(unit, INTERVALS) {
+        for interval in fields_of(unit, unit_intervals::INTERVALS) {
             decode_interval(interval?)?;
         }
         Ok(())
@@ -462,7 +467,7 @@ impl<'a> RawUnit<'a> {
         let mut name = "";
         while let Some((tag, wire)) = r.key()? {
             match tag {
-                1 => name = r.str(wire)?,
+                unit_intervals::UNIT => name = r.str(wire)?,
                 _ => r.skip(wire, tag)?,
             }
         }
@@ -491,7 +496,7 @@ impl<'a> IntoIterator for RawIntervals<'a> {
                         depth,
                         text: "",
                     },
-                    INTERVALS,
+                    unit_intervals::INTERVALS,
                 )
                 .map_while(|interval| decode_interval(interval.ok()?).ok()),
             ),
@@ -504,22 +509,23 @@ fn decode_interval(mut r: Reader<'_>) -> Result<(&str, &str), String> {
     let (mut begin, mut end) = ("", "");
     while let Some((tag, wire)) = r.key()? {
         match tag {
-            1 => begin = r.str(wire)?,
-            2 => end = r.str(wire)?,
+            marker_interval::BEGIN => begin = r.str(wire)?,
+            marker_interval::END => end = r.str(wire)?,
             _ => r.skip(wire, tag)?,
         }
     }
     Ok((begin, end))
 }
 
-/// Reads an `IntList`, `FloatList` or `StringList`: field 1 holds the items.
+/// Reads an `IntList`, `FloatList` or `StringList`: field `items` holds the items.
 fn list_items<'a>(
     mut r: Reader<'a>,
+    items: u32,
     mut item: impl FnMut(&mut Reader<'a>, WireType) -> Result<(), String>,
 ) -> Result<(), String> {
     while let Some((tag, wire)) = r.key()? {
         match tag {
-            1 => item(&mut r, wire)?,
+            t if t == items => item(&mut r, wire)?,
             _ => r.skip(wire, tag)?,
         }
     }

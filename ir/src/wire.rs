@@ -17,3 +17,17 @@ pub mod plan {
     include!(concat!(env!("OUT_DIR"), "/recompute.plan.v1.rs"));
     include!(concat!(env!("OUT_DIR"), "/recompute.plan.v1.serde.rs"));
 }
+
+/// The field numbers of `graph.proto`'s messages (`fields::node::ATTRIBUTES`), written by
+/// `build.rs` from its descriptor: the hand decoders match on these, never on bare numbers.
+pub mod fields {
+    include!(concat!(env!("OUT_DIR"), "/graph_fields.rs"));
+}
+
+/// The serialized `FileDescriptorProto` of `graph.proto` (source locations left out): what a
+/// protoc-generated `graph_pb2` module holds, for building the Python messages without protoc.
+pub const GRAPH_DESCRIPTOR: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/graph.descriptor.pb"));
+
+/// The serialized `FileDescriptorProto` of `plan.proto`, as [`GRAPH_DESCRIPTOR`].
+pub const PLAN_DESCRIPTOR: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/plan.descriptor.pb"));

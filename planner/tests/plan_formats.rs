@@ -2,8 +2,10 @@
 //! under several configurations, survives JSON and protobuf exactly (floats included), and a
 //! plan read for another graph is refused.
 
+use std::collections::BTreeSet;
+
 use ir::{
-    plan::{Format, Keep, Plan, PlanReadError},
+    plan::{Format, Keep, LayerKeep, LayerRef, Plan, PlanReadError},
     Graph,
 };
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
@@ -80,4 +82,74 @@ fn unknown_enum_spellings_are_errors_naming_the_field_and_the_valid_ones() {
         message.contains("save, recompute, no-checkpoint"),
         "{message}"
     );
+}
+
+/// The JSON writer (`ir::plan::json`, written by hand for speed) writes every field of
+/// `plan.proto` and no other, in every message: a field added to the schema fails here until
+/// the writer writes it.
+#[test]
+fn the_json_writer_writes_exactly_the_fields_of_plan_proto() {
+    use prost::Message as _;
+    let file = prost_types::FileDescriptorProto::decode(ir::wire::PLAN_DESCRIPTOR).unwrap();
+    let graph = ir::io::load(&golden_graph("glm_dsa_ep2")).unwrap();
+    let mut checked = BTreeSet::new();
+    // Nothing kept (diagnostics), and everything kept in half the layers (unit summaries).
+    for config in configs() {
+        let mut written = plan(&graph, &config, &HwProfile::default()).unwrap();
+        // A layer choice, so that `LayerKeep` is written too.
+        let first = written.nodes[0];
+        written.config.layer_keep = vec![LayerKeep {
+            at: LayerRef {
+                model: first.model,
+                layer: 0,
+            },
+            units: Vec::new(),
+        }];
+        let json: serde_json::Value =
+            serde_json::from_slice(&written.encode(&graph, Format::Json)).unwrap();
+        check_fields(&json, "Plan", &file, &mut checked);
+    }
+    let all: BTreeSet<String> = file
+        .message_type
+        .iter()
+        .map(|m| m.name().to_owned())
+        .collect();
+    assert_eq!(checked, all, "every message of plan.proto is checked");
+}
+
+/// Checks that the JSON object `value` has exactly the fields of `message`, and its nested
+/// messages theirs; records the messages checked.
+fn check_fields(
+    value: &serde_json::Value,
+    message: &str,
+    file: &prost_types::FileDescriptorProto,
+    checked: &mut BTreeSet<String>,
+) {
+    let descriptor = file
+        .message_type
+        .iter()
+        .find(|m| m.name() == message)
+        .unwrap();
+    let object = value
+        .as_object()
+        .unwrap_or_else(|| panic!("{message}: {value}"));
+    let written: BTreeSet<&str> = object.keys().map(String::as_str).collect();
+    let declared: BTreeSet<&str> = descriptor.field.iter().map(|f| f.name()).collect();
+    assert_eq!(written, declared, "the JSON keys of {message}");
+    checked.insert(message.to_owned());
+    for field in &descriptor.field {
+        let Some(nested) = field.type_name.as_deref() else {
+            continue;
+        };
+        let nested = nested.rsplit('.').next().unwrap();
+        match &object[field.name()] {
+            serde_json::Value::Array(items) => {
+                for item in items {
+                    check_fields(item, nested, file, checked);
+                }
+            }
+            serde_json::Value::Null => {}
+            item => check_fields(item, nested, file, checked),
+        }
+    }
 }

@@ -11,8 +11,7 @@
   module of the low-level exporter (``export_joint``, ``write_graph``), callable as above.
 """
 
-__version__ = "0.1.0"
-
+from ._native import PLANNER_VERSION as __version__  # the workspace's Cargo version
 from .api import check_plan, plan  # noqa: E402
 from .errors import (  # noqa: E402
     ExportError,

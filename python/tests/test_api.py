@@ -304,5 +304,5 @@ def test_the_extension_is_part_of_the_package():
     from recompute_planner import _native
 
     assert Path(_native.__file__).parent == Path(rp.__file__).parent
-    assert dict(_native.PROTOS).keys() == {"graph.proto", "plan.proto"}
+    assert dict(_native.DESCRIPTORS).keys() == {"graph_pb2", "plan_pb2"}
     assert _native.PLANNER_VERSION == json.loads(cli_json(str(GLM)))["planner_version"]

@@ -1,43 +1,43 @@
-"""The generated protobuf modules follow the .proto files (recompute_planner.proto)."""
+"""The protobuf modules (recompute_planner.proto) are the planner's own schema, built without
+protoc: from the descriptors compiled into the native extension."""
 
 from __future__ import annotations
 
-import shutil
+import pickle
+import subprocess
+import sys
 
-from recompute_planner import proto
-
-
-def _isolated(monkeypatch, tmp_path):
-    """Points the generator at a copy of proto/ and an empty output folder under tmp_path."""
-    protos = tmp_path / "proto"
-    shutil.copytree(proto.PROTO_DIR, protos)
-    monkeypatch.setattr(proto, "PROTO_DIR", protos)
-    monkeypatch.setattr(proto, "GENERATED_DIR", tmp_path / "generated")
-    return protos
+from recompute_planner import _native, proto
 
 
-def test_modules_are_generated_when_missing_and_reused_when_current(monkeypatch, tmp_path):
-    _isolated(monkeypatch, tmp_path)
-    assert proto.ensure_generated() is True
-    generated = tmp_path / "generated"
-    expected = {"graph_pb2.py", "plan_pb2.py", proto.HASH_FILE_NAME}
-    assert expected <= {p.name for p in generated.iterdir()}
-    assert (generated / proto.HASH_FILE_NAME).read_text().strip() == proto.proto_hash()
-    assert proto.ensure_generated() is False
-
-
-def test_modules_are_regenerated_when_a_proto_file_changes(monkeypatch, tmp_path):
-    protos = _isolated(monkeypatch, tmp_path)
-    proto.ensure_generated()
-    before = proto.proto_hash()
-    graph_proto = protos / "graph.proto"
-    graph_proto.write_text(graph_proto.read_text() + "\nmessage AddedForTheTest {}\n")
-    assert proto.proto_hash() != before
-    assert proto.ensure_generated() is True
-    assert "_ADDEDFORTHETEST" in (tmp_path / "generated" / "graph_pb2.py").read_text()
-
-
-def test_the_package_modules_are_current():
-    assert proto.ensure_generated() is False
+def test_the_modules_hold_the_descriptors_the_planner_was_built_with():
+    compiled = dict(_native.DESCRIPTORS)
+    assert proto.graph_pb2.DESCRIPTOR.serialized_pb == compiled["graph_pb2"]
+    assert proto.plan_pb2.DESCRIPTOR.serialized_pb == compiled["plan_pb2"]
     assert proto.graph_pb2.Graph.DESCRIPTOR.full_name == "recompute.ir.v1.Graph"
     assert proto.plan_pb2.DESCRIPTOR.package == "recompute.plan.v1"
+
+
+def test_messages_import_and_pickle_by_the_modules_name():
+    node = proto.graph_pb2.Node(name="mm", op="aten.mm.default", inputs=["a", "b"])
+    assert type(node).__module__ == "recompute_planner.proto.graph_pb2"
+    assert pickle.loads(pickle.dumps(node)) == node
+
+
+def test_importing_the_package_runs_no_protoc_and_writes_nothing():
+    """Importing grpc_tools fails in the child; the package imports and builds messages."""
+    code = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'grpc_tools':\n"
+        "            raise ImportError('grpc_tools is not available')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "sys.dont_write_bytecode = True\n"
+        "import recompute_planner as rp\n"
+        "from recompute_planner.proto import graph_pb2, plan_pb2\n"
+        "print(graph_pb2.Value(name='x').name, plan_pb2.Plan().joint)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["x", "False"]

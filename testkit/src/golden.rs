@@ -1,6 +1,12 @@
-//! Golden files: where they are, and the line diff a mismatch prints.
+//! Golden files: where they are, the one switch that re-blesses them, and the unified diff a
+//! mismatch prints.
 
-use std::path::{Path, PathBuf};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use similar::TextDiff;
 
 /// The repository root (this crate sits one level below it).
 pub fn repo_root() -> PathBuf {
@@ -12,27 +18,60 @@ pub fn golden_graph(name: &str) -> PathBuf {
     repo_root().join(format!("tests/golden/{name}.pb"))
 }
 
-/// Whether golden files are being re-blessed (`UPDATE_GOLDEN=1`).
+/// Whether golden files are being re-blessed (`UPDATE_GOLDEN=1`): every golden check reads
+/// this one switch.
 pub fn updating() -> bool {
     std::env::var_os("UPDATE_GOLDEN").is_some()
 }
 
-/// The lines that differ between `expected` and `actual`, for a golden mismatch.
-pub fn line_diff(expected: &str, actual: &str) -> String {
-    let (e, a): (Vec<_>, Vec<_>) = (expected.lines().collect(), actual.lines().collect());
-    let mut diff = String::new();
-    for i in 0..e.len().max(a.len()) {
-        match (e.get(i), a.get(i)) {
-            (Some(x), Some(y)) if x == y => {}
-            (x, y) => {
-                diff += &format!(
-                    "  line {}:\n  - {}\n  + {}\n",
-                    i + 1,
-                    x.unwrap_or(&""),
-                    y.unwrap_or(&"")
-                );
-            }
+/// Holds `actual` to the golden file at `path`: when re-blessing, writes it there; otherwise
+/// a difference is an error holding the unified diff from the file to `actual`.
+pub fn check_golden(path: &Path, actual: &str) -> Result<(), String> {
+    if updating() {
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         }
+        return fs::write(path, actual).map_err(|e| format!("{}: {e}", path.display()));
     }
-    diff
+    let expected = fs::read_to_string(path).unwrap_or_default();
+    if expected == actual {
+        return Ok(());
+    }
+    Err(format!(
+        "{} differs (re-bless with UPDATE_GOLDEN=1 after reading the diff):\n{}",
+        path.display(),
+        unified_diff(&path.display().to_string(), &expected, actual)
+    ))
+}
+
+/// The unified diff (three lines of context) from `expected`, the golden file `name`, to
+/// `actual`: an inserted line shows as one line, not as every line after it.
+pub fn unified_diff(name: &str, expected: &str, actual: &str) -> String {
+    TextDiff::from_lines(expected, actual)
+        .unified_diff()
+        .context_radius(3)
+        .header(name, "actual")
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inserted_line_diffs_as_one_added_line() {
+        let expected = "a\nb\nc\nd\n";
+        let actual = "a\nnew\nb\nc\nd\n";
+        let diff = unified_diff("golden", expected, actual);
+        let changed: Vec<&str> = diff
+            .lines()
+            .filter(|l| {
+                (l.starts_with('+') || l.starts_with('-'))
+                    && !l.starts_with("+++")
+                    && !l.starts_with("---")
+            })
+            .collect();
+        assert_eq!(changed, ["+new"], "{diff}");
+        assert!(diff.starts_with("--- golden\n+++ actual\n"), "{diff}");
+    }
 }

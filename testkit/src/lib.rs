@@ -8,4 +8,4 @@ pub mod golden;
 
 pub use builder::{accumulating_index_put, Builder, MODEL};
 pub use deepen::{deepen, DeepenError};
-pub use golden::{golden_graph, line_diff, repo_root};
+pub use golden::{check_golden, golden_graph, repo_root, unified_diff, updating};

@@ -15,8 +15,8 @@
 //!   fields append, packed or not, messages merge, the last `oneof` member wins) and written as
 //!   prost encodes it or as pbjson serialises it.
 //!
-//! The messages are described by tables (`GRAPH`, `NODE`, ...) that mirror
-//! `proto/graph.proto`. `ir/tests/streaming.rs` holds every direction to pbjson and prost on
+//! The messages are described by tables (`GRAPH`, `NODE`, ...) that `build.rs` writes from
+//! `proto/graph.proto`'s descriptor. `ir/tests/streaming.rs` holds every direction to pbjson and prost on
 //! arbitrary graphs, non-canonical encodings and malformed JSON.
 
 use std::{fmt, marker::PhantomData, ops::Range};
@@ -83,14 +83,6 @@ enum Kind {
     OneofMessage(&'static Message),
 }
 
-#[derive(Clone, Copy)]
-enum EnumType {
-    Dtype,
-    Role,
-    Phase,
-    Collective,
-}
-
 const fn field(name: &'static str, json: &'static str, tag: u32, kind: Kind) -> Field {
     Field {
         name,
@@ -100,171 +92,9 @@ const fn field(name: &'static str, json: &'static str, tag: u32, kind: Kind) -> 
     }
 }
 
-pub(crate) const GRAPH: Message = Message {
-    name: "recompute.ir.v1.Graph",
-    keys: &["name", "values", "nodes", "outputs", "models", "metadata"],
-    fields: &[
-        field("name", "name", 1, Kind::Str),
-        field("values", "values", 2, Kind::Messages(&VALUE)),
-        field("nodes", "nodes", 3, Kind::Messages(&NODE)),
-        field("outputs", "outputs", 4, Kind::Strings),
-        field("models", "models", 5, Kind::Messages(&MODEL)),
-        field("metadata", "metadata", 6, Kind::Message(&METADATA)),
-    ],
-};
-
-const VALUE: Message = Message {
-    name: "recompute.ir.v1.Value",
-    keys: &["name", "dtype", "shape", "role"],
-    fields: &[
-        field("name", "name", 1, Kind::Str),
-        field("dtype", "dtype", 2, Kind::Enum(EnumType::Dtype)),
-        field("shape", "shape", 3, Kind::PackedI64),
-        field("role", "role", 4, Kind::Enum(EnumType::Role)),
-    ],
-};
-
-const NODE: Message = Message {
-    name: "recompute.ir.v1.Node",
-    keys: &[
-        "name",
-        "op",
-        "inputs",
-        "outputs",
-        "attributes",
-        "phase",
-        "model",
-        "layer",
-        "module_path",
-        "modulePath",
-        "compiled_region",
-        "compiledRegion",
-        "micro_batch",
-        "microBatch",
-        "schema",
-        "stack_trace",
-        "stackTrace",
-    ],
-    fields: &[
-        field("name", "name", 1, Kind::Str),
-        field("op", "op", 2, Kind::Str),
-        field("inputs", "inputs", 3, Kind::Strings),
-        field("outputs", "outputs", 4, Kind::Strings),
-        field("attributes", "attributes", 5, Kind::Messages(&ATTRIBUTE)),
-        field("phase", "phase", 6, Kind::Enum(EnumType::Phase)),
-        field("model", "model", 7, Kind::Str),
-        field("layer", "layer", 8, Kind::OptionalU32),
-        field("module_path", "modulePath", 9, Kind::Str),
-        field("compiled_region", "compiledRegion", 10, Kind::Str),
-        field("micro_batch", "microBatch", 11, Kind::U32),
-        field("schema", "schema", 12, Kind::Message(&SCHEMA_FACTS)),
-        field("stack_trace", "stackTrace", 13, Kind::Strings),
-    ],
-};
-
-const ATTRIBUTE: Message = Message {
-    name: "recompute.ir.v1.Attribute",
-    keys: &[
-        "name", "int", "float", "str", "bool", "ints", "floats", "strs",
-    ],
-    fields: &[
-        field("name", "name", 1, Kind::Str),
-        field("int", "int", 2, Kind::OneofI64),
-        field("float", "float", 3, Kind::OneofF64),
-        field("str", "str", 4, Kind::OneofStr),
-        field("bool", "bool", 5, Kind::OneofBool),
-        field("ints", "ints", 6, Kind::OneofMessage(&INT_LIST)),
-        field("floats", "floats", 7, Kind::OneofMessage(&FLOAT_LIST)),
-        field("strs", "strs", 8, Kind::OneofMessage(&STRING_LIST)),
-    ],
-};
-
-const INT_LIST: Message = Message {
-    name: "recompute.ir.v1.IntList",
-    keys: &["values"],
-    fields: &[field("values", "values", 1, Kind::PackedI64)],
-};
-
-const FLOAT_LIST: Message = Message {
-    name: "recompute.ir.v1.FloatList",
-    keys: &["values"],
-    fields: &[field("values", "values", 1, Kind::PackedF64)],
-};
-
-const STRING_LIST: Message = Message {
-    name: "recompute.ir.v1.StringList",
-    keys: &["values"],
-    fields: &[field("values", "values", 1, Kind::Strings)],
-};
-
-const SCHEMA_FACTS: Message = Message {
-    name: "recompute.ir.v1.SchemaFacts",
-    keys: &["mutates", "view_of", "viewOf", "random", "collective"],
-    fields: &[
-        field("mutates", "mutates", 1, Kind::PackedU32),
-        field("view_of", "viewOf", 2, Kind::OptionalU32),
-        field("random", "random", 3, Kind::Bool),
-        field(
-            "collective",
-            "collective",
-            4,
-            Kind::Enum(EnumType::Collective),
-        ),
-    ],
-};
-
-const MODEL: Message = Message {
-    name: "recompute.ir.v1.Model",
-    keys: &["name", "parent", "num_layers", "numLayers", "units"],
-    fields: &[
-        field("name", "name", 1, Kind::Str),
-        field("parent", "parent", 2, Kind::Str),
-        field("num_layers", "numLayers", 3, Kind::U32),
-        field("units", "units", 4, Kind::Messages(&UNIT_INTERVALS)),
-    ],
-};
-
-const UNIT_INTERVALS: Message = Message {
-    name: "recompute.ir.v1.UnitIntervals",
-    keys: &["unit", "intervals"],
-    fields: &[
-        field("unit", "unit", 1, Kind::Str),
-        field(
-            "intervals",
-            "intervals",
-            2,
-            Kind::Messages(&MARKER_INTERVAL),
-        ),
-    ],
-};
-
-const MARKER_INTERVAL: Message = Message {
-    name: "recompute.ir.v1.MarkerInterval",
-    keys: &["begin", "end"],
-    fields: &[
-        field("begin", "begin", 1, Kind::Str),
-        field("end", "end", 2, Kind::Str),
-    ],
-};
-
-const METADATA: Message = Message {
-    name: "recompute.ir.v1.Metadata",
-    keys: &[
-        "exporter_version",
-        "exporterVersion",
-        "torch_version",
-        "torchVersion",
-        "world_size",
-        "worldSize",
-        "rank",
-    ],
-    fields: &[
-        field("exporter_version", "exporterVersion", 1, Kind::Str),
-        field("torch_version", "torchVersion", 2, Kind::Str),
-        field("world_size", "worldSize", 3, Kind::U32),
-        field("rank", "rank", 4, Kind::U32),
-    ],
-};
+// The message tables and `EnumType`, written by `build.rs` from `graph.proto`'s descriptor
+// (`ir/build/schema.rs`).
+include!(concat!(env!("OUT_DIR"), "/graph_tables.rs"));
 
 impl Message {
     fn field(&self, key: &str) -> Option<&'static Field> {
@@ -772,29 +602,6 @@ fn numbers<'a>(
         });
         single.into_iter().chain(run)
     })
-}
-
-impl EnumNames for EnumType {
-    /// The proto3 JSON name of `code`, if the enum has one.
-    fn name(self, code: i32) -> Option<&'static str> {
-        match self {
-            EnumType::Dtype => pb::Dtype::try_from(code).ok().map(|e| e.as_str_name()),
-            EnumType::Role => pb::Role::try_from(code).ok().map(|e| e.as_str_name()),
-            EnumType::Phase => pb::Phase::try_from(code).ok().map(|e| e.as_str_name()),
-            EnumType::Collective => pb::CollectiveKind::try_from(code)
-                .ok()
-                .map(|e| e.as_str_name()),
-        }
-    }
-
-    fn number(self, name: &str) -> Option<i32> {
-        match self {
-            EnumType::Dtype => pb::Dtype::from_str_name(name).map(|e| e as i32),
-            EnumType::Role => pb::Role::from_str_name(name).map(|e| e as i32),
-            EnumType::Phase => pb::Phase::from_str_name(name).map(|e| e as i32),
-            EnumType::Collective => pb::CollectiveKind::from_str_name(name).map(|e| e as i32),
-        }
-    }
 }
 
 /// The occurrences of a message field as the parts of one merged message.

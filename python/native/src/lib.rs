@@ -491,13 +491,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Whether this extension is an optimised build (debug assertions off): in-process timings
     // depend on it (`scripts/compare_partitioner.py` reports it).
     m.add("OPTIMIZED", !cfg!(debug_assertions))?;
-    // The .proto files, so an installed copy away from the repository can generate its
-    // protobuf modules (recompute_planner.proto).
+    // The descriptors of graph.proto and plan.proto as the Rust side compiled them: the
+    // package builds its protobuf modules from these (recompute_planner.proto), so they match
+    // the planner's schema exactly and need no protoc.
     m.add(
-        "PROTOS",
+        "DESCRIPTORS",
         [
-            ("graph.proto", include_str!("../../../proto/graph.proto")),
-            ("plan.proto", include_str!("../../../proto/plan.proto")),
+            (
+                "graph_pb2",
+                PyBytes::new(m.py(), ir::wire::GRAPH_DESCRIPTOR),
+            ),
+            ("plan_pb2", PyBytes::new(m.py(), ir::wire::PLAN_DESCRIPTOR)),
         ],
     )?;
     Ok(())
