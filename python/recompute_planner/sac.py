@@ -62,6 +62,11 @@ LOOKAHEAD = 8
 EAGER_EQUIVALENTS = {
     "_c10d_functional._wrap_tensor_autograd": "_c10d_functional.wait_tensor",
 }
+# Eager ops that may stand for the next graph op of another name: eager `matmul` of 4D tensors
+# returns its `bmm` through `_unsafe_view` where the trace has a `view`.
+EAGER_ALTERNATIVES = {
+    "aten._unsafe_view": "aten.view",
+}
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,10 @@ class _Matcher:
         ):
             return False
         end = min(self.next + (1 if is_view else LOOKAHEAD), len(self.packets))
+        alternative = EAGER_ALTERNATIVES.get(packet)
+        if alternative is not None and self.packets[self.next : self.next + 1] == [alternative]:
+            end = self.next + 1
+            packet = alternative
         for index in range(self.next, end):
             if self.packets[index] != packet:
                 continue
