@@ -59,7 +59,7 @@ HF_SHAPE = dict(
 )
 MOE_SHAPE = dict(moe_intermediate_size=64)
 # MoE families run in bfloat16: their default grouped-matmul experts take nothing else.
-BF16 = {"qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3"}
+BF16 = {"qwen3-moe", "qwen2-moe", "mixtral"}
 
 
 @dataclass
@@ -148,15 +148,6 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
         ),
         "mixtral": (
             build(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
-            MOE_UNITS,
-        ),
-        "deepseek-v3": (
-            build(
-                T.DeepseekV3ForCausalLM, T.DeepseekV3Config, n_routed_experts=4,
-                num_experts_per_tok=2, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
-                qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
-                **MOE_SHAPE,
-            ),
             MOE_UNITS,
         ),
     }

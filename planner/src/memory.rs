@@ -7,7 +7,9 @@
 //! storage lives from the step that makes it to the last step that reads it (or any alias of
 //! it); graph outputs (loss, gradients) live to the end. What is *saved* needs no bookkeeping:
 //! a forward value that backward or replay reads simply stays alive until that read, and
-//! everything else dies after its last forward use.
+//! everything else dies after its last forward use. An executor may hold a value past its last
+//! read by an op (eager checkpointing's cache and inputs, eager autograd's saved tensors): a
+//! partition's *holds* are reads at a replay or backward step that no op makes.
 //!
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.

@@ -11,6 +11,10 @@ allocated before the step, so they never enter the sum, nor does anything else t
 already held; the step's inputs are added back because the planner counts them (graph inputs
 that are not parameters are live from the first step).
 
+``measure_step`` measures any step given as a loss callable and its parameters (a stock
+HuggingFace model's ``model(**inputs).loss``; ``scripts/eager_predictions.py``), and also reports
+what the step holds when forward ends (``StepMemory.saved_bytes``).
+
 The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
 ``torch.autograd.grad(loss, params)``, which returns fresh gradients and leaves ``.grad``
 alone (no accumulation into existing buffers). The loss and the gradients are held to the end,

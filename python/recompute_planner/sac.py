@@ -13,7 +13,9 @@ each to the next graph op of the same op (the overload ignored, so an inductor-c
 region's ``mm.out`` is ``mm``); ops that appear in one stream only are tolerated:
 
 - eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
-  views eager adds, ...) are recomputed;
+  views eager adds, ...) are recomputed; an eager ``_unsafe_view`` (what eager ``matmul``
+  returns its ``bmm`` through) matches a traced ``view`` that comes next
+  (``EAGER_ALTERNATIVES``);
 - composites that trace differently (``F.one_hot``: range checks, ``arange`` / ``eq`` /
   ``_to_copy`` in the graph, ``aminmax`` / ``_local_scalar_dense`` / ``zeros`` / ``scatter_``
   in eager; CPU dropout: ``native_dropout`` in the graph, ``bernoulli_`` in eager) are matched

@@ -8,6 +8,8 @@
 //! not: a `topk` feeding a kept copy, an all-to-all), and the recompute stops after the last op
 //! whose output backward reads. So a layer's replay is the prefix of its forward up to that op,
 //! less the kept ops, run just before the first backward read of anything the layer made.
+//! What torch holds beyond the reads of ops becomes the partition's holds ([`holds`],
+//! [`autograd_holds`]; docs/cost-and-memory.md, "Eager checkpointing").
 
 use std::collections::BTreeMap;
 
