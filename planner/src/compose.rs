@@ -34,7 +34,7 @@ use ir::{
 use crate::{
     cost::ForwardWork,
     memory::{self, Instance, Observer, Step},
-    partition::{Partition, Replay, Saved},
+    partition::{Hold, Partition, Replay, Saved},
     policy::Policy,
 };
 
@@ -205,6 +205,8 @@ pub struct Run {
     option: usize,
     /// The run's replays, in schedule order.
     replays: Vec<Replay>,
+    /// What its executor holds past the last reads (eager checkpointing's cache and inputs).
+    holds: Vec<Hold>,
     /// Per layer of `varied`: its contribution, memory aside.
     contributions: Vec<(usize, Contribution)>,
     /// Saved values no option changes.
@@ -239,6 +241,7 @@ impl Run {
             varied,
             option,
             replays: partition.replays,
+            holds: partition.holds,
             contributions,
             fixed_saved,
         }
@@ -420,7 +423,7 @@ fn record(
 ) -> Recording {
     let mut sim = forward.clone();
     sim.observer_mut().varied = run.varied;
-    let (simulation, recorder) = sim.backward(graph.backward_order(), &run.replays);
+    let (simulation, recorder) = sim.backward(graph.backward_order(), &run.replays, &run.holds);
     let Recorder {
         owner,
         made_by,

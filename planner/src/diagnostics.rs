@@ -612,6 +612,41 @@ fn no_layers_annotated(graph: &Graph, out: &mut Collector) {
     }
 }
 
+/// Under eager checkpointing the plan's peak exceeds the step without checkpointing: the
+/// selective-checkpoint cache holds every output of each kept op until the layer's recompute
+/// (those backward never reads too), and the recompute adds its own tensors on top.
+pub fn eager_costs_memory(
+    graph: &Graph,
+    partition: &Partition,
+    peak_bytes: u64,
+    no_checkpoint_peak_bytes: u64,
+) -> Option<Diagnostic> {
+    if partition.holds.is_empty() || peak_bytes <= no_checkpoint_peak_bytes {
+        return None;
+    }
+    let cached = crate::plan::activation_bytes(
+        graph,
+        partition
+            .saved
+            .iter()
+            .filter(|s| s.kind == ir::plan::SavedKind::Kept),
+    );
+    let model = partition
+        .replays
+        .first()
+        .map_or(ModelId::from_index(0), |r| r.layer.model);
+    let mut out = Collector::default();
+    out.add(
+        Code::EagerCheckpointCostsMemory,
+        (model, None),
+        format!(
+            "under eager checkpointing this plan peaks at {peak_bytes} B, above the {no_checkpoint_peak_bytes} B of no checkpointing: the selective-checkpoint cache holds every output of each kept op ({cached} B, outputs backward never reads included) until its layer recomputes, and the recompute re-runs the layer's other ops up to the last one backward reads on top of them"
+        ),
+        "keep fewer units (`--keep none` recomputes whole layers), or run the plan with a graph executor (`--executor graph`), which saves only what backward reads".to_owned(),
+    );
+    out.finish().pop()
+}
+
 /// An eager recompute that re-runs an in-place write of a resident tensor, or reads one after
 /// forward wrote it, computes something else than forward did.
 fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {

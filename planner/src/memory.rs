@@ -7,7 +7,9 @@
 //! storage lives from the step that makes it to the last step that reads it (or any alias of
 //! it); graph outputs (loss, gradients) live to the end. What is *saved* needs no bookkeeping:
 //! a forward value that backward or replay reads simply stays alive until that read, and
-//! everything else dies after its last forward use.
+//! everything else dies after its last forward use. An executor may hold a value past its last
+//! read by an op (eager checkpointing's cache and inputs, eager autograd's saved tensors): a
+//! partition's *holds* are reads at a replay or backward step that no op makes.
 //!
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.
@@ -17,7 +19,7 @@ use ir::{
     EntityId, Graph, NodeId, Phase, ValueId,
 };
 
-use crate::partition::Replay;
+use crate::partition::{Hold, Replay, Until};
 
 /// What the simulation found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,9 +110,9 @@ struct Simulator<'g, O> {
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
-/// the given replays (none: no checkpointing at all).
-pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Simulation {
-    simulate_with(graph, order, replays, ()).0
+/// the given replays (none: no checkpointing at all) and executor holds.
+pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay], holds: &[Hold]) -> Simulation {
+    simulate_with(graph, order, replays, holds, ()).0
 }
 
 /// [`simulate`], reporting every step, storage and read to `observer`; returns it after the
@@ -119,9 +121,52 @@ pub(crate) fn simulate_with<O: Observer>(
     graph: &Graph,
     order: &[NodeId],
     replays: &[Replay],
+    holds: &[Hold],
     observer: O,
 ) -> (Simulation, O) {
-    forward(graph, observer).backward(order, replays)
+    forward(graph, observer).backward(order, replays, holds)
+}
+
+/// The values an executor holds until each step, as reads at that step: by the forward node
+/// whose replay step it is, and by backward position.
+struct HeldUntil {
+    replay: Vec<Vec<ValueId>>,
+    backward: Vec<Vec<ValueId>>,
+}
+
+impl HeldUntil {
+    fn new(graph: &Graph, order: &[NodeId], holds: &[Hold]) -> HeldUntil {
+        let mut held = HeldUntil {
+            replay: vec![
+                Vec::new();
+                if holds.is_empty() {
+                    0
+                } else {
+                    graph.nodes().len()
+                }
+            ],
+            backward: vec![Vec::new(); if holds.is_empty() { 0 } else { order.len() }],
+        };
+        for h in holds {
+            let list = match h.until {
+                Until::Replay(node) => held.replay.get_mut(node.index()),
+                Until::Backward(position) => held.backward.get_mut(position),
+            };
+            if let Some(list) = list {
+                list.push(h.value);
+            }
+        }
+        held
+    }
+
+    fn at(&self, step: &Step) -> &[ValueId] {
+        let list = match step.stage {
+            Stage::Forward => None,
+            Stage::Replay => self.replay.get(step.node.index()),
+            Stage::Backward => self.backward.get(step.position),
+        };
+        list.map_or(&[], Vec::as_slice)
+    }
 }
 
 /// A simulation that has run forward: what every partition of the graph shares, to continue
@@ -156,12 +201,19 @@ impl<O: Observer> AfterForward<'_, O> {
         &mut self.0.observer
     }
 
-    /// Runs backward in `order` under `replays`, and finds the peak.
-    pub(crate) fn backward(self, order: &[NodeId], replays: &[Replay]) -> (Simulation, O) {
+    /// Runs backward in `order` under `replays` and `holds`, and finds the peak.
+    pub(crate) fn backward(
+        self,
+        order: &[NodeId],
+        replays: &[Replay],
+        holds: &[Hold],
+    ) -> (Simulation, O) {
         let mut sim = self.0;
         let graph = sim.graph;
+        let held = HeldUntil::new(graph, order, holds);
         for step in backward_steps(order, replays) {
             sim.run(&step);
+            sim.touch(step.stage, held.at(&step));
         }
         let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
         let simulation = Simulation {
@@ -302,6 +354,18 @@ impl<O: Observer> Simulator<'_, O> {
                 Stage::Backward => &mut self.inst.backward,
             };
             slot[v.index()] = storage.unwrap_or(NO_STORAGE);
+        }
+    }
+
+    /// Keeps `values` alive through the step just run (a read by the executor, not by an op).
+    fn touch(&mut self, stage: Stage, values: &[ValueId]) {
+        let at = self.steps.saturating_sub(1);
+        for &v in values {
+            if let Some((s, copy)) = self.read(stage, v) {
+                let last = &mut self.storages[s as usize].last;
+                *last = (*last).max(at);
+                self.observer.read(stage, v, s, copy);
+            }
         }
     }
 

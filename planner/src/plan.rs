@@ -94,7 +94,12 @@ fn analyse(
         });
     }
     let partition = checked_partition(graph, &policy, config.executor)?;
-    let memory = memory::simulate(graph, &partition.order, &partition.replays);
+    let memory = memory::simulate(
+        graph,
+        &partition.order,
+        &partition.replays,
+        &partition.holds,
+    );
     Ok(Analysis {
         policy,
         joint: Some((partition, memory)),
@@ -118,13 +123,23 @@ fn finish(
             memory,
             baselines,
         });
-    let diagnostics = diagnostics::diagnose(
+    let mut diagnostics = diagnostics::diagnose(
         graph,
         config,
         resolved,
         &policy,
         joint.as_ref().map(|j| &j.partition),
     );
+    if let Some(j) = &joint {
+        let worse = diagnostics::eager_costs_memory(
+            graph,
+            &j.partition,
+            j.memory.peak_bytes,
+            j.baselines.no_checkpoint.peak_bytes,
+        );
+        diagnostics.extend(worse);
+        diagnostics.sort();
+    }
     let work = ForwardWork::of(graph, hw);
     let partition = joint.as_ref().map(|j| &j.partition);
     Plan {
@@ -181,10 +196,18 @@ impl Baselines {
                 let resolved = config::resolve(graph, &config)?;
                 let policy = policy::apply(graph, &config, &resolved);
                 let partition = checked_partition(graph, &policy, executor)?;
-                let memory = memory::simulate(graph, &partition.order, &partition.replays);
+                let memory = memory::simulate(
+                    graph,
+                    &partition.order,
+                    &partition.replays,
+                    &partition.holds,
+                );
                 Ok((partition, memory))
             },
-            || memory::simulate(graph, graph.backward_order(), &[]),
+            || {
+                let holds = partition::no_checkpoint_holds(graph, executor);
+                memory::simulate(graph, graph.backward_order(), &[], &holds)
+            },
         );
         let (full_recompute, full_recompute_memory) = whole_layer?;
         Ok(Baselines {

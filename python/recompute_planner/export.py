@@ -300,7 +300,12 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
     try:
         # AOTAutograd keeps node meta for joint traces only; the inference trace needs it on
         # for the scope annotations to reach the nodes.
-        with grad_mode, fx_traceback.preserve_node_meta(), _module_path_scopes(module):
+        with (
+            grad_mode,
+            fx_traceback.preserve_node_meta(),
+            _module_path_scopes(module),
+            _DropoutOffIsIdentity(),
+        ):
             compiled(*args)
     except _GraphCaptured as captured:
         if joint and not captured.joint:
@@ -310,6 +315,36 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
             ) from None
         return captured.graph_module, captured.num_forward_outputs
     raise RuntimeError("AOTAutograd finished without handing over a graph")
+
+
+class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
+    """A dropout that draws nothing (``p=0`` or not training) returns its input, as eager ATen
+    does (no op runs, nothing is allocated); traced as it is, it would decompose into a
+    ``clone`` eager never makes (an attention-probabilities copy in HuggingFace eager
+    attention) and that selective checkpointing could not match."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS and args:
+            bound = _DROPOUTS[func](*args, **kwargs)
+            if bound is not None:
+                return bound
+        return func(*args, **kwargs)
+
+
+def _functional_dropout_off(input, p=0.5, training=True, inplace=False):
+    return input if (p == 0 or not training) else None
+
+
+def _aten_dropout_off(input, p, train):
+    return input if (p == 0 or not train) else None
+
+
+# Dropout entry points -> their input when the call draws nothing, else None.
+_DROPOUTS: dict[Callable, Callable] = {
+    torch.nn.functional.dropout: _functional_dropout_off,
+    torch.dropout: _aten_dropout_off,
+}
 
 
 @contextlib.contextmanager

@@ -11,6 +11,10 @@ allocated before the step, so they never enter the sum, nor does anything else t
 already held; the step's inputs are added back because the planner counts them (graph inputs
 that are not parameters are live from the first step).
 
+``measure_step`` measures any step given as a loss callable and its parameters (a stock
+HuggingFace model's ``model(**inputs).loss``; ``scripts/eager_predictions.py``), and also reports
+what the step holds when forward ends (``StepMemory.saved_bytes``).
+
 The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
 ``torch.autograd.grad(loss, params)``, which returns fresh gradients and leaves ``.grad``
 alone (no accumulation into existing buffers). The loss and the gradients are held to the end,
@@ -101,6 +105,14 @@ class MemoryTrace:
                 best, at = live, index
         return best, at
 
+    def held_after(self, stage: str) -> int:
+        """Bytes held after the last event of ``stage`` (relative to the start)."""
+        held = 0
+        for event, live in zip(self.events, self.running()):
+            if event.stage == stage:
+                held = live
+        return held
+
     def live_at(self, index: int) -> list[Allocation]:
         """The allocations made up to event ``index`` (inclusive) and not yet freed."""
         live: dict[int, Allocation] = {}
@@ -119,6 +131,7 @@ class StepMemory:
     peak_bytes: int  # largest running sum of the step's allocations, plus the inputs
     input_bytes: int  # the step's inputs, held by the caller throughout
     output_bytes: int  # the loss and the gradients, alive at the end
+    saved_bytes: int  # what the step holds when forward ends, the loss aside
     peak_stage: str
     peak_op: str
     trace: MemoryTrace = field(repr=False)
@@ -210,10 +223,18 @@ def training_step(
 ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """The exporter's eager step: the loss, then every parameter's gradient (autograd.grad)."""
     params = [p for p in module.parameters() if p.requires_grad]
+    return loss_and_gradients(lambda: module(*inputs), params)
+
+
+def loss_and_gradients(
+    loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]
+) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """``loss_fn()`` in the ``FORWARD`` range, then the gradients of ``params`` in
+    ``BACKWARD``."""
 
     def step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         with record_function(FORWARD):
-            loss = module(*inputs)
+            loss = loss_fn()
         with record_function(BACKWARD):
             grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
         return loss, grads
@@ -224,24 +245,37 @@ def training_step(
 def measure_training_step(
     module: nn.Module, inputs: tuple[torch.Tensor, ...], seed: int = 0
 ) -> StepMemory:
-    """Peak bytes (parameters excluded, inputs included) of one eager training step.
+    """Peak bytes (parameters excluded, inputs included) of one eager training step."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    input_bytes = sum(tensor_bytes(t) for t in inputs)
+    return measure_step(lambda: module(*inputs), params, input_bytes, seed)
+
+
+def measure_step(
+    loss_fn: Callable[[], torch.Tensor],
+    params: list[torch.Tensor],
+    input_bytes: int,
+    seed: int = 0,
+) -> StepMemory:
+    """Peak bytes (parameters excluded, the ``input_bytes`` the caller holds included) of one
+    eager step: ``loss_fn()``, then the gradients of ``params``.
 
     The global RNG is seeded with ``seed`` inside a fork, as the exporter does; the fork's
     state copies are made outside the measured step.
     """
-    step = training_step(module, inputs)
+    step = loss_and_gradients(loss_fn, params)
     with single_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         step()  # warm-up
         torch.manual_seed(seed)
         trace, (loss, grads) = trace_allocations(step)
     peak, at = trace.peak()
-    input_bytes = sum(tensor_bytes(t) for t in inputs)
     event = trace.events[at] if at >= 0 else None
     return StepMemory(
         peak_bytes=peak + input_bytes,
         input_bytes=input_bytes,
         output_bytes=tensor_bytes(loss) + sum(tensor_bytes(g) for g in grads),
+        saved_bytes=trace.held_after(FORWARD) - tensor_bytes(loss),
         peak_stage=event.stage if event else "",
         peak_op=event.op if event else "",
         trace=trace,

@@ -13,7 +13,9 @@ each to the next graph op of the same op (the overload ignored, so an inductor-c
 region's ``mm.out`` is ``mm``); ops that appear in one stream only are tolerated:
 
 - eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
-  views eager adds, ...) are recomputed;
+  views eager adds, ...) are recomputed; an eager ``_unsafe_view`` (what eager ``matmul``
+  returns its ``bmm`` through) matches a traced ``view`` that comes next
+  (``EAGER_ALTERNATIVES``);
 - composites that trace differently (``F.one_hot``: range checks, ``arange`` / ``eq`` /
   ``_to_copy`` in the graph, ``aminmax`` / ``_local_scalar_dense`` / ``zeros`` / ``scatter_``
   in eager; CPU dropout: ``native_dropout`` in the graph, ``bernoulli_`` in eager) are matched
@@ -61,6 +63,11 @@ LOOKAHEAD = 8
 # through `_wrap_tensor_autograd` where the trace waits with `wait_tensor`.
 EAGER_EQUIVALENTS = {
     "_c10d_functional._wrap_tensor_autograd": "_c10d_functional.wait_tensor",
+}
+# Eager ops that may stand for the next graph op of another name: eager `matmul` of 4D tensors
+# returns its `bmm` through `_unsafe_view` where the trace has a `view`.
+EAGER_ALTERNATIVES = {
+    "aten._unsafe_view": "aten.view",
 }
 
 
@@ -170,6 +177,10 @@ class _Matcher:
         ):
             return False
         end = min(self.next + (1 if is_view else LOOKAHEAD), len(self.packets))
+        alternative = EAGER_ALTERNATIVES.get(packet)
+        if alternative is not None and self.packets[self.next : self.next + 1] == [alternative]:
+            end = self.next + 1
+            packet = alternative
         for index in range(self.next, end):
             if self.packets[index] != packet:
                 continue

@@ -48,6 +48,13 @@ def planned(name: str, keep, **options) -> rp.Plan:
         return rp.plan(GOLDEN_DIR / f"{name}.pb", keep, **options)
 
 
+def planned_graph(graph, keep, **options) -> rp.Plan:
+    """The plan of an exported `graph` (warnings, such as the eager cache's cost, ignored)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        return rp.plan(graph, keep, **options)
+
+
 def run_step(name: str, plan: rp.Plan | None):
     """One training step of golden `name` (rank 0), every checkpointed layer under the plan's
     SAC policy (no checkpointing without a plan); returns (loss, grads, policies)."""
@@ -296,3 +303,50 @@ def test_checkpoint_layers_of_a_model_the_plan_does_not_have_is_an_error():
         sac.checkpoint_layers(layers, plan, model="Main")
     assert list(layers) == unwrapped
     assert sac.checkpoint_layers(layers, plan, model="main")
+
+
+class AttentionProbs(nn.Module):
+    """HuggingFace eager attention's `dropout(softmax(scores), p=0.0, training=True)`."""
+
+    def __init__(self, index: int, dim: int = 8):
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with layer_scope("main", self.index):
+            h = checkpoint_record("attn.begin", self.proj(x))
+            probs = F.dropout(torch.softmax(h @ h.transpose(-1, -2), -1), p=0.0, training=True)
+            return x + checkpoint_record("attn.end", probs @ h)
+
+
+class AttentionModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(AttentionProbs(i) for i in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_dropout_that_draws_nothing_exports_as_eager_runs_it():
+    """Eager `dropout(p=0)` returns its input; the trace would decompose it into a `clone`
+    eager never makes (an attention-probabilities copy), that the plan would count and keep
+    and SAC could never match. Exported, it is nothing; the kept attention saves under SAC
+    byte for byte what the eager plan says."""
+    inputs = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
+    models = [ModelDecl("main", 2, {"SAVE_ATTN": [("attn.begin", "attn.end")]})]
+    graph = export_joint(AttentionModel(), inputs, name="probs", models=models).graph
+    forward_ops = [n.op for n in graph.nodes if n.phase == graph.nodes[0].phase]
+    assert "aten.clone.default" not in forward_ops
+    assert not [op for op in forward_ops if "dropout" in op]
+    plan = planned_graph(graph, "all", executor="eager")
+    model = AttentionModel()
+    policies = sac.checkpoint_layers(model.layers, plan)
+    torch.autograd.grad(model(*inputs), list(model.parameters()))
+    for layer, policy in policies.items():
+        kept = [s for s in plan.saved if s.kind == "kept" and s.layer == layer]
+        assert policy.held_bytes() == sum(s.bytes for s in kept) > 0

@@ -165,6 +165,7 @@ spelled! {
         NoLayersAnnotated => "no-layers-annotated",
         EagerReplayUnfaithful => "eager-replay-unfaithful",
         RandomOpReplayed => "random-op-replayed",
+        EagerCheckpointCostsMemory => "eager-checkpoint-costs-memory",
     }
 }
 

@@ -8,6 +8,8 @@
 //! not: a `topk` feeding a kept copy, an all-to-all), and the recompute stops after the last op
 //! whose output backward reads. So a layer's replay is the prefix of its forward up to that op,
 //! less the kept ops, run just before the first backward read of anything the layer made.
+//! What torch holds beyond the reads of ops becomes the partition's holds ([`holds`],
+//! [`autograd_holds`]; docs/cost-and-memory.md, "Eager checkpointing").
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -16,14 +18,18 @@ use ir::{
     EntityId, Graph, NodeId, Phase, ValueId,
 };
 
-use super::{Builder, Hazard, HazardKind, Partition, Replay, Saved, Source};
+use super::{Builder, Hazard, HazardKind, Hold, Partition, Replay, Saved, Source, Until};
 use crate::policy::Policy;
 
 /// The eager executor's partition of a joint graph under `policy`.
 pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
     let order = graph.backward_order().to_vec();
     let layers = checkpointed_layers(graph, policy);
-    let replays = replays(graph, policy, &layers, &order);
+    let layer_of = layer_of(graph, &layers);
+    let recomputes = recomputes(graph, policy, &layer_of, &order);
+    let replays = replays(policy, &layers, &recomputes, &order);
+    let mut holds = holds(graph, policy, &layers, &recomputes, &order);
+    holds.extend(autograd_holds(graph, &order));
     let mut in_replay = vec![false; graph.nodes().len()];
     for r in &replays {
         for &n in &r.nodes {
@@ -37,6 +43,7 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
         saved,
         replays,
         hazards,
+        holds,
     }
 }
 
@@ -124,25 +131,30 @@ fn checkpointed_layers(graph: &Graph, policy: &Policy) -> BTreeMap<LayerRef, Vec
     layers
 }
 
-/// Per layer whose outputs backward reads: the recomputed prefix and where it runs.
-fn replays(
+/// When torch runs one checkpointed layer's recompute and releases its frame, from what
+/// backward reads of the values the layer made (a value the next layer reads is that layer's
+/// checkpoint input, saved by the next checkpoint: reading it recomputes nothing here).
+#[derive(Debug, Clone, Copy)]
+struct Recompute {
+    /// The first backward position reading anything the layer saved: the recompute runs
+    /// just before it.
+    first_read: usize,
+    /// The last backward position reading anything the layer saved: after it, no saved
+    /// tensor of the layer is left and the frame (its inputs, what the cache still holds)
+    /// is freed.
+    last_read: usize,
+    /// The layer's last node whose output backward reads: the recompute stops after it.
+    last_needed: NodeId,
+}
+
+fn recomputes(
     graph: &Graph,
     policy: &Policy,
-    layers: &BTreeMap<LayerRef, Vec<NodeId>>,
+    layer_of: &[Option<LayerRef>],
     order: &[NodeId],
-) -> Vec<Replay> {
-    let mut layer_of: Vec<Option<LayerRef>> = vec![None; graph.nodes().len()];
-    for (&at, nodes) in layers {
-        for &n in nodes {
-            layer_of[n.index()] = Some(at);
-        }
-    }
-    // Per layer: the first backward position reading anything its checkpoint saved, and its
-    // last node whose output backward reads. A value the next layer reads is that layer's
-    // checkpoint input, saved by the next checkpoint: reading it recomputes nothing here.
+) -> BTreeMap<LayerRef, Recompute> {
     let builder = Builder::new(graph, policy);
-    let mut first_read: BTreeMap<LayerRef, usize> = BTreeMap::new();
-    let mut last_needed: BTreeMap<LayerRef, NodeId> = BTreeMap::new();
+    let mut found: BTreeMap<LayerRef, Recompute> = BTreeMap::new();
     for (position, &id) in order.iter().enumerate() {
         for &v in &graph.node(id).inputs {
             let Some(producer) = graph.producer(v) else {
@@ -154,32 +166,176 @@ fn replays(
             if builder.leaves_its_layer(v, producer) {
                 continue;
             }
-            first_read.entry(at).or_insert(position);
-            let last = last_needed.entry(at).or_insert(producer);
-            *last = (*last).max(producer);
+            let r = found.entry(at).or_insert(Recompute {
+                first_read: position,
+                last_read: position,
+                last_needed: producer,
+            });
+            r.last_read = position;
+            r.last_needed = r.last_needed.max(producer);
         }
     }
-    let mut replays: Vec<Replay> = last_needed
-        .into_iter()
-        .map(|(at, last)| {
-            let nodes = layers[&at]
-                .iter()
-                .copied()
-                .take_while(|&n| n <= last)
+    found
+}
+
+/// Per checkpointed node: its layer.
+fn layer_of(graph: &Graph, layers: &BTreeMap<LayerRef, Vec<NodeId>>) -> Vec<Option<LayerRef>> {
+    let mut layer_of: Vec<Option<LayerRef>> = vec![None; graph.nodes().len()];
+    for (&at, nodes) in layers {
+        for &n in nodes {
+            layer_of[n.index()] = Some(at);
+        }
+    }
+    layer_of
+}
+
+/// Per layer whose outputs backward reads: the recomputed prefix (the layer's forward up to
+/// its last needed node, less the kept ops) and where it runs.
+fn replays(
+    policy: &Policy,
+    layers: &BTreeMap<LayerRef, Vec<NodeId>>,
+    recomputes: &BTreeMap<LayerRef, Recompute>,
+    order: &[NodeId],
+) -> Vec<Replay> {
+    let mut replays: Vec<Replay> = recomputes
+        .iter()
+        .map(|(&at, r)| Replay {
+            layer: at,
+            nodes: prefix(&layers[&at], r)
                 .filter(|&n| policy.decision(n) == Some(Decision::Recompute))
-                .collect();
-            let position = first_read[&at];
-            Replay {
-                layer: at,
-                nodes,
-                before: order[position],
-                position,
-            }
+                .collect(),
+            before: order[r.first_read],
+            position: r.first_read,
         })
         .filter(|r: &Replay| !r.nodes.is_empty())
         .collect();
     replays.sort_by_key(|r| (r.position, r.layer));
     replays
+}
+
+/// The nodes of a layer its recompute runs (kept ones served from the cache), in order.
+fn prefix<'a>(nodes: &'a [NodeId], r: &Recompute) -> impl Iterator<Item = NodeId> + 'a {
+    let last = r.last_needed;
+    nodes.iter().copied().take_while(move |&n| n <= last)
+}
+
+/// What torch's checkpoint holds beyond what ops read (docs/cost-and-memory.md):
+///
+/// - the policy's cache holds every output of a kept op from forward until the recompute
+///   reaches that op (the entry is consumed: from then on the tensor lives as long as
+///   something reads it), or, for a kept op after the recompute stops, until the frame is
+///   freed after the layer's last backward read;
+/// - the checkpoint holds the layer's inputs until its frame is freed.
+///
+/// A layer backward never reads is never recomputed: its frame lives to the end of the step.
+fn holds(
+    graph: &Graph,
+    policy: &Policy,
+    layers: &BTreeMap<LayerRef, Vec<NodeId>>,
+    recomputes: &BTreeMap<LayerRef, Recompute>,
+    order: &[NodeId],
+) -> Vec<Hold> {
+    let end = order.len().saturating_sub(1);
+    let mut holds = Vec::new();
+    for (at, nodes) in layers {
+        let recompute = recomputes.get(at);
+        let frame_freed = Until::Backward(recompute.map_or(end, |r| r.last_read));
+        let mut hold = |value: ValueId, until: Until| holds.push(Hold { value, until });
+        // Kept ops the recompute reaches release their cache entry when it does: just after
+        // the replayed node before them (the first one if none is), else at the recompute.
+        let mut consumed_at = recompute.map(|r| {
+            let first = prefix(nodes, r).find(|&n| policy.decision(n) == Some(Decision::Recompute));
+            first.map_or(Until::Backward(r.first_read), Until::Replay)
+        });
+        let reached = |n: NodeId| recompute.is_some_and(|r| n <= r.last_needed);
+        for &n in nodes {
+            let node = graph.node(n);
+            match policy.decision(n) {
+                Some(Decision::Recompute) if reached(n) => consumed_at = Some(Until::Replay(n)),
+                Some(Decision::Save) => {
+                    let until = match consumed_at {
+                        Some(until) if reached(n) => until,
+                        _ => frame_freed,
+                    };
+                    for &v in &node.outputs {
+                        hold(v, until);
+                    }
+                }
+                _ => {}
+            }
+            for &v in &node.inputs {
+                let inside = graph.producer(v).is_some_and(|p| {
+                    let p = graph.node(p);
+                    (p.model, p.layer) == (at.model, Some(at.layer))
+                });
+                if !inside {
+                    hold(v, frame_freed);
+                }
+            }
+        }
+    }
+    holds
+}
+
+/// Inputs eager autograd saves that the traced backward never reads (it needs only their
+/// shape, which the trace made static): (op, saved input, an input the same node saves that
+/// backward does read, which tells when the node runs), inputs counted among the node's
+/// tensor inputs (`dim` is an attribute).
+const EAGER_ONLY_SAVES: &[(&str, usize, usize)] = &[
+    // `index_add(self, dim, index, source)` saves `source` for `expand_as(source)`.
+    ("aten.index_add", 2, 1),
+    // `gather(self, dim, index)` saves `self` for `gather_backward(grad, self, ...)`.
+    ("aten.gather", 0, 1),
+];
+
+/// What eager autograd holds beyond the traced backward's reads, checkpointed or not:
+///
+/// - a node releases its saved tensors only after it has computed all its outputs
+///   (`MulBackward0` holds both factors until both gradients exist); the joint graph lists a
+///   node's backward ops one after another but not where the node ends, so a forward tensor
+///   backward reads is held through the backward op after its last read;
+/// - inputs saved only for their shape ([`EAGER_ONLY_SAVES`]) are held until their node runs.
+pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
+    let mut last: BTreeMap<ValueId, usize> = BTreeMap::new();
+    for (position, &id) in order.iter().enumerate() {
+        for &v in &graph.node(id).inputs {
+            let forward = graph
+                .producer(v)
+                .is_some_and(|p| graph.node(p).phase == Phase::Forward);
+            if forward {
+                last.insert(v, position);
+            }
+        }
+    }
+    let end = order.len().saturating_sub(1);
+    let after = |position: usize| Until::Backward((position + 1).min(end));
+    let mut holds: Vec<Hold> = last
+        .iter()
+        .map(|(&value, &position)| Hold {
+            value,
+            until: after(position),
+        })
+        .collect();
+    for (_, node) in graph.nodes().iter() {
+        let packet = node
+            .op
+            .rsplit_once('.')
+            .map_or(node.op.as_str(), |(p, _)| p);
+        let packet = packet.strip_suffix('_').unwrap_or(packet);
+        for &(op, saved, with) in EAGER_ONLY_SAVES {
+            let (Some(&value), Some(partner)) = (node.inputs.get(saved), node.inputs.get(with))
+            else {
+                continue;
+            };
+            if let (true, Some(&position)) = (packet == op, last.get(partner)) {
+                holds.push(Hold {
+                    value,
+                    until: after(position),
+                });
+            }
+        }
+    }
+    holds
 }
 
 /// What stays resident: every value backward or a replay reads that no replay makes, and the

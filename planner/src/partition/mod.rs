@@ -50,6 +50,26 @@ pub struct Partition {
     /// Where an eager recompute would not reproduce forward (always empty for the graph
     /// executor, whose partition avoids them).
     pub hazards: Vec<Hazard>,
+    /// Forward values the executor itself holds past their last read by an op (always empty
+    /// for the graph executor, whose executor holds only what ops read).
+    pub holds: Vec<Hold>,
+}
+
+/// A forward value the executor holds until a step of backward: eager checkpointing's cache of
+/// a kept op's outputs, and a checkpoint's inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub value: ValueId,
+    pub until: Until,
+}
+
+/// The last step at which a [`Hold`] keeps its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// The replay step of this forward node.
+    Replay(NodeId),
+    /// The backward step at this position of [`Partition::order`].
+    Backward(usize),
 }
 
 /// A replayed op of an eager recompute that cannot reproduce what it did in forward.
@@ -117,6 +137,15 @@ pub fn partition(graph: &Graph, policy: &Policy, executor: Executor) -> Partitio
         }
     }
     state.finish(order)
+}
+
+/// What the executor holds when nothing is checkpointed: eager autograd keeps saved tensors
+/// by node and some only for their shape; a graph executor frees op by op.
+pub fn no_checkpoint_holds(graph: &Graph, executor: Executor) -> Vec<Hold> {
+    match executor {
+        Executor::Eager => eager::autograd_holds(graph, graph.backward_order()),
+        Executor::Graph => Vec::new(),
+    }
 }
 
 /// How a forward value reaches backward.
@@ -409,6 +438,7 @@ impl<'a> Builder<'a> {
             saved,
             replays,
             hazards: Vec::new(),
+            holds: Vec::new(),
         }
     }
 }

@@ -81,7 +81,12 @@ class DenseDecoderLayer(nn.Module):
 
 @dataclass
 class _MicroBatch:
-    """One micro-batch's activations as they move through the MoE layer's stages."""
+    """One micro-batch's activations as they move through the MoE layer's stages.
+
+    Each stage drops what it used for the last time, as local variables would be dropped:
+    a tensor held here past its last use would outlive what the traced graph (and so the
+    memory model) says, in forward and in a checkpoint's recompute.
+    """
 
     hidden: torch.Tensor  # [b, S, D]: layer input, then layer output
     residual: torch.Tensor | None = None
@@ -170,6 +175,7 @@ class MoEDecoderLayer(nn.Module):
     def _dispatch_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """The dispatcher's permutation, padding and all-to-all: eager in every config."""
         mb.routed, mb.slots = self.dispatcher.dispatch(mb.normed, mb.experts, mark)
+        mb.experts = None
 
     def _experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """The MoE block: this rank's routed experts over the rows it received."""
@@ -179,6 +185,7 @@ class MoEDecoderLayer(nn.Module):
     def _combine_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """The reverse all-to-all and the router-weighted sum: eager in every config."""
         mb.combined = self.dispatcher.combine(mb.routed, mb.slots, mb.weights, mark)
+        mb.routed = mb.slots = mb.weights = None
 
     def _shared_experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """Shared experts between `mlp` markers that sit in the (uncompiled) layer body.
@@ -187,6 +194,7 @@ class MoEDecoderLayer(nn.Module):
         SAVE_MLP keeps nothing there (a region counts only if its contents, not just its endpoints, run in eager).
         """
         h = mark("mlp.begin", mb.normed)
+        mb.normed = None
         with self._ep_region("_shared_experts_forward"):
             h = self.shared_experts(h)
         mb.shared = mark("mlp.end", h)
@@ -195,4 +203,6 @@ class MoEDecoderLayer(nn.Module):
         """`_post_moe_forward`: routed plus shared output back onto the residual stream."""
         with self._ep_region("_post_moe_forward"):
             moe_out = (mb.combined + mb.shared).view_as(mb.residual)
+            mb.combined = mb.shared = None
             mb.hidden = mb.residual + moe_out
+            mb.residual = None
