@@ -20,7 +20,8 @@ from .plans import Plan
 # What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
 # `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
 GraphLike = Union[Any, bytes, str, os.PathLike]
-# `hw`: a profile's fields (dict), or a JSON file of them.
+# `hw`: a shipped profile's name ("h100", "h200", "b200", "mi300x"), a profile's fields
+# (dict), or a JSON file of them.
 HwLike = Union[Mapping[str, Any], str, os.PathLike, None]
 
 
@@ -53,8 +54,9 @@ def plan(
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
       single ops;
-    - ``hw``: a hardware profile for the cost estimates, as a dict or a JSON file (fields
-      left out keep the H200 defaults);
+    - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
+      ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
+      (fields left out keep the H200's); default H200;
     - ``format``: ``"pb"`` or ``"json"`` for graph bytes (default ``"pb"``);
     - ``check``: raise ``PlanRejected`` on error diagnostics and warn on warning ones.
 
@@ -105,9 +107,19 @@ def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
 def _hw_json(hw: HwLike) -> str | None:
     if hw is None:
         return None
+    return hw_profile(hw)
+
+
+def hw_profile(hw: HwLike) -> str:
+    """Every field of the hardware profile ``hw`` names (see ``plan``) as JSON; ``None`` is
+    the H200. A string without a path separator or ``.json`` suffix is a shipped name."""
+    if hw is None:
+        return _native.hw_profile()
     if isinstance(hw, Mapping):
-        return json.dumps(dict(hw))
-    return Path(hw).read_text()
+        return _native.hw_profile(json=json.dumps(dict(hw)))
+    if isinstance(hw, str) and os.sep not in hw and not hw.endswith(".json"):
+        return _native.hw_profile(name=hw)
+    return _native.hw_profile(json=Path(hw).read_text())
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:

@@ -281,6 +281,29 @@ fn plan(
     planned.map_err(|f| f.into_py_err(py))
 }
 
+/// A hardware profile's every field as JSON: the shipped profile `name` (`h100`, `h200`,
+/// `b200`, `mi300x`), or the fields of `json` over the H200's. The exporter reads the device
+/// facts a trace reports from it, the planner its rates.
+#[pyfunction]
+#[pyo3(signature = (*, name=None, json=None))]
+fn hw_profile(py: Python<'_>, name: Option<&str>, json: Option<&str>) -> PyResult<String> {
+    let resolved = match (name, json) {
+        (Some(name), None) => HwProfile::shipped(name).ok_or_else(|| {
+            format!(
+                "unknown hardware profile `{}` (shipped: {})",
+                ir::display::name(name),
+                HwProfile::shipped_names()
+            )
+        }),
+        (None, Some(json)) => HwProfile::from_json(json.as_bytes(), "hardware profile"),
+        (None, None) => Ok(HwProfile::default()),
+        (Some(_), Some(_)) => Err("a hardware profile is a name or JSON fields, not both".into()),
+    };
+    resolved
+        .map(|profile| profile.to_json())
+        .map_err(|e| Failure::new("invalid-option", e).into_py_err(py))
+}
+
 /// Reads a plan (`from_format`: `json` or `pb`) through `ir::plan` and writes it in
 /// `to_format`: the one reader of plan files, the CLI's.
 #[pyfunction]
@@ -357,6 +380,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
     m.add_function(wrap_pyfunction!(interval_contents, m)?)?;
+    m.add_function(wrap_pyfunction!(hw_profile, m)?)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
