@@ -47,10 +47,11 @@ Limits:
 - one ready queue: a GPU run schedules backward nodes taking CPU gradients on the CPU's queue,
   concurrently with the device's; here every node runs in the one priority order (the same as
   a run whose backward runs on one device);
-- kernel choices made from the GPU's properties cannot be made without it: the device queries
-  (``torch.cuda.get_device_capability``, ``get_device_properties``, ``get_device_name``) answer
-  with a hardware profile's device, and ``scaled_dot_product_attention`` runs the fused kernel
-  that device picks by torch's rules (``_DeviceAttention``); other kernel choices take the
+- kernel choices made from the GPU's properties cannot be made without it: given a hardware
+  profile (``hw``), the device queries (``torch.cuda.get_device_capability``,
+  ``get_device_properties``, ``get_device_name``) answer with its device, and
+  ``scaled_dot_product_attention`` runs the fused kernel that device picks by torch's rules
+  (``_DeviceAttention``); other kernel choices, and all of them without a profile, take the
   fallback torch takes on a CPU-only machine;
 - nothing runs on the device, so the export has no reference tensors of its own:
   ``with_device_graph`` gives the graph those of the same step exported and run on this CPU
@@ -188,14 +189,18 @@ def export_on_device(
 ) -> graph_pb2.Graph:
     """The joint (or, ``joint=False``, forward) graph of ``module(*args)`` as it runs on
     ``device``, traced with fake tensors: nothing is allocated, and parameters, buffers and
-    inputs may be real or ``meta`` tensors. A GPU trace reports the device facts of ``hw``
-    (a hardware profile's fields, ``recompute_planner.api.hw_profile``; default the H200)
-    and runs the fused attention kernel that device picks (``_DeviceKernels``)."""
+    inputs may be real or ``meta`` tensors. A GPU trace for the hardware profile ``hw`` (a
+    shipped name such as ``"h100"``, fields or a file, as ``plan`` takes it) reports that
+    device's facts and runs the fused attention kernel it picks (``_DeviceAttention``);
+    without ``hw`` it takes torch's fallbacks on a CPU-only machine (math attention, which
+    the runtime can run on the CPU: the device goldens)."""
     target = _indexed(torch.device(device))
     flat = low._flat_inputs(module, args)
     state = [f.name for f in flat[: len(flat) - len(args)]]
     backward = _replayed_autograd() if joint else contextlib.nullcontext()
-    gpu = _device_facts(hw) if target.type == "cuda" else contextlib.nullcontext()
+    gpu = (
+        _device_facts(hw) if target.type == "cuda" and hw is not None else contextlib.nullcontext()
+    )
     with torch.device(target), low._module_path_scopes(module), backward, gpu:
         graph_module, num_forward_outputs = low._capture(
             _Functional(module, state), _fake_inputs(flat, target), joint=joint

@@ -107,7 +107,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family, attention, device", CASES, ids="-".join)
+@pytest.mark.parametrize("family, attention, device", CASES, ids=["-".join(c) for c in CASES])
 def test_planned_totals_are_within_5_percent_of_memtracker(family, attention, device):
     measured_attention = "h100_sdpa" if (device, attention) == ("cuda", "sdpa") else attention
     planned = planned_totals(family, attention, device)

@@ -4,7 +4,9 @@ written out here from the published model cards).
 
 ``build(name, layers=..., attention=...)`` gives the annotated bf16 model with ``layers`` of
 its decoder layers (the full count when ``None``); ``inputs(seq)`` the step's inputs as shapes
-(token ids, labels and the 4D causal mask that keeps HuggingFace's mask code static). Used by
+(token ids, labels and the 4D causal mask that keeps HuggingFace's mask code static).
+``with_mtp(model)`` adds DeepSeek-V3's multi-token prediction module, which HuggingFace's
+model leaves out (``MultiTokenPrediction``); ``declared_models(step)`` the models to export. Used by
 the MemTracker cross-check (``python/tests/test_fake_export.py``) and the real-size benchmark
 (``scripts/bench_real_size.py``).
 """
@@ -16,7 +18,10 @@ from typing import Any, Callable
 
 import torch
 
+from torch import nn
+
 from ..annotate import annotate
+from ..export import ModelDecl
 from ..model_export import TensorSpec, causal_mask
 
 
@@ -109,3 +114,66 @@ def inputs(seq: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> dic
     tokens = TensorSpec((batch, seq), torch.long)
     mask = causal_mask(batch, seq, dtype, device="meta")
     return {"input_ids": tokens, "labels": tokens, "attention_mask": mask}
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's training step with its multi-token prediction module of depth 1 (the
+    DeepSeek-V3 report, section 2.2): the main model's loss plus ``weight`` times the loss of
+    predicting token ``i + 2`` from the main model's hidden state at ``i`` and the embedding of
+    token ``i + 1``, through RMSNorms of both, a ``2h -> h`` projection and one decoder layer
+    of the model's own kind (MoE), sharing the embedding and the output head.
+
+    The hidden state it reads is the main model's output after its final norm (HuggingFace's
+    model returns no other without keeping every layer's); the module's own layer is declared
+    as the model ``mtp`` nested in ``main``."""
+
+    def __init__(self, model: nn.Module, weight: float = 0.3):
+        super().__init__()
+        config = model.config
+        layer_class = type(model.model.layers[-1])
+        norm_class = type(model.model.norm)
+        self.model = model
+        self.weight = weight
+        self.hidden_norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.embed_norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.projection = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList([layer_class(config, config.num_hidden_layers)])
+        self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, labels, attention_mask):
+        inner, vocab = self.model.model, self.model.config.vocab_size
+        hidden = inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        loss = self.model.loss_function(self.model.lm_head(hidden), labels, vocab)
+        following = inner.embed_tokens(input_ids.roll(-1, dims=1))
+        h = self.projection(
+            torch.cat([self.hidden_norm(hidden), self.embed_norm(following)], dim=-1)
+        )
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        h = self.layers[0](
+            h, attention_mask=attention_mask, position_ids=positions,
+            position_embeddings=inner.rotary_emb(h, positions),
+        )
+        logits = self.model.lm_head(self.norm(h))
+        mtp_loss = self.model.loss_function(logits, labels.roll(-1, dims=1), vocab)
+        return loss + self.weight * mtp_loss
+
+
+def with_mtp(model: nn.Module) -> MultiTokenPrediction:
+    """``model`` (a DeepSeek-V3 from ``build``) with its multi-token prediction module, built
+    on ``meta`` in the model's dtype and annotated as the model ``mtp``."""
+    with torch.device("meta"):
+        step = MultiTokenPrediction(model).to(next(model.parameters()).dtype)
+    annotate(step, layers="layers", units=CONFIGS["deepseek-v3"].units, name="mtp")
+    return step
+
+
+def declared_models(step: nn.Module) -> list[ModelDecl]:
+    """The models of an annotated model, or of a ``MultiTokenPrediction`` step: ``main`` and
+    ``mtp`` nested in it."""
+    from ..annotate import annotation_of
+
+    if not isinstance(step, MultiTokenPrediction):
+        return annotation_of(step).models
+    (main,) = annotation_of(step.model).models
+    (mtp,) = annotation_of(step).models
+    return [main, ModelDecl(mtp.name, mtp.num_layers, mtp.units, parent=main.name)]
