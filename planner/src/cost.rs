@@ -45,9 +45,12 @@ pub struct HwProfile {
     pub multiprocessors: u32,
 }
 
+/// Makes one shipped profile.
+type Shipped = fn() -> HwProfile;
+
 /// The shipped profiles, by `--hw` name: vendor datasheet figures, dense (not sparsity),
 /// per GPU (docs/cost-and-memory.md lists them and their sources).
-const SHIPPED: [(&str, fn() -> HwProfile); 4] = [
+const SHIPPED: [(&str, Shipped); 4] = [
     ("h100", HwProfile::h100),
     ("h200", HwProfile::h200),
     ("b200", HwProfile::b200),
