@@ -58,10 +58,6 @@ def causal_mask(
     return mask.expand(batch, 1, seq, seq).contiguous()
 
 
-# The GPU a fake export for `cuda` is traced for when no profile is named.
-DEFAULT_GPU = "h200"
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """An input given by its shape and dtype only, for a fake export (a ``meta`` tensor)."""
@@ -162,7 +158,8 @@ def export(
     try:
         with _own_checkpointing_off(model):
             if fake:
-                gpu = hw or DEFAULT_GPU if torch.device(target).type == "cuda" else None
+                # A GPU trace always has a profile: no fields are the default profile's.
+                gpu = ({} if hw is None else hw) if torch.device(target).type == "cuda" else None
                 graph = device_export.export_on_device(
                     step, step.tensors(), joint=joint, device=target, hw=gpu, **traced
                 )

@@ -229,9 +229,12 @@ def test_a_gpu_trace_runs_the_attention_kernel_the_device_picks(
     assert not {FLASH, EFFICIENT, MATH_SOFTMAX} - {kernel} & attention_ops(graph)
 
 
-@pytest.mark.parametrize("hw, capability", [("b200", (10, 0)), ("mi300x", (9, 4))])
+@pytest.mark.parametrize(
+    "hw, capability", [("b200", (10, 0)), ("mi300x", (9, 4)), (None, (9, 0))],
+    ids=["b200", "mi300x", "default-h200"],
+)
 def test_device_queries_in_a_gpu_trace_answer_with_the_profile(hw, capability):
     with torch.device("meta"):
         model = Attention(heads=4, head_dim=64, kv_heads=4).to(torch.bfloat16)
-    rp.export(model, [rp.TensorSpec((1, 16, 256), torch.bfloat16)], hw=hw)
+    rp.export(model, [rp.TensorSpec((1, 16, 256), torch.bfloat16)], device="cuda", hw=hw)
     assert model.capability == capability
