@@ -95,7 +95,10 @@ pub fn hw_profile(data: &[u8]) {
                 .expect("a written profile reads");
             // Bit-exact: every rate is finite, so equality of the numbers is equality of bits
             // except for -0.0, which no positive rate is.
-            assert!(back == hw, "the profile does not read back to the same bits");
+            assert!(
+                back == hw,
+                "the profile does not read back to the same bits"
+            );
         }
         Err(message) => check_message(&message),
     }
