@@ -70,8 +70,9 @@ pub struct Planning {
     /// what backward needs; eager torch.utils.checkpoint re-runs each layer's forward prefix
     #[arg(long, value_enum, default_value_t = ExecutorArg::Graph)]
     executor: ExecutorArg,
-    /// Hardware profile (JSON) for cost estimates; fields left out keep the H200 defaults
-    #[arg(long, value_name = "FILE.json")]
+    /// Hardware profile for cost estimates: a shipped one (h100, h200, b200, mi300x: vendor
+    /// datasheet figures) or a JSON file whose fields left out keep the H200's [default: h200]
+    #[arg(long, value_name = "NAME|FILE.json")]
     pub hw: Option<PathBuf>,
 }
 

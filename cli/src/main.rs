@@ -255,5 +255,5 @@ fn run_diff(args: DiffArgs) -> Result<(), Failure> {
 }
 
 fn load_hw(path: Option<&Path>) -> Result<HwProfile, String> {
-    path.map_or_else(|| Ok(HwProfile::default()), HwProfile::from_file)
+    path.map_or_else(|| Ok(HwProfile::default()), HwProfile::resolve)
 }

@@ -24,6 +24,7 @@ from .plans import Plan, load_plan  # noqa: E402
 from .annotate import Annotation, annotate  # noqa: E402
 
 from . import export as _exporter  # noqa: E402
+from .model_export import TensorSpec  # noqa: E402
 from .model_export import export as _export_model  # noqa: E402
 
 
@@ -57,6 +58,7 @@ __all__ = [
     "PlannerError",
     "PlannerWarning",
     "SacMismatchError",
+    "TensorSpec",
     "annotate",
     "check_plan",
     "export",

@@ -19,7 +19,8 @@ from .plans import Plan
 # What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
 # `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
 GraphLike = Union[Any, bytes, str, os.PathLike]
-# `hw`: a profile's fields (dict), or a JSON file of them.
+# `hw`: a shipped profile's name ("h100", "h200", "b200", "mi300x"), a profile's fields
+# (dict), or a JSON file of them.
 HwLike = Union[Mapping[str, Any], str, os.PathLike, None]
 
 
@@ -52,8 +53,9 @@ def plan(
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
       single ops;
-    - ``hw``: a hardware profile for the cost estimates, as a dict or a JSON file (fields
-      left out keep the H200 defaults);
+    - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
+      ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
+      (fields left out keep the H200's); default H200;
     - ``format``: ``"pb"`` or ``"json"`` for graph bytes (default ``"pb"``);
     - ``check``: raise ``PlanRejected`` on error diagnostics and warn on warning ones.
 
@@ -110,13 +112,22 @@ def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
 
 
 def _hw_source(hw: HwLike) -> dict[str, str]:
-    """The ``_native.plan`` arguments giving the hardware profile: its JSON, or its file, which
-    the planner reads as the CLI reads ``--hw`` (a regular file under the profile size limit)."""
+    """The ``_native.plan`` arguments giving the hardware profile: a shipped profile's name, its
+    JSON, or its file, which the planner reads as the CLI reads ``--hw`` (a regular file under
+    the profile size limit)."""
     if hw is None:
         return {}
     if isinstance(hw, Mapping):
         return {"hw_json": json.dumps(dict(hw))}
+    if isinstance(hw, str) and os.sep not in hw and not hw.endswith(".json"):
+        return {"hw_name": hw}
     return {"hw_path": os.fspath(hw)}
+
+
+def hw_profile(hw: HwLike) -> str:
+    """Every field of the hardware profile ``hw`` names (see ``plan``) as JSON; ``None`` is
+    the H200. A string without a path separator or ``.json`` suffix is a shipped name."""
+    return _native.hw_profile(**{k.removeprefix("hw_"): v for k, v in _hw_source(hw).items()})
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:

@@ -47,9 +47,12 @@ Limits:
 - one ready queue: a GPU run schedules backward nodes taking CPU gradients on the CPU's queue,
   concurrently with the device's; here every node runs in the one priority order (the same as
   a run whose backward runs on one device);
-- kernel choices made from the GPU's properties cannot be made without it: the trace takes the
-  fallback torch takes on a CPU-only machine (``scaled_dot_product_attention`` runs its math
-  decomposition where a GPU run picks a fused kernel);
+- kernel choices made from the GPU's properties cannot be made without it: given a hardware
+  profile (``hw``), the device queries (``torch.cuda.get_device_capability``,
+  ``get_device_properties``, ``get_device_name``) answer with its device, and
+  ``scaled_dot_product_attention`` runs the fused kernel that device picks by torch's rules
+  (``_DeviceAttention``); other kernel choices, and all of them without a profile, take the
+  fallback torch takes on a CPU-only machine;
 - nothing runs on the device, so the export has no reference tensors of its own:
   ``with_device_graph`` gives the graph those of the same step exported and run on this CPU
   (weights, inputs, tangents, PyTorch's loss and gradients). A runtime runs such a graph on
@@ -62,16 +65,21 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import json
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._functorch._aot_autograd import graph_capture_wrappers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import BackwardCFunction, _HookMixin
 from torch.autograd.variable import Variable
+from torch.overrides import TorchFunctionMode
 
+from . import api
 from . import export as low
 from .export import ModelDecl
 from .proto import graph_pb2
@@ -107,7 +115,7 @@ def export_joint_on_device(
 ) -> graph_pb2.Graph:
     """The joint forward+backward graph of ``module(*args)`` (the scalar loss) as it runs on
     ``device`` (see the module docstring)."""
-    return _export_on_device(
+    return export_on_device(
         module, args, joint=True, name=name, models=models, device=device,
         world_size=world_size, rank=rank,
     )
@@ -125,7 +133,7 @@ def export_forward_on_device(
 ) -> graph_pb2.Graph:
     """The forward graph of ``module(*args)`` as it runs on ``device``, traced without
     autograd (see the module docstring)."""
-    return _export_on_device(
+    return export_on_device(
         module, args, joint=False, name=name, models=models, device=device,
         world_size=world_size, rank=rank,
     )
@@ -167,7 +175,7 @@ def _graph_inputs(graph: graph_pb2.Graph) -> dict[str, tuple]:
     return {v.name: _tensor_type(v) for v in graph.values if v.name not in produced}
 
 
-def _export_on_device(
+def export_on_device(
     module: nn.Module,
     args: tuple,
     *,
@@ -175,14 +183,25 @@ def _export_on_device(
     name: str,
     models: list[ModelDecl],
     device: str,
-    world_size: int,
-    rank: int,
+    world_size: int = 1,
+    rank: int = 0,
+    hw: api.HwLike = None,
 ) -> graph_pb2.Graph:
+    """The joint (or, ``joint=False``, forward) graph of ``module(*args)`` as it runs on
+    ``device``, traced with fake tensors: nothing is allocated, and parameters, buffers and
+    inputs may be real or ``meta`` tensors. A GPU trace for the hardware profile ``hw`` (a
+    shipped name such as ``"h100"``, fields or a file, as ``plan`` takes it) reports that
+    device's facts and runs the fused attention kernel it picks (``_DeviceAttention``);
+    without ``hw`` it takes torch's fallbacks on a CPU-only machine (math attention, which
+    the runtime can run on the CPU: the device goldens)."""
     target = _indexed(torch.device(device))
     flat = low._flat_inputs(module, args)
     state = [f.name for f in flat[: len(flat) - len(args)]]
     backward = _replayed_autograd() if joint else contextlib.nullcontext()
-    with torch.device(target), low._module_path_scopes(module), backward:
+    gpu = (
+        _device_facts(hw) if target.type == "cuda" and hw is not None else contextlib.nullcontext()
+    )
+    with torch.device(target), low._module_path_scopes(module), backward, gpu:
         graph_module, num_forward_outputs = low._capture(
             _Functional(module, state), _fake_inputs(flat, target), joint=joint
         )
@@ -218,6 +237,112 @@ def _fake_inputs(flat: list[low._FlatInput], device: torch.device) -> tuple[torc
             mode.from_tensor(f.tensor).to(device).requires_grad_(f.tensor.requires_grad)
             for f in flat
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU a trace is for
+
+
+@contextlib.contextmanager
+def _device_facts(hw: api.HwLike) -> Iterator[None]:
+    """Within the block, ``torch.cuda``'s device queries answer with ``hw``'s device (there is
+    none to ask: HuggingFace's grouped-matmul experts read the compute capability), and
+    ``scaled_dot_product_attention`` runs the fused kernel that device picks."""
+    profile = json.loads(api.hw_profile(hw))
+    major, minor = profile["compute_capability"]
+    properties = SimpleNamespace(
+        name=profile["name"],
+        major=major,
+        minor=minor,
+        total_memory=int(profile["memory_bytes"]),
+        multi_processor_count=profile["multiprocessors"],
+    )
+    with contextlib.ExitStack() as stack:
+        for query, answer in (
+            ("get_device_capability", (major, minor)),
+            ("get_device_properties", properties),
+            ("get_device_name", profile["name"]),
+        ):
+            stack.enter_context(_patched(torch.cuda, query, lambda *_a, _v=answer, **_k: _v))
+        stack.enter_context(_DeviceAttention((major, minor)))
+        yield
+
+
+class _DeviceAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on a CUDA tensor as a GPU of ``capability`` runs it.
+
+    Without a GPU torch cannot ask the device which kernel fits and takes the math
+    decomposition, which holds the S x S scores. A GPU runs a fused kernel when the inputs
+    allow it; this picks it by torch's rules (``sdp_utils``), in torch's order:
+
+    - flash attention (sm80+): fp16 / bf16, no mask, the same head size <= 256 (a multiple of
+      8) for query, key and value; grouped-query heads natively;
+    - memory-efficient attention (sm50+): fp16 / bf16 / fp32, an additive or boolean mask,
+      query and key of the same head size (a multiple of 8, 4 for fp32), no grouped-query
+      heads;
+    - else the math decomposition, as on the GPU.
+
+    It acts on tensors of ``device_type``: another type runs the same kernels on fake tensors
+    of another device (a measurement on the CPU of the step the GPU runs).
+    """
+
+    def __init__(self, capability: tuple[int, int], device_type: str = "cuda"):
+        super().__init__()
+        self.capability = capability
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            fused = self._fused(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+    def _fused(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor | None:
+        if query.device.type != self.device_type or query.dim() != 4:
+            return None
+        head, value_head = query.size(-1), value.size(-1)
+        grouped = enable_gqa and key.size(1) != query.size(1)
+        if key.size(-1) != head:
+            return None
+        if (
+            self.capability >= (8, 0)
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and attn_mask is None
+            and value_head == head <= 256
+            and head % 8 == 0
+        ):
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        alignment = 4 if query.dtype == torch.float32 else 8
+        if (
+            self.capability >= (5, 0)
+            and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and not grouped
+            and head % alignment == 0
+            and value_head % alignment == 0
+        ):
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(
+                    attn_mask.logical_not(), float("-inf")
+                )
+            needs_grad = any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -89,12 +89,17 @@ STACK_TRACE_FRAMES = 3
 
 def _dtype_table() -> dict[torch.dtype, int]:
     """torch dtype -> IR dtype, read off the IR's own enum: ``DTYPE_FLOAT8_E4M3FN`` is
-    ``torch.float8_e4m3fn``, so the enum in ``graph.proto`` is the one table of dtypes."""
-    return {
+    ``torch.float8_e4m3fn``, so the enum in ``graph.proto`` is the one table of dtypes.
+
+    ``torch.uint64`` is the IR's ``int64``: the IR has no unsigned 64-bit dtype, and its only
+    tensors in a training step are the random-generator seed and offset CUDA flash attention
+    returns (a few bytes, same size)."""
+    table = {
         getattr(torch, name.removeprefix("DTYPE_").lower()): code
         for name, code in graph_pb2.Dtype.items()
         if code != graph_pb2.DTYPE_UNSPECIFIED
     }
+    return {**table, torch.uint64: graph_pb2.DTYPE_INT64}
 
 
 _DTYPES = _dtype_table()

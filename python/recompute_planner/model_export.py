@@ -3,10 +3,19 @@
 ``export(model, example_inputs, loss_fn=...)`` traces the joint forward+backward graph of
 ``loss = loss_fn(model(**inputs))`` with AOTAutograd on CPU (fake tensors; the weights stay
 as they are) and returns the exporter's ``ExportResult`` (``.graph`` for
-``recompute_planner.plan``, ``write_graph`` to save it).
+``recompute_planner.plan``, ``write_graph`` to save it), with the eager reference step run on
+the CPU.
+
+``fake=True`` plans a model at its real size without allocating it: the step is only traced,
+with fake tensors on ``device`` (``"cpu"``, or ``"cuda"`` for a GPU, described by the
+hardware profile ``hw``: ``"h100"``, ``"h200"``, ``"b200"``, ``"mi300x"``, default H200), and
+nothing runs (the result holds the graph and no tensors). It is the default when a parameter,
+buffer or input is on the ``meta`` device (a model built under ``torch.device("meta")``) or
+``hw`` is given. The model may also be a real one, in any dtype.
 
 - ``example_inputs``: a tuple of positional inputs or a dict of keyword inputs; tensors become
-  graph inputs, anything else is passed as it is on every call;
+  graph inputs, a ``TensorSpec`` (shape and dtype) is a ``meta`` tensor, anything else is
+  passed as it is on every call;
 - ``loss_fn(output) -> scalar``: how the output becomes the loss; without it the output must
   be the loss or carry it as ``.loss`` (HuggingFace models given ``labels``);
 - ``units`` / ``layers``: annotate the model first (``recompute_planner.annotate``), or pass
@@ -21,25 +30,47 @@ recompute whole layers on top of the plan.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from . import device_export
 from .annotate import annotate, annotation_of
 from .errors import ExportError
 from .export import ExportResult, ModelDecl, export_forward, export_joint
 
 
-def causal_mask(batch: int, seq: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def causal_mask(
+    batch: int, seq: int, dtype: torch.dtype = torch.float32, device: str | None = None
+) -> torch.Tensor:
     """The 4D additive causal attention mask ``[batch, 1, seq, seq]``: 0 where a query may
     attend a key, the dtype's minimum where it may not. HuggingFace models take it as
-    ``attention_mask`` without inspecting it, which keeps their mask code traceable."""
-    blocked = torch.ones(seq, seq, dtype=torch.bool).triu(1)
-    mask = torch.zeros(seq, seq, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
+    ``attention_mask`` without inspecting it, which keeps their mask code traceable.
+    ``device="meta"`` gives its shape only, for a fake export."""
+    blocked = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+    mask = torch.zeros(seq, seq, dtype=dtype, device=device)
+    mask = mask.masked_fill(blocked, torch.finfo(dtype).min)
     return mask.expand(batch, 1, seq, seq).contiguous()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input given by its shape and dtype only, for a fake export (a ``meta`` tensor)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+def _materialized(value: Any) -> Any:
+    return value.meta() if isinstance(value, TensorSpec) else value
 
 
 class _Step(nn.Module):
@@ -100,29 +131,41 @@ def export(
     world_size: int | None = None,
     rank: int | None = None,
     joint: bool = True,
+    fake: bool | None = None,
+    device: str | None = None,
+    hw: Any = None,
 ) -> ExportResult:
     """Exports one training step of ``model`` (see the module docstring).
 
     ``world_size`` / ``rank`` default to the current process group's. ``joint=False`` exports
-    the forward graph only.
+    the forward graph only. ``fake``, ``device`` and ``hw``: a fake export (the module
+    docstring); ``device`` defaults to ``"cuda"`` when ``hw`` is given, else ``"cpu"``.
     """
     models = _models(model, units, layers, models)
     if isinstance(example_inputs, dict):
-        step = _Step(model, loss_fn, (), dict(example_inputs))
+        step = _Step(model, loss_fn, (), {k: _materialized(v) for k, v in example_inputs.items()})
     else:
-        step = _Step(model, loss_fn, tuple(example_inputs), {})
+        step = _Step(model, loss_fn, tuple(_materialized(v) for v in example_inputs), {})
     world, own_rank = _world()
-    exporter = export_joint if joint else export_forward
+    target = device or ("cuda" if hw is not None else "cpu")
+    fake = _is_fake(step, fake, target, hw)
+    traced = dict(
+        name=name or type(model).__name__,
+        models=models,
+        world_size=world if world_size is None else world_size,
+        rank=own_rank if rank is None else rank,
+    )
     try:
         with _own_checkpointing_off(model):
-            return exporter(
-                step,
-                step.tensors(),
-                name=name or type(model).__name__,
-                models=models,
-                world_size=world if world_size is None else world_size,
-                rank=own_rank if rank is None else rank,
-            )
+            if fake:
+                # A GPU trace always has a profile: no fields are the default profile's.
+                gpu = ({} if hw is None else hw) if torch.device(target).type == "cuda" else None
+                graph = device_export.export_on_device(
+                    step, step.tensors(), joint=joint, device=target, hw=gpu, **traced
+                )
+                return ExportResult(graph=graph, params={}, inputs={})
+            exporter = export_joint if joint else export_forward
+            return exporter(step, step.tensors(), **traced)
     except ExportError:
         raise
     except Exception as error:  # the known tracing failures get their cause and fix
@@ -130,6 +173,34 @@ def export(
         if explained is None:
             raise
         raise ExportError(explained) from error
+
+
+def _is_fake(step: _Step, fake: bool | None, device: str, hw: Any) -> bool:
+    """Whether the export only traces: asked for, or implied by ``meta`` tensors, another
+    device than the CPU or a hardware profile; a real export of them is refused."""
+    on_meta = [
+        name
+        for name, tensor in itertools.chain(
+            step.model.named_parameters(), step.model.named_buffers(),
+            (("an input", t) for t in step.tensors()),
+        )
+        if tensor.device.type == "meta"
+    ]
+    implied = [
+        reason
+        for reason, holds in (
+            (f"`{on_meta[0]}` is on the meta device" if on_meta else "", bool(on_meta)),
+            (f"the step is for `{device}`", torch.device(device).type != "cpu"),
+            ("a hardware profile is given", hw is not None),
+        )
+        if holds
+    ]
+    if fake is False and implied:
+        raise ExportError(
+            f"fake=False runs the step on this CPU, but {implied[0]}: pass fake=True (or "
+            "leave it out) to trace the step without running it"
+        )
+    return bool(fake) or bool(implied)
 
 
 def _models(

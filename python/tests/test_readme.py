@@ -1,6 +1,7 @@
-"""The README's "Use it from PyTorch" examples run as written: the Python blocks in order in
-one namespace (later examples use the first one's model), the shell block with the `planner`
-binary, in a scratch folder."""
+"""The README's Python recipes run as written. "Use it from PyTorch": the Python blocks in
+order in one namespace (later examples use the first one's model), the shell block with the
+`planner` binary, in a scratch folder. "Plan your model at its real size on a laptop": its one
+block, a meta-device Llama at Llama-3-8B width exported with fake tensors and planned."""
 
 from __future__ import annotations
 
@@ -14,15 +15,31 @@ import recompute_planner as rp
 from export_support import REPO_ROOT, planner_bin
 
 SECTION = "## Use it from PyTorch"
+REAL_SIZE = "## Plan your model at its real size on a laptop"
 
 
-def blocks() -> list[tuple[str, str]]:
-    """(language, code) of every fenced block of the section, in order."""
+def blocks(title: str = SECTION) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of the section ``title``, in order."""
     text = (REPO_ROOT / "README.md").read_text()
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + len(SECTION))
+    start = text.index(title)
+    end = text.find("\n## ", start + len(title))
     section = text[start:end if end != -1 else len(text)]
     return re.findall(r"```(python|sh)\n(.*?)```", section, flags=re.S)
+
+
+def test_the_readme_plans_a_real_size_model_without_allocating_it(capsys):
+    """The recipe's printed totals are those of Llama-3-8B width at 4096 tokens: gigabytes of
+    parameters (2 layers, the embeddings and the head: 2.77 GiB in bf16) that were never
+    allocated (the model stays on `meta`)."""
+    ((language, code),) = blocks(REAL_SIZE)
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        exec(compile(code, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert re.fullmatch(r"peak \d+\.\d GiB \+ parameters 2\.8 GiB\n", printed), printed
+    assert all(p.device.type == "meta" for p in namespace["llama"].parameters())
+    assert namespace["step"].params == {}
 
 
 def test_the_readme_shows_the_three_ways():

@@ -293,7 +293,7 @@ fn json_text(bytes: Vec<u8>) -> String {
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
-    executor_name, budget_size=None, granularity, hw_json=None, hw_path=None
+    executor_name, budget_size=None, granularity, hw_name=None, hw_json=None, hw_path=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
@@ -308,6 +308,7 @@ fn plan(
     executor_name: &str,
     budget_size: Option<&str>,
     granularity: &str,
+    hw_name: Option<&str>,
     hw_json: Option<&str>,
     hw_path: Option<&str>,
 ) -> PyResult<String> {
@@ -340,7 +341,7 @@ fn plan(
             )?,
             ..PlanConfig::default()
         };
-        let hw = hw_profile(py, hw_json, hw_path)?;
+        let hw = resolve_hw(py, hw_name, hw_json, hw_path)?;
         let source = match (data, format) {
             (Some(data), Some(format)) => Source::Bytes {
                 data,
@@ -366,23 +367,27 @@ fn plan(
     interruptible(py, move |progress| planning.run(progress))
 }
 
-/// The hardware profile given as JSON text or as a file (read as the CLI reads `--hw`: a
-/// regular file under the profile's size limit), else the default.
-fn hw_profile(
+/// The hardware profile given by one of: a shipped profile's `name` (`h100`, `h200`, `b200`,
+/// `mi300x`), JSON fields over the H200's, or a file of them (read as the CLI reads `--hw`: a
+/// regular file under the profile's size limit); none of them is the H200.
+fn resolve_hw(
     py: Python<'_>,
+    name: Option<&str>,
     json: Option<&str>,
     path: Option<&str>,
 ) -> Result<HwProfile, Failure> {
-    let profile = match (json, path) {
-        (Some(_), Some(_)) => {
-            return Err(Failure::new(
-                "invalid-option",
-                "a hardware profile is JSON text or a file, not both",
-            ))
-        }
-        (Some(text), None) => HwProfile::from_json(text.as_bytes(), "hardware profile"),
-        (None, Some(path)) => py.detach(|| HwProfile::from_file(Path::new(path))),
-        (None, None) => Ok(HwProfile::default()),
+    let profile = match (name, json, path) {
+        (None, None, None) => Ok(HwProfile::default()),
+        (Some(name), None, None) => HwProfile::shipped(name).ok_or_else(|| {
+            format!(
+                "unknown hardware profile `{}` (shipped: {})",
+                ir::display::name(name),
+                HwProfile::shipped_names()
+            )
+        }),
+        (None, Some(text), None) => HwProfile::from_json(text.as_bytes(), "hardware profile"),
+        (None, None, Some(path)) => py.detach(|| HwProfile::from_file(Path::new(path))),
+        _ => Err("a hardware profile is one of a name, JSON fields or a file".into()),
     };
     profile.map_err(|e| Failure::new("invalid-option", e))
 }
@@ -406,6 +411,22 @@ fn read_plan_file<'py>(
         Ok(bytes) => Ok(PyBytes::new(py, &bytes)),
         Err(f) => Err(f.into_py_err(py)),
     }
+}
+
+/// A hardware profile's every field as JSON, given as `plan` takes it (a shipped `name`, JSON
+/// fields over the H200's, or a file). The exporter reads the device facts a trace reports from
+/// it, the planner its rates.
+#[pyfunction]
+#[pyo3(signature = (*, name=None, json=None, path=None))]
+fn hw_profile(
+    py: Python<'_>,
+    name: Option<&str>,
+    json: Option<&str>,
+    path: Option<&str>,
+) -> PyResult<String> {
+    resolve_hw(py, name, json, path)
+        .map(|profile| profile.to_json())
+        .map_err(|f| f.into_py_err(py))
 }
 
 /// Reads a plan (`from_format`: `json` or `pb`) through `ir::plan` and writes it in
@@ -485,6 +506,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
     m.add_function(wrap_pyfunction!(interval_contents, m)?)?;
+    m.add_function(wrap_pyfunction!(hw_profile, m)?)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
