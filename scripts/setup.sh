@@ -33,5 +33,8 @@ fi
 # ./python` does); the default dev profile shares the workspace's debug build, which the tests
 # need and which builds in a fraction of the time.
 echo "setup: installing recompute_planner from $PWD/python" >&2
+# The extension is built for the stable ABI (`_native.abi3.so`); an older checkout's
+# interpreter-specific build would shadow it on import.
+rm -f python/recompute_planner/_native.cpython-*.so
 PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-dev}" \
   "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e python >&2
