@@ -100,8 +100,8 @@ fn the_excerpt_keeps_the_first_items_of_every_list() {
     assert_eq!(excerpt(json, 1), expected);
 }
 
-/// The folders whose source files the code map names; tests, fixtures and generated or
-/// vendored trees below them are left out.
+/// The folders whose source files the code map names; tests, fuzzing data, build output and
+/// the stale `_generated/` an older package wrote at import are left out.
 const SOURCE_DIRS: [&str; 8] = [
     "ir", "planner", "cli", "runtime", "testkit", "python", "scripts", "fuzz",
 ];

@@ -4,7 +4,8 @@
 //! `pb::Node` makes; an already decoded `pb::Node` (from `.json`) is viewed in place
 //! ([`RawNode::of`]). Validation then has one conversion for both.
 //!
-//! The decoder follows protobuf's rules as prost applies them: fields in any order, the last
+//! Field numbers come from `wire::fields`, which the build writes from `graph.proto`. The
+//! decoder follows protobuf's rules as prost applies them: fields in any order, the last
 //! occurrence of a scalar wins, repeated fields append, packed and unpacked repeated numbers
 //! are both accepted, a repeated embedded message merges, unknown fields are skipped, and a
 //! known field with the wrong wire type or a string that is not UTF-8 is an error.
@@ -20,8 +21,10 @@ use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, Wire
 use smallvec::SmallVec;
 
 use crate::wire::{
-    fields::{attribute, float_list, int_list, marker_interval, model, node, schema_facts},
-    fields::{string_list, unit_intervals, value},
+    fields::{
+        attribute, float_list, int_list, marker_interval, model, node, schema_facts, string_list,
+        unit_intervals, value,
+    },
     graph as pb,
 };
 

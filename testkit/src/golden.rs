@@ -37,10 +37,15 @@ pub fn check_golden(path: &Path, actual: &str) -> Result<(), String> {
     if expected == actual {
         return Ok(());
     }
+    let root = repo_root();
+    let name = path
+        .strip_prefix(&root)
+        .unwrap_or(path)
+        .display()
+        .to_string();
     Err(format!(
-        "{} differs (re-bless with UPDATE_GOLDEN=1 after reading the diff):\n{}",
-        path.display(),
-        unified_diff(&path.display().to_string(), &expected, actual)
+        "{name} differs (re-bless with UPDATE_GOLDEN=1 after reading the diff):\n{}",
+        unified_diff(&name, &expected, actual)
     ))
 }
 
