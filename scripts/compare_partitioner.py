@@ -37,7 +37,7 @@ partitioner median divided by each planner median. What each timing includes:
         [--planner target/release/planner] [--budget-fraction 0.5]
 
 The in-process figures depend on how the native extension was built: ``scripts/setup.sh``
-builds it unoptimised unless ``PLANNER_NATIVE_PROFILE=release``; the script says which.
+builds it optimised unless ``PLANNER_NATIVE_PROFILE=dev``; the script says which.
 """
 
 from __future__ import annotations
@@ -409,7 +409,7 @@ def native_build_line() -> str:
         return "native extension: optimised build"
     return (
         "native extension: unoptimised build (the rp.plan and compile stage rows are slower "
-        "than with `PLANNER_NATIVE_PROFILE=release bash scripts/setup.sh`)"
+        "than with the optimised build `bash scripts/setup.sh` makes by default)"
     )
 
 
