@@ -250,7 +250,9 @@ def planner_budget(plan: rp.Plan, fraction: float) -> int:
 
 def prepare(joint: JointGraph, models: list, name: str, graph_path: Path) -> Subject:
     """Applies the stage's CSE to the joint graph, writes its IR to ``graph_path`` and tags a
-    copy with the ``--keep all`` plan, as the planning stage does."""
+    copy with the ``--keep all`` plan, as the min-cut planning stage does; keeps the graph as
+    traced for the plan partitioner."""
+    traced = copy.deepcopy(joint.module)
     stage_mod.eliminate_common_subexpressions(joint.module)
     ir = stage_mod.joint_graph_to_ir(
         copy.deepcopy(joint.module), models, name=name, num_fwd_outputs=joint.num_fwd_outputs
