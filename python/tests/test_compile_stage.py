@@ -41,7 +41,7 @@ from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_com
 from recompute_planner.model_export import _Step
 from recompute_planner.proto import graph_pb2
 from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
-from recompute_planner.zoo.goldens import GOLDENS, trace_graph_bytes, golden, traced_group
+from recompute_planner.zoo.goldens import GOLDENS, traced_group
 from recompute_planner.zoo.model import CausalLM
 
 # Compiled and eager steps differ by fused kernels' rounding.
