@@ -25,12 +25,16 @@ partitioner (or, as an option, runs just before torch's):
 Diagnostics surface as ``PlannerWarning`` at compile time, and a plan with an error diagnostic
 fails the compile with ``PlanRejected``.
 
-Two ways in:
+Three ways in:
 
+- ``torch.compile(model, backend=stage.backend)`` inside ``with planning(models, keep=[...])
+  as stage:``: inductor, with no decompositions and no joint-graph passes before the
+  partition, so the stage plans the graph ``recompute_planner.export`` exports;
 - inductor (``torch.compile(model)``): ``stage = install(models, keep=[...])`` makes the stage
   inductor's partitioner (``custom_partitioner_fn``; with ``partitioner="min-cut"`` its
   ``joint_custom_post_pass``, which runs after inductor's joint-graph pattern passes, so the
-  plan is made for the graph the partitioner cuts) and lets markers into compiled graphs;
+  plan is made for the graph the partitioner cuts: the graph inductor decomposed, whose plan
+  differs from the exported step's) and lets markers into compiled graphs;
   ``stage.uninstall()`` or ``with install(...):`` restores both. Stages may be installed and
   uninstalled in any order: the most recently installed stage still installed is the one
   inductor runs;
