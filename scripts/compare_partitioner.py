@@ -30,14 +30,19 @@ partitioner median divided by each planner median. What each timing includes:
 - in-process ``rp.plan``: the ``.pb`` bytes in memory are decoded and planned, the plan comes
   back as JSON and is parsed into Python objects;
 - compile stage: ``PlanningStage.apply`` on a fresh copy: CSE, FX -> IR conversion in Python,
-  ``rp.plan``, tagging every node, removing the markers (what the stage adds to a compile).
+  ``rp.plan``, tagging every node, removing the markers (what the stage adds to a compile
+  before torch's partitioner);
+- compile stage with the plan partitioner: ``PlanningStage.partition_fn`` on a fresh copy of
+  the graph as traced: FX -> IR, ``rp.plan``, the forward and backward graphs built from the
+  plan. This is the whole partition step of a compile with the stage, against the
+  partitioner row.
 
     source scripts/env.sh
     python scripts/compare_partitioner.py [--model dense] [--layers 12 60 ...] [--runs 5]
         [--planner target/release/planner] [--budget-fraction 0.5]
 
 The in-process figures depend on how the native extension was built: ``scripts/setup.sh``
-builds it unoptimised unless ``PLANNER_NATIVE_PROFILE=release``; the script says which.
+builds it optimised unless ``PLANNER_NATIVE_PROFILE=dev``; the script says which.
 """
 
 from __future__ import annotations
@@ -194,7 +199,8 @@ def no_setup() -> None:
 class Subject:
     """One traced graph in every form the contenders take."""
 
-    joint: JointGraph  # CSE applied, markers in: what the planning stage converts
+    joint: JointGraph  # CSE applied, markers in: what the min-cut planning stage converts
+    traced: fx.GraphModule  # the joint graph as traced: what the plan partitioner converts
     ir: graph_pb2.Graph
     graph_path: Path  # the IR as a `.pb`, for the planner process
     graph_bytes: bytes  # the same bytes, for rp.plan
@@ -222,6 +228,7 @@ class Comparison:
     planner_keep: list[Timing]
     planner_budget: list[Timing]
     compile_stage: Timing
+    plan_partition: Timing
 
     @property
     def markers(self) -> int:
@@ -243,20 +250,23 @@ def planner_budget(plan: rp.Plan, fraction: float) -> int:
 
 def prepare(joint: JointGraph, models: list, name: str, graph_path: Path) -> Subject:
     """Applies the stage's CSE to the joint graph, writes its IR to ``graph_path`` and tags a
-    copy with the ``--keep all`` plan, as the planning stage does."""
+    copy with the ``--keep all`` plan, as the min-cut planning stage does; keeps the graph as
+    traced for the plan partitioner."""
+    traced = copy.deepcopy(joint.module)
     stage_mod.eliminate_common_subexpressions(joint.module)
     ir = stage_mod.joint_graph_to_ir(
         copy.deepcopy(joint.module), models, name=name, num_fwd_outputs=joint.num_fwd_outputs
     )
     write_graph(ir, graph_path)
     tagged = copy.deepcopy(joint.module)
-    stage = stage_mod.PlanningStage(models, KEEP, name=name)
+    stage = stage_mod.PlanningStage(models, KEEP, name=name, partitioner="min-cut")
     keep_plan = stage.apply(tagged, joint.num_fwd_outputs)
     plain = copy.deepcopy(joint.module)
     stage_mod.remove_markers(plain.graph)
     plain.recompile()
     return Subject(
         joint=joint,
+        traced=traced,
         ir=ir,
         graph_path=graph_path,
         graph_bytes=graph_path.read_bytes(),
@@ -311,6 +321,23 @@ def compile_stage_timing(subject: Subject, runs: int) -> Timing:
     )
 
 
+def plan_partition_timing(subject: Subject, models: list, name: str, runs: int) -> Timing:
+    """The whole compile phase with the plan partitioner (``--keep all``) on fresh copies of
+    the traced graph: FX -> IR, ``rp.plan``, the forward and backward graphs built from the
+    plan. Against the partitioner row, whose call alone cuts the graph the stage tagged."""
+    stage = stage_mod.PlanningStage(models, KEEP, name=name)
+    return Timing(
+        f"compile stage + partition from the plan (FX -> IR, rp.plan --keep {KEEP}), in-process",
+        time_runs(
+            runs,
+            lambda: copy.deepcopy(subject.traced),
+            lambda module: stage.partition_fn(
+                module, subject.joint.inputs, num_fwd_outputs=subject.joint.num_fwd_outputs
+            ),
+        ),
+    )
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silences the plan's diagnostics (this script times plans, it does not judge them) and
@@ -357,6 +384,7 @@ def compare(
                 subject, runs, planner, ["--budget", str(budget), "--quiet"], budget=budget
             ),
             compile_stage=compile_stage_timing(subject, runs),
+            plan_partition=plan_partition_timing(subject, models, model, runs),
         )
 
     with traced_group(cfg.world_size), quiet():
@@ -394,6 +422,7 @@ def report(result: Comparison) -> str:
     ]
     lines += [timing_row(t, r.partitioner_tags) for t in r.planner_keep]
     lines.append(timing_row(r.compile_stage, r.partitioner_tags))
+    lines.append(timing_row(r.plan_partition, r.partitioner_tags))
     lines.append(timing_row(r.partitioner_budget, None))
     lines += [timing_row(t, r.partitioner_budget) for t in r.planner_budget]
     lines.append(
@@ -409,7 +438,7 @@ def native_build_line() -> str:
         return "native extension: optimised build"
     return (
         "native extension: unoptimised build (the rp.plan and compile stage rows are slower "
-        "than with `PLANNER_NATIVE_PROFILE=release bash scripts/setup.sh`)"
+        "than with the optimised build `bash scripts/setup.sh` makes by default)"
     )
 
 

@@ -29,12 +29,12 @@ if ! { [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(want_stamp)" ] && [ -x "$VENV
 fi
 
 # The package of this clone, with the planner as its native extension (maturin builds
-# python/native). PLANNER_NATIVE_PROFILE=release builds it optimised (what `pip install
-# ./python` does); the default dev profile shares the workspace's debug build, which the tests
-# need and which builds in a fraction of the time.
+# python/native), optimised: the in-process planner (rp.plan, the compile stage) is several
+# times slower unoptimised. PLANNER_NATIVE_PROFILE=dev builds it with the workspace's debug
+# build instead, in a fraction of the time, for quick iterations on the Rust code.
 echo "setup: installing recompute_planner from $PWD/python" >&2
 # The extension is built for the stable ABI (`_native.abi3.so`); an older checkout's
 # interpreter-specific build would shadow it on import.
 rm -f python/recompute_planner/_native.cpython-*.so
-PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-dev}" \
+PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-release}" \
   "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e python >&2

@@ -1,37 +1,46 @@
 """The torch.compile planning stage: the planner decides what the compiled step saves.
 
 AOTAutograd builds the joint forward+backward graph of a compiled step and hands it to a
-partitioner, which chooses the tensors the forward saves for backward. This stage runs on that
-joint graph, last before the partitioner:
+partitioner, which chooses the tensors the forward saves for backward. This stage is that
+partitioner (or, as an option, runs just before torch's):
 
-1. converts it to the planner's IR in memory (the exporter's FX -> IR mapping, so IR node
-   names are the FX node names);
-2. plans it with the Rust planner in-process, with the given options;
-3. tags every forward node: ``node.meta["recompute"]`` is ``CheckpointPolicy.PREFER_RECOMPUTE``
-   for the ops the plan replays and ``MUST_SAVE`` for every other (kept ops, ops outside
-   checkpointed layers, and recomputed ops no replay needs: a recompute tag would make the
-   partitioner re-run them, an all-to-all whose consumers are kept for one, and save their
-   inputs); ``node.meta["ac_graph_id"]`` numbers the checkpointed layers in execution order,
-   so the partitioner saves each layer's input; backward nodes stay in backward;
-4. removes the ``checkpoint_record`` marker nodes (identities the plan needed to find the
-   units; compiled code should not copy tensors for them).
+1. converts the joint graph to the planner's IR in memory (the exporter's FX -> IR mapping, so
+   IR node names are the FX node names) and plans it with the Rust planner in-process;
+2. removes the ``checkpoint_record`` marker nodes (identities the plan needed to find the
+   units; compiled code should not copy tensors for them; a marker's output stands for its
+   input);
+3. with ``partitioner="plan"`` (the default), builds the forward and backward graphs from the
+   plan itself (``partition_from_plan``): the forward returns exactly the plan's saved set,
+   the backward re-runs exactly the plan's replay, each replayed op placed before its first
+   backward use; nothing is solved again. The graph is planned as AOTAutograd traced it, with
+   no common-subexpression elimination first, so its plan is the plan of the same step
+   exported with ``recompute_planner.export`` (test_compile_stage.py checks both);
+4. with ``partitioner="min-cut"``, runs torch's common-subexpression elimination first (the
+   partitioner runs it, so the plan must be made for its result), tags every forward node
+   (``node.meta["recompute"]`` is ``PREFER_RECOMPUTE`` for the ops the plan replays and
+   ``MUST_SAVE`` for every other; ``node.meta["ac_graph_id"]`` numbers the checkpointed layers
+   in execution order, so the partitioner saves each layer's input; backward nodes stay in
+   backward) and calls ``min_cut_rematerialization_partition``, which honours the tags.
 
-torch's min-cut partitioner then saves exactly the values the plan saves (see
-``python/tests/test_compile_stage.py`` for what "exactly" means: marker outputs stand for their
-input, which the marker removal makes them). Diagnostics surface as ``PlannerWarning`` at compile
-time, and a plan with an error diagnostic fails the compile with ``PlanRejected``.
+Diagnostics surface as ``PlannerWarning`` at compile time, and a plan with an error diagnostic
+fails the compile with ``PlanRejected``.
 
-Two ways in:
+Three ways in:
 
-- inductor (``torch.compile(model)``): ``stage = install(models, keep=[...])`` sets
-  ``torch._inductor.config.joint_custom_post_pass`` to the stage (and lets markers into compiled
-  graphs); ``stage.uninstall()`` or ``with install(...):`` restores both. The post pass, not
-  ``joint_custom_pre_pass``: inductor's joint-graph pattern passes run between the two and
-  replace nodes (the loss's log-softmax, constant fills) by new, untagged ones; the post pass
-  plans the graph the partitioner will cut;
-- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn``; it plans
-  and tags, then calls ``min_cut_rematerialization_partition``. Trace it inside
-  ``markers_in_compiled_graphs()`` (``install`` does that too) when Dynamo traces the model.
+- ``torch.compile(model, backend=stage.backend)`` inside ``with planning(models, keep=[...])
+  as stage:``: inductor, with no decompositions and no joint-graph passes before the
+  partition, so the stage plans the graph ``recompute_planner.export`` exports;
+- inductor (``torch.compile(model)``): ``stage = install(models, keep=[...])`` makes the stage
+  inductor's partitioner (``custom_partitioner_fn``; with ``partitioner="min-cut"`` its
+  ``joint_custom_post_pass``, which runs after inductor's joint-graph pattern passes, so the
+  plan is made for the graph the partitioner cuts: the graph inductor decomposed, whose plan
+  differs from the exported step's) and lets markers into compiled graphs;
+  ``stage.uninstall()`` or ``with install(...):`` restores both. Stages may be installed and
+  uninstalled in any order: the most recently installed stage still installed is the one
+  inductor runs;
+- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn``. Trace it
+  inside ``markers_in_compiled_graphs()`` (``install`` does that too) when Dynamo traces the
+  model.
 
 The stage declines inductor's FX graph cache (``uuid()`` is None): every compile plans again,
 so its diagnostics are reported and ``stage.plans`` holds the plan of each compiled graph.
@@ -51,7 +60,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTInput,
     TangentAOTInput,
 )
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import markers
@@ -261,15 +270,133 @@ def _is_getitem(node: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# The partition from the plan
+
+
+class PartitionMismatch(RuntimeError):
+    """The forward and backward graphs built from a plan do not save or replay what the plan
+    says: a bug of the stage or the planner, never a property of the model."""
+
+
+def partition_from_plan(
+    joint_module: fx.GraphModule,
+    plan: Plan,
+    *,
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward graphs of ``joint_module`` (the graph ``plan`` was made for, markers
+    still in) that save exactly the plan's saved set and re-run exactly its replay.
+
+    torch's own building blocks do the FX work: ``_extract_fwd_bwd_modules`` splits the joint
+    graph given the saved values (the backward copies every forward op it needs and cannot read
+    from them: the replay), ``reordering_to_mimic_autograd_engine`` moves each replayed op to
+    just before its first backward use, as the plan schedules replay, and ``raise_getitems``
+    frees multi-output results early. Markers are removed first, their outputs standing for
+    their inputs. Raises ``PartitionMismatch`` if the result saves or replays anything else.
+    """
+    from torch._functorch.compile_utils import raise_getitems
+    from torch._functorch.partitioners import (
+        _extract_fwd_bwd_modules,
+        reordering_to_mimic_autograd_engine,
+    )
+
+    stand_ins = _marker_stand_ins(joint_module.graph)
+    if remove_markers(joint_module.graph):
+        joint_module.recompile()
+    saved = _saved_nodes(joint_module.graph, plan, stand_ins)
+    forward, backward = _extract_fwd_bwd_modules(
+        joint_module, list(saved), [], num_fwd_outputs=num_fwd_outputs
+    )
+    backward = raise_getitems(reordering_to_mimic_autograd_engine(backward))
+    forward = raise_getitems(forward)
+    _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
+    return forward, backward
+
+
+def _marker_stand_ins(graph: fx.Graph) -> dict[str, fx.Node]:
+    """Marker output name -> the node it stands for once markers are removed (its input,
+    through chains of markers)."""
+    stand_ins: dict[str, fx.Node] = {}
+    for node in graph.find_nodes(op="call_function", target=markers.MARKER_OVERLOAD):
+        source = node.args[0]
+        stand_ins[node.name] = stand_ins.get(source.name, source)
+    return stand_ins
+
+
+def _saved_nodes(graph: fx.Graph, plan: Plan, stand_ins: dict[str, fx.Node]) -> dict[fx.Node, None]:
+    """The FX nodes of the plan's saved values (tangents excluded: backward receives them), in
+    the plan's order without repeats."""
+    by_name = {node.name: node for node in graph.nodes}
+    saved: dict[fx.Node, None] = {}
+    for value in plan.saved:
+        node = stand_ins.get(value.value) or by_name.get(value.value)
+        if node is None:
+            raise PartitionMismatch(f"the plan saves `{value.value}`, which the graph lacks")
+        if not (node.op == "placeholder" and _is_tangent(node.meta.get("desc"))):
+            saved[node] = None
+    return saved
+
+
+def _check_partition(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    plan: Plan,
+    saved: dict[fx.Node, None],
+    *,
+    num_fwd_outputs: int,
+) -> None:
+    """The forward saves the plan's saved set and the backward re-runs its replay, by name."""
+    returned = {node.name for node in saved_outputs(forward, num_fwd_outputs)}
+    planned = {node.name for node in saved}
+    replayed = replayed_ops(backward, plan)
+    planned_replay = {name for replay in plan.replay for name in replay.nodes} - set(
+        _marker_names(plan)
+    )
+    for what, got, want in (("saves", returned, planned), ("replays", replayed, planned_replay)):
+        if got != want:
+            raise PartitionMismatch(
+                f"the compiled step {what} {sorted(got - want)} beyond the plan and not "
+                f"{sorted(want - got)}"
+            )
+
+
+def saved_outputs(forward: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The tensors a forward graph returns for backward."""
+    return [
+        node
+        for node in forward.graph.output_node().args[0][num_fwd_outputs:]
+        if isinstance(node, fx.Node)
+    ]
+
+
+def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
+    """Names of the forward ops a backward graph re-runs (``getitem`` excluded)."""
+    forward_ops = {node.name for node in plan.nodes}
+    return {
+        node.name
+        for node in backward.graph.nodes
+        if node.op == "call_function" and node.name in forward_ops
+    }
+
+
+def _marker_names(plan: Plan) -> list[str]:
+    return [node.name for node in plan.nodes if node.op == markers.MARKER_OP]
+
+
+# --------------------------------------------------------------------------------------------
 # The stage
+
+PARTITIONERS = ("plan", "min-cut")
 
 
 class PlanningStage(CustomGraphPass):
-    """Plans each joint graph it sees and tags it for the partitioner.
+    """Plans each joint graph it sees and partitions it from the plan (or tags it for torch's
+    min-cut partitioner).
 
     ``models`` declares the graph's models, layers and units (``ModelDecl``, as for
-    ``export``; ``recompute_planner.annotate`` returns them for a module it annotated); the
-    other options are those of ``recompute_planner.plan``. ``plans`` collects the plan of every
+    ``export``; ``recompute_planner.annotate`` returns them for a module it annotated);
+    ``partitioner`` is ``"plan"`` or ``"min-cut"`` (see the module docstring); the other
+    options are those of ``recompute_planner.plan``. ``plans`` collects the plan of every
     graph the stage planned, in order.
     """
 
@@ -285,7 +412,18 @@ class PlanningStage(CustomGraphPass):
         granularity: str = "unit",
         hw: HwLike = None,
         name: str = "compiled",
+        partitioner: str = "plan",
     ):
+        if partitioner not in PARTITIONERS:
+            raise ValueError(
+                f"partitioner {partitioner!r}: use one of {', '.join(map(repr, PARTITIONERS))}"
+            )
+        if partitioner == "plan" and random_ops == "replay":
+            raise ValueError(
+                'random_ops="replay" needs an executor that restores the generator state of '
+                'each replayed random op; the plan partitioner does not: use random_ops="save" '
+                'or partitioner="min-cut"'
+            )
         self.models = list(models)
         self.options = dict(
             keep=keep,
@@ -297,23 +435,33 @@ class PlanningStage(CustomGraphPass):
             hw=hw,
         )
         self.name = name
+        self.partitioner = partitioner
         self.plans: list[Plan] = []
 
-    def apply(self, graph_module: fx.GraphModule, num_fwd_outputs: int | None = None) -> Plan:
-        """Converts, plans and tags ``graph_module``'s joint graph, then drops its markers."""
-        eliminate_common_subexpressions(graph_module)
+    def plan_joint(
+        self, graph_module: fx.GraphModule, num_fwd_outputs: int | None = None
+    ) -> tuple[graph_pb2.Graph, Plan]:
+        """Converts and plans ``graph_module``'s joint graph as it is; returns its IR and plan
+        (issuing the plan's diagnostics)."""
         ir = joint_graph_to_ir(
             graph_module, self.models, name=self.name, num_fwd_outputs=num_fwd_outputs
         )
         planned = plan_graph(ir, check=False, **self.options)
         self.plans.append(planned)
-        check_plan(planned, stacklevel=2)
+        check_plan(planned, stacklevel=3)
+        return ir, planned
+
+    def apply(self, graph_module: fx.GraphModule, num_fwd_outputs: int | None = None) -> Plan:
+        """For torch's min-cut partitioner: eliminates common subexpressions as it will, then
+        converts, plans and tags ``graph_module``'s joint graph, and drops its markers."""
+        eliminate_common_subexpressions(graph_module)
+        ir, planned = self.plan_joint(graph_module, num_fwd_outputs)
         tag_joint_graph(graph_module.graph, ir, planned)
         if remove_markers(graph_module.graph):
             graph_module.recompile()
         return planned
 
-    # The inductor joint-graph pass ----------------------------------------------------------
+    # The inductor joint-graph pass (partitioner="min-cut") ----------------------------------
 
     def __call__(self, graph: fx.Graph) -> None:
         self.apply(graph.owning_module)
@@ -327,7 +475,7 @@ class PlanningStage(CustomGraphPass):
         the plans."""
         return self
 
-    # The aot_autograd partition_fn ----------------------------------------------------------
+    # The partition_fn -----------------------------------------------------------------------
 
     def partition_fn(
         self,
@@ -337,8 +485,12 @@ class PlanningStage(CustomGraphPass):
         num_fwd_outputs: int,
         **kwargs: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """A ``partition_fn`` for ``aot_autograd``: plans and tags, then runs torch's min-cut
-        partitioner, which honours the tags."""
+        """A ``partition_fn`` for ``aot_autograd`` (and inductor's partitioner): plans the joint
+        graph and partitions it from the plan, or tags it and runs torch's min-cut
+        partitioner."""
+        if self.partitioner == "plan":
+            _, planned = self.plan_joint(joint_module, num_fwd_outputs)
+            return partition_from_plan(joint_module, planned, num_fwd_outputs=num_fwd_outputs)
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         self.apply(joint_module, num_fwd_outputs)
@@ -346,32 +498,127 @@ class PlanningStage(CustomGraphPass):
             joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
         )
 
+    # The inductor backend that plans the exported graph -------------------------------------
+
+    def backend(
+        self, graph_module: fx.GraphModule, example_inputs: Any, **compile_fx_options: Any
+    ) -> Any:
+        """A ``torch.compile`` backend: inductor, partitioned by this stage, on the joint graph
+        ``recompute_planner.export`` exports: AOTAutograd traces it without inductor's
+        decompositions and inductor's joint-graph passes are off, so the plan is the CLI's
+        plan of the exported step; inductor decomposes and fuses each half after the
+        partition. (Plain ``torch.compile`` with the stage installed plans the graph inductor
+        decomposed: other ops, another plan.) Trace inside ``install`` or ``planning``, which
+        let markers into compiled graphs. ``compile_fx_options`` go to inductor's
+        ``compile_fx`` (``inner_compile``: the compiler of each half)."""
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {
+            "use_joint_graph_passes": False,
+            "custom_partitioner_fn": _InductorPartitioner(self),
+            "fx_graph_cache": False,
+        }
+        return compile_fx(
+            graph_module, example_inputs, config_patches=patches, decompositions={},
+            **compile_fx_options,
+        )
+
     # Installation ---------------------------------------------------------------------------
 
     def install(self) -> "PlanningStage":
-        """Makes this stage inductor's joint-graph pass and lets markers into compiled graphs,
-        until ``uninstall()``."""
-        import torch._inductor.config as inductor_config
-
-        if getattr(self, "_installed", None) is not None:
-            raise RuntimeError("this planning stage is installed already")
-        stack = contextlib.ExitStack()
-        stack.enter_context(inductor_config.patch(joint_custom_post_pass=self))
-        stack.enter_context(markers.markers_in_compiled_graphs())
-        self._installed = stack
+        """Makes this stage inductor's partitioner (or joint-graph pass) and lets markers into
+        compiled graphs, until ``uninstall()``."""
+        _INSTALLED.add(self)
         return self
 
     def uninstall(self) -> None:
-        """Restores inductor's joint-graph pass and the marker setting ``install`` changed."""
-        stack, self._installed = getattr(self, "_installed", None), None
-        if stack is not None:
-            stack.close()
+        """Takes this stage out of inductor; the configuration returns to the most recently
+        installed stage still installed, or to what it was before any."""
+        _INSTALLED.remove(self)
+
+    @property
+    def installed(self) -> bool:
+        return self in _INSTALLED.stages
 
     def __enter__(self) -> "PlanningStage":
-        return self if getattr(self, "_installed", None) is not None else self.install()
+        return self if self.installed else self.install()
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+class _InductorPartitioner(CustomPartitionerFn):
+    """A stage as inductor's ``custom_partitioner_fn`` (no uuid: the stage plans every
+    compile)."""
+
+    def __init__(self, stage: PlanningStage):
+        self.stage = stage
+
+    def __call__(
+        self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return self.stage.partition_fn(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> None:
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "_InductorPartitioner":
+        return self
+
+
+class _Installed:
+    """The installed stages, in install order, and inductor's settings before the first one.
+
+    Inductor's configuration is set from this list alone, so stages can be installed and
+    uninstalled in any order: the last stage of the list is the active one, and when the list
+    empties the settings saved at the first install come back."""
+
+    SETTINGS = ("custom_partitioner_fn", "joint_custom_post_pass", "fx_graph_cache")
+
+    def __init__(self) -> None:
+        self.stages: list[PlanningStage] = []
+        self._before: dict[str, Any] = {}
+        self._markers: contextlib.ExitStack | None = None
+
+    def add(self, stage: PlanningStage) -> None:
+        if stage in self.stages:
+            raise RuntimeError("this planning stage is installed already")
+        if not self.stages:
+            import torch._inductor.config as inductor_config
+
+            self._before = {key: getattr(inductor_config, key) for key in self.SETTINGS}
+            self._markers = contextlib.ExitStack()
+            self._markers.enter_context(markers.markers_in_compiled_graphs())
+        self.stages.append(stage)
+        self._configure()
+
+    def remove(self, stage: PlanningStage) -> None:
+        if stage not in self.stages:
+            return
+        self.stages.remove(stage)
+        self._configure()
+        if not self.stages and self._markers is not None:
+            self._markers.close()
+            self._markers = None
+
+    def _configure(self) -> None:
+        import torch._inductor.config as inductor_config
+
+        settings = dict(self._before)
+        if self.stages:
+            active = self.stages[-1]
+            # A cached compile would skip planning: inductor bypasses its caches for a joint
+            # pass without a uuid, but not for a partitioner without one.
+            settings["fx_graph_cache"] = False
+            if active.partitioner == "plan":
+                settings["custom_partitioner_fn"] = _InductorPartitioner(active)
+            else:
+                settings["joint_custom_post_pass"] = active
+        for key, value in settings.items():
+            setattr(inductor_config, key, value)
+
+
+_INSTALLED = _Installed()
 
 
 def install(
@@ -380,6 +627,11 @@ def install(
     """The one line: ``stage = recompute_planner.compile.install(models, keep=[...])``; every
     ``torch.compile`` training step compiled after it saves what the plan saves."""
     return PlanningStage(models, keep, **options).install()
+
+
+def active_stage() -> PlanningStage | None:
+    """The installed stage inductor runs, or None."""
+    return _INSTALLED.stages[-1] if _INSTALLED.stages else None
 
 
 @contextlib.contextmanager

@@ -358,7 +358,10 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
 
     Forward pre-hooks enter a ``fx.traceback.annotate`` scope and forward hooks leave it; as the
     annotations merge, the innermost module wins, and backward nodes inherit their forward
-    node's annotation like the layer tags do.
+    node's annotation like the layer tags do. The leaving hooks run before the module's other
+    forward hooks (``prepend``): a scope entered after another module hook's (a layer scope
+    of ``recompute_planner.annotate``) is left before it, so each hook restores what it saw
+    and no layer tag outlives its layer.
     """
     scopes: list[contextlib.ExitStack] = []
 
@@ -377,7 +380,9 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     for path, submodule in module.named_modules(remove_duplicate=False):
         if path:
             handles.append(submodule.register_forward_pre_hook(enter(path)))
-            handles.append(submodule.register_forward_hook(leave, always_call=True))
+            handles.append(
+                submodule.register_forward_hook(leave, always_call=True, prepend=True)
+            )
     try:
         yield
     finally:

@@ -11,6 +11,7 @@ one dialect. Strings spell enumerations exactly as the JSON and the text output 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -144,27 +145,68 @@ class GraphRef:
 
 
 class Plan:
-    """A recompute plan for one graph (see the module docstring)."""
+    """A recompute plan for one graph (see the module docstring).
+
+    A handle on the plan's JSON: nothing is parsed until a field is read, and each field is
+    decoded once, on first access (a million-node plan's per-node decisions cost nothing to a
+    caller that reads only ``memory``)."""
 
     def __init__(self, json_text: str):
-        doc = json.loads(json_text)
         self._json = json_text
-        self.planner_version: str = doc["planner_version"]
-        self.graph = _make(GraphRef, doc["graph"])
-        self.config = _config(doc["config"])
-        self.joint: bool = doc["joint"]
-        self.nodes: tuple[NodeDecision, ...] = tuple(_make(NodeDecision, n) for n in doc["nodes"])
-        self.saved: tuple[SavedValue, ...] = tuple(_make(SavedValue, s) for s in doc["saved"])
-        self.replay: tuple[Replay, ...] = tuple(
-            _make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in doc["replay"]
+
+    @functools.cached_property
+    def _doc(self) -> dict:
+        return json.loads(self._json)
+
+    @functools.cached_property
+    def planner_version(self) -> str:
+        return self._doc["planner_version"]
+
+    @functools.cached_property
+    def graph(self) -> GraphRef:
+        return _make(GraphRef, self._doc["graph"])
+
+    @functools.cached_property
+    def config(self) -> Config:
+        return _config(self._doc["config"])
+
+    @functools.cached_property
+    def joint(self) -> bool:
+        return self._doc["joint"]
+
+    @functools.cached_property
+    def nodes(self) -> tuple[NodeDecision, ...]:
+        return tuple(_make(NodeDecision, n) for n in self._doc["nodes"])
+
+    @functools.cached_property
+    def saved(self) -> tuple[SavedValue, ...]:
+        return tuple(_make(SavedValue, s) for s in self._doc["saved"])
+
+    @functools.cached_property
+    def replay(self) -> tuple[Replay, ...]:
+        return tuple(
+            _make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in self._doc["replay"]
         )
-        self.units: tuple[UnitSummary, ...] = tuple(_unit(u) for u in doc["units"])
-        self.memory = _make(Memory, doc["memory"])
-        self.cost = _make(Cost, doc["cost"])
-        self.diagnostics: tuple[Diagnostic, ...] = tuple(
-            _make(Diagnostic, d) for d in doc["diagnostics"]
-        )
-        self._by_name = {n.name: n for n in self.nodes}
+
+    @functools.cached_property
+    def units(self) -> tuple[UnitSummary, ...]:
+        return tuple(_unit(u) for u in self._doc["units"])
+
+    @functools.cached_property
+    def memory(self) -> Memory:
+        return _make(Memory, self._doc["memory"])
+
+    @functools.cached_property
+    def cost(self) -> Cost:
+        return _make(Cost, self._doc["cost"])
+
+    @functools.cached_property
+    def diagnostics(self) -> tuple[Diagnostic, ...]:
+        return tuple(_make(Diagnostic, d) for d in self._doc["diagnostics"])
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, NodeDecision]:
+        return {n.name: n for n in self.nodes}
 
     # Queries --------------------------------------------------------------------------------
 

@@ -306,3 +306,14 @@ def test_the_extension_is_part_of_the_package():
     assert Path(_native.__file__).parent == Path(rp.__file__).parent
     assert dict(_native.DESCRIPTORS).keys() == {"graph_pb2", "plan_pb2"}
     assert _native.PLANNER_VERSION == json.loads(cli_json(str(GLM)))["planner_version"]
+
+
+def test_a_plan_decodes_each_field_on_first_access():
+    """`rp.plan` returns a handle: nothing is parsed until read, and reading `memory` decodes
+    neither the per-node decisions nor the saved set."""
+    plan = rp.plan(GLM, "all", check=False)
+    assert not {"_doc", "nodes", "saved", "memory"} & vars(plan).keys()
+    assert plan.memory.peak_bytes > 0
+    assert "memory" in vars(plan) and not {"nodes", "saved"} & vars(plan).keys()
+    assert plan.nodes is plan.nodes  # decoded once
+    assert plan.decision(plan.nodes[0].name) == plan.nodes[0]

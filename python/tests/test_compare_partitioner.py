@@ -127,7 +127,10 @@ def test_the_table_gives_node_counts_and_each_ratio_of_medians(run):
     assert f"joint FX graph {result.fx_nodes:,} nodes, {result.fx_ops:,} ops" in out
     assert f"IR {len(result.ir.nodes):,} nodes ({result.markers} markers)" in out
     contenders = [
-        (result.partitioner_tags, result.planner_keep + [result.compile_stage]),
+        (
+            result.partitioner_tags,
+            result.planner_keep + [result.compile_stage, result.plan_partition],
+        ),
         (result.partitioner_budget, result.planner_budget),
     ]
     for partitioner, planners in contenders:
