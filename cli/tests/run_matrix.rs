@@ -115,6 +115,7 @@ fn run_checked(golden: &str, config: &PlanConfig) -> RunReport {
         seed: None,
         check: true,
         timeout: Duration::from_secs(120),
+        max_input_bytes: u64::MAX,
         fault: None,
     };
     run::run_loopback(jobs, &config).unwrap_or_else(|e| panic!("{golden}: the run fails:\n{e}"))
