@@ -26,8 +26,8 @@ use serde_json::{json, Value as Json};
 
 use crate::{
     args::{Planning, SummaryFormat},
+    commands::{report_errors, Failure},
     output::Output,
-    report_errors, Failure,
 };
 
 #[derive(clap::Args)]
@@ -268,7 +268,7 @@ fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
 }
 
 fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Plan, Failure> {
-    let hw = crate::load_hw(hw)?;
+    let hw = crate::commands::load_hw(hw)?;
     let plan = plan::plan(graph, config, &hw).map_err(|e| e.to_string())?;
     if plan.has_errors() {
         report_errors(&plan);

@@ -570,3 +570,53 @@ fn an_op_running_past_the_timeout_is_stopped_by_the_watchdog() {
         "error: rank 0: forward node `total` (aten.sum.default) did not finish within 1 s (--timeout); left behind\n"
     );
 }
+
+/// The shared libraries the dynamic loader maps for `planner ARGS`, from its `LD_DEBUG` trace.
+fn libraries_loaded(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_planner"))
+        .args(args)
+        .env("LD_DEBUG", "libs")
+        .output()
+        .expect("the planner binary runs");
+    text(&out.stderr)
+        .lines()
+        .filter(|l| l.contains("calling init:"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn only_planner_run_loads_libtorch() {
+    let dense = golden("dense");
+    for args in [&["--version"][..], &["inspect", dense.to_str().unwrap()]] {
+        let loaded = libraries_loaded(args);
+        assert!(!loaded.is_empty(), "LD_DEBUG traces the loader");
+        assert!(!loaded.contains("libtorch"), "planner {args:?}:\n{loaded}");
+    }
+    let loaded = libraries_loaded(&["run", dense.to_str().unwrap(), "--timeout=0"]);
+    assert!(
+        loaded.contains("libtorch_cpu") && loaded.contains("libplanner_run"),
+        "{loaded}"
+    );
+}
+
+#[test]
+fn planner_run_without_its_runtime_library_says_how_to_build_it() {
+    let alone = scratch("alone");
+    std::fs::create_dir_all(&alone).unwrap();
+    let binary = alone.join("planner");
+    std::fs::copy(env!("CARGO_BIN_EXE_planner"), &binary).expect("copied");
+    let out = Command::new(&binary)
+        .args(["run", golden("dense").to_str().unwrap()])
+        .output()
+        .expect("the copy runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: `planner run` needs the runtime library libplanner_run.so")
+            && stderr.contains("cargo build --release -p planner-cli --features run"),
+        "{stderr}"
+    );
+    let version = Command::new(&binary).arg("--version").output().unwrap();
+    assert!(version.status.success(), "{}", text(&version.stderr));
+}
