@@ -20,7 +20,7 @@ use safetensors::{tensor::TensorView, Dtype, SafeTensorError, SafeTensors};
 use tch::{Device, Kind, Tensor};
 use thiserror::Error;
 
-use crate::tensor::{kind_of, sizes_of};
+use crate::tensor::{kind_of, one_line, sizes_of};
 
 /// The key of the reference step's generator seed.
 const RNG_SEED: &str = "rng/seed";
@@ -219,7 +219,7 @@ fn tensor_of(view: &TensorView<'_>) -> Result<Tensor, String> {
         .iter()
         .map(|&d| i64::try_from(d).map_err(|_| format!("dimension {d} is too large")))
         .collect::<Result<Vec<i64>, String>>()?;
-    Tensor::f_from_data_size(view.data(), &sizes, kind).map_err(|e| e.to_string())
+    Tensor::f_from_data_size(view.data(), &sizes, kind).map_err(|e| one_line(&e.to_string()))
 }
 
 /// The seed in `rng/seed`: one integer >= 0, of any integer dtype and any shape of one element.
@@ -306,7 +306,7 @@ pub fn load(
         let tensor = tensor.f_to_device(device).map_err(|e| InputError::Tensor {
             path: display.clone(),
             key,
-            reason: e.to_string(),
+            reason: one_line(&e.to_string()),
         })?;
         values.push((id, tensor));
     }
@@ -354,7 +354,8 @@ impl Fill {
     /// A tensor of `kind` and `sizes` from the stream; an allocation that fails is an error.
     fn tensor(&mut self, kind: Kind, sizes: &[i64]) -> Result<Tensor, String> {
         if !is_float(kind) {
-            return Tensor::f_zeros(sizes, (kind, Device::Cpu)).map_err(|e| e.to_string());
+            return Tensor::f_zeros(sizes, (kind, Device::Cpu))
+                .map_err(|e| one_line(&e.to_string()));
         }
         let numel = sizes
             .iter()
@@ -367,7 +368,7 @@ impl Fill {
         Tensor::f_from_slice(&data)
             .and_then(|t| t.f_reshape(sizes))
             .and_then(|t| t.f_to_kind(kind))
-            .map_err(|e| e.to_string())
+            .map_err(|e| one_line(&e.to_string()))
     }
 }
 

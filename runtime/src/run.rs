@@ -478,12 +478,16 @@ fn quiet_rank_panics() {
     });
 }
 
-/// The message a panic carried.
+/// The message a panic carried, in one line.
 fn panic_message(payload: &(dyn Any + Send)) -> String {
     payload
         .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .map(|s| crate::tensor::one_line(s))
+        .or_else(|| {
+            payload
+                .downcast_ref::<String>()
+                .map(|s| crate::tensor::one_line(s))
+        })
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
