@@ -37,7 +37,7 @@ pub enum Command {
     Convert(ConvertArgs),
     /// Execute one training step of a plan with libtorch and prove it (`--check`)
     #[cfg(feature = "run")]
-    Run(Box<crate::run::RunArgs>),
+    Run(Box<crate::RunCommandArgs>),
     /// Not in this build: `run` needs the runtime (the `run` feature)
     #[cfg(not(feature = "run"))]
     #[command(hide = true)]

@@ -26,8 +26,8 @@ use serde_json::{json, Value as Json};
 
 use crate::{
     args::{Planning, SummaryFormat},
+    commands::{report_errors, Failure},
     output::Output,
-    report_errors, Failure,
 };
 
 #[derive(clap::Args)]
@@ -66,11 +66,17 @@ pub(crate) struct RunArgs {
     /// Fill inputs the safetensors file does not hold from this seed
     #[arg(long)]
     seed: Option<u64>,
-    /// Seconds a rank waits in a collective before it declares the others failed
+    /// Seconds a rank waits in a collective before it declares the others failed, and the
+    /// longest any one op may run (at most 1e9)
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     timeout: f64,
-    /// Inject a failure to test fault handling: `fail:RANK:COLLECTIVE` or
-    /// `stall:RANK:COLLECTIVE:SECONDS` (before that rank's COLLECTIVE-th collective, from 0)
+    /// The most bytes of weights, inputs and tangents all ranks start from together (as the
+    /// graphs declare them, checked before anything is read or filled), and the largest
+    /// safetensors file read (`16GiB`, `512MB`; default: this machine's memory)
+    #[arg(long, value_name = "SIZE", value_parser = planner::units::parse_bytes)]
+    max_input_bytes: Option<u64>,
+    /// Inject a failure to test fault handling: `fail:RANK:COLLECTIVE`, `panic:RANK:COLLECTIVE`
+    /// or `stall:RANK:COLLECTIVE:SECONDS` (before that rank's COLLECTIVE-th collective, from 0)
     #[arg(long, value_name = "FAULT", hide = true)]
     inject_fault: Option<String>,
 }
@@ -78,21 +84,17 @@ pub(crate) struct RunArgs {
 pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
     let device = parse_device(&args.device)?;
     let fault = args.inject_fault.as_deref().map(parse_fault).transpose()?;
-    let timeout = Duration::try_from_secs_f64(args.timeout)
-        .ok()
-        .filter(|t| !t.is_zero())
-        .ok_or_else(|| {
-            format!(
-                "--timeout must be a positive number of seconds, got {}",
-                args.timeout
-            )
-        })?;
+    let timeout = run::timeout_from_secs(args.timeout)?;
     let planning = planning_config(&args)?;
     let config = RunConfig {
         device,
         seed: args.seed,
         check: args.check,
         timeout,
+        max_input_bytes: args
+            .max_input_bytes
+            .or_else(runtime::inputs::machine_memory)
+            .unwrap_or(DEFAULT_MAX_INPUT_BYTES),
         fault,
     };
     let jobs = rank_jobs(&args, &planning)?;
@@ -113,6 +115,9 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
         None => Ok(()),
     }
 }
+
+/// The inputs limit where this machine's memory cannot be read.
+const DEFAULT_MAX_INPUT_BYTES: u64 = 16 << 30;
 
 /// One job per rank. Rank r runs its own graph `STEM.rank<r>.pb` where one lies beside the
 /// graph (ranks whose graphs differ, e.g. by the sequence positions each rank holds), with its
@@ -263,7 +268,7 @@ fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
 }
 
 fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Plan, Failure> {
-    let hw = crate::load_hw(hw)?;
+    let hw = crate::commands::load_hw(hw)?;
     let plan = plan::plan(graph, config, &hw).map_err(|e| e.to_string())?;
     if plan.has_errors() {
         report_errors(&plan);
@@ -272,18 +277,29 @@ fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Pl
     Ok(plan)
 }
 
-/// `--ranks`, or the world size the graph was exported for; they must agree.
+/// `--ranks`, or the world size the graph was exported for; they must agree, and one
+/// process runs at most [`run::MAX_RANKS`] ranks.
 fn world_size(graph: &Graph, ranks: Option<usize>) -> Result<usize, String> {
+    let name = ir::display::name(graph.name());
     let exported = graph.metadata().world_size.max(1) as usize;
-    match ranks {
-        None => Ok(exported),
-        Some(0) => Err("--ranks must be at least 1".to_owned()),
-        Some(n) if n == exported => Ok(n),
-        Some(n) => Err(format!(
-            "graph `{}` was exported for {exported} rank(s); it cannot run on --ranks {n}",
-            graph.name()
-        )),
+    let ranks = match ranks {
+        None => exported,
+        Some(0) => return Err("--ranks must be at least 1".to_owned()),
+        Some(n) if n == exported => n,
+        Some(n) => {
+            return Err(format!(
+                "graph `{name}` was exported for {exported} rank(s); it cannot run on --ranks {n}"
+            ))
+        }
+    };
+    if ranks > run::MAX_RANKS {
+        return Err(format!(
+            "graph `{name}` was exported for {ranks} ranks, but one `planner run` runs at most \
+             {} ranks as threads",
+            run::MAX_RANKS
+        ));
     }
+    Ok(ranks)
 }
 
 fn parse_device(text: &str) -> Result<runtime::Device, String> {
@@ -292,14 +308,19 @@ fn parse_device(text: &str) -> Result<runtime::Device, String> {
 }
 
 fn parse_fault(text: &str) -> Result<Fault, String> {
-    let bad =
-        || format!("--inject-fault takes `fail:RANK:N` or `stall:RANK:N:SECONDS`, not `{text}`");
+    let bad = || {
+        format!(
+            "--inject-fault takes `fail:RANK:N`, `panic:RANK:N` or `stall:RANK:N:SECONDS`, \
+             not `{text}`"
+        )
+    };
     let parts: Vec<&str> = text.split(':').collect();
     let number = |i: usize| -> Result<u64, String> {
         parts.get(i).and_then(|p| p.parse().ok()).ok_or_else(bad)
     };
     let kind = match (parts.first().copied(), parts.len()) {
         (Some("fail"), 3) => FaultKind::Fail,
+        (Some("panic"), 3) => FaultKind::Panic,
         (Some("stall"), 4) => {
             let seconds: f64 = parts[3].parse().map_err(|_| bad())?;
             FaultKind::Stall(Duration::try_from_secs_f64(seconds).map_err(|_| bad())?)

@@ -1309,6 +1309,13 @@ This table is written by the test that runs these cases,
 `cli/tests/cli.rs::malformed_inputs_fail_cleanly_as_documented`; after a change of message,
 re-bless it with `UPDATE_GOLDEN=1 cargo test -p planner-cli --test cli` and read the diff.
 
+`planner run` (built with the `run` feature) meets more: safetensors files that are not regular
+files or not valid, malformed `rng/seed` tensors, inputs larger than memory, split sizes that
+overflow, world sizes and timeouts beyond what a process or its clock holds, ops that allocate
+past their declared tensors or run too long, ranks that panic. Each is one `error:` line (one
+per failing rank) within seconds, proved in `cli/tests/run_cli.rs`; the limits are in the
+README's section on `planner run`.
+
 ";
 
 #[test]

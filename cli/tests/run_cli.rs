@@ -219,3 +219,404 @@ fn ranks_with_their_own_graph_run_their_own_plan() {
     let out = run();
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
+
+/// Runs the planner, killing it after `limit`: `None` when it did not end in time.
+fn planner_within(args: &[&str], limit: Duration) -> Option<Output> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_planner"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the planner binary starts");
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if child
+            .try_wait()
+            .expect("the child can be waited for")
+            .is_some()
+        {
+            return Some(child.wait_with_output().expect("its output"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// The one `error:` block of a run that must fail promptly (well within the default 60 s
+/// `--timeout`), exit 1.
+fn fails_promptly(args: &[&str]) -> String {
+    let out = planner_within(args, Duration::from_secs(30)).expect("the run ends promptly");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    stderr
+}
+
+/// A graph of one input `x` and one op on it (for `ranks` ranks), edited by `edit`, written
+/// as `name`.
+fn one_op_graph(
+    name: &str,
+    ranks: u32,
+    op: &str,
+    edit: impl FnOnce(&mut ir::wire::graph::Graph),
+) -> PathBuf {
+    let mut b = testkit::Builder::new(1, &[]);
+    let x = b.input("x");
+    let (_, y) = b.node(op, &[&x]);
+    b.output(&y);
+    let mut graph = b.wire();
+    graph
+        .metadata
+        .get_or_insert_with(Default::default)
+        .world_size = ranks;
+    edit(&mut graph);
+    let path = scratch(name);
+    ir::io::write_wire(&graph, &path).expect("written");
+    path
+}
+
+fn attribute(name: &str, value: ir::wire::graph::attribute::Value) -> ir::wire::graph::Attribute {
+    ir::wire::graph::Attribute {
+        name: name.to_owned(),
+        value: Some(value),
+    }
+}
+
+fn ints(values: &[i64]) -> ir::wire::graph::attribute::Value {
+    ir::wire::graph::attribute::Value::Ints(ir::wire::graph::IntList {
+        values: values.to_vec(),
+    })
+}
+
+/// Writes a safetensors file of `(key, dtype, shape, data)` tensors.
+fn write_safetensors(path: &PathBuf, tensors: &[(&str, &str, &[u64], Vec<u8>)]) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (key, dtype, shape, bytes) in tensors {
+        let start = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(
+            (*key).to_owned(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header);
+    file.extend(data);
+    std::fs::write(path, file).expect("written");
+}
+
+#[test]
+fn a_panicking_rank_is_reported_at_once_naming_it_and_its_op() {
+    let started = Instant::now();
+    let stderr = fails_promptly(&[
+        "run",
+        golden("moe_ep2").to_str().unwrap(),
+        "--inject-fault",
+        "panic:1:0",
+    ]);
+    assert!(started.elapsed() < Duration::from_secs(20), "{stderr}");
+    let first = stderr.lines().next().unwrap();
+    assert!(
+        first.starts_with("error: rank 1: panicked in forward node `")
+            && first.contains("(_c10d_functional.all_to_all_single.default)")
+            && first.contains("fault injected before collective #0"),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("rank 0: ") && l.contains("rank 1 failed")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hung"), "{stderr}");
+}
+
+#[test]
+fn a_malformed_rng_seed_on_one_rank_fails_both_ranks_at_once() {
+    let graph = one_op_graph("seed.pb", 2, "aten.relu.default", |_| {});
+    let tensors = scratch("seed.safetensors");
+    let rank1 = scratch("seed.rank1.safetensors");
+    write_safetensors(&tensors, &[]);
+    for (shape, bytes) in [(&[2u64][..], vec![0u8; 16]), (&[0u64][..], Vec::new())] {
+        write_safetensors(&rank1, &[("rng/seed", "I64", shape, bytes)]);
+        let stderr = fails_promptly(&[
+            "run",
+            graph.to_str().unwrap(),
+            "--inputs",
+            tensors.to_str().unwrap(),
+            "--seed",
+            "1",
+        ]);
+        assert!(
+            stderr.starts_with("error: rank 1: ")
+                && stderr.contains("`rng/seed` must hold one integer >= 0")
+                && stderr.contains(&format!("but it is Int64[{}]", shape[0])),
+            "{stderr}"
+        );
+    }
+    let nan = f32::NAN.to_le_bytes().to_vec();
+    write_safetensors(&rank1, &[("rng/seed", "F32", &[], nan)]);
+    let stderr = fails_promptly(&[
+        "run",
+        graph.to_str().unwrap(),
+        "--inputs",
+        tensors.to_str().unwrap(),
+        "--seed",
+        "1",
+    ]);
+    assert!(stderr.contains("but it is Float[]"), "{stderr}");
+}
+
+#[test]
+fn all_to_all_split_sizes_that_wrap_are_refused_before_running() {
+    let graph = one_op_graph(
+        "splits.pb",
+        3,
+        "_c10d_functional.all_to_all_single.default",
+        |g| {
+            let node = &mut g.nodes[0];
+            node.attributes
+                .push(attribute("output_split_sizes", ints(&[1, 1, 2])));
+            node.attributes.push(attribute(
+                "input_split_sizes",
+                ints(&[i64::MAX, i64::MAX, 6]),
+            ));
+        },
+    );
+    let stderr = fails_promptly(&["run", graph.to_str().unwrap(), "--seed", "1"]);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("input split sizes [9223372036854775807, 9223372036854775807, 6] add up to more than 64 bits hold rows, but input `x` has shape [4, 4]"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn inputs_larger_than_memory_are_refused_before_allocating() {
+    for dtype in [
+        ir::wire::graph::Dtype::Int64,
+        ir::wire::graph::Dtype::Float32,
+    ] {
+        let graph = one_op_graph("huge.pb", 1, "aten.relu.default", |g| {
+            g.values[0].dtype = dtype as i32;
+            g.values[0].shape = vec![1 << 40];
+            g.values[1].dtype = dtype as i32;
+            g.values[1].shape = vec![1 << 40];
+        });
+        let stderr = fails_promptly(&["run", graph.to_str().unwrap(), "--seed", "1"]);
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains("the graph inputs of 1 rank(s) declare")
+                && stderr.contains("bytes for a run (--max-input-bytes"),
+            "{stderr}"
+        );
+    }
+    let stderr = fails_promptly(&[
+        "run",
+        golden("dense").to_str().unwrap(),
+        "--max-input-bytes",
+        "1KiB",
+    ]);
+    assert!(
+        stderr.contains("over the limit of 1024 bytes for a run"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_timeout_beyond_what_the_clock_holds_is_refused_in_plain_words() {
+    for timeout in ["1e19", "1e20", "0", "-1", "NaN", "inf"] {
+        let stderr = fails_promptly(&[
+            "run",
+            golden("dense").to_str().unwrap(),
+            &format!("--timeout={timeout}"),
+        ]);
+        assert_eq!(
+            stderr,
+            format!(
+                "error: --timeout must be a number of seconds above 0 and at most 1e9 (about \
+                 31 years), got {}\n",
+                timeout.parse::<f64>().unwrap()
+            )
+        );
+    }
+}
+
+#[test]
+fn a_world_size_beyond_what_threads_can_run_is_refused() {
+    let graph = one_op_graph("world.pb", u32::MAX, "aten.relu.default", |_| {});
+    let stderr = fails_promptly(&["run", graph.to_str().unwrap(), "--seed", "1"]);
+    assert_eq!(
+        stderr,
+        "error: graph `built` was exported for 4294967295 ranks, but one `planner run` runs at \
+         most 1024 ranks as threads\n"
+    );
+}
+
+#[test]
+fn many_failing_ranks_are_summarised() {
+    let graph = one_op_graph("thousand.pb", 1000, "aten.relu.default", |_| {});
+    let stderr = fails_promptly(&["run", graph.to_str().unwrap()]);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 9, "{stderr}");
+    assert!(
+        lines[0].starts_with("error: rank 0: no tensor for input `x`"),
+        "{stderr}"
+    );
+    assert_eq!(lines[8], "... and 992 more rank(s) failed");
+}
+
+#[cfg(unix)]
+#[test]
+fn inputs_that_are_not_regular_files_are_refused_without_reading() {
+    let fifo = scratch("inputs.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    for (path, kind) in [
+        (fifo.to_str().unwrap(), "a FIFO (named pipe)"),
+        ("/dev/zero", "a character device"),
+    ] {
+        let stderr = fails_promptly(&["run", golden("dense").to_str().unwrap(), "--inputs", path]);
+        assert_eq!(
+            stderr,
+            format!(
+                "error: rank 0: cannot read safetensors file {path}: it is {kind}, not a regular file\n"
+            )
+        );
+    }
+}
+
+#[test]
+fn a_malformed_safetensors_file_is_named_once_in_plain_words() {
+    let tensors = scratch("short.safetensors");
+    std::fs::write(&tensors, b"abcd").unwrap();
+    let path = tensors.to_str().unwrap();
+    let stderr = fails_promptly(&["run", golden("dense").to_str().unwrap(), "--inputs", path]);
+    assert_eq!(
+        stderr,
+        format!(
+            "error: rank 0: {path}: not a valid safetensors file: it is shorter than the 8 bytes \
+             that give its header's length\n"
+        )
+    );
+}
+
+#[test]
+fn an_op_allocating_past_its_declared_outputs_is_stopped_before_it_allocates() {
+    let graph = one_op_graph("arange.pb", 1, "aten.arange.default", |g| {
+        let node = &mut g.nodes[0];
+        node.inputs.clear();
+        node.attributes.push(attribute(
+            "end",
+            ir::wire::graph::attribute::Value::Int(400_000_000),
+        ));
+        g.values[1].dtype = ir::wire::graph::Dtype::Int64 as i32;
+        g.values[1].shape = vec![4];
+    });
+    let stderr = fails_promptly(&["run", graph.to_str().unwrap(), "--seed", "1"]);
+    assert!(
+        stderr.starts_with("error: rank 0: forward node `n1` (aten.arange.default): the op asked for 3200000000 bytes at once, past the"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_op_running_past_the_timeout_is_stopped_by_the_watchdog() {
+    let graph = one_op_graph("expand.pb", 1, "aten.expand.default", |g| {
+        g.values[0].shape = vec![1];
+        g.values[1].shape = vec![1 << 40];
+        g.nodes[0]
+            .attributes
+            .push(attribute("size", ints(&[1 << 40])));
+    });
+    // The expanded view allocates nothing; summing its 2^40 elements takes minutes.
+    let mut wire = ir::io::read_wire(&graph).expect("read back");
+    let sum = ir::wire::graph::Node {
+        name: "total".to_owned(),
+        op: "aten.sum.default".to_owned(),
+        inputs: vec![wire.values[1].name.clone()],
+        outputs: vec!["total.out".to_owned()],
+        attributes: Vec::new(),
+        ..wire.nodes[0].clone()
+    };
+    wire.values.push(ir::wire::graph::Value {
+        name: "total.out".to_owned(),
+        shape: vec![],
+        ..wire.values[1].clone()
+    });
+    wire.nodes.push(sum);
+    wire.outputs = vec!["total.out".to_owned()];
+    ir::io::write_wire(&wire, &graph).expect("written");
+    let started = Instant::now();
+    let stderr = fails_promptly(&[
+        "run",
+        graph.to_str().unwrap(),
+        "--seed",
+        "1",
+        "--timeout",
+        "1",
+    ]);
+    assert!(started.elapsed() < Duration::from_secs(15), "{stderr}");
+    assert_eq!(
+        stderr,
+        "error: rank 0: forward node `total` (aten.sum.default) did not finish within 1 s (--timeout); left behind\n"
+    );
+}
+
+/// The shared libraries the dynamic loader maps for `planner ARGS`, from its `LD_DEBUG` trace.
+fn libraries_loaded(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_planner"))
+        .args(args)
+        .env("LD_DEBUG", "libs")
+        .output()
+        .expect("the planner binary runs");
+    text(&out.stderr)
+        .lines()
+        .filter(|l| l.contains("calling init:"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn only_planner_run_loads_libtorch() {
+    let dense = golden("dense");
+    for args in [&["--version"][..], &["inspect", dense.to_str().unwrap()]] {
+        let loaded = libraries_loaded(args);
+        assert!(!loaded.is_empty(), "LD_DEBUG traces the loader");
+        assert!(!loaded.contains("libtorch"), "planner {args:?}:\n{loaded}");
+    }
+    let loaded = libraries_loaded(&["run", dense.to_str().unwrap(), "--timeout=0"]);
+    assert!(
+        loaded.contains("libtorch_cpu") && loaded.contains("libplanner_run"),
+        "{loaded}"
+    );
+}
+
+#[test]
+fn planner_run_without_its_runtime_library_says_how_to_build_it() {
+    let alone = scratch("alone");
+    std::fs::create_dir_all(&alone).unwrap();
+    let binary = alone.join("planner");
+    std::fs::copy(env!("CARGO_BIN_EXE_planner"), &binary).expect("copied");
+    let out = Command::new(&binary)
+        .args(["run", golden("dense").to_str().unwrap()])
+        .output()
+        .expect("the copy runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: `planner run` needs the runtime library libplanner_run.so")
+            && stderr.contains("cargo build --release -p planner-cli --features run"),
+        "{stderr}"
+    );
+    let version = Command::new(&binary).arg("--version").output().unwrap();
+    assert!(version.status.success(), "{}", text(&version.stderr));
+}

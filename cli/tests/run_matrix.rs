@@ -125,6 +125,7 @@ fn run_config(seed: Option<u64>) -> RunConfig {
         seed,
         check: true,
         timeout: Duration::from_secs(120),
+        max_input_bytes: u64::MAX,
         fault: None,
     }
 }

@@ -11,11 +11,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ScalarOps.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include <cstdlib>
 #include <cstring>
@@ -785,5 +787,68 @@ char* rt_cuda_reset_peak(int32_t device_index) {
     at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device_index));
   });
 }
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Allocation budgets: a CPU allocator in front of libtorch's that refuses, on the thread that
+// set a budget, any allocation past it. An op then fails before it allocates more than its
+// declared tensors allow, instead of exhausting memory (an `arange` whose attributes disagree
+// with its declared output, a size computed from data).
+
+namespace {
+
+// Bytes the running op of this thread may still allocate; negative: no budget.
+thread_local int64_t allocation_budget = -1;
+// The first allocation refused since it was last taken (0: none).
+thread_local uint64_t refused_allocation = 0;
+
+struct BudgetedCpuAllocator final : c10::Allocator {
+  explicit BudgetedCpuAllocator(c10::Allocator* inner) : inner(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (allocation_budget >= 0) {
+      if (n > static_cast<uint64_t>(allocation_budget)) {
+        if (refused_allocation == 0) refused_allocation = n;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "allocation of ", n,
+                         " bytes refused: over the op's budget");
+      }
+      allocation_budget -= static_cast<int64_t>(n);
+    }
+    return inner->allocate(n);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner->copy_data(dest, src, count);
+  }
+
+  c10::Allocator* inner;
+};
+
+}  // namespace
+
+extern "C" {
+
+// Puts the budgeted allocator in front of the CPU allocator (once per process).
+char* rt_use_budgeted_cpu_allocator() {
+  return guarded([] {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      static auto* budgeted = new BudgetedCpuAllocator(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(budgeted, /*priority=*/UINT8_MAX);
+    });
+  });
+}
+
+// Sets the calling thread's budget in bytes (negative: none) and forgets any refusal.
+void rt_set_allocation_budget(int64_t bytes) {
+  allocation_budget = bytes;
+  refused_allocation = 0;
+}
+
+// The first allocation refused on this thread since the budget was set (0: none).
+uint64_t rt_refused_allocation() { return refused_allocation; }
 
 }  // extern "C"

@@ -32,6 +32,8 @@ pub enum FaultKind {
     Fail,
     /// The rank stops for this long before calling the collective.
     Stall(Duration),
+    /// The rank's thread panics, as a libtorch call that fails inside tch does.
+    Panic,
 }
 
 #[derive(Debug, Error)]
@@ -170,12 +172,13 @@ pub fn run_step(
                 .map(|t| vec![t.shallow_clone()])
                 .unwrap_or_default(),
             Kernel::Aten(call) if node.effects.random => rng
-                .run(stage, id, || call.run(&inputs, node.outputs.len()))
+                .run(stage, id, || program.run_aten(stage, id, call, &inputs))
                 .map_err(|m| op_error(program, stage, Some(id), m))?,
-            Kernel::Aten(call) => call
-                .run(&inputs, node.outputs.len())
+            Kernel::Aten(call) => program
+                .run_aten(stage, id, call, &inputs)
                 .map_err(|m| op_error(program, stage, Some(id), m))?,
             Kernel::Collective(collective) => {
+                let _shown = program.showing(stage, id, false);
                 let site = Site {
                     seq: collectives,
                     op: collective.name(),
@@ -259,6 +262,7 @@ fn inject(fault: Option<Fault>, rank: usize, site: &Site) -> Result<(), StepErro
                 std::thread::sleep(pause);
                 Ok(())
             }
+            FaultKind::Panic => panic!("fault injected before {site}"),
         },
         _ => Ok(()),
     }

@@ -77,6 +77,9 @@ mod sys {
             out: *mut *mut AtTensor,
         ) -> *mut c_char;
         pub fn rt_use_portable_bernoulli() -> *mut c_char;
+        pub fn rt_use_budgeted_cpu_allocator() -> *mut c_char;
+        pub fn rt_set_allocation_budget(bytes: i64);
+        pub fn rt_refused_allocation() -> u64;
         pub fn rt_cuda_set_device(device_index: i32) -> *mut c_char;
         pub fn rt_cuda_current_stream(device_index: i32, out: *mut *mut c_void) -> *mut c_char;
         pub fn rt_cuda_synchronize(device_index: i32) -> *mut c_char;
@@ -376,6 +379,35 @@ pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), String> {
 pub fn use_portable_bernoulli() -> Result<(), String> {
     // SAFETY: plain call.
     check(unsafe { sys::rt_use_portable_bernoulli() })
+}
+
+/// Puts an allocator in front of libtorch's CPU allocator that holds each thread to the budget
+/// [`with_allocation_budget`] sets. Once per process; later calls do nothing.
+pub fn use_budgeted_cpu_allocator() -> Result<(), String> {
+    // SAFETY: plain call.
+    check(unsafe { sys::rt_use_budgeted_cpu_allocator() })
+}
+
+/// Runs `body` with this thread's CPU allocations held to `bytes` in all: an allocation past
+/// the budget fails in libtorch (the op returns an error) and is not made. Returns `body`'s
+/// result and the size of the first allocation refused, if any.
+pub fn with_allocation_budget<R>(bytes: u64, body: impl FnOnce() -> R) -> (R, Option<u64>) {
+    /// Lifts the budget even when `body` panics.
+    struct Lift;
+    impl Drop for Lift {
+        fn drop(&mut self) {
+            // SAFETY: plain call on this thread's state.
+            unsafe { sys::rt_set_allocation_budget(-1) }
+        }
+    }
+    // SAFETY: plain call on this thread's state.
+    unsafe { sys::rt_set_allocation_budget(i64::try_from(bytes).unwrap_or(i64::MAX)) };
+    let lift = Lift;
+    let result = body();
+    // SAFETY: plain call on this thread's state.
+    let refused = unsafe { sys::rt_refused_allocation() };
+    drop(lift);
+    (result, (refused > 0).then_some(refused))
 }
 
 /// Makes `device` the calling thread's current CUDA device (nothing for the CPU).

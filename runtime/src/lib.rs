@@ -16,6 +16,7 @@ pub mod rng;
 pub mod run;
 pub mod schedule;
 pub mod tensor;
+pub mod watch;
 
 pub use tch::Device;
 

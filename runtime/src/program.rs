@@ -5,14 +5,25 @@
 //! (crate::comm) instead of libtorch. Preparing fails on the first node, in execution order,
 //! whose op the runtime cannot execute on the run's device.
 
-use ir::{AttrValue, Attribute, EntityId, Graph, Node, NodeId, MARKER_OP};
-use tch::Device;
+use std::sync::Arc;
+
+use ir::{plan::Stage, AttrValue, Attribute, EntityId, Graph, Node, NodeId, MARKER_OP};
+use tch::{Device, Tensor};
 use thiserror::Error;
 
 use crate::{
     comm::ReduceOp,
     ffi::{self, BoundCall},
+    watch::{OpGuard, RankActivity},
 };
+
+/// What an op may allocate on the CPU, beyond [`ALLOCATION_FACTOR`] times the bytes of the
+/// tensors it reads and writes as the graph declares them: room for the workspaces of small
+/// ops. An op whose allocations pass its budget fails before the allocation is made.
+pub const ALLOCATION_FLOOR: u64 = 256 << 20;
+/// How many times its declared inputs and outputs an op may allocate (copies of
+/// non-contiguous inputs, type promotion, intermediate results of composite ops).
+pub const ALLOCATION_FACTOR: u64 = 4;
 
 /// The namespace of functional collectives (`_c10d_functional.all_to_all_single.default`).
 const FUNCTIONAL_COLLECTIVES: &str = "_c10d_functional.";
@@ -97,6 +108,10 @@ pub struct Program<'g> {
     graph: &'g Graph,
     device: Device,
     kernels: Vec<Kernel>,
+    /// Per node: the bytes its op may allocate on the CPU.
+    budgets: Vec<u64>,
+    /// Where the rank shows which op it runs, when it is watched.
+    activity: Option<Arc<RankActivity>>,
 }
 
 impl<'g> Program<'g> {
@@ -114,16 +129,65 @@ impl<'g> Program<'g> {
             node: "-".to_owned(),
             reason,
         })?;
+        ffi::use_budgeted_cpu_allocator().map_err(|reason| PrepareError::Unsupported {
+            op: "-".to_owned(),
+            node: "-".to_owned(),
+            reason,
+        })?;
         let kernels = graph
             .nodes()
-            .values()
-            .map(|node| kernel(node, home, device, world_size))
+            .iter()
+            .map(|(_, node)| kernel(graph, node, home, device, world_size))
             .collect::<Result<Vec<_>, _>>()?;
+        let budgets = graph
+            .nodes()
+            .values()
+            .map(|node| allocation_budget(graph, node))
+            .collect();
         Ok(Program {
             graph,
             device,
             kernels,
+            budgets,
+            activity: None,
         })
+    }
+
+    /// The program with its ops shown on `activity` while they run.
+    pub fn watched(self, activity: Arc<RankActivity>) -> Program<'g> {
+        Program {
+            activity: Some(activity),
+            ..self
+        }
+    }
+
+    /// Shows `node` of `stage` as the op the rank runs until the guard drops (`timed` when
+    /// the watchdog limits how long it may run).
+    pub fn showing(&self, stage: Stage, node: NodeId, timed: bool) -> Option<OpGuard<'_>> {
+        self.activity.as_ref().map(|a| a.enter(stage, node, timed))
+    }
+
+    /// Runs `node`'s ATen op (`call`) of `stage` on `inputs`, within the node's allocation
+    /// budget, shown on the rank's activity while it runs.
+    pub fn run_aten(
+        &self,
+        stage: Stage,
+        node: NodeId,
+        call: &BoundCall,
+        inputs: &[&Tensor],
+    ) -> Result<Vec<Tensor>, String> {
+        let _running = self.showing(stage, node, true);
+        let budget = self.budgets[node.index()];
+        let outputs = self.graph.node(node).outputs.len();
+        match ffi::with_allocation_budget(budget, || call.run(inputs, outputs)) {
+            (Err(_), Some(refused)) => Err(format!(
+                "the op asked for {refused} bytes at once, past the {budget} bytes it may \
+                 allocate ({ALLOCATION_FACTOR} times its declared inputs and outputs, plus \
+                 {ALLOCATION_FLOOR}): its attributes or inputs disagree with the shapes the \
+                 graph declares"
+            )),
+            (result, _) => result,
+        }
     }
 
     pub fn graph(&self) -> &'g Graph {
@@ -154,7 +218,21 @@ fn home_device(graph: &Graph) -> Device {
     }
 }
 
+/// The bytes `node`'s op may allocate: [`ALLOCATION_FACTOR`] times the bytes of the values it
+/// reads and writes, plus [`ALLOCATION_FLOOR`].
+fn allocation_budget(graph: &Graph, node: &Node) -> u64 {
+    let declared = node
+        .inputs
+        .iter()
+        .chain(&node.outputs)
+        .fold(0u64, |total, &v| total.saturating_add(graph.value(v).bytes));
+    declared
+        .saturating_mul(ALLOCATION_FACTOR)
+        .saturating_add(ALLOCATION_FLOOR)
+}
+
 fn kernel(
+    graph: &Graph,
     node: &Node,
     home: Device,
     device: Device,
@@ -165,7 +243,7 @@ fn kernel(
         return Ok(Kernel::Identity);
     }
     if op.starts_with(FUNCTIONAL_COLLECTIVES) {
-        return collective(node, world_size).map(Kernel::Collective);
+        return collective(graph, node, world_size).map(Kernel::Collective);
     }
     if node.effects.collective.is_some() {
         return Err(unsupported(
@@ -226,7 +304,7 @@ pub fn device_name(device: Device) -> String {
     }
 }
 
-fn collective(node: &Node, world_size: usize) -> Result<Collective, PrepareError> {
+fn collective(graph: &Graph, node: &Node, world_size: usize) -> Result<Collective, PrepareError> {
     let name = node
         .op
         .strip_prefix(FUNCTIONAL_COLLECTIVES)
@@ -264,8 +342,38 @@ fn collective(node: &Node, world_size: usize) -> Result<Collective, PrepareError
                 ),
             ));
         }
+        check_splits(graph, node, node.inputs[0], "input", input_splits)?;
+        check_splits(graph, node, node.outputs[0], "output", output_splits)?;
     }
     Ok(collective)
+}
+
+/// An all-to-all's split sizes must add up to the rows its input (or output) declares, so
+/// every chunk it cuts or assembles lies within a declared tensor.
+fn check_splits(
+    graph: &Graph,
+    node: &Node,
+    value: ir::ValueId,
+    which: &str,
+    splits: &[i64],
+) -> Result<(), PrepareError> {
+    let value = graph.value(value);
+    let rows = value.shape.first().copied();
+    let total = splits
+        .iter()
+        .try_fold(0u64, |sum, &s| sum.checked_add(u64::try_from(s).ok()?));
+    if total.is_some() && total == rows {
+        return Ok(());
+    }
+    let total = total.map_or_else(|| "more than 64 bits hold".to_owned(), |t| t.to_string());
+    Err(binding(
+        node,
+        &format!(
+            "{which} split sizes {splits:?} add up to {total} rows, but {which} `{}` has shape {:?}",
+            ir::display::name(&value.name),
+            value.shape.as_slice()
+        ),
+    ))
 }
 
 fn binding(node: &Node, reason: &str) -> PrepareError {

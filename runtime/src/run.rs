@@ -7,8 +7,11 @@
 //! reported as hung rather than waited for.
 
 use std::{
+    any::Any,
+    cell::RefCell,
+    panic::{self, AssertUnwindSafe},
     path::PathBuf,
-    sync::{mpsc, Arc},
+    sync::{mpsc, Arc, Once},
     time::{Duration, Instant},
 };
 
@@ -28,7 +31,33 @@ use crate::{
     program::{PrepareError, Program},
     rng::RankRng,
     schedule::{ReplaySpec, Schedule, ScheduleError},
+    watch::RankActivity,
 };
+
+/// The most ranks one process runs as threads: each holds a copy of the model and its own
+/// thread, and a larger job runs one rank per process under a launcher.
+pub const MAX_RANKS: usize = 1024;
+
+/// The longest `--timeout`: deadlines are the clock plus the timeout, and this keeps them
+/// far inside what the clock and `Duration` hold (about 31 years).
+pub const MAX_TIMEOUT_SECS: f64 = 1e9;
+
+/// How many failing ranks a run's error lists before it only counts the rest.
+const LISTED_FAILURES: usize = 8;
+
+/// How often the watchdog looks at what each rank runs.
+const WATCH_INTERVAL: Duration = Duration::from_millis(50);
+
+/// `--timeout` as a duration: a number of seconds above 0 and at most [`MAX_TIMEOUT_SECS`].
+pub fn timeout_from_secs(seconds: f64) -> Result<Duration, String> {
+    if !(seconds > 0.0 && seconds <= MAX_TIMEOUT_SECS) {
+        return Err(format!(
+            "--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_SECS:e} \
+             (about 31 years), got {seconds}"
+        ));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
 
 /// A variant of the training step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,8 +100,12 @@ pub struct RunConfig {
     pub seed: Option<u64>,
     /// Also run without checkpointing (and whole-layer) and compare.
     pub check: bool,
-    /// How long a rank waits in a collective before it gives up.
+    /// How long a rank waits in a collective before it gives up, and how long one op may
+    /// run before the watchdog ends the run.
     pub timeout: Duration,
+    /// The most bytes of graph inputs all ranks of this process may start from, checked
+    /// before anything is read or filled; also the largest safetensors file read.
+    pub max_input_bytes: u64,
     pub fault: Option<Fault>,
 }
 
@@ -161,8 +194,33 @@ pub enum RunError {
     Plan(#[from] ir::plan::GraphMismatch),
     #[error("{0}")]
     Inputs(#[from] InputError),
-    #[error("{}", .0.iter().map(|(r, m)| format!("rank {r}: {m}")).collect::<Vec<_>>().join("\n"))]
+    #[error(
+        "the graph inputs of {ranks} rank(s) declare {bytes} bytes, over the limit of {limit} \
+         bytes for a run (--max-input-bytes; by default this machine's memory)"
+    )]
+    InputsTooLarge {
+        ranks: usize,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error("{}", list_failures(.0))]
     Ranks(Vec<(usize, String)>),
+}
+
+/// One line per failing rank, the first [`LISTED_FAILURES`] of them, then how many more.
+fn list_failures(failures: &[(usize, String)]) -> String {
+    let mut lines: Vec<String> = failures
+        .iter()
+        .take(LISTED_FAILURES)
+        .map(|(rank, message)| format!("rank {rank}: {message}"))
+        .collect();
+    if failures.len() > LISTED_FAILURES {
+        lines.push(format!(
+            "... and {} more rank(s) failed",
+            failures.len() - LISTED_FAILURES
+        ));
+    }
+    lines.join("\n")
 }
 
 /// The step of `plan` on `graph` as a schedule (refused if the plan is for another graph).
@@ -212,9 +270,19 @@ pub fn identity(job: &RankJob) -> Identity {
     }
 }
 
-/// Checks everything that can be checked before a rank starts: every op runs on the device,
-/// the plans fit their graphs and are closed.
-fn preflight(specs: &[RankSpec], world: usize) -> Result<(), RunError> {
+/// Checks everything that can be checked before a rank starts: the inputs fit the memory
+/// limit, every op runs on the device, the plans fit their graphs and are closed.
+fn preflight(specs: &[RankSpec], world: usize, max_input_bytes: u64) -> Result<(), RunError> {
+    let bytes = specs.iter().fold(0u64, |total, spec| {
+        total.saturating_add(inputs::declared_bytes(&spec.job.graph))
+    });
+    if bytes > max_input_bytes {
+        return Err(RunError::InputsTooLarge {
+            ranks: specs.len(),
+            bytes,
+            limit: max_input_bytes,
+        });
+    }
     for spec in specs {
         let job = &spec.job;
         Program::prepare(&job.graph, spec.device, world)?;
@@ -229,6 +297,8 @@ fn preflight(specs: &[RankSpec], world: usize) -> Result<(), RunError> {
 /// Runs every rank of `jobs` (one per rank) as threads through the loopback communicator.
 pub fn run_loopback(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, RunError> {
     let group = LoopbackGroup::new(jobs.len(), config.timeout);
+    let aborter = group.clone();
+    let abort: Abort = Box::new(move |rank, message| aborter.abort(rank, message));
     let specs = jobs
         .into_iter()
         .enumerate()
@@ -242,7 +312,7 @@ pub fn run_loopback(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport,
             }
         })
         .collect();
-    run_ranks(specs, config, "loopback")
+    run_ranks(specs, config, "loopback", Some(abort))
 }
 
 /// Runs every rank of `jobs` as threads of this process, one GPU each (from `config.device`
@@ -260,7 +330,7 @@ pub fn run_nccl_threads(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunRep
             nccl_rank(hub.address, rank, world, device, job, config)
         })
         .collect();
-    run_ranks(specs, config, "nccl")
+    run_ranks(specs, config, "nccl", None)
 }
 
 /// The rank of this process in a job launched like PyTorch's (`torchrun`): rank 0 hosts the
@@ -279,7 +349,7 @@ pub fn run_nccl_process(
             .map_err(|e| RunError::Ranks(vec![(rank, e.to_string())]))?;
     }
     let spec = nccl_rank(hub, rank, world, device, job, config);
-    run_ranks(vec![spec], config, "nccl")
+    run_ranks(vec![spec], config, "nccl", None)
 }
 
 fn nccl_rank(
@@ -302,12 +372,17 @@ fn nccl_rank(
     }
 }
 
+/// Fails rank `rank` for every other rank of the group, from outside its thread (the
+/// watchdog's way to stop the others when an op overruns).
+type Abort = Box<dyn Fn(usize, &str) + Send>;
+
 /// Runs each rank on its own thread; every rank's result or error. `world` is the number of
 /// ranks of the whole run (this process may run fewer).
 fn run_ranks(
     specs: Vec<RankSpec>,
     config: &RunConfig,
     communicator: &'static str,
+    abort: Option<Abort>,
 ) -> Result<RunReport, RunError> {
     let world = specs.len();
     let header = specs.first().map(|spec| {
@@ -318,24 +393,37 @@ fn run_ranks(
         .first()
         .map_or(0, |s| s.job.graph.metadata().world_size.max(1) as usize)
         .max(world);
-    preflight(&specs, total)?;
+    preflight(&specs, total, config.max_input_bytes)?;
+    quiet_rank_panics();
     let (sender, receiver) = mpsc::channel();
     let ranks: Vec<usize> = specs.iter().map(|s| s.rank).collect();
+    let mut watched = Vec::with_capacity(world);
     for (slot, spec) in specs.into_iter().enumerate() {
         let sender = sender.clone();
         let config = config.clone();
         let rank = spec.rank;
+        let activity = RankActivity::new();
+        watched.push(Watched {
+            rank,
+            graph: Arc::clone(&spec.job.graph),
+            activity: Arc::clone(&activity),
+        });
         std::thread::Builder::new()
-            .name(format!("rank-{rank}"))
+            .name(format!("{RANK_THREAD}{rank}"))
             .spawn(move || {
-                let result = rank_thread(spec, &config);
+                let result = rank_thread(spec, &config, &activity);
                 // The receiver may be gone when the run already gave up on this rank.
                 let _ = sender.send((slot, result));
             })
             .map_err(|e| RunError::Ranks(vec![(rank, format!("cannot start a thread: {e}"))]))?;
     }
     drop(sender);
-    let results = collect(&receiver, world, config.timeout);
+    let watchdog = Watchdog {
+        ranks: watched,
+        op_limit: config.timeout,
+        abort,
+    };
+    let results = collect(&receiver, &watchdog, config.timeout);
     let mut reports = Vec::with_capacity(world);
     let mut failures = Vec::new();
     for (slot, result) in results.into_iter().enumerate() {
@@ -360,10 +448,74 @@ fn run_ranks(
     })
 }
 
-/// One rank's thread: connect, run, and tell the others when this rank failed.
-fn rank_thread(spec: RankSpec, config: &RunConfig) -> Result<RankReport, RankFailure> {
+/// The name of rank r's thread is this prefix and r.
+const RANK_THREAD: &str = "rank-";
+
+thread_local! {
+    /// Where the last panic of this rank thread happened (`file:line`).
+    static PANIC_LOCATION: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Panics on rank threads are reported as the rank's failure (with the op it ran), not
+/// printed by the default hook as they happen; other threads keep the previous hook.
+fn quiet_rank_panics() {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            let on_rank = std::thread::current()
+                .name()
+                .is_some_and(|name| name.starts_with(RANK_THREAD));
+            if on_rank {
+                let location = info
+                    .location()
+                    .map(|l| format!("{}:{}", l.file(), l.line()));
+                PANIC_LOCATION.with(|slot| *slot.borrow_mut() = location);
+            } else {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// The message a panic carried, in one line.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| crate::tensor::one_line(s))
+        .or_else(|| {
+            payload
+                .downcast_ref::<String>()
+                .map(|s| crate::tensor::one_line(s))
+        })
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// One rank's thread: connect, run, and tell the others when this rank failed. A panic (a
+/// libtorch call that failed inside tch, a bug) is this rank's failure like any other.
+fn rank_thread(
+    spec: RankSpec,
+    config: &RunConfig,
+    activity: &Arc<RankActivity>,
+) -> Result<RankReport, RankFailure> {
     let mut comm = (spec.connect)(&identity(&spec.job))?;
-    match rank_main(spec.rank, spec.device, &spec.job, comm.as_mut(), config) {
+    let job = &spec.job;
+    let run = panic::catch_unwind(AssertUnwindSafe(|| {
+        rank_main(spec.rank, spec.device, job, comm.as_mut(), config, activity)
+    }));
+    let result = run.unwrap_or_else(|payload| {
+        Err(RankFailure::Panicked {
+            during: activity
+                .now()
+                .describe(&job.graph)
+                .map_or_else(String::new, |op| format!(" in {op}")),
+            message: panic_message(payload.as_ref()),
+            location: PANIC_LOCATION
+                .with(|slot| slot.borrow_mut().take())
+                .map_or_else(String::new, |at| format!(" (at {at})")),
+        })
+    });
+    match result {
         Ok(report) => {
             comm.finish()?;
             Ok(report)
@@ -375,29 +527,82 @@ fn rank_thread(spec: RankSpec, config: &RunConfig) -> Result<RankReport, RankFai
     }
 }
 
-/// Every rank's result; after the first failure, the others get `grace` to stop.
+/// A rank as the watchdog sees it.
+struct Watched {
+    rank: usize,
+    graph: Arc<Graph>,
+    activity: Arc<RankActivity>,
+}
+
+/// Ends a rank whose op runs longer than `op_limit`, and tells the others.
+struct Watchdog {
+    ranks: Vec<Watched>,
+    op_limit: Duration,
+    abort: Option<Abort>,
+}
+
+impl Watchdog {
+    /// The failure of the rank in `slot` if its op has run past the limit.
+    fn overrun(&self, slot: usize) -> Option<RankFailure> {
+        let watched = &self.ranks[slot];
+        let doing = watched.activity.now();
+        let crate::watch::Doing::Op {
+            since, timed: true, ..
+        } = doing
+        else {
+            return None;
+        };
+        (since.elapsed() > self.op_limit).then(|| {
+            let failure = RankFailure::OpTimeout {
+                op: doing.describe(&watched.graph).unwrap_or_default(),
+                seconds: self.op_limit.as_secs_f64(),
+            };
+            if let Some(abort) = &self.abort {
+                abort(watched.rank, &failure.to_string());
+            }
+            failure
+        })
+    }
+}
+
+type RankResult = Result<RankReport, RankFailure>;
+
+/// Every rank's result; after the first failure, the others get `grace` to stop. Meanwhile
+/// the watchdog fails any rank whose op runs past its limit.
 fn collect(
-    receiver: &mpsc::Receiver<(usize, Result<RankReport, RankFailure>)>,
-    world: usize,
+    receiver: &mpsc::Receiver<(usize, RankResult)>,
+    watchdog: &Watchdog,
     grace: Duration,
-) -> Vec<Option<Result<RankReport, RankFailure>>> {
-    let mut results: Vec<Option<Result<RankReport, RankFailure>>> =
-        (0..world).map(|_| None).collect();
+) -> Vec<Option<RankResult>> {
+    let world = watchdog.ranks.len();
+    let mut results: Vec<Option<RankResult>> = (0..world).map(|_| None).collect();
     let mut deadline: Option<Instant> = None;
-    for _ in 0..world {
-        let received = match deadline {
-            None => receiver.recv().ok(),
-            Some(d) => receiver
-                .recv_timeout(d.saturating_duration_since(Instant::now()))
-                .ok(),
-        };
-        let Some((rank, result)) = received else {
-            break;
-        };
-        if result.is_err() && deadline.is_none() {
+    while results.iter().any(Option::is_none) {
+        let wait = deadline.map_or(WATCH_INTERVAL, |d| {
+            d.saturating_duration_since(Instant::now())
+                .min(WATCH_INTERVAL)
+        });
+        match receiver.recv_timeout(wait) {
+            Ok((slot, result)) => {
+                if results[slot].is_none() {
+                    results[slot] = Some(result);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        for (slot, result) in results.iter_mut().enumerate() {
+            if result.is_none() {
+                *result = watchdog.overrun(slot).map(Err);
+            }
+        }
+        let failed = results.iter().any(|r| matches!(r, Some(Err(_))));
+        if failed && deadline.is_none() {
             deadline = Some(Instant::now() + grace);
         }
-        results[rank] = Some(result);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
     }
     results
 }
@@ -426,6 +631,15 @@ pub enum RankFailure {
     Step(#[from] StepError),
     #[error("did not stop within {0} s after the run failed (hung); left behind")]
     Hung(f64),
+    #[error("panicked{during}: {message}{location}")]
+    Panicked {
+        /// ` in forward node `x` (op)` when the rank was running an op.
+        during: String,
+        message: String,
+        location: String,
+    },
+    #[error("{op} did not finish within {seconds} s (--timeout); left behind")]
+    OpTimeout { op: String, seconds: f64 },
 }
 
 impl RankFailure {
@@ -471,6 +685,7 @@ fn rank_main(
     job: &RankJob,
     comm: &mut dyn Communicator,
     config: &RunConfig,
+    activity: &Arc<RankActivity>,
 ) -> Result<RankReport, RankFailure> {
     let graph = &job.graph;
     crate::ffi::set_device(device).map_err(|m| {
@@ -482,8 +697,15 @@ fn rank_main(
         })
     })?;
     let path = inputs::rank_path(&job.inputs, rank);
-    let inputs = inputs::load(graph, &path, rank, config.seed, device)?;
-    let program = Program::prepare(graph, device, comm.world_size())?;
+    let inputs = inputs::load(
+        graph,
+        &path,
+        rank,
+        config.seed,
+        device,
+        config.max_input_bytes,
+    )?;
+    let program = Program::prepare(graph, device, comm.world_size())?.watched(Arc::clone(activity));
     let variants = variants(job, config.check)?;
     comm.agree(&identity(job))?;
     let mut runs = Vec::new();

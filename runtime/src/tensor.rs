@@ -10,6 +10,11 @@ pub enum TensorError {
     DimTooLarge { value: String, size: u64 },
 }
 
+/// A libtorch error in one line: its first, without the C++ backtrace libtorch appends.
+pub fn one_line(message: &str) -> String {
+    message.lines().next().unwrap_or_default().to_owned()
+}
+
 /// The libtorch element kind of an IR dtype.
 pub fn kind_of(dtype: DType) -> Kind {
     match dtype {

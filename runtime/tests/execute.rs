@@ -38,6 +38,7 @@ fn seeded_inputs(graph: &Graph) -> RankInputs {
         0,
         Some(3),
         Device::Cpu,
+        u64::MAX,
     )
     .expect("seeded inputs")
 }

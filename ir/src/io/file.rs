@@ -21,6 +21,9 @@ pub enum InputKind {
     Plan,
     /// A `--choices` file: a `pareto` point's units per layer, as JSON.
     Choices,
+    /// `planner run`'s weights, inputs and reference (safetensors); its reader passes the
+    /// run's memory limit to [`read_input_file_within`].
+    Tensors,
 }
 
 const GIB: u64 = 1 << 30;
@@ -33,6 +36,7 @@ impl InputKind {
             InputKind::HardwareProfile => "hardware profile",
             InputKind::Plan => "plan",
             InputKind::Choices => "choices file",
+            InputKind::Tensors => "safetensors file",
         }
     }
 
@@ -44,6 +48,8 @@ impl InputKind {
             // A few dozen bytes per layer: a million layers fit.
             InputKind::Choices => 256 << 20,
             InputKind::HardwareProfile => 1 << 20,
+            // Real models' weights; the run's own memory limit is usually lower.
+            InputKind::Tensors => 1 << 40,
         }
     }
 }
@@ -54,6 +60,15 @@ impl InputKind {
 /// some devices does something), the file is opened without blocking (a FIFO swapped in after
 /// the check cannot make the open wait for a writer), and checked again once open.
 pub fn read_input_file(path: &Path, kind: InputKind) -> Result<Vec<u8>, LoadError> {
+    read_input_file_within(path, kind, kind.max_bytes())
+}
+
+/// [`read_input_file`] under a lower limit of the caller's (never above the kind's own).
+pub fn read_input_file_within(
+    path: &Path,
+    kind: InputKind,
+    limit: u64,
+) -> Result<Vec<u8>, LoadError> {
     let io_error = |source| LoadError::Io {
         path: path.to_owned(),
         what: kind.noun(),
@@ -63,7 +78,7 @@ pub fn read_input_file(path: &Path, kind: InputKind) -> Result<Vec<u8>, LoadErro
     let file = open_without_blocking(path).map_err(io_error)?;
     let metadata = file.metadata().map_err(io_error)?;
     check_regular_file(path, kind, &metadata)?;
-    let limit = kind.max_bytes();
+    let limit = limit.min(kind.max_bytes());
     let too_large = |size| LoadError::TooLarge {
         path: path.to_owned(),
         what: kind.noun(),

@@ -18,7 +18,7 @@ use std::{
 
 use prost::Message;
 
-pub use file::{read_input_file, InputKind};
+pub use file::{read_input_file, read_input_file_within, InputKind};
 
 use crate::{
     error::LoadError,

@@ -78,6 +78,14 @@ impl LoopbackGroup {
         }
     }
 
+    /// Fails `rank` for every rank of the group, from outside that rank's thread.
+    pub fn abort(&self, rank: usize, message: &str) {
+        self.shared.abort(CommError::RankFailed {
+            rank,
+            message: message.to_owned(),
+        });
+    }
+
     /// The error the group was aborted with, if any.
     pub fn aborted(&self) -> Option<CommError> {
         self.shared.lock().aborted.clone()

@@ -81,6 +81,7 @@ pub fn config(timeout: Duration) -> RunConfig {
         seed: Some(7),
         check: false,
         timeout,
+        max_input_bytes: u64::MAX,
         fault: None,
     }
 }
