@@ -169,3 +169,31 @@ fn an_op_whose_resident_second_output_is_written_in_place_is_saved_not_replayed(
     assert_eq!(saved(&stats.1), Some("written-unreplayably"));
     assert_eq!(saved(&mean), Some("layer-input"));
 }
+
+#[test]
+fn a_replayed_read_of_an_alias_saved_for_a_later_layer_and_written_after_it_is_saved() {
+    // Layer 0 writes `a` in place twice; layer 1 reads the first write's result, an alias of
+    // `a` saved as layer 1's input, before the second write. The saved alias holds the second
+    // write in backward, so layer 1's reader cannot replay: its output is saved.
+    let mut b = Builder::new(2, &[]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1
+    let first = b.node("aten.add_.Tensor", &[&a, &x]).1; // n2
+    b.layer(Some(1));
+    let read = b.op(&first); // n3 reads the alias
+    b.layer(Some(0));
+    b.node("aten.add_.Tensor", &[&a, &x]); // n4 writes it again
+    b.layer(None);
+    b.backward_through("tangent", &[&read]);
+    let graph = b.build();
+
+    let plan = plan_under(&graph, Executor::Graph);
+    assert!(errors(&plan).is_empty(), "{:?}", plan.diagnostics);
+    let kind = plan
+        .saved
+        .iter()
+        .find(|s| s.value == read)
+        .map(|s| s.kind.as_str());
+    assert_eq!(kind, Some("reads-overwritten"));
+}

@@ -321,7 +321,9 @@ impl<'a> Builder<'a> {
     /// Whether `node` reads a resident tensor that forward writes in place after it: in
     /// backward the resident tensor holds the written value, so a replay of `node` would read
     /// something else than forward did. A view reads nothing: it aliases whatever its base
-    /// holds, in forward as in replay.
+    /// holds, in forward as in replay. As for writes, the tensor read may be resident while
+    /// its storage's root is not (an alias saved as the input of a later layer): both are
+    /// asked.
     fn reads_overwritten(&self, node: NodeId) -> bool {
         let n = self.graph.node(node);
         if n.effects.view_of.is_some() {
@@ -334,10 +336,9 @@ impl<'a> Builder<'a> {
                 .iter()
                 .any(|&w| w > node && self.graph.node(w).phase == Phase::Forward);
             written_later
-                && matches!(
-                    self.classify(self.graph.storage_root(input)),
-                    Source::Saved(_)
-                )
+                && [input, self.graph.storage_root(input)]
+                    .into_iter()
+                    .any(|v| matches!(self.classify(v), Source::Saved(_)))
         })
     }
 
