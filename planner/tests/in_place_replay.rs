@@ -129,11 +129,11 @@ fn eager_replay_writing_through_a_view_another_layer_made_is_reported_not_an_int
 }
 
 #[test]
-fn a_replayed_op_remakes_its_resident_sibling_output_with_the_writes_forward_made() {
-    // `var_mean` makes two tensors; backward needs the first, so the op replays, and the replay
-    // makes the second again although it stays resident (an op outside the layer reads it).
-    // A replayed reader of the second reads the replayed copy: the in-place write forward made
-    // to it must replay too.
+fn an_op_whose_resident_second_output_is_written_in_place_is_saved_not_replayed() {
+    // `var_mean` makes two tensors; backward needs the first. The second stays resident (an op
+    // outside the layer reads it) and is written in place, so its writer cannot replay: a
+    // replay of `var_mean` would make the second again without that write, and a replayed
+    // reader of it would read that copy. The first output is saved instead.
     let mut b = Builder::new(1, &[]);
     let x = b.input("x");
     b.layer(Some(0));
@@ -159,5 +159,41 @@ fn a_replayed_op_remakes_its_resident_sibling_output_with_the_writes_forward_mad
         .flat_map(|r| &r.nodes)
         .map(String::as_str)
         .collect();
-    assert_eq!(replayed, ["n1", "n2", "n3"]);
+    assert_eq!(replayed, ["n3"]);
+    let saved = |v: &str| {
+        plan.saved
+            .iter()
+            .find(|s| s.value == v)
+            .map(|s| s.kind.as_str())
+    };
+    assert_eq!(saved(&stats.1), Some("written-unreplayably"));
+    assert_eq!(saved(&mean), Some("layer-input"));
+}
+
+#[test]
+fn a_replayed_read_of_an_alias_saved_for_a_later_layer_and_written_after_it_is_saved() {
+    // Layer 0 writes `a` in place twice; layer 1 reads the first write's result, an alias of
+    // `a` saved as layer 1's input, before the second write. The saved alias holds the second
+    // write in backward, so layer 1's reader cannot replay: its output is saved.
+    let mut b = Builder::new(2, &[]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1
+    let first = b.node("aten.add_.Tensor", &[&a, &x]).1; // n2
+    b.layer(Some(1));
+    let read = b.op(&first); // n3 reads the alias
+    b.layer(Some(0));
+    b.node("aten.add_.Tensor", &[&a, &x]); // n4 writes it again
+    b.layer(None);
+    b.backward_through("tangent", &[&read]);
+    let graph = b.build();
+
+    let plan = plan_under(&graph, Executor::Graph);
+    assert!(errors(&plan).is_empty(), "{:?}", plan.diagnostics);
+    let kind = plan
+        .saved
+        .iter()
+        .find(|s| s.value == read)
+        .map(|s| s.kind.as_str());
+    assert_eq!(kind, Some("reads-overwritten"));
 }

@@ -219,24 +219,10 @@ impl<'a> Builder<'a> {
                 .expect("replayed values have a producer");
             // A replayed tensor must also be written by the in-place ops that wrote it in
             // forward, or later readers of its old name would see it unwritten.
-            let mut joining: Vec<NodeId> = std::iter::once(producer)
-                .chain(self.in_place_writers(v))
-                .collect();
-            while let Some(n) = joining.pop() {
-                if self.in_replay[n.index()] {
-                    continue;
-                }
-                self.in_replay[n.index()] = true;
-                let node = self.graph.node(n);
-                stack.extend(node.inputs.iter().copied());
-                // A replayed node makes every output again, not only the one needed: a sibling
-                // output resident for other readers gets a replayed copy too, which replayed
-                // readers then read. The in-place writers of each storage it makes replay with
-                // it, so that copy holds what forward wrote.
-                for &o in &node.outputs {
-                    if self.graph.storage_root(o) == o {
-                        joining.extend(self.layer_writers(o));
-                    }
+            for n in std::iter::once(producer).chain(self.in_place_writers(v)) {
+                if !self.in_replay[n.index()] {
+                    self.in_replay[n.index()] = true;
+                    stack.extend(self.graph.node(n).inputs.iter().copied());
                 }
             }
         }
@@ -334,11 +320,17 @@ impl<'a> Builder<'a> {
         !self.writes_resident(node) && !self.reads_overwritten(node)
     }
 
-    /// Whether a fresh tensor's storage is written in place by an op that cannot replay: the
-    /// tensor must then stay resident, holding that write.
+    /// Whether replaying `value`'s producer would make a storage that an op which cannot
+    /// replay writes in place: `value` must then stay resident, holding that write. A replayed
+    /// op makes all its fresh outputs again, so each of them is asked, not only `value`.
     fn written_unreplayably(&self, value: ValueId) -> bool {
-        self.graph.storage_root(value) == value
-            && self.layer_writers(value).any(|w| !self.replayable(w))
+        let Some(producer) = self.graph.producer(value) else {
+            return false;
+        };
+        self.graph.node(producer).outputs.iter().any(|&made| {
+            self.graph.storage_root(made) == made
+                && self.layer_writers(made).any(|w| !self.replayable(w))
+        })
     }
 
     /// Whether `node` writes in place the storage of a tensor that is resident rather than
@@ -358,7 +350,9 @@ impl<'a> Builder<'a> {
     /// Whether `node` reads a resident tensor that forward writes in place after it: in
     /// backward the resident tensor holds the written value, so a replay of `node` would read
     /// something else than forward did. A view reads nothing: it aliases whatever its base
-    /// holds, in forward as in replay.
+    /// holds, in forward as in replay. As for writes, the tensor read may be resident while
+    /// its storage's root is not (an alias saved as the input of a later layer): both are
+    /// asked.
     fn reads_overwritten(&self, node: NodeId) -> bool {
         let n = self.graph.node(node);
         if n.effects.view_of.is_some() {
@@ -371,10 +365,9 @@ impl<'a> Builder<'a> {
                 .iter()
                 .any(|&w| w > node && self.graph.node(w).phase == Phase::Forward);
             written_later
-                && matches!(
-                    self.classify(self.graph.storage_root(input)),
-                    Source::Saved(_)
-                )
+                && [input, self.graph.storage_root(input)]
+                    .into_iter()
+                    .any(|v| matches!(self.classify(v), Source::Saved(_)))
         })
     }
 
