@@ -15,9 +15,14 @@ cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -D warnings" >&2
 cargo clippy --workspace --all-targets --features planner-cli/run --quiet -- -D warnings
 echo "== cargo test" >&2
+# `planner run` loads the runtime library, which `cargo test` does not build (nothing links
+# a cdylib): build it, with the binary, first.
+cargo build -p planner-cli --features run --quiet
 cargo test --workspace --features planner-cli/run --quiet
 
 echo "== pytest" >&2
 # setup.sh installed the package editable from this clone, native extension included, so a
 # fresh clone reusing the cached venv tests its own sources.
-python -m pytest -q python/tests
+# The planner the Rust tests built (a plain `cargo build -p planner-cli` would replace the
+# runtime library with one without `planner run`).
+PLANNER_BIN="$PWD/target/debug/planner" python -m pytest -q python/tests
