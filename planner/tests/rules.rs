@@ -3,7 +3,7 @@
 
 use ir::{
     plan::{Collectives, Format},
-    wire::plan::Plan,
+    wire::plan::{Diagnostic, Plan},
 };
 use planner::{
     config::{parse_keep, PlanConfig},
@@ -774,21 +774,28 @@ fn r12_random_ops_are_saved_by_default_or_replay_with_their_state_and_the_plan_s
     assert!(d.message.contains("must restore it"), "{}", d.message);
 }
 
-#[test]
-fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
-    let mut b = Builder::new(2, &[ATTN]);
+/// The `no-layers-annotated` warning of a model declaring `num_layers` whose ops carry no
+/// layer index: every op stays outside layers, whatever `keep` says.
+fn no_layers_warning(num_layers: u32, units: &[(&str, &[(&str, &str)])], keep: &str) -> Diagnostic {
+    let mut b = Builder::new(num_layers, units);
     let x = b.input("x");
-    let a = b.op(&x); // layer annotations forgotten: every op is outside layers
+    let a = b.op(&x);
     let c = b.op(&a);
     backward(&mut b, &[&a, &c]);
-    let p = run(&b, &config(&["all"]));
+    let p = run(&b, &config(&[keep]));
     assert!(p.nodes.iter().all(|n| n.decision == "no-checkpoint"));
     let d = p
         .diagnostics
-        .iter()
+        .into_iter()
         .find(|d| d.code == "no-layers-annotated")
         .expect("warned");
     assert_eq!(d.level, "warning");
+    d
+}
+
+#[test]
+fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
+    let d = no_layers_warning(2, &[ATTN], "all");
     assert!(d.message.contains("declares 2 layers"), "{}", d.message);
     assert!(d.hint.contains("layer_scope"), "{}", d.hint);
 }
@@ -796,19 +803,7 @@ fn a_model_with_layers_but_no_layer_annotations_is_a_warning_with_a_hint() {
 #[test]
 fn a_model_that_declares_no_layers_is_a_warning_so_deny_warnings_refuses_it() {
     // What `rp.export` of a model nobody annotated produces: no layer declared, no op in one.
-    let mut b = Builder::new(0, &[]);
-    let x = b.input("x");
-    let a = b.op(&x);
-    let c = b.op(&a);
-    backward(&mut b, &[&a, &c]);
-    let p = run(&b, &config(&["none"]));
-    assert!(p.nodes.iter().all(|n| n.decision == "no-checkpoint"));
-    let d = p
-        .diagnostics
-        .iter()
-        .find(|d| d.code == "no-layers-annotated")
-        .expect("warned");
-    assert_eq!(d.level, "warning");
+    let d = no_layers_warning(0, &[], "none");
     assert!(
         d.message.contains("declares no decoder layers"),
         "{}",

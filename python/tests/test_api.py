@@ -208,16 +208,32 @@ def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):
         # could fire after the interrupted search had already returned.
         search = min(_timed(lambda: rp.plan(deep_graph, budget=budget, check=False)) for _ in "ab")
 
-        timer = threading.Timer(search / 10, os.kill, (os.getpid(), signal.SIGINT))
+        stop = threading.Event()
+        sender = threading.Thread(target=_interrupt_the_search, args=(stop,))
         started = time.monotonic()
-        timer.start()
+        sender.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 rp.plan(deep_graph, budget=budget, check=False)
         finally:
-            timer.cancel()
+            stop.set()
+            sender.join()
     interrupted = time.monotonic() - started
     assert interrupted < search / 2, (interrupted, search)
+
+
+def _interrupt_the_search(stop: threading.Event) -> None:
+    """Sends this process SIGINT once the planner's own thread (named `planner`) runs, so the
+    signal lands during the search however fast or loaded the machine is."""
+    while not stop.is_set():
+        if any(
+            (task / "comm").read_text().strip() == "planner"
+            for task in Path("/proc/self/task").iterdir()
+        ):
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.005)
 
 
 def _timed(call) -> float:
