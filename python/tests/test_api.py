@@ -210,6 +210,9 @@ def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):
 
         stop = threading.Event()
         sender = threading.Thread(target=_interrupt_the_search, args=(stop,))
+        # Python leaves SIGINT ignored when it started ignoring it (a job started in the
+        # background by a non-interactive shell, as CI may be): Ctrl-C as a terminal sends it.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         started = time.monotonic()
         sender.start()
         try:
@@ -218,6 +221,7 @@ def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):
         finally:
             stop.set()
             sender.join()
+            signal.signal(signal.SIGINT, previous)
     interrupted = time.monotonic() - started
     assert interrupted < search / 2, (interrupted, search)
 
