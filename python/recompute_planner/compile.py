@@ -49,9 +49,11 @@ so its diagnostics are reported and ``stage.plans`` holds the plan of each compi
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
+import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -506,22 +508,25 @@ class PlanningStage(CustomGraphPass):
         """A ``torch.compile`` backend: inductor, partitioned by this stage, on the joint graph
         ``recompute_planner.export`` exports: AOTAutograd traces it without inductor's
         decompositions and inductor's joint-graph passes are off, so the plan is the CLI's
-        plan of the exported step; inductor decomposes and fuses each half after the
-        partition. (Plain ``torch.compile`` with the stage installed plans the graph inductor
-        decomposed: other ops, another plan.) Trace inside ``install`` or ``planning``, which
-        let markers into compiled graphs. ``compile_fx_options`` go to inductor's
-        ``compile_fx`` (``inner_compile``: the compiler of each half)."""
-        from torch._inductor.compile_fx import compile_fx
+        plan of the exported step; inductor then lowers each half, running the ops it has no
+        lowering for as ATen fallbacks. (Plain ``torch.compile`` with the stage installed
+        plans the graph inductor decomposed: other ops, another plan.) Trace inside
+        ``install`` or ``planning``, which let markers into compiled graphs.
+        ``compile_fx_options`` go to inductor's ``compile_fx`` (``inner_compile``: the
+        compiler of each half)."""
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         patches = {
             "use_joint_graph_passes": False,
             "custom_partitioner_fn": _InductorPartitioner(self),
             "fx_graph_cache": False,
         }
-        return compile_fx(
-            graph_module, example_inputs, config_patches=patches, decompositions={},
-            **compile_fx_options,
-        )
+        inner = _without_ci_fallback_check(compile_fx_options.pop("inner_compile", compile_fx_inner))
+        with _ci_fallback_check_off():
+            return compile_fx(
+                graph_module, example_inputs, config_patches=patches, decompositions={},
+                inner_compile=inner, **compile_fx_options,
+            )
 
     # Installation ---------------------------------------------------------------------------
 
@@ -640,3 +645,30 @@ def planning(models: list[ModelDecl], keep: str | Iterable[str] | None = None,
     """``with planning(models, keep=[...]) as stage:`` installs a stage for the block."""
     with PlanningStage(models, keep, **options) as stage:
         yield stage
+
+
+@contextlib.contextmanager
+def _ci_fallback_check_off() -> Iterator[None]:
+    """Inductor refuses, when the environment variable ``CI`` is set (as on GitHub Actions and
+    in this project's CI), to fall back to ATen for an op that has a decomposition: a check
+    for PyTorch's own CI that its lowerings decompose what they can. The stage's backend
+    traces without decompositions on purpose (so the plan is the exported graph's), so that
+    check does not apply while inductor compiles its halves; ``CI`` is hidden meanwhile."""
+    hidden = os.environ.pop("CI", None)
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            os.environ["CI"] = hidden
+
+
+def _without_ci_fallback_check(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner`` (inductor's compiler of one half, the backward's called at the first
+    backward) run with ``_ci_fallback_check_off``."""
+
+    @functools.wraps(inner)
+    def compile_half(*args: Any, **kwargs: Any) -> Any:
+        with _ci_fallback_check_off():
+            return inner(*args, **kwargs)
+
+    return compile_half
