@@ -18,6 +18,7 @@ use planner::{
 };
 use runtime::{
     check,
+    comm::launch::Launch,
     exec::{Fault, FaultKind},
     program,
     run::{self, RankJob, RankReport, RunConfig, RunReport, VariantRun},
@@ -82,6 +83,14 @@ pub(crate) struct RunArgs {
 }
 
 pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
+    let ran = run_and_report(args);
+    if let Err(Failure::Error(message)) = &ran {
+        tell_the_launcher(message);
+    }
+    ran
+}
+
+fn run_and_report(args: RunArgs) -> Result<(), Failure> {
     let device = parse_device(&args.device)?;
     let fault = args.inject_fault.as_deref().map(parse_fault).transpose()?;
     let timeout = run::timeout_from_secs(args.timeout)?;
@@ -97,9 +106,14 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
             .unwrap_or(DEFAULT_MAX_INPUT_BYTES),
         fault,
     };
-    let jobs = rank_jobs(&args, &planning)?;
-    let (graph, plan) = (Arc::clone(&jobs[0].graph), Arc::clone(&jobs[0].plan));
-    let report = execute(jobs, &config)?;
+    let (report, graph, plan) = match Launch::from_env()? {
+        Some(launch) => run_launched(&args, &planning, &launch, &config)?,
+        None => {
+            let jobs = rank_jobs(&args, &planning)?;
+            let (graph, plan) = (Arc::clone(&jobs[0].graph), Arc::clone(&jobs[0].plan));
+            (execute(jobs, &config)?, graph, plan)
+        }
+    };
     let text = match args.format {
         SummaryFormat::Text => text(&report, &graph, &plan),
         SummaryFormat::Json => {
@@ -119,46 +133,92 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
 /// The inputs limit where this machine's memory cannot be read.
 const DEFAULT_MAX_INPUT_BYTES: u64 = 16 << 30;
 
-/// One job per rank. Rank r runs its own graph `STEM.rank<r>.pb` where one lies beside the
-/// graph (ranks whose graphs differ, e.g. by the sequence positions each rank holds), with its
-/// own plan (`--plan`'s `STEM.rank<r>.EXT`, or planned here), else rank 0's graph and plan;
-/// every rank reads its own tensors (`STEM.rank<r>.safetensors` beside rank 0's).
+/// This process's rank of a launched job, the only one it loads and plans: its report, with
+/// the graph and plan it ran.
+fn run_launched(
+    args: &RunArgs,
+    planning: &PlanConfig,
+    launch: &Launch,
+    config: &RunConfig,
+) -> Result<(RunReport, Arc<Graph>, Arc<Plan>), Failure> {
+    if args.ranks.is_some() {
+        return Err(Failure::Error(
+            "--ranks runs ranks as threads of one process; under a launcher (RANK and \
+             WORLD_SIZE set) each process runs its own rank"
+                .to_owned(),
+        ));
+    }
+    let own = rank_file(&args.graph, launch.rank);
+    let graph = Arc::new(load_graph(own.as_deref().unwrap_or(&args.graph))?);
+    world_size(&graph, Some(launch.world), "WORLD_SIZE")?;
+    let job = rank_job(args, planning, launch.rank, graph, own.is_some())?;
+    let (graph, plan) = (Arc::clone(&job.graph), Arc::clone(&job.plan));
+    Ok((execute_launched(job, launch, config)?, graph, plan))
+}
+
+/// torchrun's failure summary shows what a rank wrote to the error file it names
+/// (`TORCHELASTIC_ERROR_FILE`, PyTorch's `{"message", "timestamp"}`): the rank's error goes
+/// there too, besides stderr. A file that cannot be written leaves stderr alone to say it.
+fn tell_the_launcher(message: &str) {
+    let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") else {
+        return;
+    };
+    let timestamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let error = json!({"message": message, "timestamp": timestamp});
+    let _ = std::fs::write(path, error.to_string());
+}
+
+/// One job per rank, for ranks run as threads. Rank r runs its own graph `STEM.rank<r>.pb`
+/// where one lies beside the graph (ranks whose graphs differ, e.g. by the sequence positions
+/// each rank holds), with its own plan, else rank 0's graph and plan (planned once).
 fn rank_jobs(args: &RunArgs, planning: &PlanConfig) -> Result<Vec<RankJob>, Failure> {
-    let load = |path: &Path| ir::io::load(path).map_err(|e| e.to_string());
-    let first = Arc::new(load(&args.graph)?);
-    let ranks = world_size(&first, args.ranks)?;
-    let inputs = args
-        .inputs
-        .clone()
-        .unwrap_or_else(|| runtime::inputs::twin(&args.graph));
+    let first = Arc::new(load_graph(&args.graph)?);
+    let ranks = thread_ranks(&first, args.ranks)?;
     let mut jobs: Vec<RankJob> = Vec::with_capacity(ranks);
     for rank in 0..ranks {
         let own = rank_file(&args.graph, rank);
         let job = match (&own, jobs.first()) {
             (None, Some(rank0)) => rank0.clone(),
-            _ => {
-                let graph = match &own {
-                    Some(path) => Arc::new(load(path)?),
-                    None => Arc::clone(&first),
-                };
-                let plan = match &args.plan {
-                    Some(path) => read_rank_plan(path, rank, own.is_some(), &graph)?,
-                    None => make_plan(&graph, planning, args.planning.hw.as_deref())?,
-                };
-                let whole_layer = (args.check && plan.joint)
-                    .then(|| make_plan(&graph, &PlanConfig::default(), None))
-                    .transpose()?;
-                RankJob {
-                    graph,
-                    plan: Arc::new(plan),
-                    whole_layer: whole_layer.map(Arc::new),
-                    inputs: inputs.clone(),
-                }
-            }
+            (Some(path), _) => rank_job(args, planning, rank, Arc::new(load_graph(path)?), true)?,
+            (None, None) => rank_job(args, planning, rank, Arc::clone(&first), false)?,
         };
         jobs.push(job);
     }
     Ok(jobs)
+}
+
+/// What rank `rank` runs on `graph` (its own file's when `own_graph`): its plan (`--plan`, or
+/// its `STEM.rank<r>.EXT` for a graph of its own, or planned here) and its tensors
+/// (`STEM.rank<r>.safetensors` beside rank 0's).
+fn rank_job(
+    args: &RunArgs,
+    planning: &PlanConfig,
+    rank: usize,
+    graph: Arc<Graph>,
+    own_graph: bool,
+) -> Result<RankJob, Failure> {
+    let plan = match &args.plan {
+        Some(path) => read_rank_plan(path, rank, own_graph, &graph)?,
+        None => make_plan(&graph, planning, args.planning.hw.as_deref())?,
+    };
+    let whole_layer = (args.check && plan.joint)
+        .then(|| make_plan(&graph, &PlanConfig::default(), None))
+        .transpose()?;
+    Ok(RankJob {
+        graph,
+        plan: Arc::new(plan),
+        whole_layer: whole_layer.map(Arc::new),
+        inputs: args
+            .inputs
+            .clone()
+            .unwrap_or_else(|| runtime::inputs::twin(&args.graph)),
+    })
+}
+
+fn load_graph(path: &Path) -> Result<Graph, String> {
+    ir::io::load(path).map_err(|e| e.to_string())
 }
 
 /// Rank `rank`'s own file beside `path` (`STEM.rank<r>.EXT`), if there is one.
@@ -193,71 +253,36 @@ fn read_rank_plan(
     })
 }
 
-/// Runs the ranks: threads over the loopback communicator on the CPU; on CUDA, NCCL ranks as
-/// threads (one GPU each), or this process's rank of a job launched like PyTorch's (`RANK`,
-/// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set, as `torchrun` does).
+/// Runs the ranks as threads of this process: over the loopback communicator on the CPU, as
+/// NCCL ranks (one GPU each) on CUDA.
 fn execute(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunReport, String> {
-    let ranks = jobs.len();
-    let runtime::Device::Cuda(base) = config.device else {
+    if !matches!(config.device, runtime::Device::Cuda(_)) {
         return run::run_loopback(jobs, config).map_err(|e| e.to_string());
-    };
-    if !runtime::cuda_available() {
-        return Err("--device cuda: no CUDA device is available".to_owned());
     }
-    match launcher()? {
-        None => run::run_nccl_threads(jobs, config).map_err(|e| e.to_string()),
-        Some(launch) => {
-            if launch.world != ranks {
-                return Err(format!(
-                    "WORLD_SIZE is {} but the run has {ranks} rank(s)",
-                    launch.world
-                ));
-            }
-            let device = runtime::Device::Cuda(base + launch.local_rank);
-            let job = jobs
-                .into_iter()
-                .nth(launch.rank)
-                .ok_or_else(|| format!("RANK={} is not below WORLD_SIZE", launch.rank))?;
-            run::run_nccl_process(job, launch.rank, launch.world, device, launch.hub, config)
-                .map_err(|e| e.to_string())
-        }
-    }
+    require_cuda()?;
+    run::run_nccl_threads(jobs, config).map_err(|e| e.to_string())
 }
 
-/// This process's place in a job launched like PyTorch's.
-struct Launch {
-    rank: usize,
-    world: usize,
-    local_rank: usize,
-    /// `MASTER_ADDR`, one port above `MASTER_PORT` (torchrun's own store holds that one).
-    hub: std::net::SocketAddr,
+/// Runs this process's rank of a job launched like PyTorch's (`RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set, as `torchrun` does): through gloo on the
+/// CPU, NCCL on CUDA.
+fn execute_launched(
+    job: RankJob,
+    launch: &Launch,
+    config: &RunConfig,
+) -> Result<RunReport, String> {
+    if matches!(config.device, runtime::Device::Cuda(_)) {
+        require_cuda()?;
+    }
+    run::run_launched(job, launch, config).map_err(|e| e.to_string())
 }
 
-/// `None` unless `RANK` and `WORLD_SIZE` are set.
-fn launcher() -> Result<Option<Launch>, String> {
-    let var = |name: &str| std::env::var(name).ok();
-    let (Some(rank), Some(world)) = (var("RANK"), var("WORLD_SIZE")) else {
-        return Ok(None);
-    };
-    let number = |name: &str, text: Option<String>| -> Result<usize, String> {
-        let text = text.ok_or_else(|| format!("{name} is not set"))?;
-        text.parse()
-            .map_err(|_| format!("{name}=`{text}` is not a number"))
-    };
-    let port: u16 = number("MASTER_PORT", var("MASTER_PORT"))?
-        .try_into()
-        .map_err(|_| "MASTER_PORT is not a port".to_owned())?;
-    let address = var("MASTER_ADDR").ok_or("MASTER_ADDR is not set")?;
-    let hub = std::net::ToSocketAddrs::to_socket_addrs(&(address.as_str(), port.wrapping_add(1)))
-        .map_err(|e| format!("MASTER_ADDR `{address}`: {e}"))?
-        .next()
-        .ok_or_else(|| format!("MASTER_ADDR `{address}` resolves to nothing"))?;
-    Ok(Some(Launch {
-        rank: number("RANK", Some(rank))?,
-        world: number("WORLD_SIZE", Some(world))?,
-        local_rank: var("LOCAL_RANK").map_or(Ok(0), |l| number("LOCAL_RANK", Some(l)))?,
-        hub,
-    }))
+fn require_cuda() -> Result<(), String> {
+    if runtime::cuda_available() {
+        Ok(())
+    } else {
+        Err("--device cuda: no CUDA device is available".to_owned())
+    }
 }
 
 fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
@@ -277,25 +302,30 @@ fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Pl
     Ok(plan)
 }
 
-/// `--ranks`, or the world size the graph was exported for; they must agree, and one
-/// process runs at most [`run::MAX_RANKS`] ranks.
-fn world_size(graph: &Graph, ranks: Option<usize>) -> Result<usize, String> {
+/// `ranks` (given by `source`: `--ranks` or the launcher's `WORLD_SIZE`), or the world size
+/// the graph was exported for; they must agree.
+fn world_size(graph: &Graph, ranks: Option<usize>, source: &str) -> Result<usize, String> {
     let name = ir::display::name(graph.name());
     let exported = graph.metadata().world_size.max(1) as usize;
-    let ranks = match ranks {
-        None => exported,
-        Some(0) => return Err("--ranks must be at least 1".to_owned()),
-        Some(n) if n == exported => n,
-        Some(n) => {
-            return Err(format!(
-                "graph `{name}` was exported for {exported} rank(s); it cannot run on --ranks {n}"
-            ))
-        }
-    };
+    match ranks {
+        None => Ok(exported),
+        Some(0) => Err(format!("{source} must be at least 1")),
+        Some(n) if n == exported => Ok(n),
+        Some(n) => Err(format!(
+            "graph `{name}` was exported for {exported} rank(s); it cannot run on {source} {n}"
+        )),
+    }
+}
+
+/// The ranks this process runs as threads: `--ranks` or the graph's world size, at most
+/// [`run::MAX_RANKS`].
+fn thread_ranks(graph: &Graph, ranks: Option<usize>) -> Result<usize, String> {
+    let ranks = world_size(graph, ranks, "--ranks")?;
     if ranks > run::MAX_RANKS {
         return Err(format!(
-            "graph `{name}` was exported for {ranks} ranks, but one `planner run` runs at most \
-             {} ranks as threads",
+            "graph `{}` was exported for {ranks} ranks, but one `planner run` runs at most {} \
+             ranks as threads",
+            ir::display::name(graph.name()),
             run::MAX_RANKS
         ));
     }
@@ -373,10 +403,11 @@ fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
         .first()
         .map_or_else(String::new, |r| program::device_name(r.device));
     out += &format!(
-        "run: {} on {device}, {} rank(s) ({}), keep {}\n",
+        "run: {} on {device}, {} rank(s) ({}{}), keep {}\n",
         report.graph,
-        report.ranks.len(),
+        report.world,
         report.communicator,
+        this_process(report),
         keep_text(plan)
     );
     out += &format!(
@@ -387,6 +418,15 @@ fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
         rank_text(&mut out, rank, graph, plan, report.check);
     }
     out
+}
+
+/// `; this process runs rank 1` when the process ran only some of the ranks.
+fn this_process(report: &RunReport) -> String {
+    if report.ranks.len() == report.world {
+        return String::new();
+    }
+    let ranks: Vec<String> = report.ranks.iter().map(|r| r.rank.to_string()).collect();
+    format!("; this process runs rank {}", ranks.join(", "))
 }
 
 fn keep_text(plan: &Plan) -> String {
@@ -526,6 +566,8 @@ fn json_report(report: &RunReport, graph: &Graph, plan: &Plan) -> Json {
         "plan": {"fingerprint": report.plan, "keep": plan.config.keep.names(),
                  "recompute_ratio": plan.config.recompute_ratio,
                  "collectives": plan.config.collectives.name()},
+        "communicator": report.communicator,
+        "world_size": report.world,
         "check": report.check,
         "tolerance": {"atol": check::ATOL, "rtol": check::RTOL},
         "passed": report.first_failure().is_none(),
@@ -554,6 +596,8 @@ fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan) -> Json {
                 "measured_peak_bytes": run.measured_peak_bytes,
                 "predicted_peak_bytes": run.predicted_peak_bytes,
                 "peak_diff_percent": run.predicted_peak_bytes.and_then(|p| diff_percent(run.measured_peak_bytes, p)),
+                "measured_saved_bytes": run.measured_saved_bytes,
+                "predicted_saved_bytes": run.predicted_saved_bytes,
                 "allocator_peak_bytes": run.allocator_peak_bytes,
                 "seconds": run.seconds,
             })
@@ -575,6 +619,7 @@ fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan) -> Json {
         .map(|t| {
             json!({
                 "name": t.name,
+                "digest": t.digest,
                 "identical": t.identical.iter().map(|(v, same)| json!({"variant": v.name(), "identical": same})).collect::<Vec<_>>(),
                 "reference": t.reference.map(|e| json!({"max_abs": finite(e.max_abs), "max_rel": finite(e.max_rel), "within": e.within})),
             })

@@ -131,14 +131,24 @@ fn run_config(seed: Option<u64>) -> RunConfig {
 }
 
 /// Every run of the rank (the plan, no checkpointing, whole-layer recompute) measures the peak
-/// its plan predicts, to the byte.
+/// its plan predicts, and holds the saved activation bytes it predicts when forward ends, to the
+/// byte.
 fn assert_peaks_are_predicted(context: &str, rank: &run::RankReport) {
     for run in &rank.runs {
         if let Some(predicted) = run.predicted_peak_bytes {
             assert_eq!(
                 run.measured_peak_bytes,
                 predicted,
-                "{context}, rank {}, {}: measured vs predicted bytes",
+                "{context}, rank {}, {}: measured vs predicted peak bytes",
+                rank.rank,
+                run.variant.name(),
+            );
+        }
+        if let Some(predicted) = run.predicted_saved_bytes {
+            assert_eq!(
+                run.measured_saved_bytes,
+                predicted,
+                "{context}, rank {}, {}: measured vs predicted saved bytes",
                 rank.rank,
                 run.variant.name(),
             );

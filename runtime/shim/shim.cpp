@@ -16,6 +16,9 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
+#include "codes.h"
+#include "guarded.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -33,41 +36,11 @@
 
 namespace {
 
-// The attribute kinds of the IR (`ir::AttrValue`), as the Rust side numbers them.
-enum AttrKind : int32_t {
-  kInt = 0,
-  kFloat = 1,
-  kStr = 2,
-  kBool = 3,
-  kInts = 4,
-  kFloats = 5,
-  kStrs = 6,
-};
+using rt::error_message;
+using rt::guarded;
 
 // The tensor-argument names an IR node lists as absent (`weight`, `indices.0`).
 constexpr const char* kAbsentTensorArgs = "absent_tensor_args";
-
-char* error_message(const std::string& message) {
-  char* out = static_cast<char*>(std::malloc(message.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, message.c_str(), message.size() + 1);
-  }
-  return out;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const c10::Error& e) {
-    return error_message(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return error_message(e.what());
-  } catch (...) {
-    return error_message("unknown C++ exception");
-  }
-}
 
 // Attention on devices where libtorch has no kernel for the CPU flash-attention op a graph
 // exported on the CPU holds: the same results from ATen's matmul, softmax and reductions, so a
@@ -171,7 +144,7 @@ extern "C" {
 // One IR attribute, borrowed for the duration of a bind.
 struct rt_attr {
   const char* name;
-  int32_t kind;
+  rt_attr_kind kind;
   int64_t int_value;
   double float_value;
   const char* str_value;
@@ -257,13 +230,13 @@ const rt_attr* find_attr(const rt_attr* attrs, size_t n, const std::string& name
 
 std::string attr_kind_name(int32_t kind) {
   switch (kind) {
-    case kInt: return "an int";
-    case kFloat: return "a float";
-    case kStr: return "a string";
-    case kBool: return "a bool";
-    case kInts: return "an int list";
-    case kFloats: return "a float list";
-    case kStrs: return "a string list";
+    case RT_ATTR_KIND_INT: return "an int";
+    case RT_ATTR_KIND_FLOAT: return "a float";
+    case RT_ATTR_KIND_STR: return "a string";
+    case RT_ATTR_KIND_BOOL: return "a bool";
+    case RT_ATTR_KIND_INTS: return "an int list";
+    case RT_ATTR_KIND_FLOATS: return "a float list";
+    case RT_ATTR_KIND_STRS: return "a string list";
     default: return "an unknown kind";
   }
 }
@@ -312,10 +285,10 @@ c10::MemoryFormat parse_memory_format(const std::string& text) {
 }
 
 std::vector<int64_t> int_list(const c10::Argument& arg, const rt_attr& attr) {
-  if (attr.kind == kInts) {
+  if (attr.kind == RT_ATTR_KIND_INTS) {
     return std::vector<int64_t>(attr.ints, attr.ints + attr.len);
   }
-  if (attr.kind == kInt) {
+  if (attr.kind == RT_ATTR_KIND_INT) {
     // `int[2] stride=1` accepts one int for every entry.
     return std::vector<int64_t>(arg.N().value_or(1), attr.int_value);
   }
@@ -324,9 +297,9 @@ std::vector<int64_t> int_list(const c10::Argument& arg, const rt_attr& attr) {
 
 c10::Scalar scalar(const c10::Argument& arg, const rt_attr& attr) {
   switch (attr.kind) {
-    case kInt: return c10::Scalar(attr.int_value);
-    case kFloat: return c10::Scalar(attr.float_value);
-    case kBool: return c10::Scalar(static_cast<bool>(attr.int_value));
+    case RT_ATTR_KIND_INT: return c10::Scalar(attr.int_value);
+    case RT_ATTR_KIND_FLOAT: return c10::Scalar(attr.float_value);
+    case RT_ATTR_KIND_BOOL: return c10::Scalar(static_cast<bool>(attr.int_value));
     default: mismatch(arg, attr);
   }
 }
@@ -334,41 +307,43 @@ c10::Scalar scalar(const c10::Argument& arg, const rt_attr& attr) {
 // The IValue an attribute gives a non-tensor argument of schema type `type`.
 c10::IValue constant(const c10::Argument& arg, const c10::TypePtr& type, const rt_attr& attr,
                      const DeviceMap& devices) {
-  const std::string text = attr.kind == kStr ? attr.str_value : "";
+  const std::string text = attr.kind == RT_ATTR_KIND_STR ? attr.str_value : "";
   switch (type->kind()) {
     case c10::TypeKind::OptionalType:
       return constant(arg, type->castRaw<c10::OptionalType>()->getElementType(), attr, devices);
     case c10::TypeKind::IntType:
     case c10::TypeKind::SymIntType:
-      if (attr.kind == kInt) return c10::IValue(attr.int_value);
-      if (attr.kind == kBool) return c10::IValue(attr.int_value);
+      if (attr.kind == RT_ATTR_KIND_INT) return c10::IValue(attr.int_value);
+      if (attr.kind == RT_ATTR_KIND_BOOL) return c10::IValue(attr.int_value);
       mismatch(arg, attr);
     case c10::TypeKind::FloatType:
     case c10::TypeKind::SymFloatType:
-      if (attr.kind == kFloat) return c10::IValue(attr.float_value);
-      if (attr.kind == kInt) return c10::IValue(static_cast<double>(attr.int_value));
+      if (attr.kind == RT_ATTR_KIND_FLOAT) return c10::IValue(attr.float_value);
+      if (attr.kind == RT_ATTR_KIND_INT) return c10::IValue(static_cast<double>(attr.int_value));
       mismatch(arg, attr);
     case c10::TypeKind::BoolType:
     case c10::TypeKind::SymBoolType:
-      if (attr.kind == kBool || attr.kind == kInt) return c10::IValue(attr.int_value != 0);
+      if (attr.kind == RT_ATTR_KIND_BOOL || attr.kind == RT_ATTR_KIND_INT) {
+        return c10::IValue(attr.int_value != 0);
+      }
       mismatch(arg, attr);
     case c10::TypeKind::NumberType:
       return c10::IValue(scalar(arg, attr));
     case c10::TypeKind::StringType:
-      if (attr.kind == kStr) return c10::IValue(text);
+      if (attr.kind == RT_ATTR_KIND_STR) return c10::IValue(text);
       mismatch(arg, attr);
     case c10::TypeKind::ScalarTypeType:
-      if (attr.kind == kStr) return c10::IValue(parse_dtype(text));
-      if (attr.kind == kInt) return c10::IValue(attr.int_value);
+      if (attr.kind == RT_ATTR_KIND_STR) return c10::IValue(parse_dtype(text));
+      if (attr.kind == RT_ATTR_KIND_INT) return c10::IValue(attr.int_value);
       mismatch(arg, attr);
     case c10::TypeKind::LayoutType:
-      if (attr.kind == kStr) return c10::IValue(parse_layout(text));
+      if (attr.kind == RT_ATTR_KIND_STR) return c10::IValue(parse_layout(text));
       mismatch(arg, attr);
     case c10::TypeKind::MemoryFormatType:
-      if (attr.kind == kStr) return c10::IValue(parse_memory_format(text));
+      if (attr.kind == RT_ATTR_KIND_STR) return c10::IValue(parse_memory_format(text));
       mismatch(arg, attr);
     case c10::TypeKind::DeviceObjType:
-      if (attr.kind == kStr) return c10::IValue(devices.map(c10::Device(text)));
+      if (attr.kind == RT_ATTR_KIND_STR) return c10::IValue(devices.map(c10::Device(text)));
       mismatch(arg, attr);
     case c10::TypeKind::ListType: {
       const auto element = type->castRaw<c10::ListType>()->getElementType();
@@ -377,22 +352,22 @@ c10::IValue constant(const c10::Argument& arg, const c10::TypePtr& type, const r
         case c10::TypeKind::SymIntType:
           return c10::IValue(int_list(arg, attr));
         case c10::TypeKind::FloatType: {
-          if (attr.kind == kFloats) {
+          if (attr.kind == RT_ATTR_KIND_FLOATS) {
             return c10::IValue(std::vector<double>(attr.floats, attr.floats + attr.len));
           }
-          if (attr.kind == kInts) {
+          if (attr.kind == RT_ATTR_KIND_INTS) {
             return c10::IValue(std::vector<double>(attr.ints, attr.ints + attr.len));
           }
           mismatch(arg, attr);
         }
         case c10::TypeKind::BoolType: {
-          if (attr.kind != kInts) mismatch(arg, attr);
+          if (attr.kind != RT_ATTR_KIND_INTS) mismatch(arg, attr);
           c10::List<bool> bools;
           for (size_t i = 0; i < attr.len; ++i) bools.push_back(attr.ints[i] != 0);
           return c10::IValue(bools);
         }
         case c10::TypeKind::StringType: {
-          if (attr.kind != kStrs) mismatch(arg, attr);
+          if (attr.kind != RT_ATTR_KIND_STRS) mismatch(arg, attr);
           std::vector<std::string> strs(attr.strs, attr.strs + attr.len);
           return c10::IValue(strs);
         }
@@ -440,7 +415,7 @@ TensorArg tensor_arg_kind(const c10::TypePtr& type) {
 std::unordered_map<std::string, std::unordered_set<int64_t>> absent_args(const rt_attr* attr) {
   std::unordered_map<std::string, std::unordered_set<int64_t>> absent;
   if (attr == nullptr) return absent;
-  if (attr->kind != kStrs) {
+  if (attr->kind != RT_ATTR_KIND_STRS) {
     throw std::runtime_error(std::string("attribute `") + kAbsentTensorArgs +
                              "` must be a string list");
   }
@@ -563,9 +538,9 @@ void collect_tensors(const c10::IValue& value, std::vector<at::Tensor>& out) {
   }
 }
 
-// Device type 0 is the CPU (which has no index), 1 is CUDA device `device_index`.
+// The device of an `rt_device_type` (the CPU has no index; CUDA device `device_index`).
 c10::Device device_of(int32_t device_type, int32_t device_index) {
-  if (device_type == 0) return c10::Device(c10::DeviceType::CPU);
+  if (device_type == RT_DEVICE_TYPE_CPU) return c10::Device(c10::DeviceType::CPU);
   return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
 }
 
@@ -575,15 +550,22 @@ extern "C" {
 
 // Finds `name` (`aten::mm`) with `overload` (`default` for the unnamed one) and binds it to an
 // IR node; `*out` receives the bound call (free with `rt_call_free`). Device arguments of
-// device type `home_type` run on (`run_type`, `run_index`); types are 0 for CPU, 1 for CUDA.
+// device type `home_type` run on (`run_type`, `run_index`); types are `rt_device_type`s.
+// `*status` says what binding came to (`rt_bind_status`), the message why it failed.
 char* rt_bind(const char* name, const char* overload, size_t num_inputs, const rt_attr* attrs,
               size_t num_attrs, int32_t home_type, int32_t run_type, int32_t run_index,
-              void** out) {
+              void** out, int32_t* status) {
+  *status = RT_BIND_STATUS_MISMATCH;
   return guarded([&] {
     const std::string overload_name = std::strcmp(overload, "default") == 0 ? "" : overload;
-    auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload_name.c_str());
+    const auto op = c10::Dispatcher::singleton().findSchema({name, overload_name});
+    if (!op.has_value()) {
+      *status = RT_BIND_STATUS_NO_SUCH_OPERATOR;
+      throw std::runtime_error(std::string("libtorch has no operator ") + name + "." + overload);
+    }
     const DeviceMap devices{device_of(home_type, 0).type(), device_of(run_type, run_index)};
-    *out = bind(op, num_inputs, attrs, num_attrs, devices).release();
+    *out = bind(*op, num_inputs, attrs, num_attrs, devices).release();
+    *status = RT_BIND_STATUS_OK;
   });
 }
 
@@ -591,11 +573,12 @@ void rt_call_free(void* call) {
   delete static_cast<BoundCall*>(call);
 }
 
-// Whether the operator has a kernel that runs on the device type (0 CPU, 1 CUDA): its own, a
+// Whether the operator has a kernel that runs on the device type (`rt_device_type`): its own, a
 // composite one, or a fallback.
 int32_t rt_call_runs_on(void* call, int32_t device_type) {
   const auto& op = static_cast<BoundCall*>(call)->op;
-  const auto key = device_type == 0 ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
+  const auto key =
+      device_type == RT_DEVICE_TYPE_CPU ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA;
   return op.hasComputedKernelForDispatchKey(key) ? 1 : 0;
 }
 
@@ -708,26 +691,11 @@ char* rt_rng_seeded_state(int32_t device_type, int32_t device_index, uint64_t se
   });
 }
 
-// Installs the portable CPU Bernoulli sampler in place of libtorch's (once per process).
-// Replacing a kernel makes libtorch warn on stderr; that warning is swallowed.
-char* rt_use_portable_bernoulli() {
-  return guarded([] {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      QuietWarnings quiet;
-      c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-      static auto* library = new torch::Library(torch::Library::IMPL, "aten",
-                                                c10::DispatchKey::CPU, __FILE__, __LINE__);
-      library->impl("bernoulli_.float", TORCH_FN(portable_bernoulli_));
-    });
-  });
-}
-
 // Makes `device_index` the current CUDA device of the calling thread.
 char* rt_cuda_set_device(int32_t device_index) {
   return guarded([&] {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    impl.setDevice(device_of(1, device_index));
+    impl.setDevice(device_of(RT_DEVICE_TYPE_CUDA, device_index));
   });
 }
 
@@ -736,7 +704,7 @@ char* rt_cuda_set_device(int32_t device_index) {
 char* rt_cuda_current_stream(int32_t device_index, void** out) {
   return guarded([&] {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    *out = impl.getStream(device_of(1, device_index)).native_handle();
+    *out = impl.getStream(device_of(RT_DEVICE_TYPE_CUDA, device_index)).native_handle();
   });
 }
 
@@ -744,7 +712,7 @@ char* rt_cuda_current_stream(int32_t device_index, void** out) {
 char* rt_cuda_synchronize(int32_t device_index) {
   return guarded([&] {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    impl.getStream(device_of(1, device_index)).synchronize();
+    impl.getStream(device_of(RT_DEVICE_TYPE_CUDA, device_index)).synchronize();
   });
 }
 
@@ -754,17 +722,18 @@ char* rt_cuda_record_event(int32_t device_index, void** out) {
   return guarded([&] {
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
     auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
-    event->record(impl.getStream(device_of(1, device_index)));
+    event->record(impl.getStream(device_of(RT_DEVICE_TYPE_CUDA, device_index)));
     *out = event.release();
   });
 }
 
-// 1 when the event has completed, 0 while work before it is pending, -1 on error.
+// Whether the work queued before the event has run (`rt_event_state`).
 int32_t rt_event_query(void* event) {
   try {
-    return static_cast<c10::Event*>(event)->query() ? 1 : 0;
+    return static_cast<c10::Event*>(event)->query() ? RT_EVENT_STATE_DONE
+                                                     : RT_EVENT_STATE_PENDING;
   } catch (...) {
-    return -1;
+    return RT_EVENT_STATE_FAILED;
   }
 }
 
@@ -804,8 +773,6 @@ thread_local int64_t allocation_budget = -1;
 thread_local uint64_t refused_allocation = 0;
 
 struct BudgetedCpuAllocator final : c10::Allocator {
-  explicit BudgetedCpuAllocator(c10::Allocator* inner) : inner(inner) {}
-
   c10::DataPtr allocate(size_t n) override {
     if (allocation_budget >= 0) {
       if (n > static_cast<uint64_t>(allocation_budget)) {
@@ -824,21 +791,84 @@ struct BudgetedCpuAllocator final : c10::Allocator {
     inner->copy_data(dest, src, count);
   }
 
-  c10::Allocator* inner;
+  c10::Allocator* inner = nullptr;
+};
+
+// The process-wide changes a run makes to libtorch, in place while at least one holder (a
+// prepared program) lives and undone when the last one goes, so code around the runtime sees
+// libtorch as it was: the portable Bernoulli sampler in place of libtorch's CPU kernel, and the
+// budgeted allocator in front of the CPU allocator. Ranks are threads, so holders are counted.
+class KernelOverrides {
+ public:
+  static void acquire() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (holders_ == 0) install();
+    ++holders_;
+  }
+
+  static void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (holders_ > 0 && --holders_ == 0) uninstall();
+  }
+
+ private:
+  static void install() {
+    // Replacing a kernel makes libtorch warn on stderr; that warning is swallowed.
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                    c10::DispatchKey::CPU, __FILE__, __LINE__);
+    library->impl("bernoulli_.float", TORCH_FN(portable_bernoulli_));
+    budgeted_.inner = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&budgeted_, /*priority=*/UINT8_MAX);
+    bernoulli_ = std::move(library);
+  }
+
+  static void uninstall() {
+    // Storages keep the allocator that made them (to resize), so the budgeted one lives on
+    // and passes through to the allocator it found. (The CPU allocator's priority stays the
+    // highest: libtorch lets nobody read or lower it.)
+    c10::SetCPUAllocator(budgeted_.inner, /*priority=*/UINT8_MAX);
+    // Dropping the library removes its kernel: libtorch's own runs again.
+    bernoulli_.reset();
+  }
+
+  static inline std::mutex mutex_;
+  static inline int holders_ = 0;
+  static inline std::unique_ptr<torch::Library> bernoulli_;
+  static inline BudgetedCpuAllocator budgeted_;
 };
 
 }  // namespace
 
 extern "C" {
 
-// Puts the budgeted allocator in front of the CPU allocator (once per process).
-char* rt_use_budgeted_cpu_allocator() {
-  return guarded([] {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      static auto* budgeted = new BudgetedCpuAllocator(c10::GetCPUAllocator());
-      c10::SetCPUAllocator(budgeted, /*priority=*/UINT8_MAX);
-    });
+// Takes a hold on the run's process-wide changes to libtorch (made by the first hold).
+char* rt_kernel_overrides_acquire() {
+  return guarded([] { KernelOverrides::acquire(); });
+}
+
+// Gives a hold back (the last one undoes the changes).
+char* rt_kernel_overrides_release() {
+  return guarded([] { KernelOverrides::release(); });
+}
+
+// The CPU allocator libtorch allocates with now (its address, to compare).
+uintptr_t rt_cpu_allocator() {
+  return reinterpret_cast<uintptr_t>(c10::GetCPUAllocator());
+}
+
+// Whether PyTorch's deterministic algorithms are on.
+int32_t rt_deterministic_algorithms() {
+  return at::globalContext().deterministicAlgorithms() ? 1 : 0;
+}
+
+// The dispatcher's account of an operator (its kernels and where each was registered; free
+// with `rt_free_error`).
+char* rt_operator_state(const char* name, const char* overload, char** out) {
+  return guarded([&] {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+    *out = error_message(op.dumpState());
   });
 }
 

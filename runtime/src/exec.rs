@@ -1,7 +1,10 @@
 //! One rank runs one training step: the schedule's steps in order, each node's kernel on the
 //! copies of its inputs the schedule names, every copy freed after its last read.
 
-use std::time::{Duration, Instant};
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
 
 use ir::{plan::Stage, EntityId, NodeId, ValueId};
 use tch::{Device, Tensor};
@@ -111,6 +114,8 @@ pub struct StepResult {
     pub outputs: Vec<(ValueId, Tensor)>,
     /// Peak bytes of the storages the runtime held (parameters excluded).
     pub peak_bytes: u64,
+    /// Bytes of the activations forward left for backward: see [`held_activation_bytes`].
+    pub saved_bytes: u64,
     /// CUDA only: the caching allocator's peak during the step, parameters excluded.
     pub allocator_peak_bytes: Option<u64>,
     pub counts: OpCounts,
@@ -135,6 +140,11 @@ pub fn run_step(
         memory: LiveBytes::default(),
     };
     let mut resident_bytes = 0u64;
+    let input_storages: HashSet<usize> = inputs
+        .values
+        .iter()
+        .filter_map(|(_, tensor)| ffi::storage(tensor).map(|(key, _)| key))
+        .collect();
     for (id, tensor) in &inputs.values {
         if graph.value(*id).role == ir::Role::Parameter {
             env.memory.resident(tensor);
@@ -148,9 +158,13 @@ pub fn run_step(
         ffi::cuda_reset_peak(device).map_err(|m| op_error(program, Stage::Forward, None, m))?;
     }
     let started = Instant::now();
+    let mut saved_bytes = None;
     let mut counts = OpCounts::new(graph.nodes().len());
     let mut collectives = 0u64;
     for (step, &(stage, id)) in schedule.steps().iter().enumerate() {
+        if stage != Stage::Forward && saved_bytes.is_none() {
+            saved_bytes = Some(held_activation_bytes(graph, &env, &input_storages));
+        }
         let node = graph.node(id);
         let inputs: Vec<&Tensor> = node
             .inputs
@@ -246,6 +260,8 @@ pub fn run_step(
     Ok(StepResult {
         outputs,
         peak_bytes: env.memory.peak(),
+        saved_bytes: saved_bytes
+            .unwrap_or_else(|| held_activation_bytes(graph, &env, &input_storages)),
         allocator_peak_bytes,
         counts,
         seconds,
@@ -314,6 +330,27 @@ impl Env {
             self.memory.release(&old);
         }
     }
+}
+
+/// What forward leaves for backward, as the planner's saved activation bytes count it: the
+/// storages of the forward copies still held that ops made (not the storages of the step's
+/// inputs, parameters included, which views of them share), the graph's outputs (the loss)
+/// aside. Each storage counts
+/// once, by its real size.
+fn held_activation_bytes(graph: &ir::Graph, env: &Env, inputs: &HashSet<usize>) -> u64 {
+    let forward = &env.copies[OpCounts::slot(Stage::Forward)];
+    let storage_of = |v: ValueId| forward[v.index()].as_ref().and_then(ffi::storage);
+    let outputs: HashSet<ValueId> = graph.outputs().iter().copied().collect();
+    let mut counted: HashMap<usize, u64> = HashMap::new();
+    for (id, _) in graph.values().iter() {
+        if graph.producer(id).is_none() || outputs.contains(&id) {
+            continue;
+        }
+        if let Some((key, bytes)) = storage_of(id).filter(|(key, _)| !inputs.contains(key)) {
+            counted.insert(key, bytes);
+        }
+    }
+    counted.values().sum()
 }
 
 fn empty(n: usize) -> Vec<Option<Tensor>> {

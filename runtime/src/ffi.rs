@@ -12,11 +12,17 @@ use std::{
 use ir::{AttrValue, Attribute};
 use tch::{Device, Tensor};
 
+// `AttrKind`, `BindStatus`, `DeviceType` and `EventState`, written by build.rs from
+// `shim/codes.h`.
+include!(concat!(env!("OUT_DIR"), "/codes.rs"));
+
 #[allow(non_camel_case_types)]
 mod sys {
     use std::ffi::{c_char, c_void};
 
     use tch::Tensor;
+
+    use super::AttrKind;
 
     /// The C++ `at::Tensor`, seen only through pointers.
     pub type AtTensor = c_void;
@@ -24,7 +30,7 @@ mod sys {
     #[repr(C)]
     pub struct rt_attr {
         pub name: *const c_char,
-        pub kind: i32,
+        pub kind: AttrKind,
         pub int_value: i64,
         pub float_value: f64,
         pub str_value: *const c_char,
@@ -46,6 +52,7 @@ mod sys {
             run_type: i32,
             run_index: i32,
             out: *mut *mut c_void,
+            status: *mut i32,
         ) -> *mut c_char;
         pub fn rt_call_free(call: *mut c_void);
         pub fn rt_call_runs_on(call: *mut c_void, device_type: i32) -> i32;
@@ -76,8 +83,15 @@ mod sys {
             seed: u64,
             out: *mut *mut AtTensor,
         ) -> *mut c_char;
-        pub fn rt_use_portable_bernoulli() -> *mut c_char;
-        pub fn rt_use_budgeted_cpu_allocator() -> *mut c_char;
+        pub fn rt_kernel_overrides_acquire() -> *mut c_char;
+        pub fn rt_kernel_overrides_release() -> *mut c_char;
+        pub fn rt_cpu_allocator() -> usize;
+        pub fn rt_deterministic_algorithms() -> i32;
+        pub fn rt_operator_state(
+            name: *const c_char,
+            overload: *const c_char,
+            out: *mut *mut c_char,
+        ) -> *mut c_char;
         pub fn rt_set_allocation_budget(bytes: i64);
         pub fn rt_refused_allocation() -> u64;
         pub fn rt_cuda_set_device(device_index: i32) -> *mut c_char;
@@ -97,7 +111,7 @@ mod sys {
 }
 
 /// Takes over a string the shim malloc'd (`None` for null).
-fn take_string(text: *mut c_char) -> Option<String> {
+pub(crate) fn take_string(text: *mut c_char) -> Option<String> {
     if text.is_null() {
         return None;
     }
@@ -111,22 +125,22 @@ fn take_string(text: *mut c_char) -> Option<String> {
 }
 
 /// A message from libtorch (a C++ exception's text), or `Ok`.
-fn check(message: *mut c_char) -> Result<(), String> {
+pub(crate) fn check(message: *mut c_char) -> Result<(), String> {
     take_string(message).map_or(Ok(()), Err)
 }
 
-/// `(type, index)` of a device as the shim numbers them: 0 for the CPU, 1 for CUDA.
+/// `(type, index)` of a device as the shim numbers them ([`DeviceType`]).
 fn device_code(device: Device) -> (i32, i32) {
-    match device {
-        Device::Cuda(index) => (1, i32::try_from(index).unwrap_or(i32::MAX)),
-        _ => (0, 0),
+    match cuda_index(device) {
+        Some(index) => (DeviceType::Cuda.code(), index),
+        None => (DeviceType::Cpu.code(), 0),
     }
 }
 
 /// The CUDA device index of `device`, if it is one.
 fn cuda_index(device: Device) -> Option<i32> {
-    match device_code(device) {
-        (1, index) => Some(index),
+    match device {
+        Device::Cuda(index) => Some(i32::try_from(index).unwrap_or(i32::MAX)),
         _ => None,
     }
 }
@@ -138,6 +152,24 @@ pub fn schema_name(op: &str) -> Option<(String, String)> {
     let (name, overload) = rest.rsplit_once('.')?;
     (!namespace.is_empty() && !name.is_empty() && !overload.is_empty())
         .then(|| (format!("{namespace}::{name}"), overload.to_owned()))
+}
+
+/// Why an IR node could not be bound to an ATen operator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BindError {
+    /// libtorch has no operator of this name and overload (`aten.mm.default`).
+    #[error("libtorch has no operator `{0}`")]
+    NoSuchOperator(String),
+    /// The operator exists but the node does not fit its schema, or its name or attributes
+    /// cannot be handed to libtorch; the message says which.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+impl From<String> for BindError {
+    fn from(message: String) -> BindError {
+        BindError::Mismatch(message)
+    }
 }
 
 /// An ATen operator bound to one IR node's inputs and attributes: every argument is either a
@@ -183,7 +215,7 @@ impl CAttrs {
             let name = c_string(&attribute.name)?;
             let mut attr = sys::rt_attr {
                 name: name.as_ptr(),
-                kind: 0,
+                kind: AttrKind::Int,
                 int_value: 0,
                 float_value: 0.0,
                 str_value: std::ptr::null(),
@@ -196,26 +228,26 @@ impl CAttrs {
             match &attribute.value {
                 AttrValue::Int(v) => attr.int_value = *v,
                 AttrValue::Float(v) => {
-                    attr.kind = 1;
+                    attr.kind = AttrKind::Float;
                     attr.float_value = *v;
                 }
                 AttrValue::Str(s) => {
                     let s = c_string(s)?;
-                    attr.kind = 2;
+                    attr.kind = AttrKind::Str;
                     attr.str_value = s.as_ptr();
                     strings.push(s);
                 }
                 AttrValue::Bool(b) => {
-                    attr.kind = 3;
+                    attr.kind = AttrKind::Bool;
                     attr.int_value = i64::from(*b);
                 }
                 AttrValue::Ints(v) => {
-                    attr.kind = 4;
+                    attr.kind = AttrKind::Ints;
                     attr.ints = v.as_ptr();
                     attr.len = v.len();
                 }
                 AttrValue::Floats(v) => {
-                    attr.kind = 5;
+                    attr.kind = AttrKind::Floats;
                     attr.floats = v.as_ptr();
                     attr.len = v.len();
                 }
@@ -225,7 +257,7 @@ impl CAttrs {
                         .map(|s| c_string(s))
                         .collect::<Result<Vec<_>, _>>()?;
                     let ptrs: Vec<*const c_char> = owned.iter().map(|s| s.as_ptr()).collect();
-                    attr.kind = 6;
+                    attr.kind = AttrKind::Strs;
                     attr.strs = ptrs.as_ptr();
                     attr.len = ptrs.len();
                     strings.extend(owned);
@@ -252,16 +284,18 @@ impl BoundCall {
         attributes: &[Attribute],
         home: Device,
         run: Device,
-    ) -> Result<BoundCall, String> {
-        let (name, overload) =
-            schema_name(op).ok_or_else(|| format!("`{op}` is not `namespace.name.overload`"))?;
+    ) -> Result<BoundCall, BindError> {
+        let (name, overload) = schema_name(op).ok_or_else(|| {
+            BindError::Mismatch(format!("`{op}` is not `namespace.name.overload`"))
+        })?;
         let (name, overload) = (c_string(&name)?, c_string(&overload)?);
         let attrs = CAttrs::new(attributes)?;
         let (home_type, _) = device_code(home);
         let (run_type, run_index) = device_code(run);
         let mut call = std::ptr::null_mut();
+        let mut status = BindStatus::Mismatch.code();
         // SAFETY: every pointer is valid for the call; the shim copies what it keeps.
-        check(unsafe {
+        let message = take_string(unsafe {
             sys::rt_bind(
                 name.as_ptr(),
                 overload.as_ptr(),
@@ -272,9 +306,21 @@ impl BoundCall {
                 run_type,
                 run_index,
                 &mut call,
+                &mut status,
             )
-        })?;
-        let call = NonNull::new(call).ok_or("the shim bound nothing")?;
+        });
+        match (BindStatus::from_code(status), message) {
+            (Some(BindStatus::Ok), None) => {}
+            (Some(BindStatus::NoSuchOperator), _) => {
+                return Err(BindError::NoSuchOperator(op.to_owned()))
+            }
+            (_, message) => {
+                let message = message.unwrap_or_else(|| format!("binding failed ({status})"));
+                return Err(BindError::Mismatch(message));
+            }
+        }
+        let call = NonNull::new(call)
+            .ok_or_else(|| BindError::Mismatch("the shim bound nothing".to_owned()))?;
         Ok(BoundCall {
             call,
             num_inputs,
@@ -373,19 +419,63 @@ pub fn set_rng_state(device: Device, state: &Tensor) -> Result<(), String> {
     check(unsafe { sys::rt_rng_set_state(kind, index, sys::at(state)) })
 }
 
-/// Makes libtorch's CPU Bernoulli sampler (dropout masks) draw as PyTorch's own kernel does on
-/// every CPU: PyTorch's MKL builds draw other masks on Intel CPUs, and the exporter's reference
-/// uses the portable draw. Once per process; later calls do nothing.
-pub fn use_portable_bernoulli() -> Result<(), String> {
-    // SAFETY: plain call.
-    check(unsafe { sys::rt_use_portable_bernoulli() })
+/// A hold on the process-wide changes a run makes to libtorch, in place while any hold lives
+/// and undone when the last one drops, so code around the runtime sees libtorch as it was:
+///
+/// - libtorch's CPU Bernoulli sampler (dropout masks) draws as PyTorch's own kernel does on
+///   every CPU (PyTorch's MKL builds draw other masks on Intel CPUs, and the exporter's
+///   reference uses the portable draw);
+/// - an allocator in front of libtorch's CPU allocator holds each thread to the budget
+///   [`with_allocation_budget`] sets.
+///
+/// A prepared program holds one ([`crate::program::Program`]). While a hold lives the changes
+/// apply to the whole process, other threads included.
+#[derive(Debug)]
+pub struct KernelOverrides(());
+
+impl KernelOverrides {
+    pub fn acquire() -> Result<KernelOverrides, String> {
+        // SAFETY: plain call.
+        check(unsafe { sys::rt_kernel_overrides_acquire() })?;
+        Ok(KernelOverrides(()))
+    }
 }
 
-/// Puts an allocator in front of libtorch's CPU allocator that holds each thread to the budget
-/// [`with_allocation_budget`] sets. Once per process; later calls do nothing.
-pub fn use_budgeted_cpu_allocator() -> Result<(), String> {
+impl Drop for KernelOverrides {
+    fn drop(&mut self) {
+        // SAFETY: plain call; releasing only counts down and restores, and cannot fail but
+        // through a C++ exception the shim turns into a message, which a drop can only drop.
+        drop(take_string(unsafe { sys::rt_kernel_overrides_release() }));
+    }
+}
+
+/// The CPU allocator libtorch allocates with now (an identity to compare).
+pub fn cpu_allocator() -> usize {
     // SAFETY: plain call.
-    check(unsafe { sys::rt_use_budgeted_cpu_allocator() })
+    unsafe { sys::rt_cpu_allocator() }
+}
+
+/// Whether PyTorch's deterministic algorithms are on (process-wide).
+pub fn deterministic_algorithms() -> bool {
+    // SAFETY: plain call.
+    unsafe { sys::rt_deterministic_algorithms() != 0 }
+}
+
+/// The dispatcher's account of operator `op` (`aten.bernoulli_.float`): its kernels by
+/// dispatch key and where each was registered.
+pub fn operator_state(op: &str) -> Result<String, String> {
+    let (name, overload) =
+        schema_name(op).ok_or_else(|| format!("`{op}` is not `namespace.name.overload`"))?;
+    let overload = if overload == "default" {
+        String::new()
+    } else {
+        overload
+    };
+    let (name, overload) = (c_string(&name)?, c_string(&overload)?);
+    let mut out = std::ptr::null_mut();
+    // SAFETY: valid strings; the shim writes a malloc'd string on success.
+    check(unsafe { sys::rt_operator_state(name.as_ptr(), overload.as_ptr(), &mut out) })?;
+    Ok(take_string(out).unwrap_or_default())
 }
 
 /// Runs `body` with this thread's CPU allocations held to `bytes` in all: an allocation past
@@ -475,10 +565,10 @@ impl Event {
     /// Whether everything queued before the event has run (`Err` if the device failed).
     pub fn done(&self) -> Result<bool, String> {
         // SAFETY: a live event.
-        match unsafe { sys::rt_event_query(self.0.as_ptr()) } {
-            1 => Ok(true),
-            0 => Ok(false),
-            _ => Err("the device reported an error".to_owned()),
+        match EventState::from_code(unsafe { sys::rt_event_query(self.0.as_ptr()) }) {
+            Some(EventState::Done) => Ok(true),
+            Some(EventState::Pending) => Ok(false),
+            Some(EventState::Failed) | None => Err("the device reported an error".to_owned()),
         }
     }
 }

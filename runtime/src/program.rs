@@ -13,7 +13,7 @@ use thiserror::Error;
 
 use crate::{
     comm::ReduceOp,
-    ffi::{self, BoundCall},
+    ffi::{self, BindError, BoundCall, KernelOverrides},
     watch::{OpGuard, RankActivity},
 };
 
@@ -112,6 +112,8 @@ pub struct Program<'g> {
     budgets: Vec<u64>,
     /// Where the rank shows which op it runs, when it is watched.
     activity: Option<Arc<RankActivity>>,
+    /// libtorch's process-wide settings for running it, in place while it lives.
+    _overrides: KernelOverrides,
 }
 
 impl<'g> Program<'g> {
@@ -124,12 +126,7 @@ impl<'g> Program<'g> {
         world_size: usize,
     ) -> Result<Program<'g>, PrepareError> {
         let home = home_device(graph);
-        ffi::use_portable_bernoulli().map_err(|reason| PrepareError::Unsupported {
-            op: "aten.bernoulli_.float".to_owned(),
-            node: "-".to_owned(),
-            reason,
-        })?;
-        ffi::use_budgeted_cpu_allocator().map_err(|reason| PrepareError::Unsupported {
+        let overrides = KernelOverrides::acquire().map_err(|reason| PrepareError::Unsupported {
             op: "-".to_owned(),
             node: "-".to_owned(),
             reason,
@@ -150,6 +147,7 @@ impl<'g> Program<'g> {
             kernels,
             budgets,
             activity: None,
+            _overrides: overrides,
         })
     }
 
@@ -258,15 +256,14 @@ fn kernel(
         (op, &node.attributes)
     };
     let call =
-        BoundCall::bind(op, node.inputs.len(), attributes, home, device).map_err(|reason| {
-            if reason.contains("Could not find schema") {
-                unsupported(node, "libtorch has no such operator")
-            } else {
-                PrepareError::Binding {
+        BoundCall::bind(op, node.inputs.len(), attributes, home, device).map_err(|error| {
+            match error {
+                BindError::NoSuchOperator(_) => unsupported(node, "libtorch has no such operator"),
+                BindError::Mismatch(reason) => PrepareError::Binding {
                     op: op.to_owned(),
                     node: node.name.to_string(),
                     reason,
-                }
+                },
             }
         })?;
     if !call.runs_on(device) {

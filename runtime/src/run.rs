@@ -1,7 +1,9 @@
 //! `planner run`: every rank runs the plan's training step (and, with `--check`, the same step
 //! without checkpointing and with whole-layer recompute) and compares the results.
 //!
-//! Ranks are threads of this process, each with its own communicator end. The main thread
+//! Ranks are threads of this process, each with its own communicator end; under a launcher
+//! (`torchrun`), this process runs its one rank and meets the others through the launcher's
+//! store. The main thread
 //! never waits on a rank without a deadline: once a rank fails, the others get the abort
 //! through their communicator, and a rank that still has not stopped after the timeout is
 //! reported as hung rather than waited for.
@@ -24,7 +26,12 @@ use thiserror::Error;
 
 use crate::{
     check,
-    comm::{loopback::LoopbackGroup, nccl, CommError, Communicator, Identity},
+    comm::{
+        gloo::Gloo,
+        launch::{self, Launch},
+        loopback::LoopbackGroup,
+        nccl, CommError, Communicator, Identity,
+    },
     exec::{self, Fault, OpCounts, StepError},
     fingerprint,
     inputs::{self, InputError, RankInputs},
@@ -116,6 +123,10 @@ pub struct VariantRun {
     /// The planner's prediction of this variant's peak, if any.
     pub predicted_peak_bytes: Option<u64>,
     pub measured_peak_bytes: u64,
+    /// The activation bytes held when forward ended, as the plan's `saved_bytes` counts them.
+    pub measured_saved_bytes: u64,
+    /// The plan's `saved_bytes`, where this variant has a plan of a joint graph.
+    pub predicted_saved_bytes: Option<u64>,
     /// CUDA only: the caching allocator's peak, parameters excluded.
     pub allocator_peak_bytes: Option<u64>,
     pub seconds: f64,
@@ -126,6 +137,8 @@ pub struct VariantRun {
 #[derive(Debug, Clone)]
 pub struct TensorCheck {
     pub name: String,
+    /// The plan's result, as [`check::digest`] fingerprints it.
+    pub digest: String,
     /// Per other variant run (no-checkpoint, whole-layer): whether the plan's result is
     /// bit-identical to it.
     pub identical: Vec<(Variant, bool)>,
@@ -148,8 +161,10 @@ pub struct RankReport {
 /// Everything `planner run` found.
 #[derive(Debug, Clone)]
 pub struct RunReport {
-    /// `loopback` or `nccl`.
+    /// `loopback`, `gloo` or `nccl`.
     pub communicator: &'static str,
+    /// Ranks of the whole run; this process ran those in `ranks`.
+    pub world: usize,
     pub graph: String,
     pub structure: String,
     pub plan: String,
@@ -333,23 +348,57 @@ pub fn run_nccl_threads(jobs: Vec<RankJob>, config: &RunConfig) -> Result<RunRep
     run_ranks(specs, config, "nccl", None)
 }
 
-/// The rank of this process in a job launched like PyTorch's (`torchrun`): rank 0 hosts the
-/// rendezvous at `hub`, every rank joins it.
-pub fn run_nccl_process(
+/// This process's rank of a job launched like PyTorch's (`torchrun`): the ranks meet through
+/// the launcher's store, where rank 0 publishes its hub; CPU ranks run their collectives
+/// through gloo, CUDA ranks through NCCL on the GPU of their local rank (counted from
+/// `config.device`). Rank 0 returns once every rank is done or gone (or after the timeout),
+/// so its hub outlives the ranks that still report to it.
+pub fn run_launched(
     job: RankJob,
-    rank: usize,
-    world: usize,
-    device: Device,
-    hub: std::net::SocketAddr,
+    launch: &Launch,
     config: &RunConfig,
 ) -> Result<RunReport, RunError> {
-    if rank == 0 {
-        // The hub's thread lives on for the whole run: it relays the ranks' aborts.
-        nccl::host(hub, world, config.timeout)
-            .map_err(|e| RunError::Ranks(vec![(rank, e.to_string())]))?;
+    let rank = launch.rank;
+    let failed = |e: CommError| RunError::Ranks(vec![(rank, e.to_string())]);
+    let store = Arc::new(launch.store(config.timeout).map_err(failed)?);
+    let device = match config.device {
+        Device::Cuda(base) => Device::Cuda(base + launch.local_rank),
+        other => other,
+    };
+    let cuda = matches!(device, Device::Cuda(_));
+    let hub = if rank == 0 {
+        let id = if cuda {
+            nccl::unique_id().map_err(failed)?
+        } else {
+            Vec::new()
+        };
+        Some(launch::host_hub(launch, &store, id, config.timeout).map_err(failed)?)
+    } else {
+        None
+    };
+    let address = launch::find_hub(&store, config.timeout).map_err(failed)?;
+    let (spec, communicator) = if cuda {
+        let spec = nccl_rank(address, rank, launch.world, device, job, config);
+        (spec, "nccl")
+    } else {
+        let (world, timeout) = (launch.world, config.timeout);
+        let connect: Connect = Box::new(move |identity: &Identity| {
+            let comm = Gloo::connect(&store, address, rank, world, identity.clone(), timeout)?;
+            Ok(Box::new(comm) as Box<dyn Communicator>)
+        });
+        let spec = RankSpec {
+            rank,
+            device,
+            job,
+            connect,
+        };
+        (spec, "gloo")
+    };
+    let report = run_ranks(vec![spec], config, communicator, None);
+    if let Some(hub) = hub {
+        hub.wait_stopped(config.timeout);
     }
-    let spec = nccl_rank(hub, rank, world, device, job, config);
-    run_ranks(vec![spec], config, "nccl", None)
+    report
 }
 
 fn nccl_rank(
@@ -440,6 +489,7 @@ fn run_ranks(
     let (graph, structure, plan) = header.unwrap_or_default();
     Ok(RunReport {
         communicator,
+        world: total,
         graph,
         structure,
         plan,
@@ -654,29 +704,45 @@ impl RankFailure {
 }
 
 /// The variants a rank runs, in order, with their schedules and predicted peaks.
-fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Option<u64>)>, RunError> {
+fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Predicted)>, RunError> {
     let graph = &job.graph;
     let memory = &job.plan.memory;
     let mut out = vec![(
         Variant::Plan,
         schedule_of(graph, &job.plan)?,
-        memory.peak_bytes,
+        Predicted {
+            peak: memory.peak_bytes,
+            saved: job.plan.joint.then_some(memory.saved_bytes),
+        },
     )];
     if check {
         out.push((
             Variant::NoCheckpoint,
             Schedule::no_checkpoint(graph),
-            memory.no_checkpoint_peak_bytes,
+            Predicted {
+                peak: memory.no_checkpoint_peak_bytes,
+                saved: None,
+            },
         ));
         if let Some(whole) = &job.whole_layer {
             out.push((
                 Variant::WholeLayer,
                 schedule_of(graph, whole)?,
-                memory.full_recompute_peak_bytes,
+                Predicted {
+                    peak: memory.full_recompute_peak_bytes,
+                    saved: Some(whole.memory.saved_bytes),
+                },
             ));
         }
     }
     Ok(out)
+}
+
+/// What the planner predicts of one variant's step.
+struct Predicted {
+    peak: Option<u64>,
+    /// The activation bytes forward leaves for backward (a joint graph's plans only).
+    saved: Option<u64>,
 }
 
 fn rank_main(
@@ -715,8 +781,10 @@ fn rank_main(
         let step = exec::run_step(&program, schedule, &inputs, comm, &mut rng, config.fault)?;
         runs.push(VariantRun {
             variant: *variant,
-            predicted_peak_bytes: *predicted,
+            predicted_peak_bytes: predicted.peak,
             measured_peak_bytes: step.peak_bytes,
+            predicted_saved_bytes: predicted.saved,
+            measured_saved_bytes: step.saved_bytes,
             allocator_peak_bytes: step.allocator_peak_bytes,
             seconds: step.seconds,
             counts: step.counts,
@@ -830,6 +898,7 @@ fn compare(
             .map(|e| check::error(tensor, e));
         tensors.push(TensorCheck {
             name: v.name.to_string(),
+            digest: check::digest(tensor),
             identical,
             reference,
         });

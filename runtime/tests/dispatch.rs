@@ -1,7 +1,7 @@
 //! Ops called through libtorch's dispatcher by schema name, bound from IR inputs and attributes.
 
 use ir::{AttrValue, Attribute};
-use runtime::ffi::BoundCall;
+use runtime::ffi::{BindError, BoundCall};
 use tch::{Device, Kind, Tensor};
 
 fn attr(name: &str, value: AttrValue) -> Attribute {
@@ -107,7 +107,7 @@ fn bernoulli_masks_draw_one_double_per_element_as_the_exported_reference_does() 
     // The exporter draws dropout masks as `rand(float64) < p` on every CPU; the runtime's
     // sampler must give the same mask from the same seed (PyTorch's MKL build would not, on
     // Intel CPUs).
-    runtime::ffi::use_portable_bernoulli().expect("installed");
+    let _overrides = runtime::ffi::KernelOverrides::acquire().expect("installed");
     tch::manual_seed(3);
     let mut mask = Tensor::zeros([4096], (Kind::Float, Device::Cpu));
     let _ = mask.bernoulli_float_(0.3);
@@ -116,4 +116,56 @@ fn bernoulli_masks_draw_one_double_per_element_as_the_exported_reference_does() 
         .lt(0.3)
         .to_kind(Kind::Float);
     assert!(runtime::check::identical(&mask, &want));
+}
+
+fn bind_error(op: &str, inputs: usize, attrs: &[Attribute]) -> BindError {
+    BoundCall::bind(op, inputs, attrs, Device::Cpu, Device::Cpu).unwrap_err()
+}
+
+#[test]
+fn a_missing_operator_is_its_own_error_and_a_node_that_does_not_fit_another() {
+    for op in ["aten.no_such_op.default", "aten.mm.no_such_overload"] {
+        assert_eq!(
+            bind_error(op, 2, &[]),
+            BindError::NoSuchOperator(op.to_owned())
+        );
+    }
+    match bind_error("aten.mm.default", 1, &[]) {
+        BindError::Mismatch(reason) => assert!(
+            reason.contains("takes 2 tensor arguments but the node has 1 inputs"),
+            "{reason}"
+        ),
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn every_attribute_kind_reaches_the_shim_as_itself() {
+    // `rounding_mode` is a string: every other kind is refused, named as the shim read it.
+    let kinds = [
+        (AttrValue::Int(1), "an int"),
+        (AttrValue::Float(1.0), "a float"),
+        (AttrValue::Bool(true), "a bool"),
+        (AttrValue::Ints(vec![1]), "an int list"),
+        (AttrValue::Floats(vec![1.0]), "a float list"),
+        (AttrValue::Strs(vec!["floor".into()]), "a string list"),
+    ];
+    for (value, kind) in kinds {
+        let attrs = [attr("rounding_mode", value)];
+        match bind_error("aten.div.Tensor_mode", 2, &attrs) {
+            BindError::Mismatch(reason) => assert!(
+                reason.ends_with(&format!("but the IR attribute is {kind}")),
+                "{reason}"
+            ),
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+    let floor = bind(
+        "aten.div.Tensor_mode",
+        2,
+        &[attr("rounding_mode", AttrValue::Str("floor".into()))],
+    );
+    let (a, b) = (Tensor::from_slice(&[7.0f32]), Tensor::from_slice(&[2.0f32]));
+    let out = floor.run(&[&a, &b], 1).unwrap().remove(0);
+    assert_eq!(Vec::<f32>::try_from(&out).unwrap(), vec![3.0]);
 }

@@ -56,3 +56,13 @@ fn a_dimension_beyond_i64_is_an_error_not_a_panic() {
         })
     );
 }
+
+/// NCCL is the torch wheel's own `libnccl.so.2` (which libtorch_cuda loads), opened without a
+/// link of its own or a library path; making a unique id needs no GPU.
+#[test]
+fn the_wheels_nccl_loads_and_makes_a_unique_id() {
+    assert!(runtime::comm::nccl::available());
+    let id = runtime::comm::nccl::unique_id().expect("a unique id");
+    assert_eq!(id.len(), 128);
+    assert!(id.iter().any(|&b| b != 0), "an id that is all zeros");
+}

@@ -13,7 +13,7 @@ use std::{
 
 use tch::Tensor;
 
-use super::{offsets, CommError, Communicator, Identity, ReduceOp, Site};
+use super::{average, offsets, CommError, Communicator, Identity, ReduceOp, Site};
 use crate::program::Collective;
 
 /// A group of `world_size` loopback ranks; hand one [`Loopback`] to each rank's thread.
@@ -343,12 +343,7 @@ fn reduce(tensors: &[Tensor], op: ReduceOp) -> Tensor {
         };
     }
     if op == ReduceOp::Avg {
-        let n = tensors.len() as f64;
-        if acc.is_floating_point() {
-            acc /= n;
-        } else {
-            acc = acc.floor_divide_scalar(n as i64);
-        }
+        acc = average(acc, tensors.len());
     }
     acc
 }

@@ -1,6 +1,8 @@
 //! Collectives go through one interface, whatever carries the data: [`loopback`] (ranks as
-//! threads of one process, used by the tests) or [`nccl`] (one rank per GPU, across processes
-//! or hosts).
+//! threads of one process), [`gloo`] (CPU ranks in separate processes, through libtorch's gloo
+//! process group) or [`nccl`] (one rank per GPU, across processes or hosts). Ranks in separate
+//! processes meet through the launcher's store ([`launch`]) and keep a control channel to
+//! rank 0's hub ([`rendezvous`]).
 //!
 //! Every rank first calls [`Communicator::agree`] with what it is about to run (the graph's
 //! structure and the plan's fingerprint): a mismatch is an error on every rank naming both.
@@ -8,6 +10,10 @@
 //! than the timeout gives up and aborts the group. Either way every rank's next (or current)
 //! collective returns an error naming the rank and the collective: never a hang.
 
+pub mod c10d;
+pub mod gloo;
+pub mod launch;
+pub mod libnccl;
 pub mod loopback;
 pub mod nccl;
 pub mod rendezvous;
@@ -146,4 +152,15 @@ pub(crate) fn offsets(sizes: &[i64]) -> Vec<i64> {
             Some(start)
         })
         .collect()
+}
+
+/// A sum over `world` ranks turned into their average: divided for floating point, floor
+/// divided for integers.
+pub(crate) fn average(mut sum: Tensor, world: usize) -> Tensor {
+    if sum.is_floating_point() {
+        sum /= world as f64;
+        sum
+    } else {
+        sum.floor_divide_scalar(world as i64)
+    }
 }

@@ -1,5 +1,5 @@
-//! NCCL ranks, one per GPU, through cudarc (libnccl loaded at run time, so this builds and
-//! links without CUDA).
+//! NCCL ranks, one per GPU, through the torch wheel's own libnccl ([`libnccl`], loaded at run
+//! time, so this builds and links without CUDA).
 //!
 //! Ranks meet at rank 0's [`Hub`] (the TCP rendezvous): it checks that they all run the same
 //! graph and plan and hands out the NCCL unique id; its connections then carry arrivals and
@@ -20,10 +20,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use cudarc::nccl::{result, sys};
 use tch::{Device, Kind, Tensor};
 
 use super::{
+    libnccl::{self, Comm, DataType, RedOp, Status, Stream, UniqueId},
     offsets,
     rendezvous::{Coordinator, Hub},
     CommError, Communicator, Identity, ReduceOp, Site,
@@ -33,26 +33,30 @@ use crate::{ffi, program::Collective};
 /// How often the watchdog looks at a pending collective.
 const POLL: Duration = Duration::from_micros(200);
 
-/// Whether libnccl can be loaded (it must be on the library path as `libnccl.so`).
+/// Whether libnccl can be loaded.
 pub fn available() -> bool {
-    // SAFETY: only tries to open the library.
-    unsafe { sys::is_culib_present() }
+    libnccl::nccl().is_ok()
 }
 
-fn nccl_error(what: &str, e: result::NcclError) -> CommError {
-    CommError::Transport(format!("NCCL {what} failed: {:?}", e.0))
+fn lib() -> Result<&'static libnccl::Nccl, CommError> {
+    libnccl::nccl().map_err(CommError::Transport)
+}
+
+/// `Ok` for NCCL's success, else an error naming the call.
+fn called(what: &str, status: Status) -> Result<(), CommError> {
+    if status == libnccl::SUCCESS {
+        return Ok(());
+    }
+    let why = lib().map_or_else(|_| format!("NCCL error {status}"), |n| n.describe(status));
+    Err(CommError::Transport(format!("NCCL {what} failed: {why}")))
 }
 
 /// The NCCL unique id rank 0 hands out through the hub.
 pub fn unique_id() -> Result<Vec<u8>, CommError> {
-    if !available() {
-        return Err(CommError::Transport(
-            "libnccl.so is not on the library path (scripts/gpu_check.sh links the torch \
-             wheel's nvidia/nccl/lib/libnccl.so.2 as libnccl.so)"
-                .to_owned(),
-        ));
-    }
-    let id = result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+    let nccl = lib()?;
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: NCCL writes the id.
+    called("ncclGetUniqueId", unsafe { (nccl.get_unique_id)(&mut id) })?;
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
 
@@ -63,7 +67,7 @@ pub fn host(address: SocketAddr, world: usize, timeout: Duration) -> Result<Hub,
 
 /// An NCCL communicator handle, aborted at most once.
 struct RawComm {
-    comm: sys::ncclComm_t,
+    comm: Comm,
     aborted: AtomicBool,
 }
 
@@ -76,26 +80,30 @@ unsafe impl Sync for RawComm {}
 impl RawComm {
     fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
-            // SAFETY: a live communicator, aborted once.
-            let _ = unsafe { result::comm_abort(self.comm) };
+            if let Ok(nccl) = lib() {
+                // SAFETY: a live communicator, aborted once.
+                let _ = unsafe { (nccl.comm_abort)(self.comm) };
+            }
         }
     }
 
     /// An error NCCL hit asynchronously (a peer failed), if any.
     fn async_error(&self) -> Option<String> {
-        let mut state = sys::ncclResult_t::ncclSuccess;
+        let nccl = lib().ok()?;
+        let mut state = libnccl::SUCCESS;
         // SAFETY: a live communicator; NCCL writes the state.
-        unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
-        (state != sys::ncclResult_t::ncclSuccess && state != sys::ncclResult_t::ncclInProgress)
-            .then(|| format!("{state:?}"))
+        unsafe { (nccl.comm_get_async_error)(self.comm, &mut state) };
+        (state != libnccl::SUCCESS && state != libnccl::IN_PROGRESS).then(|| nccl.describe(state))
     }
 }
 
 impl Drop for RawComm {
     fn drop(&mut self) {
         if !self.aborted.load(Ordering::SeqCst) {
-            // SAFETY: a live communicator, destroyed once.
-            let _ = unsafe { result::comm_destroy(self.comm) };
+            if let Ok(nccl) = lib() {
+                // SAFETY: a live communicator, destroyed once.
+                let _ = unsafe { (nccl.comm_destroy)(self.comm) };
+            }
         }
     }
 }
@@ -130,11 +138,7 @@ impl Nccl {
         identity: Identity,
         timeout: Duration,
     ) -> Result<Nccl, CommError> {
-        if !available() {
-            return Err(CommError::Transport(
-                "libnccl.so is not on the library path".to_owned(),
-            ));
-        }
+        lib()?;
         let (coordinator, id) = Coordinator::join(hub, rank, world, &identity, timeout)?;
         let coordinator = Arc::new(coordinator);
         let comm = init(rank, world, device, &id, timeout).inspect_err(|e| {
@@ -162,7 +166,7 @@ impl Nccl {
         })
     }
 
-    fn stream(&self) -> Result<sys::cudaStream_t, CommError> {
+    fn stream(&self) -> Result<Stream, CommError> {
         ffi::current_stream(self.device)
             .map(|s| s.cast())
             .map_err(CommError::Transport)
@@ -172,17 +176,20 @@ impl Nccl {
     fn queue(
         &self,
         site: &Site,
-        enqueue: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), result::NcclError>,
+        enqueue: impl FnOnce(&libnccl::Nccl, Comm, Stream) -> Status,
     ) -> Result<(), CommError> {
         if let Some(error) = self.coordinator.aborted() {
             return Err(error);
         }
         self.coordinator.arrive(site.seq);
+        let nccl = lib()?;
         let stream = self.stream()?;
-        result::group_start().map_err(|e| nccl_error("ncclGroupStart", e))?;
-        let queued = enqueue(self.comm.comm, stream);
-        result::group_end().map_err(|e| nccl_error("ncclGroupEnd", e))?;
-        queued.map_err(|e| nccl_error(site.op, e))?;
+        // SAFETY: group calls bracket the enqueued operations.
+        called("ncclGroupStart", unsafe { (nccl.group_start)() })?;
+        let queued = enqueue(nccl, self.comm.comm, stream);
+        // SAFETY: as above.
+        called("ncclGroupEnd", unsafe { (nccl.group_end)() })?;
+        called(site.op, queued)?;
         let event = ffi::Event::record(self.device).map_err(CommError::Transport)?;
         let pending = Pending {
             event,
@@ -206,7 +213,8 @@ fn init(
     id: &[u8],
     timeout: Duration,
 ) -> Result<RawComm, CommError> {
-    let mut unique = sys::ncclUniqueId { internal: [0; 128] };
+    let nccl = lib()?;
+    let mut unique = UniqueId { internal: [0; 128] };
     for (slot, byte) in unique.internal.iter_mut().zip(id) {
         *slot = *byte as std::ffi::c_char;
     }
@@ -220,8 +228,8 @@ fn init(
                     let mut comm = std::ptr::null_mut();
                     let (world, rank) = (world as i32, rank as i32);
                     // SAFETY: NCCL writes the communicator on success.
-                    unsafe { result::comm_init_rank(&mut comm, world, unique, rank) }
-                        .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+                    let status = unsafe { (nccl.comm_init_rank)(&mut comm, world, unique, rank) };
+                    called("ncclCommInitRank", status)?;
                     Ok(comm as usize)
                 });
             let _ = sender.send(made);
@@ -234,7 +242,7 @@ fn init(
         ))
     })??;
     Ok(RawComm {
-        comm: comm as sys::ncclComm_t,
+        comm: comm as Comm,
         aborted: AtomicBool::new(false),
     })
 }
@@ -286,39 +294,38 @@ fn watch(queue: &mpsc::Receiver<Pending>, comm: &RawComm, coordinator: &Coordina
     }
 }
 
-fn nccl_type(kind: Kind) -> Option<sys::ncclDataType_t> {
-    use sys::ncclDataType_t as T;
+fn nccl_type(kind: Kind) -> Option<DataType> {
+    use DataType as T;
     Some(match kind {
-        Kind::Float => T::ncclFloat32,
-        Kind::Double => T::ncclFloat64,
-        Kind::Half => T::ncclFloat16,
-        Kind::BFloat16 => T::ncclBfloat16,
-        Kind::Int64 => T::ncclInt64,
-        Kind::Int => T::ncclInt32,
-        Kind::Int8 => T::ncclInt8,
-        Kind::Uint8 => T::ncclUint8,
-        Kind::Float8e4m3fn => T::ncclFloat8e4m3,
-        Kind::Float8e5m2 => T::ncclFloat8e5m2,
+        Kind::Float => T::Float32,
+        Kind::Double => T::Float64,
+        Kind::Half => T::Float16,
+        Kind::BFloat16 => T::Bfloat16,
+        Kind::Int64 => T::Int64,
+        Kind::Int => T::Int32,
+        Kind::Int8 => T::Int8,
+        Kind::Uint8 => T::Uint8,
+        Kind::Float8e4m3fn => T::Float8e4m3,
+        Kind::Float8e5m2 => T::Float8e5m2,
         _ => return None,
     })
 }
 
 /// For data movement any element type moves as its bytes.
-fn moved_type(kind: Kind) -> (sys::ncclDataType_t, usize) {
+fn moved_type(kind: Kind) -> (DataType, usize) {
     match nccl_type(kind) {
         Some(t) if kind != Kind::Bool => (t, 1),
-        _ => (sys::ncclDataType_t::ncclUint8, kind.elt_size_in_bytes()),
+        _ => (DataType::Uint8, kind.elt_size_in_bytes()),
     }
 }
 
-fn reduce_op(op: ReduceOp) -> sys::ncclRedOp_t {
-    use sys::ncclRedOp_t as R;
+fn reduce_op(op: ReduceOp) -> RedOp {
     match op {
-        ReduceOp::Sum => R::ncclSum,
-        ReduceOp::Avg => R::ncclAvg,
-        ReduceOp::Max => R::ncclMax,
-        ReduceOp::Min => R::ncclMin,
-        ReduceOp::Product => R::ncclProd,
+        ReduceOp::Sum => RedOp::Sum,
+        ReduceOp::Avg => RedOp::Avg,
+        ReduceOp::Max => RedOp::Max,
+        ReduceOp::Min => RedOp::Min,
+        ReduceOp::Product => RedOp::Prod,
     }
 }
 
@@ -392,7 +399,7 @@ impl Communicator for Nccl {
                 let (dtype, scale) = moved_type(kind);
                 let elt = kind.elt_size_in_bytes();
                 let recv = output.data_ptr() as *mut u8;
-                self.queue(site, |comm, stream| {
+                self.queue(site, |nccl, comm, stream| {
                     let (sends, recvs) = (offsets(input_splits), offsets(output_splits));
                     for peer in 0..input_splits.len() {
                         let count = |n: i64| n as usize * row * scale;
@@ -400,26 +407,31 @@ impl Communicator for Nccl {
                         // SAFETY: offsets lie inside the contiguous buffers, sized from the
                         // same splits; both live until the queued work completes (the stream
                         // orders their reuse).
-                        unsafe {
-                            result::send(
-                                (send as *const u8).add(byte(sends[peer])).cast(),
-                                count(input_splits[peer]),
-                                dtype,
-                                peer as i32,
-                                comm,
-                                stream,
-                            )?;
-                            result::recv(
-                                recv.add(byte(recvs[peer])).cast(),
-                                count(output_splits[peer]),
-                                dtype,
-                                peer as i32,
-                                comm,
-                                stream,
-                            )?;
+                        let statuses = unsafe {
+                            [
+                                (nccl.send)(
+                                    (send as *const u8).add(byte(sends[peer])).cast(),
+                                    count(input_splits[peer]),
+                                    dtype,
+                                    peer as i32,
+                                    comm,
+                                    stream,
+                                ),
+                                (nccl.recv)(
+                                    recv.add(byte(recvs[peer])).cast(),
+                                    count(output_splits[peer]),
+                                    dtype,
+                                    peer as i32,
+                                    comm,
+                                    stream,
+                                ),
+                            ]
+                        };
+                        if let Some(&failed) = statuses.iter().find(|&&s| s != libnccl::SUCCESS) {
+                            return failed;
                         }
                     }
-                    Ok(())
+                    libnccl::SUCCESS
                 })?;
                 Ok(output)
             }
@@ -427,10 +439,9 @@ impl Communicator for Nccl {
                 let output = Tensor::empty(rows_like(&input, rows * world), (kind, self.device));
                 let (dtype, scale) = moved_type(kind);
                 let recv = output.data_ptr();
-                self.queue(site, |comm, stream| {
+                self.queue(site, |nccl, comm, stream| {
                     // SAFETY: the output holds `world` times the input.
-                    unsafe { result::all_gather(send, recv, numel * scale, dtype, comm, stream) }
-                        .map(|_| ())
+                    unsafe { (nccl.all_gather)(send, recv, numel * scale, dtype, comm, stream) }
                 })?;
                 Ok(output)
             }
@@ -448,11 +459,11 @@ impl Communicator for Nccl {
                 let output = Tensor::empty(rows_like(&input, out_rows), (kind, self.device));
                 let recv = output.data_ptr();
                 let op = reduce_op(*op);
-                self.queue(site, |comm, stream| {
+                self.queue(site, |nccl, comm, stream| {
                     // SAFETY: buffers sized for the collective.
                     unsafe {
                         if scatter {
-                            result::reduce_scatter(
+                            (nccl.reduce_scatter)(
                                 send,
                                 recv,
                                 output.numel(),
@@ -462,10 +473,9 @@ impl Communicator for Nccl {
                                 stream,
                             )
                         } else {
-                            result::all_reduce(send, recv, numel, dtype, op, comm, stream)
+                            (nccl.all_reduce)(send, recv, numel, dtype, op, comm, stream)
                         }
                     }
-                    .map(|_| ())
                 })?;
                 Ok(output)
             }

@@ -1,5 +1,5 @@
 //! The TCP rendezvous and control channel of ranks that do not share memory (NCCL ranks, one
-//! per GPU, in one process or across processes and hosts).
+//! per GPU, in one process or across processes and hosts; gloo ranks, one per process).
 //!
 //! Rank 0 hosts a hub; every rank (rank 0 too) connects to it and says who it is and what it
 //! runs (`HELLO rank world structure plan`). Once all have, the hub either refuses (the ranks
@@ -57,6 +57,8 @@ impl AbortFlag {
 /// Where the hub listens and what it gives every rank.
 pub struct Hub {
     pub address: SocketAddr,
+    /// Disconnected once the hub has stopped serving.
+    stopped: mpsc::Receiver<()>,
 }
 
 impl Hub {
@@ -73,11 +75,22 @@ impl Hub {
         let address = listener
             .local_addr()
             .map_err(|e| CommError::Transport(format!("rendezvous: {e}")))?;
+        let (serving, stopped) = mpsc::channel::<()>();
         thread::Builder::new()
             .name("rendezvous-hub".to_owned())
-            .spawn(move || serve(listener, world, &id, timeout))
+            .spawn(move || {
+                serve(listener, world, &id, timeout);
+                drop(serving);
+            })
             .map_err(|e| CommError::Transport(format!("rendezvous: cannot start the hub: {e}")))?;
-        Ok(Hub { address })
+        Ok(Hub { address, stopped })
+    }
+
+    /// Waits up to `limit` for the hub to stop: every rank said it is done or left (or the
+    /// rendezvous failed). The process that hosts the hub outlives it, so that every rank
+    /// hears of an abort and none loses the hub while it still runs.
+    pub fn wait_stopped(&self, limit: Duration) {
+        let _ = self.stopped.recv_timeout(limit);
     }
 }
 
@@ -109,10 +122,12 @@ impl Coordinator {
         reader.read_line(&mut line).map_err(|e| {
             CommError::Transport(format!("rendezvous: no answer from rank 0's hub: {e}"))
         })?;
-        let id = match line.trim_end().split_once(' ') {
-            Some(("WELCOME", hex)) => from_hex(hex)?,
-            Some(("MISMATCH", rest)) => return Err(mismatch(rank, identity, rest)),
-            Some(("ABORT", rest)) => return Err(parse_abort(rest)),
+        // The id is empty for communicators that need none (gloo): `WELCOME` alone.
+        let answer = line.trim_end();
+        let id = match answer.split_once(' ').unwrap_or((answer, "")) {
+            ("WELCOME", hex) => from_hex(hex)?,
+            ("MISMATCH", rest) => return Err(mismatch(rank, identity, rest)),
+            ("ABORT", rest) => return Err(parse_abort(rest)),
             _ => {
                 return Err(CommError::Transport(format!(
                     "rendezvous: unexpected answer `{}`",
@@ -160,9 +175,12 @@ impl Coordinator {
         self.send(&format!("TIMEOUT {seq} {site}"));
     }
 
-    /// This rank failed: every rank is aborted, naming it.
+    /// This rank failed: every rank is aborted, naming it. Returns once the hub relayed the
+    /// abort (back to this rank too), or after the timeout: a process that exits right after
+    /// has told the others first.
     pub fn abort(&self, message: &str) {
         self.send(&format!("ABORT {message}"));
+        self.wait_aborted(self.timeout);
     }
 
     /// This rank finished its work.

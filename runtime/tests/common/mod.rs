@@ -50,6 +50,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             executor: Default::default(),
             budget_bytes: None,
             layer_keep: Vec::new(),
+            training: Default::default(),
         },
         joint: true,
         nodes: Vec::new(),
