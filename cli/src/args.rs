@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use ir::plan::{Code, Collectives, Executor, RandomOps};
+use ir::plan::{Code, Collectives, Executor, Optimizer, RandomOps, StateDtype, Training};
 use planner::config::PlanConfig;
 
 #[derive(Parser)]
@@ -74,6 +74,28 @@ pub struct Planning {
     /// datasheet figures) or a JSON file whose fields left out keep the H200's [default: h200]
     #[arg(long, value_name = "NAME|FILE.json")]
     pub hw: Option<PathBuf>,
+    /// FSDP shard degree: parameters, gradients and optimizer state split N ways in the device
+    /// total, plus the unsharded parameters and gradients being gathered and reduced (1 to
+    /// 65536; 1: unsharded)
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u32).range(1..=65536),
+        allow_negative_numbers = true
+    )]
+    fsdp: u32,
+    /// The optimizer whose state the device total counts: AdamW (two moments), SGD with
+    /// momentum (one buffer), or none
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
+    optimizer: OptimizerArg,
+    /// The element type of the optimizer state: fp32, or the parameter's dtype (as
+    /// `torch.optim` on bf16 parameters)
+    #[arg(long, value_enum, default_value_t = StateDtypeArg::Fp32)]
+    optimizer_state_dtype: StateDtypeArg,
+    /// Count an fp32 master copy of every parameter that is not fp32 (mixed precision)
+    #[arg(long)]
+    master_weights: bool,
 }
 
 impl Planning {
@@ -93,6 +115,19 @@ impl Planning {
                 ExecutorArg::Graph => Executor::Graph,
                 ExecutorArg::Eager => Executor::Eager,
             },
+            training: Training {
+                fsdp: self.fsdp,
+                optimizer: match self.optimizer {
+                    OptimizerArg::Adamw => Optimizer::AdamW,
+                    OptimizerArg::Sgd => Optimizer::Sgd,
+                    OptimizerArg::None => Optimizer::None,
+                },
+                state_dtype: match self.optimizer_state_dtype {
+                    StateDtypeArg::Fp32 => StateDtype::F32,
+                    StateDtypeArg::Param => StateDtype::Param,
+                },
+                master_weights: self.master_weights,
+            },
             ..PlanConfig::default()
         }
     }
@@ -109,7 +144,8 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub planning: Planning,
     /// Choose the units per layer that minimise replay time with the activation peak within
-    /// SIZE (e.g. `40GiB`; parameters apart unless --budget-includes params); replaces --keep
+    /// SIZE (e.g. `40GiB`; the activation peak unless --budget-includes says more); replaces
+    /// --keep
     #[arg(
         long,
         value_name = "SIZE",
@@ -118,7 +154,8 @@ pub struct PlanArgs {
         allow_hyphen_values = true
     )]
     pub budget: Option<u64>,
-    /// What --budget bounds: the activation peak, or the device total with the parameters
+    /// What --budget bounds: the activation peak, with the parameters, or the whole training
+    /// state on one device (parameters, gradients, optimizer state: the device total)
     #[arg(long, value_enum, default_value_t = BudgetBasis::Activations, requires = "budget")]
     pub budget_includes: BudgetBasis,
     /// With --budget: choose whole units per layer, or also single ops
@@ -247,6 +284,19 @@ pub enum BudgetBasis {
     Activations,
     /// Parameters plus the activation peak
     Params,
+    /// The device total: parameters, gradients, optimizer state and master weights (as
+    /// --fsdp, --optimizer and --master-weights say) plus the activation peak
+    TrainingState,
+}
+
+impl From<BudgetBasis> for planner::state::BudgetBasis {
+    fn from(basis: BudgetBasis) -> Self {
+        match basis {
+            BudgetBasis::Activations => planner::state::BudgetBasis::Activations,
+            BudgetBasis::Params => planner::state::BudgetBasis::Params,
+            BudgetBasis::TrainingState => planner::state::BudgetBasis::TrainingState,
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -303,6 +353,24 @@ enum ExecutorArg {
     /// Eager checkpoint: a layer's recompute re-runs its forward up to the last op backward
     /// reads, and every kept op's whole output tuple stays cached
     Eager,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OptimizerArg {
+    /// AdamW: two moments per parameter element
+    Adamw,
+    /// SGD with momentum: one buffer per parameter element
+    Sgd,
+    /// No optimizer state
+    None,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum StateDtypeArg {
+    /// fp32 (mixed-precision training)
+    Fp32,
+    /// The parameter's own dtype
+    Param,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

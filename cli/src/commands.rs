@@ -16,12 +16,13 @@ use planner::{
     convert,
     cost::HwProfile,
     diff, inspect, pareto, plan, render,
+    state::State,
 };
 
 use crate::{
     args::{
-        BudgetBasis, Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat,
-        PlanArgs, PlanFormat, SummaryFormat,
+        Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat, PlanArgs,
+        PlanFormat, SummaryFormat,
     },
     output::{self, Output},
     progress,
@@ -117,7 +118,9 @@ fn make_plan(
     hw: &HwProfile,
 ) -> Result<Plan, Failure> {
     if let Some(size) = args.budget {
-        let activations = activation_budget(size, args.budget_includes, graph)?;
+        let activations = State::of(graph, &config.training)
+            .activation_budget(size, args.budget_includes.into())
+            .map_err(|e| e.to_string())?;
         let bar = progress::Bar::new(args.quiet);
         let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
         return Ok(search
@@ -132,30 +135,6 @@ fn make_plan(
         resolved = resolved.with_layer_units(choices);
     }
     Ok(plan::plan_resolved(graph, config, resolved, hw).map_err(|e| e.to_string())?)
-}
-
-/// The activation peak `--budget SIZE` allows: SIZE itself, or SIZE less the parameters when
-/// it is a device total (`--budget-includes params`).
-fn activation_budget(size: u64, basis: BudgetBasis, graph: &ir::Graph) -> Result<u64, String> {
-    match basis {
-        BudgetBasis::Activations => Ok(size),
-        BudgetBasis::Params => {
-            let params = graph
-                .values()
-                .values()
-                .filter(|v| v.role == ir::Role::Parameter)
-                .fold(0u64, |acc, v| acc.saturating_add(v.bytes));
-            size.checked_sub(params)
-                .filter(|&left| left > 0)
-                .ok_or_else(|| {
-                    format!(
-                        "budget {} is not above the parameters alone ({})",
-                        planner::units::format_bytes(size),
-                        planner::units::format_bytes(params)
-                    )
-                })
-        }
-    }
 }
 
 /// Whether the plan has a warning whose code `--allow` does not waive.

@@ -1314,7 +1314,10 @@ files or not valid, malformed `rng/seed` tensors, inputs larger than memory, spl
 overflow, world sizes and timeouts beyond what a process or its clock holds, ops that allocate
 past their declared tensors or run too long, ranks that panic. Each is one `error:` line (one
 per failing rank) within seconds, proved in `cli/tests/run_cli.rs`; the limits are in the
-README's section on `planner run`.
+README's section on `planner run`. Launched one rank per process (torchrun), a launch
+environment that does not fit (`WORLD_SIZE` other than the graph's, `MASTER_PORT` unset or not
+a port) is refused before anything runs, and a rank that fails, panics or stalls is named on
+every rank: `cli/tests/run_torchrun.rs`.
 
 ";
 
@@ -1374,4 +1377,66 @@ fn floats_of_every_kind_survive_pb_to_json_to_pb() {
         plan["graph"]["fingerprint"].as_str().unwrap().to_owned()
     };
     assert_eq!(fingerprint(&source.0), fingerprint(&json.0));
+}
+
+#[test]
+fn plan_says_whether_the_device_total_fits_the_hardware_memory() {
+    let graph = golden_graph("moe_ep2");
+    let fits = planner(&[&"plan", &graph, &"--hw", &"h100"]);
+    assert!(fits.status.success(), "{}", stderr(&fits));
+    assert!(
+        stdout(&fits).contains("\n  fits in 80 GiB with "),
+        "{}",
+        stdout(&fits)
+    );
+    let small = Scratch::new("small.json", br#"{"memory_bytes": 1024}"#);
+    let over = planner(&[&"plan", &graph, &"--hw", &small.0, &"--fsdp", &"2"]);
+    assert!(over.status.success(), "{}", stderr(&over));
+    let text = stdout(&over);
+    assert!(
+        text.contains("device total (fsdp 2, adamw state in fp32): "),
+        "{text}"
+    );
+    assert!(text.contains("\n  does not fit in 1 KiB: "), "{text}");
+}
+
+#[test]
+fn a_training_state_budget_bounds_the_device_total_or_names_what_fills_it() {
+    let graph = golden_graph("moe_ep2");
+    let json = |args: &[&dyn AsRef<std::ffi::OsStr>]| -> serde_json::Value {
+        let out = planner(
+            &[
+                &[&"plan" as &dyn AsRef<std::ffi::OsStr>, &graph],
+                args,
+                &[&"-q", &"--format", &"json"],
+            ]
+            .concat(),
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice(&out.stdout).expect("a JSON plan")
+    };
+    let whole = json(&[&"--keep", &"all", &"--master-weights"]);
+    let budget = whole["memory"]["device_total_bytes"].as_u64().unwrap();
+    let budget_arg = budget.to_string();
+    let answer = json(&[
+        &"--budget",
+        &budget_arg,
+        &"--budget-includes",
+        &"training-state",
+        &"--master-weights",
+    ]);
+    let total = answer["memory"]["device_total_bytes"].as_u64().unwrap();
+    assert!(total <= budget, "{total} > {budget}");
+    assert_clean_error(
+        &planner(&[
+            &"plan",
+            &graph,
+            &"-q",
+            &"--budget",
+            &"1KiB",
+            &"--budget-includes",
+            &"training-state",
+        ]),
+        &["budget 1.0 KiB (1024 B) is not above", "alone"],
+    );
 }

@@ -213,6 +213,7 @@ impl PlanOptions {
             } else {
                 Executor::Graph
             },
+            ..PlanConfig::default()
         }
     }
 }

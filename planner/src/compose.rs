@@ -59,8 +59,8 @@ pub struct Contribution {
     /// Bytes of the layer's kept outputs and of the recomputed ops that write a resident
     /// tensor (each storage once): what keeping costs by a linear peak model.
     pub kept_bytes: u64,
-    /// The layer's replay, if it replays anything.
-    replay: Option<Replay>,
+    /// The layer's replay, in schedule order (empty if it replays nothing).
+    replay: Vec<Replay>,
     /// Storages the replay makes.
     made: Vec<Life>,
     /// Fixed storages this option reads: (creating value, last slot), by value.
@@ -515,9 +515,17 @@ fn contributions(
             out[k].1.allowed = false;
         }
     }
+    let mut replayed: Vec<Vec<NodeId>> = vec![Vec::new(); count];
     for r in &partition.replays {
         if let Some(k) = r.nodes.first().and_then(|&n| mine(layers.of_node(n))) {
-            out[k].1.seconds = work.sum(r.nodes.iter().copied()).seconds;
+            replayed[k].extend(&r.nodes);
+        }
+    }
+    for (k, mut nodes) in replayed.into_iter().enumerate() {
+        if !nodes.is_empty() {
+            // In forward order, as a layer replayed at once sums them.
+            nodes.sort_unstable();
+            out[k].1.seconds = work.sum(nodes).seconds;
             out[k].1.ticks = ticks(out[k].1.seconds);
         }
     }
@@ -632,16 +640,16 @@ impl Model {
             exact &= recording.exact;
             peaks.push((run.varied, run.option, recording.peak));
             let mut memory: Vec<_> = recording.layers.into_iter().map(Some).collect();
-            let mut replays: Vec<Option<Replay>> = vec![None; layers.at.len()];
+            let mut replays: Vec<Vec<Replay>> = vec![Vec::new(); layers.at.len()];
             for r in run.replays {
                 if let Ok(l) = layers.at.binary_search(&r.layer) {
-                    replays[l] = Some(r);
+                    replays[l].push(r);
                 }
             }
             for (l, mut c) in run.contributions {
                 exact &= options[l].len() == run.option;
                 let LayerMemory { made, reads } = memory[l].take().unwrap_or_default();
-                (c.made, c.reads, c.replay) = (made, reads, replays[l].take());
+                (c.made, c.reads, c.replay) = (made, reads, std::mem::take(&mut replays[l]));
                 options[l].push(c);
             }
         }
@@ -790,7 +798,7 @@ impl Model {
         let mut replays: Vec<&Replay> = self
             .fixed_replays
             .iter()
-            .chain(chosen().filter_map(|c| c.replay.as_ref()))
+            .chain(chosen().flat_map(|c| &c.replay))
             .collect();
         replays.sort_by_key(|r| (r.position, r.layer));
         let seconds = work

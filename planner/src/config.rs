@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Executor, Keep, LayerRef, RandomOps},
+    plan::{Collectives, Executor, Keep, LayerRef, RandomOps, Training},
     Graph, IdVec, Model, ModelId, NodeId, UnitId,
 };
 use thiserror::Error;
@@ -48,6 +48,8 @@ pub struct PlanConfig {
     pub collectives: Collectives,
     pub random_ops: RandomOps,
     pub executor: Executor,
+    /// The training state the device total counts.
+    pub training: Training,
 }
 
 impl Default for PlanConfig {
@@ -58,6 +60,7 @@ impl Default for PlanConfig {
             collectives: Collectives::Recompute,
             random_ops: RandomOps::Save,
             executor: Executor::Graph,
+            training: Training::default(),
         }
     }
 }

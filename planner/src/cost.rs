@@ -45,6 +45,9 @@ pub struct HwProfile {
     pub multiprocessors: u32,
 }
 
+/// Vendors state HBM capacities in binary units: an "80 GB" H100 has five 16 GiB stacks.
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// Makes one shipped profile.
 type Shipped = fn() -> HwProfile;
 
@@ -65,7 +68,7 @@ impl Default for HwProfile {
 
 impl HwProfile {
     /// NVIDIA H100 SXM5: 989.5 TFLOP/s bf16, 67 TFLOP/s fp32 and fp64 (tensor core), 1,979
-    /// TFLOP/s fp8, 3.35 TB/s HBM3 (80 GB), NVLink 4 at 900 GB/s (450 per direction).
+    /// TFLOP/s fp8, 3.35 TB/s HBM3 (80 GiB), NVLink 4 at 900 GB/s (450 per direction).
     fn h100() -> Self {
         HwProfile {
             name: "H100".to_owned(),
@@ -76,24 +79,24 @@ impl HwProfile {
             vector_flops_per_s: 67e12,
             hbm_bytes_per_s: 3.35e12,
             link_bytes_per_s: 450e9,
-            memory_bytes: 80e9,
+            memory_bytes: GIB * 80.0,
             compute_capability: [9, 0],
             multiprocessors: 132,
         }
     }
 
-    /// NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e (141 GB).
+    /// NVIDIA H200 SXM: the H100's compute with 4.8 TB/s HBM3e (141 GiB).
     fn h200() -> Self {
         HwProfile {
             name: "H200".to_owned(),
             hbm_bytes_per_s: 4.8e12,
-            memory_bytes: 141e9,
+            memory_bytes: GIB * 141.0,
             ..HwProfile::h100()
         }
     }
 
     /// NVIDIA B200 (HGX B200, per GPU): 2,250 TFLOP/s bf16, 75 TFLOP/s fp32, 37 TFLOP/s fp64,
-    /// 4,500 TFLOP/s fp8, 8 TB/s HBM3e (180 GB), NVLink 5 at 1.8 TB/s (900 GB/s per
+    /// 4,500 TFLOP/s fp8, 8 TB/s HBM3e (180 GiB), NVLink 5 at 1.8 TB/s (900 GB/s per
     /// direction).
     fn b200() -> Self {
         HwProfile {
@@ -105,14 +108,14 @@ impl HwProfile {
             vector_flops_per_s: 75e12,
             hbm_bytes_per_s: 8e12,
             link_bytes_per_s: 900e9,
-            memory_bytes: 180e9,
+            memory_bytes: GIB * 180.0,
             compute_capability: [10, 0],
             multiprocessors: 148,
         }
     }
 
     /// AMD Instinct MI300X: 1,307.4 TFLOP/s bf16, 163.4 TFLOP/s fp32 and fp64 (matrix),
-    /// 2,614.9 TFLOP/s fp8, 5.3 TB/s HBM3 (192 GB), Infinity Fabric 7 x 128 GB/s (448 GB/s
+    /// 2,614.9 TFLOP/s fp8, 5.3 TB/s HBM3 (192 GiB), Infinity Fabric 7 x 128 GB/s (448 GB/s
     /// per direction); ROCm reports gfx942 as capability 9.4.
     fn mi300x() -> Self {
         HwProfile {
@@ -124,7 +127,7 @@ impl HwProfile {
             vector_flops_per_s: 163.4e12,
             hbm_bytes_per_s: 5.3e12,
             link_bytes_per_s: 448e9,
-            memory_bytes: 192e9,
+            memory_bytes: GIB * 192.0,
             compute_capability: [9, 4],
             multiprocessors: 304,
         }

@@ -19,4 +19,5 @@ pub mod plan;
 pub mod policy;
 pub mod progress;
 pub mod render;
+pub mod state;
 pub mod units;

@@ -16,7 +16,7 @@
 
 use ir::{
     plan::{Peak, Stage},
-    EntityId, Graph, NodeId, Phase, ValueId,
+    EntityId, Graph, ModelId, NodeId, Phase, ValueId,
 };
 
 use crate::partition::{Hold, Replay, Until};
@@ -30,6 +30,9 @@ pub struct Simulation {
     pub peak: Option<Peak>,
     /// Bytes of the gradients the graph outputs, alive at the end of the step.
     pub gradient_bytes: u64,
+    /// The peak with the gradients sharded as FSDP reduce-scatters them
+    /// ([`simulate_sharded`]); `peak_bytes` when unsharded.
+    pub peak_sharded_gradients: u64,
 }
 
 /// One storage (a tensor's memory) and its lifetime in steps.
@@ -107,12 +110,34 @@ struct Simulator<'g, O> {
     /// Steps run so far.
     steps: usize,
     observer: O,
+    /// FSDP's shard degree for the gradients (1: unsharded, nothing more is recorded).
+    gradient_shards: u32,
+    /// Under FSDP, the last backward step of each layer: where its gradients are
+    /// reduce-scattered.
+    layer_ends: rustc_hash::FxHashMap<(ModelId, u32), usize>,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
 /// the given replays (none: no checkpointing at all) and executor holds.
 pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay], holds: &[Hold]) -> Simulation {
     simulate_with(graph, order, replays, holds, ()).0
+}
+
+/// [`simulate`], and the peak with the gradients FSDP-sharded `shards` ways as FSDP2 holds them
+/// (docs/cost-and-memory.md, M4): a gradient made in a decoder layer is whole until that
+/// layer's backward ends, then `1/shards` of it; there a flat copy of the layer's gradients is
+/// made for the reduce-scatter and lives until the next layer's backward ends (the end of the
+/// step for the last); a gradient made outside layers (the root's) stays whole to the end.
+pub fn simulate_sharded(
+    graph: &Graph,
+    order: &[NodeId],
+    replays: &[Replay],
+    holds: &[Hold],
+    shards: u32,
+) -> Simulation {
+    let mut after = forward(graph, ());
+    after.0.gradient_shards = shards.max(1);
+    after.backward(order, replays, holds).0
 }
 
 /// [`simulate`], reporting every step, storage and read to `observer`; returns it after the
@@ -187,6 +212,8 @@ pub(crate) fn forward<O: Observer>(graph: &Graph, observer: O) -> AfterForward<'
         },
         steps: 0,
         observer,
+        gradient_shards: 1,
+        layer_ends: Default::default(),
     };
     sim.place_graph_inputs();
     for step in forward_steps(graph) {
@@ -215,9 +242,15 @@ impl<O: Observer> AfterForward<'_, O> {
             sim.run(&step);
             sim.touch(step.stage, held.at(&step));
         }
-        let (peak_bytes, peak_step, gradient_bytes) = sim.finish();
+        let Finish {
+            peak_bytes,
+            peak_step,
+            gradient_bytes,
+            peak_sharded_gradients,
+        } = sim.finish();
         let simulation = Simulation {
             peak_bytes,
+            peak_sharded_gradients,
             peak: peak_step
                 .and_then(|s| schedule(graph, order, replays).nth(s))
                 .map(|step| Peak {
@@ -325,6 +358,11 @@ impl<O: Observer> Simulator<'_, O> {
         self.steps += 1;
         self.observer.step(step);
         let node = self.graph.node(id);
+        if self.gradient_shards > 1 && stage == Stage::Backward {
+            if let Some(layer) = node.layer {
+                self.layer_ends.insert((node.model, layer), at);
+            }
+        }
         for &v in &node.inputs {
             if let Some((s, copy)) = self.read(stage, v) {
                 self.storages[s as usize].last = at;
@@ -369,26 +407,106 @@ impl<O: Observer> Simulator<'_, O> {
         }
     }
 
-    /// The peak, the step it is first reached at, and the bytes of the output gradients.
-    fn finish(&mut self) -> (u64, Option<usize>, u64) {
+    /// The peaks and the bytes of the output gradients.
+    fn finish(&mut self) -> Finish {
         let end = self.steps.saturating_sub(1);
         let mut gradient_bytes = 0u64;
+        let mut gradients = Vec::new();
         for &v in self.graph.outputs() {
-            if let Some((s, copy)) = self.read(Stage::Backward, v) {
+            let found = self.read(Stage::Backward, v);
+            if let Some((s, copy)) = found {
                 self.storages[s as usize].last = end;
                 self.observer.read(Stage::Backward, v, s, copy);
             }
             if self.graph.value(v).role == ir::Role::Gradient {
                 gradient_bytes = gradient_bytes.saturating_add(self.graph.value(v).bytes);
+                gradients.extend(found.map(|(s, _)| (s, v)));
             }
         }
         let (peak_bytes, peak_step) = peak(&self.storages, self.steps);
-        (peak_bytes, peak_step, gradient_bytes)
+        let peak_sharded_gradients = if self.gradient_shards > 1 {
+            self.sharded_peak(gradients, end)
+        } else {
+            peak_bytes
+        };
+        Finish {
+            peak_bytes,
+            peak_step,
+            gradient_bytes,
+            peak_sharded_gradients,
+        }
+    }
+
+    /// The peak with the gradient storages in `gradients` (storage, value) held as FSDP holds
+    /// them ([`simulate_sharded`]); `end` is the last step.
+    fn sharded_peak(&self, gradients: Vec<(u32, ValueId)>, end: usize) -> u64 {
+        let shards = u64::from(self.gradient_shards);
+        let mut sharded = vec![false; self.storages.len()];
+        let mut pieces = Vec::new();
+        // Per layer: the step its backward ends and the bytes of its flat reduce-scatter copy.
+        let mut copies: rustc_hash::FxHashMap<(ModelId, u32), (usize, u64)> = Default::default();
+        for (s, v) in gradients {
+            let storage = self.storages[s as usize];
+            let reduced = self.graph.producer(v).and_then(|p| {
+                let node = self.graph.node(p);
+                let key = (node.model, node.layer?);
+                Some((key, *self.layer_ends.get(&key)?))
+            });
+            let Some((key, at)) = reduced.filter(|&(_, at)| at >= storage.alloc) else {
+                continue; // the root's: whole to the end, as simulated
+            };
+            if std::mem::replace(&mut sharded[s as usize], true) {
+                continue; // a storage two outputs share counts once
+            }
+            pieces.push(Storage {
+                last: at,
+                ..storage
+            });
+            if at < end {
+                pieces.push(Storage {
+                    bytes: storage.bytes.div_ceil(shards),
+                    alloc: at + 1,
+                    last: end,
+                });
+            }
+            let copy = copies.entry(key).or_insert((at, 0));
+            copy.1 = copy.1.saturating_add(storage.bytes);
+        }
+        // A layer's copy lives until the next reduce-scatter is issued (FSDP2 frees it once
+        // the next layer's backward ends), the last one to the end of the step.
+        let mut ends: Vec<usize> = self.layer_ends.values().copied().collect();
+        ends.sort_unstable();
+        pieces.extend(copies.into_values().map(|(at, bytes)| {
+            Storage {
+                bytes,
+                alloc: at,
+                last: ends[ends.partition_point(|&e| e <= at)..]
+                    .first()
+                    .copied()
+                    .unwrap_or(end),
+            }
+        }));
+        let whole = self
+            .storages
+            .iter()
+            .zip(&sharded)
+            .filter(|(_, &sharded)| !sharded)
+            .map(|(s, _)| s);
+        peak(whole.chain(&pieces), self.steps).0
     }
 }
 
+/// What [`Simulator::finish`] found.
+struct Finish {
+    peak_bytes: u64,
+    /// The step where the peak is first reached.
+    peak_step: Option<usize>,
+    gradient_bytes: u64,
+    peak_sharded_gradients: u64,
+}
+
 /// The largest sum of live bytes over steps, and the first step where it is reached.
-fn peak(storages: &[Storage], steps: usize) -> (u64, Option<usize>) {
+fn peak<'s>(storages: impl IntoIterator<Item = &'s Storage>, steps: usize) -> (u64, Option<usize>) {
     let mut delta = vec![0i128; steps + 1];
     for s in storages {
         delta[s.alloc] += i128::from(s.bytes);

@@ -20,6 +20,7 @@ use crate::{
     memory::{self, Simulation},
     partition::{self, Partition, PartitionError},
     policy::{self, Policy, UnitKey},
+    state::State,
 };
 
 #[derive(Debug, Error)]
@@ -94,11 +95,12 @@ fn analyse(
         });
     }
     let partition = checked_partition(graph, &policy, config.executor)?;
-    let memory = memory::simulate(
+    let memory = memory::simulate_sharded(
         graph,
         &partition.order,
         &partition.replays,
         &partition.holds,
+        config.training.fsdp,
     );
     Ok(Analysis {
         policy,
@@ -156,13 +158,14 @@ fn finish(
             executor: config.executor,
             budget_bytes: None,
             layer_keep: layer_keep(resolved),
+            training: config.training,
         },
         joint: partition.is_some(),
         nodes: node_decisions(graph, &policy),
         saved: partition.map_or_else(Vec::new, |p| saved_values(graph, p)),
         replay: partition.map_or_else(Vec::new, |p| replays(p, &work)),
         units: unit_summaries(graph, &policy, joint.as_ref(), &work),
-        memory: memory_figures(graph, joint.as_ref()),
+        memory: memory_figures(graph, config, joint.as_ref(), hw),
         cost: cost_figures(joint.as_ref(), hw, &work),
         diagnostics,
     }
@@ -232,7 +235,12 @@ fn checked_partition(
     Ok(partition)
 }
 
-fn memory_figures(graph: &Graph, joint: Option<&Joint>) -> Memory {
+fn memory_figures(
+    graph: &Graph,
+    config: &PlanConfig,
+    joint: Option<&Joint>,
+    hw: &HwProfile,
+) -> Memory {
     let parameter_bytes = graph
         .values()
         .values()
@@ -252,6 +260,7 @@ fn memory_figures(graph: &Graph, joint: Option<&Joint>) -> Memory {
         peak: j.memory.peak,
         parameter_bytes,
         gradient_bytes: j.memory.gradient_bytes,
+        device: Some(State::of(graph, &config.training).total(&j.memory, hw.memory_bytes as u64)),
     }
 }
 

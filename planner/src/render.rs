@@ -6,11 +6,13 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use rustc_hash::FxHashMap as HashMap;
 
 use ir::{
-    plan::{Decision, Diagnostic, Keep, NodeDecision, Plan, SavedValue},
-    EntityId, Graph, Phase,
+    plan::{
+        Decision, DeviceTotal, Diagnostic, Keep, LayerRef, NodeDecision, Plan, SavedValue, Training,
+    },
+    EntityId, Graph, NodeId, Phase,
 };
 
-use crate::units::{format_bytes, format_seconds};
+use crate::units::{format_bytes, format_seconds, format_size};
 
 /// The human form: config, per-unit kept ops and bytes, saved set, replay, diagnostics.
 pub fn text(plan: &Plan, graph: &Graph) -> String {
@@ -173,16 +175,33 @@ fn text_replay(w: &mut String, plan: &Plan, graph: &Graph) {
         let _ = writeln!(w, "replay: nothing re-runs in backward");
         return;
     }
-    let total: usize = plan.replay.iter().map(|r| r.nodes.len()).sum();
-    let _ = writeln!(w, "replay: {total} ops in {} subgraphs", plan.replay.len());
+    // Per layer, in the order the layers first replay: its ops, steps and first step.
+    let mut layers: Vec<(LayerRef, usize, usize, NodeId)> = Vec::new();
     for r in &plan.replay {
+        match layers.iter_mut().find(|l| l.0 == r.at) {
+            Some(layer) => (layer.1, layer.2) = (layer.1 + r.nodes.len(), layer.2 + 1),
+            None => layers.push((r.at, r.nodes.len(), 1, r.before)),
+        }
+    }
+    let total: usize = plan.replay.iter().map(|r| r.nodes.len()).sum();
+    let _ = writeln!(
+        w,
+        "replay: {total} ops in {} layers, {} steps (each op just before the first backward node that needs it)",
+        layers.len(),
+        plan.replay.len()
+    );
+    for (at, ops, steps, first) in layers {
+        let steps = if steps == 1 {
+            String::new()
+        } else {
+            format!(" in {steps} steps, the first")
+        };
         let _ = writeln!(
             w,
-            "  {} layer {}: {} ops, before `{}`",
-            graph.model(r.at.model).name,
-            r.at.layer,
-            r.nodes.len(),
-            graph.node(r.before).name
+            "  {} layer {}: {ops} ops{steps} before `{}`",
+            graph.model(at.model).name,
+            at.layer,
+            graph.node(first).name
         );
     }
     let replayed = plan
@@ -217,6 +236,9 @@ fn text_memory(w: &mut String, plan: &Plan, graph: &Graph) {
         "  peak, whole-layer recompute {}",
         peak(m.full_recompute_peak_bytes)
     );
+    if let Some(device) = &m.device {
+        text_device(w, device, &plan.config.training);
+    }
     let _ = writeln!(
         w,
         "cost ({}): replay {} FLOPs, {} moved, {} re-communicated, {} (whole-layer recompute: {})",
@@ -227,6 +249,49 @@ fn text_memory(w: &mut String, plan: &Plan, graph: &Graph) {
         format_seconds(c.replay_time_s),
         format_seconds(c.full_recompute_replay_time_s)
     );
+}
+
+/// The whole training state on one device, its parts, and whether it fits.
+fn text_device(w: &mut String, d: &DeviceTotal, training: &Training) {
+    let master = if training.master_weights {
+        ", fp32 master weights"
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        w,
+        "device total (fsdp {}, {} state in {}{master}): {}, in {}",
+        training.fsdp,
+        training.optimizer,
+        training.state_dtype,
+        format_bytes(d.total_bytes),
+        d.phase
+    );
+    let _ = writeln!(
+        w,
+        "  parameters {}, activations and gradients {}, optimizer state {}, master weights {}; \
+         optimizer step {}",
+        format_size(d.parameter_bytes),
+        format_size(d.activation_bytes),
+        format_size(d.optimizer_state_bytes),
+        format_size(d.master_weight_bytes),
+        format_size(d.optimizer_step_bytes)
+    );
+    let memory = format_size(d.memory_bytes);
+    let headroom = d.headroom();
+    let _ = if headroom >= 0 {
+        writeln!(
+            w,
+            "  fits in {memory} with {} to spare",
+            format_size(headroom.unsigned_abs().try_into().unwrap_or(u64::MAX))
+        )
+    } else {
+        writeln!(
+            w,
+            "  does not fit in {memory}: {} over",
+            format_size(headroom.unsigned_abs().try_into().unwrap_or(u64::MAX))
+        )
+    };
 }
 
 fn text_diagnostics(w: &mut String, diagnostics: &[Diagnostic]) {

@@ -15,6 +15,21 @@ pub fn format_bytes(bytes: u64) -> String {
     format!("{scaled:.1} {} ({bytes} B)", UNITS[unit])
 }
 
+/// `bytes` in the largest binary unit that keeps an integer part, to one decimal without a
+/// trailing `.0`: `141 GiB`, `12.5 GiB`, `0 B`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut scaled = bytes as f64;
+    let mut unit = 0;
+    while scaled >= 1024.0 && unit + 1 < UNITS.len() {
+        scaled /= 1024.0;
+        unit += 1;
+    }
+    let text = format!("{scaled:.1}");
+    let text = text.strip_suffix(".0").unwrap_or(&text);
+    format!("{text} {}", UNITS[unit])
+}
+
 /// Seconds in the unit that keeps 1-3 integer digits: `1.50 ms`, `12.0 µs`, `0 s`.
 pub fn format_seconds(seconds: f64) -> String {
     const UNITS: [(f64, &str); 4] = [(1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")];
@@ -77,7 +92,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{format_bytes, format_seconds, parse_bytes};
+    use super::{format_bytes, format_seconds, format_size, parse_bytes};
 
     #[test]
     fn sizes_parse_with_binary_and_decimal_units() {
@@ -101,6 +116,15 @@ mod tests {
         }
         assert_eq!(parse_bytes("1PiB"), Ok(1 << 50));
         assert_eq!(parse_bytes("2 EB"), Ok(2_000_000_000_000_000_000));
+    }
+
+    #[test]
+    fn short_sizes_drop_a_zero_decimal_and_parse_back() {
+        assert_eq!(format_size(0), "0 B");
+        assert_eq!(format_size(141 << 30), "141 GiB");
+        assert_eq!(format_size(12 * (1 << 30) + (1 << 29)), "12.5 GiB");
+        assert_eq!(format_size(1023), "1023 B");
+        assert_eq!(parse_bytes(&format_size(80 << 30)), Ok(80 << 30));
     }
 
     #[test]

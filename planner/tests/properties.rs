@@ -164,6 +164,7 @@ fn config(case: &Case) -> PlanConfig {
         collectives: case.collectives,
         random_ops: case.random_ops,
         executor: case.executor,
+        ..PlanConfig::default()
     }
 }
 

@@ -651,7 +651,7 @@ fn r7_replaying_a_topk_is_reported_with_the_unit_that_would_save_it() {
 }
 
 #[test]
-fn r8_views_are_replayed_from_their_saved_base_and_replay_runs_before_first_use() {
+fn r8_views_are_replayed_from_their_saved_base_and_each_replayed_op_runs_before_its_first_use() {
     let mut b = Builder::new(1, &[ATTN]);
     let x = b.input("x");
     b.layer(Some(0));
@@ -675,9 +675,63 @@ fn r8_views_are_replayed_from_their_saved_base_and_replay_runs_before_first_use(
         !saved.iter().any(|(value, _)| *value == v),
         "a view is never saved: {saved:?}"
     );
-    assert_eq!(p.replay.len(), 1);
-    assert_eq!(p.replay[0].before, "n7");
-    assert_eq!(p.replay[0].nodes, vec!["n3", "n4", "n5"]);
+    // The view just before n7 reads it; the end marker and n5 (which reads it) before n8.
+    assert_eq!(
+        replay_steps(&p),
+        vec![("n7", vec!["n3"]), ("n8", vec!["n4", "n5"])]
+    );
+}
+
+/// (before, nodes) of each replay step, in schedule order.
+fn replay_steps(p: &Plan) -> Vec<(&str, Vec<&str>)> {
+    p.replay
+        .iter()
+        .map(|r| {
+            (
+                r.before.as_str(),
+                r.nodes.iter().map(String::as_str).collect(),
+            )
+        })
+        .collect()
+}
+
+/// A layer `x -> n1 -> n3 -> n4`, with n2 reading n1's output before n3 does; backward reads
+/// n4's output first and n2's second. With `write`, n3 writes n1's output in place.
+fn read_before_write(write: bool) -> Builder {
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x); // n1
+    let r = b.op(&a); // n2: reads a before n3
+    let w = if write {
+        b.write_in_place("aten.mul_.Tensor", &[&a], &[&x]) // n3
+    } else {
+        b.node("aten.mul.Tensor", &[&a, &x]).1 // n3
+    };
+    let c = b.op(&w); // n4
+    b.layer(None);
+    let t = b.tangent("tangent");
+    b.backward();
+    let g1 = b.node("aten.mul.Tensor", &[&c, &t]).1; // n5
+    let g2 = b.node("aten.mul.Tensor", &[&r, &g1]).1; // n6
+    b.output(&g2);
+    b
+}
+
+#[test]
+fn each_replayed_op_runs_just_before_the_backward_node_that_needs_it() {
+    let p = run(&read_before_write(false), &config(&[]));
+    assert_eq!(
+        replay_steps(&p),
+        vec![("n5", vec!["n1", "n3", "n4"]), ("n6", vec!["n2"])]
+    );
+}
+
+#[test]
+fn a_replayed_read_of_a_tensor_written_in_place_keeps_its_place_before_the_write() {
+    // n2 must read n1's output before n3 writes it: it replays with n3, not at its own use.
+    let p = run(&read_before_write(true), &config(&[]));
+    assert_eq!(replay_steps(&p), vec![("n5", vec!["n1", "n2", "n3", "n4"])]);
 }
 
 #[test]

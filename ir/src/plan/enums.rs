@@ -222,6 +222,40 @@ spelled! {
     }
 }
 
+spelled! {
+    /// `--optimizer`: the optimizer whose state the device holds beside the parameters.
+    #[derive(Default)]
+    pub enum Optimizer {
+        /// AdamW: two moments per parameter element (default).
+        #[default]
+        AdamW => "adamw",
+        /// SGD with momentum: one buffer per parameter element.
+        Sgd => "sgd",
+        /// No optimizer state (plain SGD, or the step counted elsewhere).
+        None => "none",
+    }
+}
+
+spelled! {
+    /// `--optimizer-state-dtype`: the element type of the optimizer's state.
+    #[derive(Default)]
+    pub enum StateDtype {
+        /// fp32, as mixed-precision training keeps it (default).
+        #[default]
+        F32 => "fp32",
+        /// The parameter's own dtype, as `torch.optim` makes it (`zeros_like(param)`).
+        Param => "param",
+    }
+}
+
+spelled! {
+    /// Where the device total peaks: during forward and backward, or in the optimizer step.
+    pub enum DevicePhase {
+        ForwardBackward => "forward-backward",
+        OptimizerStep => "optimizer-step",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,5 +281,8 @@ mod tests {
         check(Collectives::ALL, Collectives::name, Collectives::from_name);
         check(RandomOps::ALL, RandomOps::name, RandomOps::from_name);
         check(Executor::ALL, Executor::name, Executor::from_name);
+        check(Optimizer::ALL, Optimizer::name, Optimizer::from_name);
+        check(StateDtype::ALL, StateDtype::name, StateDtype::from_name);
+        check(DevicePhase::ALL, DevicePhase::name, DevicePhase::from_name);
     }
 }

@@ -9,8 +9,8 @@
 //! writes of the same document (a test holds it to that).
 
 use super::{
-    Config, Cost, Diagnostic, LayerKeep, Memory, NodeDecision, Plan, PlanNames, PlanReadError,
-    Replay, SavedValue, UnitSummary,
+    Config, Cost, DeviceTotal, Diagnostic, LayerKeep, Memory, NodeDecision, Plan, PlanNames,
+    PlanReadError, Replay, SavedValue, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -119,6 +119,11 @@ fn write_config(j: &mut Pretty, c: &Config, names: &dyn PlanNames) {
         j.key("executor").str(c.executor.name());
         j.key("budget_bytes").option(c.budget_bytes, Pretty::u64);
         write_layer_keep(j.key("layer_keep"), &c.layer_keep, names);
+        j.key("fsdp").u64(c.training.fsdp.into());
+        j.key("optimizer").str(c.training.optimizer.name());
+        j.key("optimizer_state_dtype")
+            .str(c.training.state_dtype.name());
+        j.key("master_weights").bool(c.training.master_weights);
     });
 }
 
@@ -204,6 +209,24 @@ fn write_memory(j: &mut Pretty, m: &Memory, names: &dyn PlanNames) {
             .option(m.peak.map(|p| names.node(p.node)), Pretty::str);
         j.key("parameter_bytes").u64(m.parameter_bytes);
         j.key("gradient_bytes").u64(m.gradient_bytes);
+        let d = m.device;
+        let part = |f: fn(&DeviceTotal) -> u64| d.as_ref().map(f);
+        j.key("device_total_bytes")
+            .option(part(|d| d.total_bytes), Pretty::u64);
+        j.key("device_peak_phase")
+            .option(d.map(|d| d.phase.name()), Pretty::str);
+        j.key("device_parameter_bytes")
+            .option(part(|d| d.parameter_bytes), Pretty::u64);
+        j.key("device_activation_bytes")
+            .option(part(|d| d.activation_bytes), Pretty::u64);
+        j.key("optimizer_state_bytes")
+            .option(part(|d| d.optimizer_state_bytes), Pretty::u64);
+        j.key("master_weight_bytes")
+            .option(part(|d| d.master_weight_bytes), Pretty::u64);
+        j.key("optimizer_step_bytes")
+            .option(part(|d| d.optimizer_step_bytes), Pretty::u64);
+        j.key("device_memory_bytes")
+            .option(part(|d| d.memory_bytes), Pretty::u64);
     });
 }
 

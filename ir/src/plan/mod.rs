@@ -16,7 +16,8 @@ pub mod wire;
 use std::path::Path;
 
 pub use enums::{
-    Code, Collectives, Decision, Executor, Level, RandomOps, Reason, SavedKind, Stage,
+    Code, Collectives, Decision, DevicePhase, Executor, Level, Optimizer, RandomOps, Reason,
+    SavedKind, Stage, StateDtype,
 };
 pub use names::{NameTable, PlanNames};
 use thiserror::Error;
@@ -103,6 +104,31 @@ pub struct Config {
     /// Per-layer unit choices that replace `keep` in their layers (the budget solver's, or
     /// `plan --choices`); empty when `keep` applies everywhere.
     pub layer_keep: Vec<LayerKeep>,
+    pub training: Training,
+}
+
+/// The training state the device holds beside the step's activations (docs/cost-and-memory.md,
+/// M4): `--fsdp`, `--optimizer`, `--optimizer-state-dtype`, `--master-weights`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Training {
+    /// FSDP shard degree: parameters, gradients and optimizer state split this many ways
+    /// (1: unsharded). Never 0.
+    pub fsdp: u32,
+    pub optimizer: Optimizer,
+    pub state_dtype: StateDtype,
+    /// An fp32 copy of every parameter that is not fp32 or fp64.
+    pub master_weights: bool,
+}
+
+impl Default for Training {
+    fn default() -> Self {
+        Training {
+            fsdp: 1,
+            optimizer: Optimizer::default(),
+            state_dtype: StateDtype::default(),
+            master_weights: false,
+        }
+    }
 }
 
 /// One decoder layer of one model.
@@ -152,7 +178,9 @@ pub struct Replay {
     pub at: LayerRef,
     /// In execution order.
     pub nodes: Vec<NodeId>,
-    /// The first backward node that reads a value this replay produces; it runs just before.
+    /// The backward node this replay runs just before: the first that needs (directly, or
+    /// through a later replayed op) a value it produces. A layer's replay may come in several
+    /// such steps.
     pub before: NodeId,
     /// Estimated seconds of this replay.
     pub seconds: f64,
@@ -194,6 +222,35 @@ pub struct Memory {
     pub parameter_bytes: u64,
     /// Gradients the step outputs (part of the peaks when the peak is at the end).
     pub gradient_bytes: u64,
+    /// The whole training state on one device; `None` for a forward-only graph.
+    pub device: Option<DeviceTotal>,
+}
+
+/// The peak bytes of one device over a training step (docs/cost-and-memory.md, M4): the
+/// larger of the forward/backward total (parameters, optimizer state, master weights and the
+/// peak of activations and gradients) and the optimizer step's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceTotal {
+    pub total_bytes: u64,
+    pub phase: DevicePhase,
+    /// Parameters held through forward and backward.
+    pub parameter_bytes: u64,
+    /// The peak of activations and gradients: the plan's, or under FSDP the peak with the
+    /// gradients sharded as they are reduce-scattered.
+    pub activation_bytes: u64,
+    pub optimizer_state_bytes: u64,
+    pub master_weight_bytes: u64,
+    /// The device total during the optimizer step.
+    pub optimizer_step_bytes: u64,
+    /// The hardware profile's memory.
+    pub memory_bytes: u64,
+}
+
+impl DeviceTotal {
+    /// Bytes left on the device (positive) or missing (negative).
+    pub fn headroom(&self) -> i128 {
+        i128::from(self.memory_bytes) - i128::from(self.total_bytes)
+    }
 }
 
 /// The pass and the node running when memory peaks.
@@ -264,6 +321,8 @@ pub enum PlanReadError {
         value: String,
         expected: String,
     },
+    #[error("{field} must be at least 1")]
+    Zero { field: &'static str },
     #[error("{what} has no {field}")]
     Missing {
         what: &'static str,

@@ -4,9 +4,10 @@
 use prost::Message;
 
 use super::{
-    Code, Collectives, Config, Cost, Decision, Diagnostic, Executor, GraphRef, Keep, LayerKeep,
-    LayerRef, Level, Memory, NameTable, NodeDecision, Peak, Plan, PlanNames, PlanReadError,
-    RandomOps, Reason, Replay, SavedKind, SavedValue, Stage, UnitLayer, UnitSummary,
+    Code, Collectives, Config, Cost, Decision, DevicePhase, DeviceTotal, Diagnostic, Executor,
+    GraphRef, Keep, LayerKeep, LayerRef, Level, Memory, NameTable, NodeDecision, Optimizer, Peak,
+    Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind, SavedValue, Stage,
+    StateDtype, Training, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -142,6 +143,10 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
         executor: config.executor.name().to_owned(),
         budget_bytes: config.budget_bytes,
         layer_keep: layer_keep_to_wire(&config.layer_keep, names),
+        fsdp: config.training.fsdp,
+        optimizer: config.training.optimizer.name().to_owned(),
+        optimizer_state_dtype: config.training.state_dtype.name().to_owned(),
+        master_weights: config.training.master_weights,
     }
 }
 
@@ -155,6 +160,14 @@ fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
         peak_node: m.peak.map(|p| names.node(p.node).to_owned()),
         parameter_bytes: m.parameter_bytes,
         gradient_bytes: m.gradient_bytes,
+        device_total_bytes: m.device.map(|d| d.total_bytes),
+        device_peak_phase: m.device.map(|d| d.phase.name().to_owned()),
+        device_parameter_bytes: m.device.map(|d| d.parameter_bytes),
+        device_activation_bytes: m.device.map(|d| d.activation_bytes),
+        optimizer_state_bytes: m.device.map(|d| d.optimizer_state_bytes),
+        master_weight_bytes: m.device.map(|d| d.master_weight_bytes),
+        optimizer_step_bytes: m.device.map(|d| d.optimizer_step_bytes),
+        device_memory_bytes: m.device.map(|d| d.memory_bytes),
     }
 }
 
@@ -279,6 +292,25 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
         )?,
         budget_bytes: c.budget_bytes,
         layer_keep: layer_keep_from_wire(c.layer_keep, names),
+        training: Training {
+            fsdp: match c.fsdp {
+                0 => return Err(PlanReadError::Zero { field: "fsdp" }),
+                n => n,
+            },
+            optimizer: spelled(
+                "optimizer",
+                &c.optimizer,
+                Optimizer::from_name,
+                Optimizer::spellings,
+            )?,
+            state_dtype: spelled(
+                "optimizer state dtype",
+                &c.optimizer_state_dtype,
+                StateDtype::from_name,
+                StateDtype::spellings,
+            )?,
+            master_weights: c.master_weights,
+        },
     })
 }
 
@@ -351,6 +383,7 @@ fn unit_from_wire(u: pb::UnitSummary, names: &mut NameTable) -> UnitSummary {
 }
 
 fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, PlanReadError> {
+    let device = device_from_wire(&m)?;
     let peak = match (m.peak_stage, m.peak_node) {
         (Some(stage), Some(node)) => Some(Peak {
             stage: spelled("peak stage", &stage, Stage::from_name, Stage::spellings)?,
@@ -366,7 +399,43 @@ fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, Plan
         peak,
         parameter_bytes: m.parameter_bytes,
         gradient_bytes: m.gradient_bytes,
+        device,
     })
+}
+
+/// The device total: every part present, or none (a forward-only plan).
+fn device_from_wire(m: &pb::Memory) -> Result<Option<DeviceTotal>, PlanReadError> {
+    let Some(total_bytes) = m.device_total_bytes else {
+        return Ok(None);
+    };
+    let part = |value: Option<u64>, field: &'static str| {
+        value.ok_or(PlanReadError::Missing {
+            what: "the device total",
+            field,
+        })
+    };
+    let phase = m
+        .device_peak_phase
+        .as_deref()
+        .ok_or(PlanReadError::Missing {
+            what: "the device total",
+            field: "device_peak_phase",
+        })?;
+    Ok(Some(DeviceTotal {
+        total_bytes,
+        phase: spelled(
+            "device peak phase",
+            phase,
+            DevicePhase::from_name,
+            DevicePhase::spellings,
+        )?,
+        parameter_bytes: part(m.device_parameter_bytes, "device_parameter_bytes")?,
+        activation_bytes: part(m.device_activation_bytes, "device_activation_bytes")?,
+        optimizer_state_bytes: part(m.optimizer_state_bytes, "optimizer_state_bytes")?,
+        master_weight_bytes: part(m.master_weight_bytes, "master_weight_bytes")?,
+        optimizer_step_bytes: part(m.optimizer_step_bytes, "optimizer_step_bytes")?,
+        memory_bytes: part(m.device_memory_bytes, "device_memory_bytes")?,
+    }))
 }
 
 fn diagnostic_from_wire(

@@ -117,6 +117,14 @@ pub enum PartitionError {
         value: String,
         writer: String,
     },
+    #[error("replay node `{node}` reads `{value}`, which `{writer}` writes in place {forward} it in forward, but the replay runs `{writer}` {replay} it")]
+    ReplayReordersWrite {
+        node: String,
+        value: String,
+        writer: String,
+        forward: &'static str,
+        replay: &'static str,
+    },
 }
 
 /// Whether the graph has a backward phase to partition.
@@ -207,7 +215,7 @@ impl<'a> Builder<'a> {
             if self.source[v.index()] != Source::Unvisited {
                 continue;
             }
-            let source = self.classify(v);
+            let source = self.settled(v, self.classify(v));
             self.source[v.index()] = source;
             if source != Source::Replayed {
                 continue;
@@ -227,6 +235,30 @@ impl<'a> Builder<'a> {
             }
         }
         self.stack = stack;
+    }
+
+    /// `source`, `value`'s classification, checked again now that the tensors it depended on
+    /// are known: a value classified inside a cycle of in-place writes was classified assuming
+    /// the storages of that cycle replay, and its producer may turn out to write, or read, a
+    /// tensor that stays resident, so it cannot replay after all.
+    fn settled(&self, value: ValueId, source: Source) -> Source {
+        if source != Source::Replayed {
+            return source;
+        }
+        let producer = self
+            .graph
+            .producer(value)
+            .expect("replayed values have a producer");
+        let kind = if self.writes_resident(producer) {
+            SavedKind::WritesResident
+        } else if self.reads_overwritten(producer) {
+            SavedKind::ReadsOverwritten
+        } else {
+            return source;
+        };
+        let settled = Source::Saved(kind);
+        self.memo.borrow_mut()[value.index()] = Memo::Known(settled);
+        settled
     }
 
     /// Where `value` comes from, without replay if possible (memoised).
@@ -412,17 +444,12 @@ impl<'a> Builder<'a> {
                 by_layer.entry(layer).or_default().push(id);
             }
         }
+        let steps = ReplaySteps::new(self.graph, &order, &self.in_replay);
         let mut replays: Vec<Replay> = by_layer
             .into_iter()
-            .map(|(layer, nodes)| {
+            .flat_map(|(layer, nodes)| {
                 // Every replayed value was needed, which noted its layer's first use.
-                let position = self.first_use[&layer];
-                Replay {
-                    layer,
-                    before: order[position],
-                    position,
-                    nodes,
-                }
+                steps.split(layer, nodes, self.first_use[&layer], &order)
             })
             .collect();
         replays.sort_by_key(|r| (r.position, r.layer));
@@ -432,6 +459,136 @@ impl<'a> Builder<'a> {
             replays,
             hazards: Vec::new(),
             holds: Vec::new(),
+        }
+    }
+}
+
+/// When each replayed node runs: just before the first backward node that needs it, directly
+/// or through a replayed node that reads it (as torch.compile's partitioner orders recompute),
+/// so a replayed value lives from its first use to its last, not from its layer's first use.
+///
+/// The ops of a layer's replay that touch a tensor something writes in place keep forward's
+/// order among themselves, so every read sees the writes it saw in forward. Every layer of a
+/// graph whose backward writes in place a tensor it did not make replays at once, before its
+/// first use (a later replay could read the written tensor).
+struct ReplaySteps<'a> {
+    graph: &'a Graph,
+    /// Per node: the first backward position that reads one of its outputs (`usize::MAX`:
+    /// none does).
+    anchor: Vec<usize>,
+    /// Whether replays may be split at all.
+    split: bool,
+}
+
+impl<'a> ReplaySteps<'a> {
+    fn new(graph: &'a Graph, order: &[NodeId], in_replay: &[bool]) -> ReplaySteps<'a> {
+        let mut anchor = vec![usize::MAX; graph.nodes().len()];
+        let mut split = true;
+        for (at, &id) in order.iter().enumerate() {
+            let node = graph.node(id);
+            for &v in &node.inputs {
+                if let Some(p) = graph.producer(v).filter(|p| in_replay[p.index()]) {
+                    anchor[p.index()] = anchor[p.index()].min(at);
+                }
+            }
+            split &= node.effects.mutates.iter().all(|&i| {
+                let root = graph.storage_root(node.inputs[i]);
+                graph
+                    .producer(root)
+                    .is_some_and(|p| graph.node(p).phase == Phase::Backward)
+            });
+        }
+        ReplaySteps {
+            graph,
+            anchor,
+            split,
+        }
+    }
+
+    /// `layer`'s replay of `nodes` (in forward order) as steps in schedule order.
+    fn split(
+        &self,
+        layer: LayerRef,
+        nodes: Vec<NodeId>,
+        first_use: usize,
+        order: &[NodeId],
+    ) -> Vec<Replay> {
+        let at = |position: usize, nodes: Vec<NodeId>| Replay {
+            layer,
+            before: order[position],
+            position,
+            nodes,
+        };
+        if !self.split {
+            return vec![at(first_use, nodes)];
+        }
+        let positions = self.positions(&nodes, first_use);
+        let mut by_position: BTreeMap<usize, Vec<NodeId>> = BTreeMap::new();
+        for (&n, position) in nodes.iter().zip(positions) {
+            by_position.entry(position).or_default().push(n);
+        }
+        by_position
+            .into_iter()
+            .map(|(position, nodes)| at(position, nodes))
+            .collect()
+    }
+
+    /// Per node of `nodes` (one layer's replay, in forward order): the first backward position
+    /// that needs it, through the replayed nodes that read it (`first_use` for a node nothing
+    /// needs that way), and never after a later node that touches a storage it touches which
+    /// something writes in place (so writes and reads of it keep forward's order).
+    fn positions(&self, nodes: &[NodeId], first_use: usize) -> Vec<usize> {
+        let before = self.earlier_nodes(nodes);
+        let mut positions: Vec<usize> = nodes.iter().map(|n| self.anchor[n.index()]).collect();
+        no_later_than(&before, &mut positions);
+        if positions.contains(&usize::MAX) {
+            for p in positions.iter_mut().filter(|p| **p == usize::MAX) {
+                *p = first_use;
+            }
+            no_later_than(&before, &mut positions);
+        }
+        positions
+    }
+
+    /// Per node of `nodes` (by index): the earlier nodes of `nodes` it must not run before: the
+    /// producers of its inputs, and for each written storage it touches (through any alias), the
+    /// node that touched it last before it in forward order.
+    fn earlier_nodes(&self, nodes: &[NodeId]) -> Vec<Vec<usize>> {
+        let graph = self.graph;
+        let mut last_touch: HashMap<ValueId, usize> = HashMap::default();
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                let node = graph.node(n);
+                let mut earlier: Vec<usize> = node
+                    .inputs
+                    .iter()
+                    .filter_map(|&v| graph.producer(v))
+                    .filter_map(|p| nodes.binary_search(&p).ok())
+                    .collect();
+                for &v in node.inputs.iter().chain(&node.outputs) {
+                    let root = graph.storage_root(v);
+                    if graph.storage_writers(root).is_empty() {
+                        continue;
+                    }
+                    if let Some(previous) = last_touch.insert(root, k).filter(|&j| j != k) {
+                        earlier.push(previous);
+                    }
+                }
+                earlier
+            })
+            .collect()
+    }
+}
+
+/// Moves each node no later than the nodes that must come after it (`before[k]` lists the
+/// earlier nodes node `k` must not precede); one pass in reverse order settles every chain.
+fn no_later_than(before: &[Vec<usize>], positions: &mut [usize]) {
+    for k in (0..before.len()).rev() {
+        let needed_at = positions[k];
+        for &j in &before[k] {
+            positions[j] = positions[j].min(needed_at);
         }
     }
 }
@@ -450,22 +607,32 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
             resident[id.index()] = value.role.is_graph_input();
         }
     }
-    // Which replay (numbered from 1) produced each value; 0 for none.
+    // Each layer's replay over all its steps, numbered from 1 (its stamp).
+    let mut layers: BTreeMap<LayerRef, Vec<NodeId>> = BTreeMap::new();
+    for r in &partition.replays {
+        layers.entry(r.layer).or_default().extend(&r.nodes);
+    }
+    let layers: HashMap<LayerRef, (u32, Vec<NodeId>)> = layers
+        .into_iter()
+        .enumerate()
+        .map(|(k, (layer, mut nodes))| {
+            nodes.sort_unstable();
+            (layer, (k as u32 + 1, nodes))
+        })
+        .collect();
+    // Which layer's replay (by stamp) produced each value; 0 for none.
     let mut produced_by = vec![0u32; graph.values().len()];
-    let mut stamp = 0u32;
     let mut replays = partition.replays.iter().peekable();
     for (at, &id) in partition.order.iter().enumerate() {
         let node = graph.node(id);
         while let Some(replay) = replays.next_if(|r| r.position <= at) {
-            stamp += 1;
-            verify_replay(
-                graph,
-                policy,
-                replay,
-                stamp,
-                &mut resident,
-                &mut produced_by,
-            )?;
+            let (stamp, whole) = &layers[&replay.layer];
+            let step = ReplayStep {
+                nodes: &replay.nodes,
+                layer: whole,
+                stamp: *stamp,
+            };
+            verify_replay(graph, policy, &step, &mut resident, &mut produced_by)?;
         }
         for &v in &node.inputs {
             if !resident[v.index()] {
@@ -483,15 +650,16 @@ pub fn verify(graph: &Graph, policy: &Policy, partition: &Partition) -> Result<(
 }
 
 /// What a replayed `reader` sees of `value` must be what it saw in forward. When `value`'s
-/// storage was made by this replay (`replayed`), every forward op of that storage's layer that
-/// wrote it in place before `reader` ran must be in the replay too; when the storage is
-/// resident, no forward op may write it after `reader` ran (backward holds the written value).
+/// storage was made by this layer's replay (`replayed`), every forward op of that storage's
+/// layer that wrote it in place before `reader` ran must be in the replay too and have run
+/// (`ran`), and no write after it in forward may have run yet; when the storage is resident, no
+/// forward op may write it after `reader` ran (backward holds the written value).
 fn check_reads_see_forward(
     graph: &Graph,
-    replay: &Replay,
-    reader: NodeId,
-    value: ValueId,
+    replay: &ReplayStep,
+    (reader, value): (NodeId, ValueId),
     replayed: bool,
+    ran: impl Fn(NodeId) -> bool,
 ) -> Result<(), PartitionError> {
     let root = graph.storage_root(value);
     let producer = graph.producer(root).map(|p| graph.node(p));
@@ -502,12 +670,26 @@ fn check_reads_see_forward(
         }
         let same_layer =
             producer.is_some_and(|p| (p.model, p.layer) == (writer.model, writer.layer));
-        let in_replay = replay.nodes.binary_search(&m).is_ok();
+        let in_replay = replay.layer.binary_search(&m).is_ok();
         if replayed && m < reader && same_layer && !in_replay {
             return Err(PartitionError::ReplayMissesWrite {
                 node: graph.node(reader).name.to_string(),
                 value: graph.value(value).name.to_string(),
                 writer: writer.name.to_string(),
+            });
+        }
+        if replayed && in_replay && (m < reader) != ran(m) {
+            let (forward, replay) = if m < reader {
+                ("before", "after")
+            } else {
+                ("after", "before")
+            };
+            return Err(PartitionError::ReplayReordersWrite {
+                node: graph.node(reader).name.to_string(),
+                value: graph.value(value).name.to_string(),
+                writer: writer.name.to_string(),
+                forward,
+                replay,
             });
         }
         // A view reads nothing: it aliases whatever its base holds.
@@ -523,17 +705,25 @@ fn check_reads_see_forward(
     Ok(())
 }
 
+/// One step of a layer's replay, as the verifier checks it.
+struct ReplayStep<'a> {
+    nodes: &'a [NodeId],
+    /// Every node of the layer's replay, over all its steps (sorted).
+    layer: &'a [NodeId],
+    /// Numbers the layer's replay: no per-replay table to clear.
+    stamp: u32,
+}
+
 fn verify_replay(
     graph: &Graph,
     policy: &Policy,
-    replay: &Replay,
-    stamp: u32,
+    replay: &ReplayStep,
     resident: &mut [bool],
     produced_by: &mut [u32],
 ) -> Result<(), PartitionError> {
-    // `stamp` numbers this replay: no per-replay table to clear.
-    let here = |v: ValueId, produced_by: &[u32]| produced_by[v.index()] == stamp;
-    for &id in &replay.nodes {
+    // Made by this layer's replay, in this step or an earlier one.
+    let here = |v: ValueId, produced_by: &[u32]| produced_by[v.index()] == replay.stamp;
+    for &id in replay.nodes {
         let node = graph.node(id);
         match policy.nodes[id] {
             Some(p) if p.decision == Decision::Recompute => {}
@@ -556,7 +746,14 @@ fn verify_replay(
             // here too (a resident alias of it, like the output of an in-place op that does
             // not replay, still holds the forward storage with its writes).
             let storage_here = produced_here && here(graph.storage_root(v), produced_by);
-            check_reads_see_forward(graph, replay, id, v, storage_here)?;
+            let ran = |m: NodeId| {
+                graph
+                    .node(m)
+                    .outputs
+                    .first()
+                    .is_some_and(|&o| here(o, produced_by))
+            };
+            check_reads_see_forward(graph, replay, (id, v), storage_here, ran)?;
         }
         for &p in &node.effects.mutates {
             let written = node.inputs[p];
@@ -570,10 +767,10 @@ fn verify_replay(
             }
         }
         for &v in &node.outputs {
-            produced_by[v.index()] = stamp;
+            produced_by[v.index()] = replay.stamp;
         }
     }
-    for &id in &replay.nodes {
+    for &id in replay.nodes {
         for &v in &graph.node(id).outputs {
             resident[v.index()] = true;
         }

@@ -23,7 +23,10 @@ use std::{
 use ir::{
     io::Format as GraphFormat,
     ops::CollectiveKind,
-    plan::{Collectives, Executor, Format as PlanFormat, Plan, PlanReadError, RandomOps},
+    plan::{
+        Collectives, Executor, Format as PlanFormat, Optimizer, Plan, PlanReadError, RandomOps,
+        StateDtype, Training,
+    },
     Graph, LoadError,
 };
 use planner::{
@@ -33,6 +36,7 @@ use planner::{
     plan::PlanError,
     policy,
     progress::Progress,
+    state::{BudgetBasis, BudgetTooSmall, State},
     units,
 };
 use pyo3::{prelude::*, pybacked::PyBackedBytes, types::PyBytes};
@@ -107,6 +111,12 @@ impl From<BudgetError> for Failure {
     }
 }
 
+impl From<BudgetTooSmall> for Failure {
+    fn from(e: BudgetTooSmall) -> Self {
+        Failure::new("budget-infeasible", e)
+    }
+}
+
 impl From<PlanReadError> for Failure {
     fn from(e: PlanReadError) -> Self {
         let code = match e {
@@ -141,9 +151,10 @@ impl<D: Deref<Target = [u8]>> Source<D> {
     }
 }
 
-/// `--budget` and `--granularity`.
+/// `--budget`, `--budget-includes` and `--granularity`.
 struct Budget {
     bytes: u64,
+    basis: BudgetBasis,
     granularity: Granularity,
 }
 
@@ -185,18 +196,63 @@ fn spelled<T>(
     })
 }
 
-fn budget(size: Option<&str>, granularity: &str) -> Result<Option<Budget>, Failure> {
+fn budget(
+    size: Option<&str>,
+    includes: &str,
+    granularity: &str,
+) -> Result<Option<Budget>, Failure> {
     let granularity = spelled(
         "granularity",
         granularity,
         Granularity::from_name,
         Granularity::spellings,
     )?;
+    let basis = spelled(
+        "budget_includes",
+        includes,
+        BudgetBasis::from_name,
+        BudgetBasis::spellings,
+    )?;
     size.map(|size| {
         let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
-        Ok(Budget { bytes, granularity })
+        Ok(Budget {
+            bytes,
+            basis,
+            granularity,
+        })
     })
     .transpose()
+}
+
+/// The training state the device total counts (`fsdp`, `optimizer`, ...), as the CLI reads it.
+fn training(
+    fsdp: u32,
+    optimizer: &str,
+    state_dtype: &str,
+    master_weights: bool,
+) -> Result<Training, Failure> {
+    if !(1..=65536).contains(&fsdp) {
+        return Err(Failure::new(
+            "invalid-option",
+            format!("fsdp must be from 1 to 65536, not {fsdp}"),
+        ));
+    }
+    Ok(Training {
+        fsdp,
+        optimizer: spelled(
+            "optimizer",
+            optimizer,
+            Optimizer::from_name,
+            Optimizer::spellings,
+        )?,
+        state_dtype: spelled(
+            "optimizer_state_dtype",
+            state_dtype,
+            StateDtype::from_name,
+            StateDtype::spellings,
+        )?,
+        master_weights,
+    })
 }
 
 /// One `planner plan`: the graph and every option, owned, so that it can run on a thread of
@@ -215,8 +271,12 @@ impl Planning {
         let graph = self.source.load()?;
         let plan = match &self.budget {
             None => planner::plan::plan(&graph, &self.config, &self.hw)?,
-            Some(budget) => Search::with_progress(&graph, &self.config, &self.hw, progress)?
-                .answer(budget.bytes, budget.granularity)?,
+            Some(budget) => {
+                let activations = State::of(&graph, &self.config.training)
+                    .activation_budget(budget.bytes, budget.basis)?;
+                Search::with_progress(&graph, &self.config, &self.hw, progress)?
+                    .answer(activations, budget.granularity)?
+            }
         };
         Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
     }
@@ -293,7 +353,9 @@ fn json_text(bytes: Vec<u8>) -> String {
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
-    executor_name, budget_size=None, granularity, hw_name=None, hw_json=None, hw_path=None
+    executor_name, budget_size=None, budget_includes="activations", granularity, fsdp=1,
+    optimizer_name="adamw", optimizer_state_dtype_name="fp32", master_weights=false,
+    hw_name=None, hw_json=None, hw_path=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
@@ -307,7 +369,12 @@ fn plan(
     random_ops_name: &str,
     executor_name: &str,
     budget_size: Option<&str>,
+    budget_includes: &str,
     granularity: &str,
+    fsdp: u32,
+    optimizer_name: &str,
+    optimizer_state_dtype_name: &str,
+    master_weights: bool,
     hw_name: Option<&str>,
     hw_json: Option<&str>,
     hw_path: Option<&str>,
@@ -316,7 +383,13 @@ fn plan(
         // Configuration errors come before any other work, as in the CLI.
         let keep = config::parse_keep(&keep)?;
         let recompute_ratio = config::check_ratio(recompute_ratio)?;
-        let budget = budget(budget_size, granularity)?;
+        let budget = budget(budget_size, budget_includes, granularity)?;
+        let training = training(
+            fsdp,
+            optimizer_name,
+            optimizer_state_dtype_name,
+            master_weights,
+        )?;
         #[allow(clippy::needless_update)] // PlanConfig grows options; the rest keep defaults
         let config = PlanConfig {
             keep,
@@ -339,6 +412,7 @@ fn plan(
                 Executor::from_name,
                 Executor::spellings,
             )?,
+            training,
             ..PlanConfig::default()
         };
         let hw = resolve_hw(py, hw_name, hw_json, hw_path)?;
