@@ -50,6 +50,7 @@ class Annotation:
     absent: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     handles: list[RemovableHandle | _MethodWrapper] = field(default_factory=list, repr=False)
     root: nn.Module | None = field(default=None, repr=False)
+    layers: nn.ModuleList | None = field(default=None, repr=False)  # the annotated layers
 
     def remove(self) -> None:
         """Removes every hook ``annotate`` installed."""
@@ -74,7 +75,9 @@ def annotate(
     layer_list = _layer_list(model, layers)
     units = {unit.upper(): list(paths) for unit, paths in (units or {}).items()}
     annotation = Annotation(
-        models=[ModelDecl(name, len(layer_list), _unit_intervals(units))], root=model
+        models=[ModelDecl(name, len(layer_list), _unit_intervals(units))],
+        root=model,
+        layers=layer_list,
     )
     targets = {
         (unit, path): _unit_targets(layer_list, unit, path)

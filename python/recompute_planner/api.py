@@ -33,7 +33,12 @@ def plan(
     random_ops: str = "save",
     executor: str = "graph",
     budget: int | str | None = None,
+    budget_includes: str = "activations",
     granularity: str = "unit",
+    fsdp: int = 1,
+    optimizer: str = "adamw",
+    optimizer_state_dtype: str = "fp32",
+    master_weights: bool = False,
     hw: HwLike = None,
     format: str | None = None,
     check: bool = True,
@@ -52,7 +57,12 @@ def plan(
       layer's recompute re-runs its forward prefix, SAC caches kept ops' whole outputs);
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity="op"`` also keeps
-      single ops;
+      single ops; ``budget_includes``: what it bounds, ``"activations"`` (the activation
+      peak), ``"params"`` (with the parameters) or ``"training-state"`` (the device total);
+    - ``fsdp``, ``optimizer`` (``"adamw"``, ``"sgd"``, ``"none"``), ``optimizer_state_dtype``
+      (``"fp32"`` or ``"param"``), ``master_weights``: the training state the device total
+      (``plan.memory.device_total_bytes``) counts: FSDP shard degree (1: unsharded), the
+      optimizer's state and fp32 master weights (docs/cost-and-memory.md, M4);
     - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
       ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
       (fields left out keep the H200's); default H200;
@@ -75,7 +85,12 @@ def plan(
         random_ops_name=random_ops,
         executor_name=executor,
         budget_size=None if budget is None else str(budget),
+        budget_includes=budget_includes,
         granularity=granularity,
+        fsdp=fsdp,
+        optimizer_name=optimizer,
+        optimizer_state_dtype_name=optimizer_state_dtype,
+        master_weights=bool(master_weights),
         **hw_source,
     )
     result = Plan(text)

@@ -76,6 +76,7 @@ from .export import (
     _FlatInput,
     _forward_nodes,
     _metadata,
+    require_tracing_torch,
 )
 from .plans import DECISION_NO_CHECKPOINT, Plan
 from .proto import graph_pb2
@@ -105,7 +106,9 @@ def joint_graph_to_ir(
 
     Placeholders keep their names (``primals_3``); a primal with a gradient output is a
     parameter, any other an input. ``num_fwd_outputs`` defaults to the outputs that are not
-    gradients. The step must return the scalar loss alone, as for ``export_joint``.
+    gradients. The step's loss is its one output or, of several (a model output compiled
+    whole: an HF ``ModelOutput``'s loss and logits, a tuple, a dict), its first scalar
+    floating-point output; the others are outputs the caller holds through backward.
     """
     output_descs = _output_descs(graph_module)
     if num_fwd_outputs is None:
@@ -643,6 +646,7 @@ def active_stage() -> PlanningStage | None:
 def planning(models: list[ModelDecl], keep: str | Iterable[str] | None = None,
              **options: Any) -> Iterator[PlanningStage]:
     """``with planning(models, keep=[...]) as stage:`` installs a stage for the block."""
+    require_tracing_torch("the torch.compile planning stage")
     with PlanningStage(models, keep, **options) as stage:
         yield stage
 

@@ -55,4 +55,5 @@ class SacMismatchError(RuntimeError):
 
 
 class ExportError(RuntimeError):
-    """A model could not be exported; the message names the cause and the fix."""
+    """A model could not be exported. The message's first line names the cause and the fix;
+    for a tracing failure, what torch logged while tracing follows it."""

@@ -77,6 +77,7 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _native, markers
+from .errors import ExportError
 from .proto import graph_pb2
 
 EXPORTER_VERSION = __version__
@@ -85,6 +86,22 @@ EXPORTER_VERSION = __version__
 ABSENT_TENSOR_ARGS = "absent_tensor_args"
 # Frames of a node's stack trace kept in the IR (innermost last).
 STACK_TRACE_FRAMES = 3
+
+
+# The oldest torch the exporter and the torch.compile stage trace with (the one they are tested
+# on). Eager SAC and the planner run from the older floor python/pyproject.toml declares
+# (scripts/sac_torch_compat.sh tests it).
+TRACING_TORCH = "2.13"
+
+
+def require_tracing_torch(what: str) -> None:
+    """Raises ``ExportError`` when this torch is older than ``TRACING_TORCH``: its tracers
+    lack what ``what`` needs, and would fail deep inside AOTAutograd or lose the scopes."""
+    if torch.__version__ < TRACING_TORCH:
+        raise ExportError(
+            f"{what} needs torch >= {TRACING_TORCH}; this is torch {torch.__version__} "
+            "(eager SAC from a plan runs on it: export the graph with a newer torch)"
+        )
 
 
 def _dtype_table() -> dict[torch.dtype, int]:
@@ -131,6 +148,27 @@ class ExportResult:
     loss: torch.Tensor | None = None  # eager reference loss (joint only)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradient value -> tensor
     seed: int | None = None  # the CPU generator's seed for the reference step (joint only)
+    # Ranks 1.. of a step exported for several ranks in one call (this result is rank 0's).
+    other_ranks: list["ExportResult"] = field(default_factory=list)
+
+    def write(self, path: str | Path) -> list[Path]:
+        """Writes the step as ``planner run`` reads it and returns the files written: the graph
+        at ``path`` (``.pb`` or ``.json``) and its tensors (``write_reference``) at
+        ``STEM.safetensors``, under rank r's names (``STEM.rank<r>.EXT``, ``rank_path``) for
+        a rank r > 0. With ``other_ranks``, every rank's tensors, and a rank's graph only where
+        it differs from rank 0's in more than its rank number (``planner run`` runs rank 0's
+        graph on the others). A fake export has no tensors: its graph alone is written."""
+        path = Path(path)
+        written = []
+        for result in (self, *self.other_ranks):
+            rank = result.graph.metadata.rank
+            if result is self or not same_but_rank(result.graph, self.graph):
+                written.append(rank_path(path, rank))
+                write_graph(result.graph, written[-1])
+            if result.params or result.inputs:
+                written.append(rank_path(path.with_suffix(".safetensors"), rank))
+                write_reference(result, written[-1])
+        return written
 
 
 @dataclass(frozen=True)
@@ -259,6 +297,25 @@ def write_reference(result: ExportResult, path: str | Path) -> None:
     save_file(contiguous, str(path))
 
 
+def rank_path(path: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s version of a file, where ``planner run`` looks for it: ``path`` itself
+    for rank 0, ``STEM.rank<r>.EXT`` beside it for the others."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def same_but_rank(graph: graph_pb2.Graph, other: graph_pb2.Graph) -> bool:
+    """Whether two ranks' graphs differ in their metadata's rank alone."""
+    return _without_rank(graph) == _without_rank(other)
+
+
+def _without_rank(graph: graph_pb2.Graph) -> bytes:
+    copy = graph_pb2.Graph()
+    copy.CopyFrom(graph)
+    copy.metadata.rank = 0
+    return copy.SerializeToString(deterministic=True)
+
+
 def _generator_tensors(result: ExportResult) -> dict[str, torch.Tensor]:
     """``rng/seed``: the seed of the CPU generator the reference step started from, so an
     executor draws the same random numbers (dropout masks) as the reference did."""
@@ -288,6 +345,7 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
     with its number of forward outputs; otherwise the step is traced under ``no_grad`` and the
     inference graph (all of whose outputs are forward outputs) is returned.
     """
+    require_tracing_torch("exporting a graph")
 
     def partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_):
         raise _GraphCaptured(joint_module, num_fwd_outputs, joint=True)
@@ -310,6 +368,7 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
             fx_traceback.preserve_node_meta(),
             _module_path_scopes(module),
             _DropoutOffIsIdentity(),
+            _traced_as_compiled(),
         ):
             compiled(*args)
     except _GraphCaptured as captured:
@@ -320,6 +379,23 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
             ) from None
         return captured.graph_module, captured.num_forward_outputs
     raise RuntimeError("AOTAutograd finished without handing over a graph")
+
+
+@contextlib.contextmanager
+def _traced_as_compiled() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true while the step is traced, as it is under
+    ``torch.compile`` and while ``torch.export`` traces (which sets the same flag): library
+    code then takes its traceable path instead of branching on data. HuggingFace's mask code
+    builds the model's own masks (causal, sliding-window, per layer type) from the positions
+    as tensor ops, where eagerly it would test the positions for packed sequences. Markers
+    stay in the graph, as in a compiled graph under ``markers_in_compiled_graphs``."""
+    compiling = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        with markers.markers_in_compiled_graphs():
+            yield
+    finally:
+        torch.compiler._is_compiling_flag = compiling
 
 
 class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
@@ -368,7 +444,7 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     def enter(path: str) -> Callable[..., None]:
         def hook(_module, _args) -> None:
             stack = contextlib.ExitStack()
-            stack.enter_context(fx_traceback.annotate({markers.MODULE_PATH_KEY: path}))
+            stack.enter_context(markers.annotate({markers.MODULE_PATH_KEY: path}))
             scopes.append(stack)
 
         return hook
@@ -482,10 +558,12 @@ def _check_loss(loss: object) -> None:
 
 
 def _restore(flat: list[_FlatInput], snapshot: list[torch.Tensor]) -> None:
-    """Undoes in-place updates the eager step made (buffer statistics, mutated inputs)."""
+    """Undoes in-place updates the eager step made (buffer statistics, mutated inputs); a
+    tensor the step left as it was is not written (an expanded input cannot be)."""
     with torch.no_grad():
         for f, saved in zip(flat, snapshot):
-            f.tensor.copy_(saved)
+            if not torch.equal(f.tensor, saved):
+                f.tensor.copy_(saved)
 
 
 def _params(
@@ -521,20 +599,39 @@ def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
     return list(descs)
 
 
-def _loss_node(graph_module: fx.GraphModule) -> fx.Node:
-    """The user output (``PlainAOTOutput``): the loss. Mutated inputs come before it."""
-    plain = [
+def _user_outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
+    """The step's own outputs (``PlainAOTOutput``), in order; mutated inputs come before them."""
+    return [
         out
         for out, desc in zip(_output_args(graph_module), _output_descs(graph_module))
         if isinstance(desc, PlainAOTOutput)
     ]
-    if len(plain) != 1:
-        raise ValueError(f"the module must return the loss alone, it returned {len(plain)} outputs")
-    loss = plain[0]
-    val = loss.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() != 0:
-        raise ValueError(f"the module must return the scalar loss, `{loss.name}` is not 0-dim")
-    return loss
+
+
+def _loss_node(graph_module: fx.GraphModule) -> fx.Node:
+    """The loss among the step's outputs: its one output, or of several (a model output
+    ``torch.compile`` traced whole: an HF ``ModelOutput``'s loss and logits, a tuple, a dict)
+    the first scalar floating-point one, as a model output puts its loss first."""
+    outputs = _user_outputs(graph_module)
+    if len(outputs) == 1:
+        loss = outputs[0]
+        if not _is_scalar_loss(loss):
+            raise ValueError(
+                f"the module must return the scalar loss, `{loss.name}` is not 0-dim"
+            )
+        return loss
+    for out in outputs:
+        if _is_scalar_loss(out):
+            return out
+    raise ValueError(
+        f"the step returned {len(outputs)} outputs and none is a scalar loss: return the loss "
+        "(HuggingFace models: pass `labels`)"
+    )
+
+
+def _is_scalar_loss(node: object) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()
 
 
 def _plain_input_index(desc: object) -> int:
@@ -825,11 +922,17 @@ def _mark_loss(graph: graph_pb2.Graph, loss_names: list[str]) -> None:
 def _graph_outputs(
     graph_module: fx.GraphModule, names: _ValueNames
 ) -> list[tuple[str, int | None]]:
-    """The loss, then every gradient in the joint graph's output order (absent ones skipped).
+    """The loss, the step's other outputs (a model output's logits: the caller holds them
+    through backward), then every gradient in the joint graph's output order (absent ones
+    skipped).
 
-    Each comes with the index of the flat input a gradient belongs to (None for the loss).
+    Each comes with the index of the flat input a gradient belongs to (None for the others).
     """
-    outputs: list[tuple[str, int | None]] = [(n, None) for n in names.of(_loss_node(graph_module))]
+    loss = _loss_node(graph_module)
+    others = [out for out in _user_outputs(graph_module) if out is not loss]
+    outputs: list[tuple[str, int | None]] = [
+        (n, None) for out in (loss, *others) for n in names.of(out)
+    ]
     for out, desc in zip(_output_args(graph_module), _output_descs(graph_module)):
         if out is not None and isinstance(desc, GradAOTOutput):
             index = _plain_input_index(desc.grad_of)

@@ -15,7 +15,9 @@
   enclosing layer scope) and intra-layer micro-batch ``micro_batch``.
 
 The scopes are ``torch.fx.traceback.annotate`` contexts: the keys land in ``node.meta["custom"]``
-of forward and backward nodes alike, and nested scopes merge (innermost wins per key).
+of forward and backward nodes alike, and nested scopes merge (innermost wins per key). On torch
+without it (before 2.10) the scopes do nothing: a model that uses them trains and runs under
+eager SAC there, and the exporter refuses such a torch (``export.TRACING_TORCH``).
 """
 
 from __future__ import annotations
@@ -90,12 +92,19 @@ def markers_in_compiled_graphs() -> Iterator[None]:
         _in_compiled_graphs = previous
 
 
+def annotate(tags: dict) -> contextlib.AbstractContextManager:
+    """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it."""
+    if hasattr(fx_traceback, "annotate"):
+        return fx_traceback.annotate(tags)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def compiled_region(name: str) -> Iterator[None]:
     """Marks every op traced inside as running in compiled region ``name``."""
     if not name:
         raise ValueError("a compiled region needs a non-empty name")
-    with fx_traceback.annotate({COMPILED_REGION_KEY: name}):
+    with annotate({COMPILED_REGION_KEY: name}):
         yield
 
 
@@ -105,5 +114,5 @@ def layer_scope(model: str, layer: int | None, micro_batch: int = 0) -> Iterator
     # The layer is always set, None included: annotations merge, so leaving the key out would
     # let an enclosing scope's layer leak into a nested model's non-layer ops.
     tags = {MODEL_KEY: model, LAYER_KEY: layer, MICRO_BATCH_KEY: micro_batch}
-    with fx_traceback.annotate(tags):
+    with annotate(tags):
         yield

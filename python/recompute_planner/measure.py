@@ -12,7 +12,7 @@ already held; the step's inputs are added back because the planner counts them (
 that are not parameters are live from the first step).
 
 ``measure_step`` measures any step given as a loss callable and its parameters (a stock
-HuggingFace model's ``model(**inputs).loss``; ``scripts/eager_predictions.py``), and also reports
+HuggingFace model's ``model(**inputs).loss``; ``scripts/predictions.py``), and also reports
 what the step holds when forward ends (``StepMemory.saved_bytes``).
 
 The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
@@ -301,12 +301,11 @@ def checkpoint_layers(
     """
     from .zoo.model import MAIN_MODEL, MTP_MODEL
 
-    from .sac import CheckpointedLayer, checkpoint_call
+    from .sac import checkpoint_call, checkpoint_module
 
     context_fns = context_fns or {}
     for index, layer in enumerate(model.layers):
-        context_fn = context_fns.get((MAIN_MODEL, index))
-        model.layers[index] = CheckpointedLayer(layer, context_fn, preserve_rng_state)
+        checkpoint_module(layer, context_fns.get((MAIN_MODEL, index)), preserve_rng_state)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))

@@ -92,6 +92,23 @@ class Memory:
     peak_node: str | None
     parameter_bytes: int
     gradient_bytes: int
+    # The whole training state on one device (docs/cost-and-memory.md, M4); None for a
+    # forward-only graph. device_total_bytes is the larger of the forward/backward total
+    # (the four device_*/optimizer_state/master_weight parts) and optimizer_step_bytes.
+    device_total_bytes: int | None = None
+    device_peak_phase: str | None = None  # "forward-backward" or "optimizer-step"
+    device_parameter_bytes: int | None = None
+    device_activation_bytes: int | None = None
+    optimizer_state_bytes: int | None = None
+    master_weight_bytes: int | None = None
+    optimizer_step_bytes: int | None = None
+    device_memory_bytes: int | None = None  # the hardware profile's memory
+
+    def fits(self) -> bool | None:
+        """Whether the device total fits in the hardware profile's memory (None without it)."""
+        if self.device_total_bytes is None or self.device_memory_bytes is None:
+            return None
+        return self.device_total_bytes <= self.device_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,10 @@ class Config:
     layer_keep: tuple[LayerKeep, ...]
     random_ops: str = "save"
     executor: str = "graph"
+    fsdp: int = 1  # FSDP shard degree the device total assumes
+    optimizer: str = "adamw"  # "adamw", "sgd" or "none"
+    optimizer_state_dtype: str = "fp32"  # "fp32" or "param"
+    master_weights: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@
 for one checkpointed layer: its policy saves (``CheckpointPolicy.MUST_SAVE``) every op the
 plan keeps in that layer (decision ``save``: the kept units' ops and, with
 ``collectives="save"``, the saved collectives and device-to-host copies) and recomputes every
-other op. ``checkpoint_layers(layers, plan)`` applies it to every layer of a module list.
+other op. ``checkpoint_layers(layers, plan)`` applies it to every layer of a module list,
+with the model's KV cache off meanwhile (as HuggingFace's gradient checkpointing turns it off;
+``.remove()`` on its result undoes both).
 
 Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
@@ -30,15 +32,29 @@ but a kept graph op may never be skipped: when the eager stream does not reach i
 forward raises ``SacMismatchError`` naming the kept op and the first eager op that did not
 match, instead of saving the wrong tensors.
 
-``RecomputeCounter`` counts the ops a layer really re-runs: a dispatch mode entered under
-SAC's caching mode in recompute, so ops served from SAC's cache never reach it (the policy
-itself is only called in forward in torch 2.13: ``ctx.is_recompute`` is never true). It
-declares ``ignore_compile_internals`` so whole-layer checkpoints of compiled regions work.
+Forward and recompute. The policy matches in forward only: the decisions a forward made are
+replayed, op by op, when torch asks again in recompute (``ctx.is_recompute``: torch before
+2.13, 2.9 and 2.11 at least, calls the policy in recompute too and serves an op from the
+cache if it answers "save"; 2.13 calls it in forward only), so matching never advances in
+recompute, and a recompute that dispatches another op than forward did raises
+``SacMismatchError``.
+
+What SAC holds is observed, not read from torch's cache (whose layout changes between
+releases): a dispatch mode entered above SAC's caching mode in forward records the output
+bytes of every op the policy saved. ``RecomputeCounter`` counts the ops a layer really
+re-runs: a dispatch mode entered under SAC's cached mode in recompute, so ops served from
+SAC's cache never reach it. Both declare ``ignore_compile_internals``, as SAC's modes do, so
+whole-layer checkpoints of compiled regions work.
+
+``checkpoint_layers`` checkpoints a layer by replacing its ``forward`` on the instance
+(``checkpoint_module``), not by wrapping it: the module tree, ``state_dict`` keys, parameter
+names and attributes stay those of the plain model, so checkpoints load either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -54,6 +70,7 @@ from torch.utils.checkpoint import (
 )
 
 from .errors import SacMismatchError
+from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, Plan
 
 # How far ahead of the next expected graph op an eager op may match (graph-only ops skipped).
@@ -254,13 +271,82 @@ class RecomputeCounter(TorchDispatchMode):
         return sum(n for name, n in self.counts.items() if name == op or name.startswith(op + "."))
 
 
+class LayerRun:
+    """One forward of a checkpointed layer and its recompute: ``policy`` is their SAC policy.
+
+    In forward the policy matches each op (``_Matcher``) and records its decision; in
+    recompute (``ctx.is_recompute``: torch before 2.13 asks there too, and serves an op from
+    the cache when told to save it) it answers, op by op, the decision forward made, so the
+    matching never advances twice for one op.
+    """
+
+    def __init__(self, layer: LayerOps):
+        self.layer = layer
+        self.matcher = _Matcher(layer)
+        self.decisions: list[tuple[str, bool]] = []  # forward's (op, save), in dispatch order
+        self.replayed = 0  # decisions answered in the current recompute
+
+    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if ctx.is_recompute:
+            save = self._replay(str(op))
+        else:
+            save = self.matcher.decide(str(op), op.is_view)
+            self.decisions.append((str(op), save))
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def start_recompute(self) -> None:
+        self.replayed = 0
+
+    def _replay(self, op: str) -> bool:
+        index = self.replayed
+        forward_op = self.decisions[index][0] if index < len(self.decisions) else None
+        if forward_op != op:
+            layer = self.layer
+            raise SacMismatchError(
+                f"layer {layer.layer} of model `{layer.model}`: recompute dispatched {op} as "
+                f"op #{index} of the layer, where forward dispatched "
+                f"{forward_op or 'nothing more'}; the layer's ops depend on state that changed "
+                "between forward and backward, so the cache cannot serve them"
+            )
+        self.replayed += 1
+        return self.decisions[index][1]
+
+
+def _tensor_bytes(out: Any) -> int:
+    tensors = (t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _SavedOutputs(TorchDispatchMode):
+    """Records the (op, output bytes) of every op a forward's policy saves. Entered above SAC's
+    caching mode, it sees each op before the policy decides it and the output after."""
+
+    def __init__(self, run: LayerRun) -> None:
+        super().__init__()
+        self.run = run
+        self.held: list[tuple[str, int]] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        decided = len(self.run.decisions)
+        out = func(*args, **(kwargs or {}))
+        decisions = self.run.decisions
+        if len(decisions) > decided and decisions[-1][1]:
+            self.held.append((str(func), _tensor_bytes(out)))
+        return out
+
+
 @dataclass
 class PlanPolicy:
     """The ``context_fn`` of one layer (``context_fn(plan, model, layer)`` builds it).
 
     ``recomputed`` counts the ops each recompute really re-runs; ``held`` lists, after a
-    forward, the (op, bytes) of every tensor SAC's cache holds for backward, to check it
-    against the plan (sizes only: holding the tensors would keep them alive past backward).
+    forward, the (op, bytes of its outputs) of every op SAC's cache holds for backward, to
+    check it against the plan (sizes only: holding the tensors would keep them alive past
+    backward).
     """
 
     layer: LayerOps
@@ -270,31 +356,22 @@ class PlanPolicy:
     tolerated: list[str] = field(default_factory=list)
 
     def __call__(self) -> tuple[Any, Any]:
-        matcher = _Matcher(self.layer)
-
-        def policy(ctx, op, *args, **kwargs):
-            save = matcher.decide(str(op), op.is_view)
-            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-
-        caching, cached = create_selective_checkpoint_contexts(policy)
-        return self._forward(caching, matcher), self._recompute(cached)
+        run = LayerRun(self.layer)
+        caching, cached = create_selective_checkpoint_contexts(run.policy)
+        return self._forward(caching, run), self._recompute(cached, run)
 
     @contextlib.contextmanager
-    def _forward(self, caching: Any, matcher: _Matcher) -> Iterator[None]:
-        with caching:
+    def _forward(self, caching: Any, run: LayerRun) -> Iterator[None]:
+        saved = _SavedOutputs(run)
+        with caching, saved:
             yield
-        matcher.finish()
-        self.tolerated = list(matcher.tolerated)
-        self.held = [
-            (str(key), leaf.val.numel() * leaf.val.element_size())
-            for key, entries in caching.storage.items()
-            for entry in entries.values()
-            for leaf in tree_leaves(entry)
-            if isinstance(getattr(leaf, "val", None), torch.Tensor)
-        ]
+        run.matcher.finish()
+        self.tolerated = list(run.matcher.tolerated)
+        self.held = saved.held
 
     @contextlib.contextmanager
-    def _recompute(self, cached: Any) -> Iterator[None]:
+    def _recompute(self, cached: Any, run: LayerRun) -> Iterator[None]:
+        run.start_recompute()
         # The counter is entered first, under SAC's mode: ops served from the cache never
         # reach it.
         with self.recomputed, cached:
@@ -317,25 +394,47 @@ def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPol
     return PlanPolicy(LayerOps.of(plan, model, layer, graph))
 
 
-class CheckpointedLayer(nn.Module):
-    """``inner`` under non-reentrant ``torch.utils.checkpoint`` with ``context_fn``
-    (``preserve_rng_state``: see ``checkpoint_call``)."""
+class _CheckpointedForward:
+    """A module's ``forward`` run under ``checkpoint_call``, set on the instance by
+    ``checkpoint_module``."""
 
     def __init__(
-        self,
-        inner: nn.Module | Callable,
-        context: Callable | None = None,
-        preserve_rng_state: bool | None = None,
+        self, forward: Callable, context: Callable | None, preserve_rng_state: bool | None
     ):
-        super().__init__()
-        self.inner = inner
-        self.context_fn = context
+        self.forward = forward
+        self.context = context
         self.preserve_rng_state = preserve_rng_state
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint_call(
-            self.inner, args, kwargs, self.context_fn, self.preserve_rng_state
-        )
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint_call(self.forward, args, kwargs, self.context, self.preserve_rng_state)
+
+
+def checkpoint_module(
+    module: nn.Module, context: Callable | None = None, preserve_rng_state: bool | None = None
+) -> nn.Module:
+    """Runs ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` from now on
+    (selective with ``context``; ``preserve_rng_state``: see ``checkpoint_call``), and returns
+    it.
+
+    The forward is replaced on the instance, the module is not wrapped: it keeps its place in
+    the model, its attributes, parameter names and ``state_dict`` keys, so a state dict saved
+    with or without checkpointing loads into either. Its hooks run outside the checkpoint.
+    Checkpointing a module again replaces its checkpoint (they do not nest).
+    """
+    current = module.__dict__.get("forward")
+    forward = current.forward if isinstance(current, _CheckpointedForward) else module.forward
+    module.forward = _CheckpointedForward(forward, context, preserve_rng_state)
+    return module
+
+
+def uncheckpoint_module(module: nn.Module) -> nn.Module:
+    """Undoes ``checkpoint_module``: ``module`` runs its own forward again; returns it."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        del module.__dict__["forward"]
+        if module.forward != current.forward:  # the instance had a forward of its own
+            module.forward = current.forward
+    return module
 
 
 def checkpoint_call(
@@ -360,12 +459,43 @@ def checkpoint_call(
     )
 
 
+class KvCacheOffWarning(UserWarning):
+    """The model's KV cache is turned off while its layers are checkpointed."""
+
+
+class CheckpointedLayers(dict):
+    """What ``checkpoint_layers`` returns: the policies by layer index, and ``remove()``, which
+    puts the layers back and the KV cache settings it turned off."""
+
+    def __init__(self, layers: nn.ModuleList, policies: dict[int, PlanPolicy], cache_off: list):
+        super().__init__(policies)
+        self._layers = layers
+        self._cache_off = cache_off
+
+    def remove(self) -> None:
+        """Runs the checkpointed layers' own forward again and turns the KV cache back on
+        where it was on."""
+        for index in self:
+            uncheckpoint_module(self._layers[index])
+        for config in self._cache_off:
+            config.use_cache = True
+        self._cache_off.clear()
+
+
 def checkpoint_layers(
     layers: nn.ModuleList, plan: Plan, model: str = "main"
-) -> dict[int, PlanPolicy]:
-    """Wraps every layer of ``layers`` that ``plan`` checkpoints (layer ``i`` of ``model``) in
-    a selective checkpoint saving what the plan keeps; returns the policies by layer index.
-    A ``model`` the plan does not have is a ``KeyError`` (not a model left unwrapped)."""
+) -> CheckpointedLayers:
+    """Checkpoints every layer of ``layers`` that ``plan`` checkpoints (layer ``i`` of
+    ``model``) with a selective checkpoint saving what the plan keeps (``checkpoint_module``:
+    the layers stay in place, state dict keys unchanged); returns the policies by layer index
+    (``.remove()`` undoes it). A ``model`` the plan does not have is a ``KeyError`` (not a
+    model left unwrapped).
+
+    As HuggingFace's own gradient checkpointing does, the KV cache is off while layers are
+    checkpointed (``config.use_cache = False`` on the configs the layers read, with a
+    ``KvCacheOffWarning``): a layer that updates the cache would update it again in its
+    recompute, which then runs other ops than forward did.
+    """
     models = {n.model for n in plan.nodes}
     if model not in models:
         raise KeyError(
@@ -376,5 +506,25 @@ def checkpoint_layers(
     for index in range(len(layers)):
         if index in checkpointed:
             policies[index] = context_fn(plan, model, index)
-            layers[index] = CheckpointedLayer(layers[index], policies[index])
-    return policies
+            checkpoint_module(layers[index], policies[index])
+    return CheckpointedLayers(layers, policies, _kv_cache_off(layers) if policies else [])
+
+
+def _kv_cache_off(layers: nn.ModuleList) -> list[Any]:
+    """Turns off ``use_cache`` on every config the layers' modules hold, with a warning;
+    returns the configs it changed."""
+    configs = kv_cache_configs(layers)
+    if configs:
+        warnings.warn(
+            KvCacheOffWarning(
+                "the model's KV cache is on (config.use_cache=True): a checkpointed layer's "
+                "recompute would update it a second time, so it is off (config.use_cache="
+                "False) while the layers are checkpointed, as HuggingFace's gradient "
+                "checkpointing does; .remove() on what checkpoint_layers returned turns it "
+                "back on"
+            ),
+            stacklevel=3,
+        )
+    for config in configs:
+        config.use_cache = False
+    return configs

@@ -10,8 +10,8 @@ import torch
 
 from recompute_planner.model_export import causal_mask
 
-# Training configurations: no KV cache (a cache the layers update would differ between a
-# checkpointed layer's forward and its recompute).
+# Training configurations with the KV cache off in the config (the export and eager SAC turn
+# a cache on in the config off themselves: tests of that turn it on).
 SHAPE = dict(
     vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_cache=False,
@@ -33,16 +33,26 @@ class Family:
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """Token ids, labels and the 4D causal mask."""
+        return {**self.batch(), "attention_mask": causal_mask(BATCH, SEQ, self.dtype)}
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """Token ids and labels, as a training batch holds them (the model makes its masks)."""
         ids = torch.randint(0, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-        mask = causal_mask(BATCH, SEQ, self.dtype)
-        return {"input_ids": ids, "labels": ids, "attention_mask": mask}
+        return {"input_ids": ids, "labels": ids}
 
 
-def _causal_lm(config_name: str, model_name: str, **extra) -> Callable[[], torch.nn.Module]:
+def _causal_lm(
+    config_name: str, model_name: str, experts: str | None = None, **extra
+) -> Callable[[], torch.nn.Module]:
+    """A builder of the model from its config: ``SHAPE`` with ``extra`` over it, and the
+    experts implementation ``experts`` (HF's ``experts_implementation``) where given."""
+
     def build() -> torch.nn.Module:
         import transformers
 
-        config = getattr(transformers, config_name)(**SHAPE, **extra)
+        config = getattr(transformers, config_name)(**{**SHAPE, **extra})
+        if experts is not None:
+            config._experts_implementation = experts
         return getattr(transformers, model_name)(config)
 
     return build
@@ -65,3 +75,50 @@ FAMILIES: tuple[Family, ...] = (
 
 def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
+
+
+# The stock families as the README exports them: the configs' own defaults (KV cache on), a
+# sliding window where the family has one, float32, and MoE experts as batched matmuls (HF's
+# default grouped matmul runs in bfloat16 only, whose rounding `planner run --check`'s float32
+# tolerance does not cover).
+STOCK = dict(use_cache=True)
+STOCK_FAMILIES: tuple[Family, ...] = (
+    Family("llama", _causal_lm("LlamaConfig", "LlamaForCausalLM", **STOCK), DENSE_UNITS),
+    Family(
+        "mistral",
+        _causal_lm("MistralConfig", "MistralForCausalLM", sliding_window=4, **STOCK),
+        DENSE_UNITS,
+    ),
+    Family("qwen2", _causal_lm("Qwen2Config", "Qwen2ForCausalLM", **STOCK), DENSE_UNITS),
+    Family(
+        "qwen3",
+        _causal_lm(
+            "Qwen3Config", "Qwen3ForCausalLM", use_sliding_window=True, sliding_window=4,
+            layer_types=["full_attention", "sliding_attention"], **STOCK,
+        ),
+        DENSE_UNITS,
+    ),
+    Family(
+        "qwen3_moe",
+        _causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "batched_mm", **MOE, **STOCK),
+        MOE_UNITS,
+    ),
+    Family(
+        "mixtral",
+        _causal_lm(
+            "MixtralConfig", "MixtralForCausalLM", "batched_mm", num_local_experts=4,
+            num_experts_per_tok=2, **STOCK,
+        ),
+        MOE_UNITS,
+    ),
+    Family(
+        "deepseek_v3",
+        _causal_lm(
+            "DeepseekV3Config", "DeepseekV3ForCausalLM", "batched_mm", n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, head_dim=4, **STOCK,
+        ),
+        MOE_UNITS,
+    ),
+)

@@ -228,20 +228,29 @@ def functional_op(op: str) -> str:
     return f"{namespace}.{name.removesuffix('_')}.{overload}"
 
 
-def replay_ops(plan: rp.Plan) -> list[tuple[str, int, list[str]]]:
-    return [
-        (r.model, r.layer, [functional_op(plan.decision(n).op) for n in r.nodes])
-        for r in plan.replay
-    ]
+def replay_by_layer(plan: rp.Plan) -> dict[tuple[str, int], list[str]]:
+    """Each layer's replayed nodes in forward order, over the steps its replay comes in."""
+    position = {node.name: k for k, node in enumerate(plan.nodes)}
+    layers: dict[tuple[str, int], list[str]] = {}
+    for r in plan.replay:
+        layers.setdefault((r.model, r.layer), []).extend(r.nodes)
+    return {layer: sorted(nodes, key=position.__getitem__) for layer, nodes in layers.items()}
 
 
-def replay_names(plan: rp.Plan, written_in_place: set[str]) -> list[set[str]]:
-    """Each replay's nodes by name, but for the ops ``written_in_place`` names in their
+def replay_ops(plan: rp.Plan) -> dict[tuple[str, int], list[str]]:
+    return {
+        layer: [functional_op(plan.decision(n).op) for n in nodes]
+        for layer, nodes in replay_by_layer(plan).items()
+    }
+
+
+def replay_names(plan: rp.Plan, written_in_place: set[str]) -> dict[tuple[str, int], set[str]]:
+    """Each layer's replayed nodes by name, but for the ops ``written_in_place`` names in their
     functional form (functionalization renames ``index_put_`` nodes ``index_put``)."""
-    return [
-        {n for n in r.nodes if functional_op(plan.decision(n).op) not in written_in_place}
-        for r in plan.replay
-    ]
+    return {
+        layer: {n for n in nodes if functional_op(plan.decision(n).op) not in written_in_place}
+        for layer, nodes in replay_by_layer(plan).items()
+    }
 
 
 def assert_same_plan(staged: Recording, exported_ir, exported: rp.Plan) -> None:
@@ -342,6 +351,84 @@ def test_inductor_step_from_the_plan_matches_eager():
     assert len(stage.plans) == 1
     assert_saves_and_replays_the_plan(stage)
     assert_same_step(step, eager_step(CausalLM(cfg), inputs))
+
+
+class DictOutput(torch.nn.Module):
+    """A model whose step returns a dict, the loss not first."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        out = self.model(**inputs)
+        return {"logits": out.logits, "loss": out.loss}
+
+
+def hf_output_subject(form: str) -> tuple[torch.nn.Module, dict, list]:
+    """A stock HF Llama whose step returns its loss in ``form``: a ``ModelOutput``
+    (``.loss``), a tuple (loss first: ``return_dict=False``) or a dict with ``"loss"``."""
+    fam = family("llama")
+    model = fam.model()
+    models = rp.annotate(model, layers="model.layers", units=fam.units).models
+    inputs = fam.inputs()
+    if form == "tuple":
+        inputs["return_dict"] = False
+    return (DictOutput(model) if form == "dict" else model), inputs, models
+
+
+def loss_of(output):
+    if isinstance(output, tuple):
+        return output[0]
+    return output["loss"] if isinstance(output, dict) else output.loss
+
+
+@pytest.mark.parametrize("form", ["model_output", "tuple", "dict"])
+def test_inductor_stage_takes_the_loss_out_of_a_model_output(form):
+    """A stock HF model compiled whole returns its logits beside the loss: the stage plans the
+    scalar loss as the step's loss and the logits as an output the caller holds."""
+    module, inputs, models = hf_output_subject(form)
+    stage = Recording(models, ["SAVE_MLP"])
+    backend = functools.partial(stage.backend, inner_compile=stop_after_partition)
+    torch._dynamo.reset()
+    with stage, warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        try:
+            torch.compile(module, backend=backend)(**inputs)
+        except Exception as error:
+            if not _caused_by(error, _Partitioned):
+                raise
+    torch._dynamo.reset()
+    ir = stage.irs[-1]
+    values = {v.name: v for v in ir.values}
+    (loss,) = [v for v in ir.values if v.role == graph_pb2.ROLE_LOSS]
+    assert list(loss.shape) == [] and ir.outputs[0] == loss.name
+    logits = [
+        values[name] for name in ir.outputs[1:]
+        if values[name].role == graph_pb2.ROLE_ACTIVATION
+    ]
+    assert [list(v.shape) for v in logits] == [[2, 8, 64]]
+    assert_saves_and_replays_the_plan(stage)
+
+
+def test_compiled_hf_step_returning_a_model_output_matches_eager():
+    """`torch.compile(model, backend=stage.backend)(**inputs).loss.backward()` on a stock HF
+    Llama, compiled to code: loss, logits and gradients as eager's."""
+    module, inputs, models = hf_output_subject("model_output")
+    params = list(module.parameters())
+    torch._dynamo.reset()
+    with rp.compile.planning(models, ["SAVE_MLP"]) as stage, warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        compiled = torch.compile(module, backend=stage.backend)(**inputs)
+        grads = torch.autograd.grad(compiled.loss, params)
+    torch._dynamo.reset()
+    eager = module(**inputs)
+    assert len(stage.plans) == 1
+    assert_same_step(
+        (compiled.loss.detach(), list(grads)),
+        (eager.loss.detach(), list(torch.autograd.grad(eager.loss, params))),
+    )
+    torch.testing.assert_close(compiled.logits, eager.logits, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
 # --------------------------------------------------------------------------------------------

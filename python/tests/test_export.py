@@ -176,11 +176,13 @@ def test_one_hot_range_checks_are_forward_and_replay_waits_for_backward(tmp_path
     write_graph(graph, tmp_path / "one_hot.pb")
     done = run_planner("plan", str(tmp_path / "one_hot.pb"), "--format", "json")
     assert done.returncode == 0, done.stderr
-    (replay,) = json.loads(done.stdout)["replay"]
+    steps = json.loads(done.stdout)["replay"]
+    assert steps
     nodes = {n.name: n for n in graph.nodes}
-    replayed = {o for name in replay["nodes"] for o in nodes[name].outputs}
-    before = nodes[replay["before"]]
-    assert before.phase == PHASE_BACKWARD and replayed & set(before.inputs), before.name
+    for step in steps:  # each step of the replay runs just before a backward node reading it
+        replayed = {o for name in step["nodes"] for o in nodes[name].outputs}
+        before = nodes[step["before"]]
+        assert before.phase == PHASE_BACKWARD and replayed & set(before.inputs), before.name
 
 
 def tamper_first(op: str, tag: str | None):
@@ -425,3 +427,17 @@ def test_stack_traces_keep_the_innermost_three_frames():
         'File "m.py", line 4, in f4', "call_4()",
     ]
     assert trim_stack_trace("") == []
+
+
+def test_exporting_on_a_torch_older_than_the_tracers_need_is_an_export_error(monkeypatch):
+    """Torch before `TRACING_TORCH` fails deep inside AOTAutograd (or traces without the
+    layer scopes); the exporter says so first, naming both versions."""
+    from torch.torch_version import TorchVersion
+
+    from recompute_planner import ExportError
+
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.9.1+cpu"))
+    model, args, models = tiny_decoder()
+    message = r"exporting a graph needs torch >= 2\.13; this is torch 2\.9\.1"
+    with pytest.raises(ExportError, match=message):
+        export_joint(model, args, name="tiny", models=models)

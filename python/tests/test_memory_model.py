@@ -1,9 +1,10 @@
-"""The planner's predicted activation peak (docs/cost-and-memory.md) against eager PyTorch on CPU.
+"""The planner's predicted activation peak (docs/cost-and-memory.md) against measurement.
 
 For every joint golden, the step the golden was exported from (same zoo config, seeded weights
 and inputs, rank 0) runs in eager PyTorch on CPU, and the peak of the bytes it holds,
 parameters excluded, is measured from the allocator (`recompute_planner.measure`). Three
-numbers of the plan have an eager counterpart and are compared:
+numbers of the golden's eager plan (`--executor eager`: what eager autograd and
+`torch.utils.checkpoint` hold) have an eager counterpart and are compared:
 
 - `no_checkpoint_peak_bytes`: the plain step;
 - `full_recompute_peak_bytes`: every layer (each decoder layer, the MTP layer) under
@@ -19,36 +20,24 @@ all-to-all buffers past `wait`), so real ranks would make the test nondeterminis
 slow (~20 s of process spawning). `dense_forward` is skipped: a forward-only graph has no
 training step, and the planner reports no peak for it.
 
-Tolerance of the baselines: 10% of the measured peak. All 26 comparisons fall between -7.9%
-and -0.2% (before views of parameters and every output of `unbind`/`split` aliased their base
-in the simulation, the planner over-predicted by 12-44%); the planner
-under-predicts eager by amounts accounted for, byte for byte, by eager autograd behaviour the
-joint graph does not have:
+Tolerance: 6% of the measured peak for the baselines (measured -5.8% .. +3.2%: the largest,
+`dense_dropout` without checkpointing, is eager's `bernoulli_` dropout and its mask, which the
+traced `native_dropout` does not make), 8% for the plans (-6.3% .. +2.6% run alone; `glm_dsa_ep2_compiled`
+measured 2 KiB more, -7.6%, in the whole suite: the GLM/DSA goldens' kept indexer outputs,
+whose cached tuples eager releases later than modelled, and a measurement that depends on what
+ran before it in the process). The eager
+model's itemised causes: docs/cost-and-memory.md, "Eager checkpointing".
 
-- eager autograd saves inputs whose *shape* only its backward formula needs: `index_add`
-  saves `source` (the MoE `repeat_interleave` tokens, 2048 B per MoE layer), `gather` saves
-  `self` (the DSA indexer scores, 1024 B per DSA layer); AOTAutograd's traced backward has
-  static shapes and does not read them, so the planner frees them after forward;
-- an autograd node frees its saved tensors only after computing all of its outputs
-  (`MulBackward0` of `silu(gate) * up`, `BmmBackward0` of an expert GEMM): one tensor
-  (1536 or 2048 B) more at a backward peak than the graph's op-by-op frees;
-- the caller holds the labels (128 B) to the end, the planner frees them after the loss
-  backward; wrapped Python scalars saved by autograd (8 B each) are not graph values.
-
-Tolerance of the plans: 15% (`dense_dropout` is planned with `--random-ops replay`,
-`SELECTIVE_FLAGS` says why). On top of the above,
-torch's checkpoint recomputes differently from the planner's replay: it starts at the first
-backward read of *any* tensor of the layer, even one the policy saved (the planner replays
-just before the first read of a replayed value), and it re-runs the layer's forward in program
-order up to the last tensor backward needs, ops outside the planner's minimal replay set
-included (moe_ep2 layer 0: the combine's weighted sum, 3072 B, and the last expert GEMM,
-1536 B, recomputed while the kept MLP values are held).
+Then every executor at a shape where activations dominate, through
+`scripts/predictions.py`: eager SAC, the step compiled from the compile stage's plan, and
+`planner run`.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -67,8 +56,10 @@ from recompute_planner.sac import LayerOps
 from recompute_planner.zoo.goldens import GOLDENS, golden
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TOLERANCE = 0.10
-SELECTIVE_TOLERANCE = 0.15
+# The plans compared with eager PyTorch model eager PyTorch.
+EAGER = ("--executor", "eager")
+TOLERANCE = 0.06
+SELECTIVE_TOLERANCE = 0.08
 # Goldens whose plan is measured with other options than `--keep all`: (flags, why).
 SELECTIVE_FLAGS = {
     "dense_dropout": (
@@ -104,8 +95,9 @@ def planned(planner: str, name: str, flags: tuple[str, ...] = ("--keep", "none")
 
 
 def planned_memory(planner: str, name: str) -> dict:
-    """The `memory` section of the default plan of golden `name` (it carries the baselines)."""
-    return planned(planner, name)["memory"]
+    """The `memory` section of golden `name`'s default eager plan (it carries the
+    baselines)."""
+    return planned(planner, name, ("--keep", "none", *EAGER))["memory"]
 
 
 def gap(predicted: int, measured: int) -> float:
@@ -141,7 +133,7 @@ def test_plan_peak_matches_eager_selective_checkpointing(name, planner_bin, reco
     """The plan's own `peak_bytes` for `--keep all` (the units of `SELECTIVE_KEEP`, with the
     reason, for the goldens listed there), run as eager selective checkpointing."""
     flags, _reason = SELECTIVE_FLAGS.get(name, (("--keep", "all"), ""))
-    plan = planned(planner_bin, name, flags)
+    plan = planned(planner_bin, name, (*flags, *EAGER))
     step = measure.measure_golden(
         name, measure.SELECTIVE, Plan(json.dumps(plan)), load_graph(GOLDEN_DIR / f"{name}.pb")
     )
@@ -243,42 +235,86 @@ def test_whole_layer_checkpoint_recomputes_in_backward():
 
 
 # --------------------------------------------------------------------------------------------
-# The eager executor: `--executor eager` plans against eager selective checkpointing
+# Every executor: `scripts/predictions.py` plans each case and measures the step it plans
 
-EAGER_SCRIPT = REPO_ROOT / "scripts" / "eager_predictions.py"
-# Small shapes (the README's table is batch 8 x seq 64), where activations still dominate.
-EAGER_SHAPE = ("--batch", "4", "--seq", "32")
+PREDICTIONS_SCRIPT = REPO_ROOT / "scripts" / "predictions.py"
+# Small shapes (docs/predictions.md is batch 8 x seq 64), where activations still dominate.
+SMALL_SHAPE = ("--batch", "4", "--seq", "32")
 EAGER_TOLERANCE = 0.03
 # HuggingFace Llama: eager holds two hidden-size tensors of the final norm more than the traced
 # graph when forward ends, which `--keep all` (-4.2% at this shape) does not absorb.
 HF_TOLERANCE = 0.05
+# The step compiled from the stage's plan: torch orders backward and replay as the plan does,
+# but for ties (measured -0.5% .. +1.3%).
+COMPILE_TOLERANCE = 0.02
+# torch.compile functionalizes the step's in-place writes into fresh buffers: the stage plans
+# another program than the exported one (tests/test_compile_stage.py, FUNCTIONALIZED_DIFFERS),
+# and its step measures up to 3.3% above that plan (`slice_scatter` buffers live at the
+# attention backward; not yet explained).
+FUNCTIONALIZED = {"dsv3_kv_expand"}
+FUNCTIONALIZED_TOLERANCE = 0.04
 
 
 @pytest.fixture(scope="module")
-def eager_rows(tmp_path_factory) -> list[dict]:
-    """The script's rows for two zoo goldens and HuggingFace Llama at the small shape."""
-    out = tmp_path_factory.mktemp("eager") / "rows.json"
+def prediction_rows(tmp_path_factory, planner_bin) -> list[dict]:
+    """The script's rows for three zoo goldens and HuggingFace Llama at the small shape, every
+    executor."""
+    out = tmp_path_factory.mktemp("predictions") / "rows.json"
     done = subprocess.run(
-        [sys.executable, str(EAGER_SCRIPT), *EAGER_SHAPE, "--zoo", "dense", "dsv3_kv_expand",
-         "--hf", "llama", "--json", str(out)],
+        [sys.executable, str(PREDICTIONS_SCRIPT), *SMALL_SHAPE, "--zoo", "dense",
+         "dsv3_kv_expand", "moe_ep2", "--hf", "llama", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True,
+        env={**os.environ, "PLANNER_BIN": planner_bin},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "| dense | all |" in done.stdout  # the Markdown table the README shows
+    assert "| dense | all | eager |" in done.stdout  # the Markdown table the docs show
     return json.loads(out.read_text())["rows"]
+
+
+def rows_of(rows: list[dict], executor: str) -> list[dict]:
+    chosen = [r for r in rows if r["executor"] == executor]
+    assert {r["case"] for r in chosen} == {"dense", "dsv3_kv_expand", "moe_ep2", "llama"}
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def eager_rows(prediction_rows) -> list[dict]:
+    return rows_of(prediction_rows, "eager")
 
 
 def test_eager_plan_predicts_the_measured_peak_and_saved_set(eager_rows):
     """`--keep none`, `all` and each unit alone under eager SAC: the eager plan's peak within
-    3% of the allocator's (5% for HuggingFace Llama), and on the zoo goldens its saved bytes
-    are what the step holds when forward ends, to the byte."""
-    assert {r["case"] for r in eager_rows} == {"dense", "dsv3_kv_expand", "llama"}
+    3% of the allocator's (5% for HuggingFace Llama, 11% for the zoo MoE, whose Python locals
+    outlive their last use), and on the zoo goldens its saved bytes are what the step holds
+    when forward ends, to the byte."""
     for r in eager_rows:
-        tolerance = HF_TOLERANCE if r["case"] == "llama" else EAGER_TOLERANCE
+        tolerance = {"llama": HF_TOLERANCE, "moe_ep2": 0.11}.get(r["case"], EAGER_TOLERANCE)
         relative = gap(r["predicted_peak"], r["measured_peak"])
         assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
         if r["case"] != "llama":
             assert r["predicted_saved"] == r["measured_saved"], r
+
+
+def test_compiled_step_holds_what_the_stage_plan_predicts(prediction_rows):
+    """The step compiled from the compile stage's plan (torch's boxed interpreter, which frees
+    each value after its last use): its peak within 2% of the plan's (4% where torch
+    functionalizes in-place writes), its saved bytes those of the plan to the byte, and the
+    stage's plan that of the exported step (but where torch functionalizes)."""
+    for r in rows_of(prediction_rows, "compile"):
+        relative = gap(r["predicted_peak"], r["measured_peak"])
+        functionalized = r["case"] in FUNCTIONALIZED
+        tolerance = FUNCTIONALIZED_TOLERANCE if functionalized else COMPILE_TOLERANCE
+        assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
+        assert r["predicted_saved"] == r["measured_saved"], r
+        assert r["same_plan"] or functionalized, r
+
+
+def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows):
+    """`planner run` on each exported step: peak and saved bytes as predicted, to the byte."""
+    for r in rows_of(prediction_rows, "graph"):
+        assert (r["measured_peak"], r["measured_saved"]) == (
+            r["predicted_peak"], r["predicted_saved"]
+        ), r
 
 
 def test_eager_keep_all_worse_than_no_checkpointing_is_flagged(eager_rows):
@@ -296,7 +332,7 @@ def test_eager_budget_answer_fits_its_budget_when_measured():
     the allocator: budgets between whole-layer recompute and keeping everything."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     try:
-        import eager_predictions as table
+        import predictions as table
     finally:
         sys.path.pop(0)
     case = table.zoo_case("dense", 4, 32)

@@ -8,21 +8,27 @@ scopes and the unit markers, and the known tracing failures say what to do.
 
 from __future__ import annotations
 
+import re
+import subprocess
 import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import recompute_planner as rp
+from export_support import fake_process_group, planner_run
 from recompute_planner import sac
+from recompute_planner.export import write_graph, write_reference
+from recompute_planner.proto import graph_pb2
 from recompute_planner.model_export import OwnCheckpointingWarning, causal_mask
 
 transformers = pytest.importorskip("transformers")
 
 DENSE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MLP": ["mlp"]}
 MOE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MOE_GATE": ["mlp.gate"]}
-# Training configurations: no KV cache (a cache the layers update would differ between a
-# checkpointed layer's forward and its recompute).
+# Training configurations with the KV cache off in the config (the export and eager SAC turn
+# a cache on in the config off themselves: tests of that turn it on).
 SHAPE = dict(
     vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_cache=False,
@@ -116,23 +122,173 @@ def test_sac_from_the_plan_of_a_stock_model_keeps_its_gradients_bit_identical():
         assert policy.recomputed.count("aten.silu") == 0  # kept by SAVE_MLP
 
 
-@pytest.mark.parametrize("mask", ["none", "padding"])
-def test_hf_mask_code_failures_name_the_causal_mask_fix(mask):
-    """Without a mask, the packed-sequence check on position_ids; with a 2D padding mask, the
-    padding check: both branch on data while tracing."""
+def test_sac_turns_the_kv_cache_off_while_checkpointing_and_back_on_after():
+    """A config with `use_cache=True` (the default of most): the layers would update the cache
+    again in their recompute. `checkpoint_layers` turns it off, says so, and `remove()` puts
+    the layers and the cache back; the step's gradients are the plain step's."""
+    def cached_llama():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**{**SHAPE, "use_cache": True})
+        )
+
+    model = cached_llama()
+    rp.annotate(model, units=DENSE_UNITS)
+    plan = planned(rp.export(model, tokens()).graph, ["SAVE_MLP"])
+    assert model.config.use_cache is True
+    layers = list(model.model.layers)
+    with pytest.warns(sac.KvCacheOffWarning, match=r"config\.use_cache=False"):
+        checkpointed = sac.checkpoint_layers(model.model.layers, plan)
+    assert model.config.use_cache is False
+
+    def step(m):
+        loss = m(**tokens()).loss
+        return loss, torch.autograd.grad(loss, list(m.parameters()))
+
+    (loss, grads), (plain_loss, plain_grads) = step(model), step(cached_llama())
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    assert all(policy.held_bytes() > 0 for policy in checkpointed.values())
+    checkpointed.remove()
+    assert list(model.model.layers) == layers and model.config.use_cache is True
+
+
+def test_export_takes_the_loss_out_of_a_tuple():
+    """`return_dict=False`: the model returns a tuple, the loss first."""
+    model = llama()
+    as_tuple = rp.export(model, {**tokens(), "return_dict": False})
+    assert torch.equal(as_tuple.loss, rp.export(model, tokens()).loss)
+
+
+# --------------------------------------------------------------------------------------------
+# Masks: the model's own
+
+
+def _sliding(name: str):
+    """Models whose layers do not all attend causally over the whole sequence (windows of 3
+    tokens in a sequence of 8), and a Llama with tied input and output embeddings."""
+    window = dict(sliding_window=3)
+    mixed = dict(layer_types=["full_attention", "sliding_attention"], **window)
+    configs = {
+        "mistral": ("MistralConfig", "MistralForCausalLM", window),
+        "qwen2_mixed": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, **mixed)),
+        "qwen3_mixed": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, **mixed)),
+        "gemma3_tied": (
+            "Gemma3TextConfig", "Gemma3ForCausalLM",
+            dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+        ),
+        "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    }
+    config_name, model_name, extra = configs[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**{**SHAPE, "use_cache": True, **extra})
+    return getattr(transformers, model_name)(config)
+
+
+def run_checked(result, tmp_path) -> subprocess.CompletedProcess:
+    """`planner run --check` on the exported graph and its reference: the graph's loss and
+    gradients are PyTorch's within tolerance."""
+    write_graph(result.graph, tmp_path / "step.pb")
+    write_reference(result, tmp_path / "step.safetensors")
+    return planner_run(str(tmp_path / "step.pb"), "--check")
+
+
+@pytest.mark.parametrize(
+    "name", ["mistral", "qwen2_mixed", "qwen3_mixed", "gemma3_tied", "llama_tied"]
+)
+def test_export_keeps_the_models_own_masks(name, tmp_path):
+    """No mask given: the model builds its own (sliding windows, a mask per layer type), and
+    the exported step's loss is the model's own loss, computed by the graph itself."""
+    model = _sliding(name)
+    units = {"SAVE_ATTN": ["self_attn"]}
+    rp.annotate(model, units=units)
+    inputs = {k: v for k, v in tokens().items() if k != "attention_mask"}
+    result = rp.export(model, inputs)
+    assert torch.equal(result.loss, model(**inputs).loss.detach())
+    done = run_checked(result, tmp_path)
+    assert done.returncode == 0, done.stderr
+    # The model's own masks reach the layers: a sliding window is a mask tensor input.
+    mask_inputs = [
+        v for v in result.graph.values
+        if v.role == graph_pb2.ROLE_INPUT and v.dtype == graph_pb2.DTYPE_BOOL
+    ]
+    assert bool(mask_inputs) == (name != "llama_tied")
+
+
+def test_a_per_layer_type_mask_dict_is_an_input(tmp_path):
+    """HF's `{"full_attention": ..., "sliding_attention": ...}`: its masks are inputs, and
+    masks built right give the model's own loss, in the graph too."""
+    model = _sliding("qwen2_mixed")
+    inputs = {k: v for k, v in tokens().items() if k != "attention_mask"}
+    query, key = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    full = (key <= query).expand(2, 1, 8, 8)
+    sliding = full & (query - key < 3)
+    masks = {"full_attention": full, "sliding_attention": sliding}
+    result = rp.export(model, {**inputs, "attention_mask": masks})
+    assert torch.equal(result.loss, model(**inputs).loss.detach())
+    done = run_checked(result, tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_padding_mask_exports_with_the_models_own_padding(tmp_path):
+    """A 2D padding mask: the model's padding code branches on its data, eagerly; the layers
+    receive the mask it built, and the graph computes the model's own loss."""
+    model = llama()
+    rp.annotate(model, units=DENSE_UNITS)
     inputs = tokens()
-    if mask == "none":
-        del inputs["attention_mask"]
-    else:
-        inputs["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
-        inputs["attention_mask"][1, :2] = 0
-    with pytest.raises(rp.ExportError, match=r"_local_scalar_dense.*causal_mask\(batch, seq\)"):
-        rp.export(llama(), inputs)
+    inputs["attention_mask"] = torch.ones(2, 8, dtype=torch.long)
+    inputs["attention_mask"][1, :2] = 0
+    result = rp.export(model, inputs)
+    assert torch.equal(result.loss, model(**inputs).loss.detach())
+    done = run_checked(result, tmp_path)
+    assert done.returncode == 0, done.stderr
 
 
-def test_float32_grouped_experts_name_bfloat16():
-    with pytest.raises(rp.ExportError, match=r"accepts only bfloat16.*model\.to\(torch\.bfloat16\)"):
+def test_export_for_several_ranks_writes_what_planner_run_reads(tmp_path):
+    """`world_size=2` without a process group: one call exports both data-parallel ranks
+    (each its half of the batch), `.write` puts rank 0's graph and every rank's tensors where
+    `planner run --ranks 2` reads them, and the run checks every rank against PyTorch."""
+    model = llama()
+    rp.annotate(model, units=DENSE_UNITS)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(3))
+    result = rp.export(model, {"input_ids": ids, "labels": ids}, world_size=2)
+    written = result.write(tmp_path / "step.pb")
+    assert [p.name for p in written] == ["step.pb", "step.safetensors", "step.rank1.safetensors"]
+    rank1 = load_file(str(tmp_path / "step.rank1.safetensors"))
+    assert torch.equal(rank1["input/input.0"], ids[2:])
+    assert torch.equal(rank1["ref/loss"], model(input_ids=ids[2:], labels=ids[2:]).loss.detach())
+    done = planner_run(str(tmp_path / "step.pb"), "--ranks", "2", "--keep", "save_mlp", "--check")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(rp.ExportError, match=r"shape \[3, 8\] does not split into 2"):
+        rp.export(model, {"input_ids": ids[:3], "labels": ids[:3]}, world_size=2)
+
+
+def test_in_a_process_group_each_process_writes_its_own_rank(tmp_path):
+    """Rank 1 of a process group exports its own step with the batch it is given, and writes
+    its graph and tensors under rank 1's names."""
+    model = llama()
+    rp.annotate(model, units=DENSE_UNITS)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    with fake_process_group(2, rank=1):
+        result = rp.export(model, {"input_ids": ids, "labels": ids})
+    assert (result.graph.metadata.world_size, result.graph.metadata.rank) == (2, 1)
+    written = result.write(tmp_path / "step.pb")
+    assert [p.name for p in written] == ["step.rank1.pb", "step.rank1.safetensors"]
+    assert torch.equal(load_file(str(written[1]))["input/input.0"], ids)
+
+
+def test_float32_grouped_experts_name_bfloat16_first_and_torchs_log_after(capfd):
+    """HF's default grouped experts in float32: torch logs the failed fake kernel as a
+    traceback before it raises. The error starts with the cause and fix on one line, torch's
+    log follows it, and nothing reaches stderr before."""
+    with pytest.raises(rp.ExportError) as raised:
         rp.export(qwen3_moe(torch.float32), tokens())
+    first, _, rest = str(raised.value).partition("\n")
+    assert re.match(
+        r"`torch\._grouped_mm`.*accepts only bfloat16.*model\.to\(torch\.bfloat16\)", first
+    )
+    assert "failed while attempting to run meta for aten._grouped_mm" in rest
+    assert "_grouped_mm" not in capfd.readouterr().err
 
 
 def test_eager_expert_loops_name_nonzero():

@@ -1,7 +1,8 @@
 """The README's Python recipes run as written. "Use it from PyTorch": the Python blocks in
 order in one namespace (later examples use the first one's model), the shell block with the
 `planner` binary, in a scratch folder. "Plan your model at its real size on a laptop": its one
-block, a meta-device Llama at Llama-3-8B width exported with fake tensors and planned."""
+block, a meta-device Llama at Llama-3-8B width exported with fake tensors and planned. "Stock
+HuggingFace models": its blocks in order in one namespace, on a stock Llama as configured."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from export_support import REPO_ROOT, planner_bin
 
 SECTION = "## Use it from PyTorch"
 REAL_SIZE = "## Plan your model at its real size on a laptop"
+STOCK_HF = "## Stock HuggingFace models"
 
 
 def blocks(title: str = SECTION) -> list[tuple[str, str]]:
@@ -30,14 +32,17 @@ def blocks(title: str = SECTION) -> list[tuple[str, str]]:
 def test_the_readme_plans_a_real_size_model_without_allocating_it(capsys):
     """The recipe's printed totals are those of Llama-3-8B width at 4096 tokens: gigabytes of
     parameters (2 layers, the embeddings and the head: 2.77 GiB in bf16) that were never
-    allocated (the model stays on `meta`)."""
+    allocated (the model stays on `meta`), and a device total that fits an H100."""
     ((language, code),) = blocks(REAL_SIZE)
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rp.PlannerWarning)
         exec(compile(code, "README.md", "exec"), namespace)
     printed = capsys.readouterr().out
-    assert re.fullmatch(r"peak \d+\.\d GiB \+ parameters 2\.8 GiB\n", printed), printed
+    assert re.fullmatch(
+        r"peak \d+\.\d GiB \+ parameters 2\.8 GiB\ndevice total \d+\.\d GiB, fits: True\n",
+        printed,
+    ), printed
     assert all(p.device.type == "meta" for p in namespace["llama"].parameters())
     assert namespace["step"].params == {}
 
@@ -73,3 +78,48 @@ def test_the_readme_examples_run(tmp_path, monkeypatch, capsys):
     held = namespace["policies"]
     assert sorted(held) == [0, 1] and all(p.held_bytes() > 0 for p in held.values())
     assert eager.strip().startswith("{0: ")
+
+
+def run_blocks(title: str, capsys) -> tuple[dict, list[str]]:
+    """Runs the section's blocks in order, the Python ones in one namespace, the shell ones
+    with the `planner` binary; returns the namespace and what each block printed."""
+    namespace: dict = {}
+    printed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        for language, code in blocks(title):
+            if language == "python":
+                exec(compile(code, "README.md", "exec"), namespace)
+                printed.append(capsys.readouterr().out)
+                continue
+            argv = shlex.split(code.strip())
+            assert argv[0] == "planner"
+            done = subprocess.run([str(planner_bin()), *argv[1:]], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            printed.append(done.stdout)
+    return namespace, printed
+
+
+def test_the_readme_runs_a_stock_hf_model(tmp_path, monkeypatch, capsys):
+    """The stock Llama as configured (KV cache on): exported without a mask and planned, the
+    compile recipe (its step returns a `ModelOutput`: one plan, every parameter with its
+    gradient), eager SAC from the plan (the layers hold the kept MLP outputs; `.remove()`
+    restores the layers and the cache), and both data-parallel ranks exported in one call and
+    run with `--check`."""
+    monkeypatch.chdir(tmp_path)
+    namespace, printed = run_blocks(STOCK_HF, capsys)
+    assert printed[0].startswith("Memory(peak_bytes=")
+    stage = namespace["stage"]
+    assert len(stage.plans) == 1 and stage.plans[0].saved
+    assert printed[1].startswith("Memory(peak_bytes=")
+    assert all(p.grad is not None for p in namespace["llama"].parameters())
+    held = namespace["policies"]
+    assert sorted(held) == [0, 1] and all(p.held_bytes() > 0 for p in held.values())
+    assert printed[2].strip().startswith("{0: ")
+    llama = namespace["llama"]
+    assert llama.config.use_cache is True
+    assert not any("forward" in layer.__dict__ for layer in llama.model.layers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "llama.pb", "llama.rank1.safetensors", "llama.safetensors"
+    ]
+    assert "2 rank(s)" in printed[4] and "\nrank 1\n" in printed[4]

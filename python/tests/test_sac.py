@@ -17,6 +17,10 @@ Each zoo model runs every checkpointed layer under `torch.utils.checkpoint` with
 Multi-rank goldens run as rank 0 of the fake process group they were traced with (as the
 memory test does); their collectives exchange nothing, so only bytes and counts are compared
 there, never values.
+
+The file also runs on torch older than the exporter's (`scripts/sac_torch_compat.sh`): there
+the tests that export a graph and the zoo's multi-rank models (functional collectives and the
+fake process group of the current torch) are skipped; the single-rank goldens run.
 """
 
 from __future__ import annotations
@@ -27,16 +31,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, golden_param, load_graph
 from recompute_planner import measure, sac
-from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner.export import TRACING_TORCH, ModelDecl, export_joint
 from recompute_planner.markers import checkpoint_record, layer_scope
 from recompute_planner.zoo.catalog import make_inputs
 from recompute_planner.zoo.goldens import GOLDENS, golden, traced_group
 
 JOINT = [g.name for g in GOLDENS if g.joint]
+SINGLE_RANK_JOINT = [g.name for g in GOLDENS if g.joint and g.world_size == 1]
+# Torch older than the exporter's: see the module docstring.
+OLDER_TORCH = torch.__version__ < TRACING_TORCH
+needs_tracing_torch = pytest.mark.skipif(
+    OLDER_TORCH, reason=f"exports a graph or runs the zoo's ranks: needs torch >= {TRACING_TORCH}"
+)
 # Keeping the in-place dispatch is refused (inplace-in-kept-interval).
 KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
 
@@ -59,6 +70,8 @@ def run_step(name: str, plan: rp.Plan | None):
     """One training step of golden `name` (rank 0), every checkpointed layer under the plan's
     SAC policy (no checkpointing without a plan); returns (loss, grads, policies)."""
     gold = golden(name)
+    if gold.world_size > 1 and OLDER_TORCH:
+        pytest.skip(f"the zoo's multi-rank models need torch >= {TRACING_TORCH}")
     inputs = make_inputs(gold.entry.config)
     with traced_group(gold.world_size):
         model = gold.entry.build()
@@ -163,6 +176,7 @@ def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str)
     return results
 
 
+@needs_tracing_torch
 def test_sac_on_real_ranks_is_bit_identical_to_the_plain_step():
     """GLM/DSA on two gloo ranks (all-gather, all-to-all, MTP), the indexer and the
     collectives kept: each rank's loss and gradients equal its plain step's exactly."""
@@ -220,6 +234,77 @@ def test_saved_collectives_are_not_rerun_in_recompute():
     assert recomputed(rerunning, all_to_all) == replayed(rerunning_plan, all_to_all)
 
 
+@pytest.mark.parametrize("keep", ["all", None])
+@pytest.mark.parametrize("name", [golden_param(name) for name in SINGLE_RANK_JOINT])
+def test_recompute_reruns_exactly_the_matmuls_the_eager_plans_replay_reruns(name, keep):
+    """The policy answers in recompute what it decided in forward (torch before 2.13 asks
+    again there): a kept matmul is served from the cache, never re-run."""
+    plan = planned(name, keep, executor="eager")
+    *_, policies, _ = run_step(name, plan)
+    for op in ("aten.mm", "aten.bmm"):
+        assert recomputed(policies, op) == replayed(plan, op)
+
+
+def _ctx(is_recompute: bool):
+    return SelectiveCheckpointContext(is_recompute=is_recompute)
+
+
+def test_recompute_answers_forwards_decisions_without_matching_again():
+    """Asked in recompute (as torch before 2.13 asks), the policy answers forward's decision
+    for each op in turn and the matching stays where forward left it; an op forward did not
+    dispatch at that position raises."""
+    mm, relu = torch.ops.aten.mm.default, torch.ops.aten.relu.default
+    layer = sac.LayerOps("main", 0, ("mm", "relu"), (str(mm), str(relu)), (True, False))
+    run = sac.LayerRun(layer)
+    forward = [run.policy(_ctx(False), op) for op in (mm, relu)]
+    assert forward == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+    for _ in range(2):  # every recompute starts again from forward's first op
+        run.start_recompute()
+        assert [run.policy(_ctx(True), op) for op in (mm, relu)] == forward
+    assert run.matcher.next == 2 and run.matcher.matched == ["mm", "relu"]
+    run.start_recompute()
+    with pytest.raises(rp.SacMismatchError, match=r"recompute dispatched aten\.relu\.default"):
+        run.policy(_ctx(True), relu)
+
+
+def test_a_checkpointed_models_state_dict_loads_into_the_plain_model_and_back():
+    """Checkpointing replaces each layer's forward, not the layer: the keys are the plain
+    model's, so a state dict saved with or without SAC loads into either (strictly), and the
+    checkpointed model runs the loaded weights."""
+    gold = golden("dense")
+    plan = planned("dense", "all", executor="eager")
+    plain = gold.entry.build()
+    checkpointed = gold.entry.build()
+    with torch.no_grad():
+        for p in checkpointed.parameters():
+            p.add_(1.0)  # other weights than the plain model's
+    policies = sac.checkpoint_layers(checkpointed.layers, plan)
+    assert sorted(policies) == [0, 1]
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in checkpointed.named_parameters()] == [
+        n for n, _ in plain.named_parameters()
+    ]
+
+    saved_checkpointed = {k: v.clone() for k, v in checkpointed.state_dict().items()}
+    checkpointed.load_state_dict(plain.state_dict())  # plain -> checkpointed
+    inputs = make_inputs(gold.entry.config)
+    assert torch.equal(checkpointed(*inputs), plain(*inputs))
+    assert all(p.held_bytes() > 0 for p in policies.values())  # still under SAC
+
+    restored = gold.entry.build()
+    restored.load_state_dict(saved_checkpointed)  # checkpointed -> plain
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in saved_checkpointed.items())
+
+
+def test_checkpointing_a_layer_again_replaces_its_checkpoint():
+    layer = nn.Linear(2, 2)
+    forward = layer.forward
+    sac.checkpoint_module(layer)
+    first = layer.forward
+    sac.checkpoint_module(layer)
+    assert layer.forward is not first and layer.forward.forward == forward
+
+
 def test_a_plan_for_another_graph_raises_naming_the_kept_op():
     """The GLM plan's layer 0 applied to the dense model's layer 0: the first kept op the
     dense layer never runs is named."""
@@ -265,6 +350,7 @@ class OneHotModel(nn.Module):
         return x.square().mean()
 
 
+@needs_tracing_torch
 def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
     inputs = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
     models = [ModelDecl("main", 2, {"SAVE_ROUTE": [("route.begin", "route.end")]})]
@@ -332,6 +418,7 @@ class AttentionModel(nn.Module):
         return x.square().mean()
 
 
+@needs_tracing_torch
 def test_a_dropout_that_draws_nothing_exports_as_eager_runs_it():
     """Eager `dropout(p=0)` returns its input; the trace would decompose it into a `clone`
     eager never makes (an attention-probabilities copy), that the plan would count and keep

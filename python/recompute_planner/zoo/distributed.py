@@ -8,16 +8,19 @@ real ranks: one process per rank over gloo.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+
+from ..expert_parallel import fake_process_group
+
+__all__ = ["fake_process_group"]  # the library's, for the zoo's exports
 
 
 def world_group() -> dist.ProcessGroup:
@@ -47,20 +50,6 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     the copy in the graph on CPU exactly as it appears on GPU.
     """
     return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
-    """Initializes torch's fake process group as `rank` of `world_size` for the block."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _free_port() -> int:

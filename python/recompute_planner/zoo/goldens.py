@@ -28,7 +28,15 @@ from ..device_export import (
     export_joint_on_device,
     with_device_graph,
 )
-from ..export import ExportResult, export_forward, export_joint, write_graph, write_reference
+from ..export import (
+    ExportResult,
+    export_forward,
+    export_joint,
+    same_but_rank,
+    write_graph,
+    write_reference,
+)
+from ..export import rank_path as rank_file
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
 from .distributed import fake_process_group, run_on_ranks
@@ -129,8 +137,7 @@ def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
 def rank_path(out_dir: Path, name: str, rank: int, extension: str) -> Path:
     """Where rank `rank`'s file goes: `NAME.EXT` for rank 0, `NAME.rank<r>.EXT` beside it for
     the others (the runtime reads them from there)."""
-    suffix = "" if rank == 0 else f".rank{rank}"
-    return out_dir / f"{name}{suffix}.{extension}"
+    return rank_file(out_dir / f"{name}.{extension}", rank)
 
 
 def reference_path(out_dir: Path, name: str, rank: int = 0) -> Path:
@@ -181,18 +188,11 @@ def _drop_rank_graphs_like_rank0(name: str, world_size: int, out_dir: Path) -> N
     """Keeps `NAME.rank<r>.pb` only where rank r's graph differs from rank 0's in more than
     its rank number (sequence-parallel positions are baked into each rank's graph): the other
     ranks run rank 0's graph on their own tensors."""
-    rank0 = _without_rank(rank_path(out_dir, name, 0, "pb").read_bytes())
+    rank0 = graph_pb2.Graph.FromString(rank_path(out_dir, name, 0, "pb").read_bytes())
     for rank in range(1, world_size):
         path = rank_path(out_dir, name, rank, "pb")
-        if _without_rank(path.read_bytes()) == rank0:
+        if same_but_rank(graph_pb2.Graph.FromString(path.read_bytes()), rank0):
             path.unlink()
-
-
-def _without_rank(graph_bytes: bytes) -> bytes:
-    """A graph's bytes with its metadata's rank cleared."""
-    graph = graph_pb2.Graph.FromString(graph_bytes)
-    graph.metadata.rank = 0
-    return graph.SerializeToString(deterministic=True)
 
 
 def _check_fake_trace_matches(gold: Golden, out_dir: Path) -> None:

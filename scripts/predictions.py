@@ -1,0 +1,424 @@
+"""Predictions against measurement, for the three executors of a plan: peak and saved bytes
+of one training step, predicted by the planner and measured.
+
+- ``eager``: eager selective checkpointing (`recompute_planner.sac`, every checkpointed layer
+  under `torch.utils.checkpoint` with the plan's policy), planned with `--executor eager`,
+  measured on the CPU allocator (`recompute_planner.measure`).
+- ``compile``: the torch.compile planning stage (`recompute_planner.compile`) on the step's
+  joint graph, the step compiled from the stage's plan (`aot_module` with the stage's
+  `partition_fn`, graphs run by torch's boxed FX interpreter, which frees each value after its
+  last use as generated code does), measured on the CPU allocator. The prediction is the
+  stage's plan; `same plan` says whether it equals the CLI's plan of the exported step (peak
+  and saved bytes).
+- ``graph``: `planner run` (the runtime) on the exported step with seeded inputs, measured by
+  the runtime's own count of the storages it holds.
+
+Cases: every zoo golden whose model runs eagerly on this CPU, re-exported at the chosen shape
+(multi-rank models as rank 0 of the fake process group they are traced with; `planner run`
+runs every rank on rank 0's graph), and tiny stock HuggingFace models (random weights,
+nothing downloaded). Per case, `--keep none`, `all` and each declared unit alone. "Saved" is
+what the step holds when forward ends, the loss aside: predicted, the plan's saved activation
+bytes; measured, the allocator's (the runtime's) live bytes then.
+
+    python scripts/predictions.py                       # batch 8, seq 64: docs/predictions.md
+    python scripts/predictions.py --batch 2 --seq 8     # small
+    python scripts/predictions.py --executor eager      # one executor
+    python scripts/predictions.py --json out.json       # rows for tools and tests
+    python scripts/predictions.py --markdown FILE       # the full table and the summary
+
+`planner run` is `$PLANNER_BIN`, else `target/debug/planner` (built with `cargo build -p
+planner-cli --features run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import recompute_planner as rp
+from recompute_planner import compile as stage_mod
+from recompute_planner import measure, sac
+from recompute_planner.annotate import annotation_of
+from recompute_planner.export import ModelDecl
+
+# Zoo goldens measured (the CUDA-traced golden runs other ops on this CPU; dense_forward has no
+# backward).
+ZOO = (
+    "dense",
+    "dense_dropout",
+    "dsv3_kv_expand",
+    "moe_ep2",
+    "moe_ep2_compiled",
+    "moe_ep4",
+    "moe_layer_compiled",
+    "moe_domino",
+    "moe_ep2_inplace",
+    "moe_ep2_unbalanced",
+    "moe_hf_router",
+    "glm_dsa_ep2",
+    "glm_dsa_ep2_compiled",
+)
+# Keeping the in-place dispatch is refused (inplace-in-kept-interval): `all` keeps the others.
+KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
+# The zoo's golden shape, which MoE capacities (static tokens per expert) are scaled from.
+ZOO_TOKENS = 2 * 8
+
+DENSE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MLP": ["mlp"]}
+MOE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MOE_GATE": ["mlp.gate"]}
+# Widths at which activations, not parameters and gradients, dominate a step of batch 8 x 64.
+HF_SHAPE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False,
+)
+MOE_SHAPE = dict(moe_intermediate_size=64)
+# MoE families run in bfloat16: their default grouped-matmul experts take nothing else.
+BF16 = {"qwen3-moe", "qwen2-moe", "mixtral"}
+
+
+EXECUTORS = ("eager", "compile", "graph")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Case:
+    """One model at one shape: its exported graph, and how to run its step under a plan."""
+
+    name: str
+    units: list[str]
+    graph: Any
+    # A fresh model under the plan's SAC policies: the loss callable and the parameters.
+    step: Callable[[rp.Plan], tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]
+    # A fresh module whose forward(*inputs) returns the loss, and those inputs.
+    module: Callable[[], nn.Module]
+    inputs: tuple[torch.Tensor, ...]
+    # The models, layers and units of the graph, as the compile stage needs them declared.
+    models: list[ModelDecl]
+    input_bytes: int
+    keep_all: Any = "all"
+    # Multi-rank zoo models run as rank 0 of the fake process group they were traced in.
+    world_size: int = 1
+
+
+def zoo_config(name: str, batch: int, seq: int):
+    from recompute_planner.zoo.goldens import golden
+
+    cfg = golden(name).entry.config
+    scale = batch * seq / ZOO_TOKENS
+    return dataclasses.replace(
+        cfg, batch=batch, seq=seq, capacity=max(cfg.capacity, round(cfg.capacity * scale))
+    )
+
+
+def zoo_case(name: str, batch: int, seq: int) -> Case:
+    from recompute_planner.export import export_joint
+    from recompute_planner.zoo.catalog import declared_units, make_inputs, model_decls
+    from recompute_planner.zoo.goldens import traced_group
+    from recompute_planner.zoo.model import CausalLM
+
+    cfg = zoo_config(name, batch, seq).for_rank(zoo_config(name, batch, seq).world_size, 0)
+    inputs = make_inputs(cfg)
+    with traced_group(cfg.world_size):
+        graph = export_joint(
+            CausalLM(cfg), inputs, name=name, models=model_decls(cfg),
+            world_size=cfg.world_size, rank=0,
+        ).graph
+
+    def step(plan: rp.Plan):
+        model = CausalLM(cfg)
+        measure.checkpoint_layers(model, {key: sac.context_fn(plan, *key) for key in plan.layers()})
+        params = [p for p in model.parameters() if p.requires_grad]
+        return (lambda: model(*inputs)), params
+
+    return Case(
+        name, list(declared_units(cfg)), graph, step, lambda: CausalLM(cfg), tuple(inputs),
+        model_decls(cfg), sum(measure.tensor_bytes(t) for t in inputs),
+        KEEP_ALL.get(name, "all"), cfg.world_size,
+    )
+
+
+def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
+    """Stock HuggingFace families: (model builder, units)."""
+    import transformers as T
+
+    def build(model_cls, config_cls, **extra):
+        def make():
+            torch.manual_seed(0)
+            return model_cls(config_cls(**HF_SHAPE, **extra))
+
+        return make
+
+    return {
+        "llama": (build(T.LlamaForCausalLM, T.LlamaConfig), DENSE_UNITS),
+        "llama-eager-attn": (
+            build(T.LlamaForCausalLM, T.LlamaConfig, attn_implementation="eager"), DENSE_UNITS,
+        ),
+        "mistral": (build(T.MistralForCausalLM, T.MistralConfig), DENSE_UNITS),
+        "qwen2": (build(T.Qwen2ForCausalLM, T.Qwen2Config), DENSE_UNITS),
+        "qwen3": (build(T.Qwen3ForCausalLM, T.Qwen3Config), DENSE_UNITS),
+        "qwen3-moe": (
+            build(
+                T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2,
+                **MOE_SHAPE,
+            ),
+            MOE_UNITS,
+        ),
+        "qwen2-moe": (
+            build(
+                T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
+                shared_expert_intermediate_size=64, **MOE_SHAPE,
+            ),
+            MOE_UNITS,
+        ),
+        "mixtral": (
+            build(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+            MOE_UNITS,
+        ),
+    }
+
+
+class _Loss(nn.Module):
+    """A HuggingFace causal LM whose forward takes its inputs positionally and returns the
+    loss alone, as `aot_module` needs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels, attention_mask):
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask).loss
+
+
+def hf_case(family: str, batch: int, seq: int) -> Case:
+    from recompute_planner.model_export import causal_mask
+
+    build, units = hf_families()[family]
+    dtype = torch.bfloat16 if family in BF16 else torch.float32
+
+    def make():
+        model = build().to(dtype)
+        rp.annotate(model, layers="model.layers", units=units)
+        return model
+
+    ids = torch.randint(0, HF_SHAPE["vocab_size"], (batch, seq),
+                        generator=torch.Generator().manual_seed(3))
+    mask = causal_mask(batch, seq, dtype)
+    inputs = {"input_ids": ids, "labels": ids, "attention_mask": mask}
+    model = make()
+    graph = rp.export(model, inputs, name=family).graph
+
+    def step(plan: rp.Plan):
+        model = make()
+        sac.checkpoint_layers(model.model.layers, plan)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return (lambda: model(**inputs).loss), params
+
+    return Case(
+        family, list(units), graph, step, lambda: _Loss(make()), (ids, ids, mask),
+        annotation_of(model).models, sum(measure.tensor_bytes(t) for t in inputs.values()),
+    )
+
+
+def keeps(case: Case) -> list[tuple[str, Any]]:
+    return [("none", None), ("all", case.keep_all)] + [(u, [u]) for u in case.units]
+
+
+def quiet_plan(graph: Any, keep: Any, **options: Any) -> rp.Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        return rp.plan(graph, keep, **options)
+
+
+def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: int,
+        **extra: Any) -> dict[str, Any]:
+    memory = plan.memory
+    return {
+        "case": case.name,
+        "keep": label,
+        "executor": executor,
+        "predicted_peak": memory.peak_bytes,
+        "measured_peak": peak,
+        "predicted_saved": memory.saved_bytes,
+        "measured_saved": saved,
+        "no_checkpoint_peak": memory.no_checkpoint_peak_bytes,
+        **extra,
+    }
+
+
+def measure_case(case: Case, label: str, keep: Any) -> dict[str, Any]:
+    """The eager row: the eager plan's predictions and the measured step under its SAC
+    policies."""
+    from recompute_planner.zoo.goldens import traced_group
+
+    plan = quiet_plan(case.graph, keep, executor="eager")
+    with traced_group(case.world_size):
+        loss, params = case.step(plan)
+        step = measure.measure_step(loss, params, case.input_bytes)
+    return row(
+        case, label, "eager", plan, step.peak_bytes, step.saved_bytes,
+        worse_than_no_checkpoint=any(
+            d.code == "eager-checkpoint-costs-memory" for d in plan.diagnostics
+        ),
+    )
+
+
+def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
+    """The compile row: the stage's plan of the traced step, and the step compiled from it,
+    measured."""
+    from functorch.compile import aot_module
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from recompute_planner.markers import markers_in_compiled_graphs
+    from recompute_planner.zoo.goldens import traced_group
+
+    stage = stage_mod.PlanningStage(case.models, keep)
+    with warnings.catch_warnings(), traced_group(case.world_size), markers_in_compiled_graphs():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        module = case.module()
+        compiled = aot_module(
+            module, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=stage.partition_fn
+        )
+        params = [p for p in module.parameters() if p.requires_grad]
+        step = measure.measure_step(lambda: compiled(*case.inputs), params, case.input_bytes)
+    staged, cli = stage.plans[-1], quiet_plan(case.graph, keep)
+    same = (staged.memory.peak_bytes, staged.memory.saved_bytes) == (
+        cli.memory.peak_bytes, cli.memory.saved_bytes
+    )
+    return row(case, label, "compile", staged, step.peak_bytes, step.saved_bytes, same_plan=same)
+
+
+def planner_bin() -> str:
+    return os.environ.get("PLANNER_BIN") or str(REPO_ROOT / "target" / "debug" / "planner")
+
+
+def measure_run(case: Case, label: str, keep: Any) -> dict[str, Any]:
+    """The graph-executor row: `planner run` on the exported step, rank 0's figures."""
+    plan = quiet_plan(case.graph, keep)
+    keep_args = [] if keep is None else ["--keep", ",".join([keep] if isinstance(keep, str) else keep)]
+    with tempfile.TemporaryDirectory() as folder:
+        graph = Path(folder) / f"{case.name}.pb"
+        graph.write_bytes(case.graph.SerializeToString())
+        done = subprocess.run(
+            [planner_bin(), "run", str(graph), *keep_args, "--seed", "0", "--format", "json"],
+            capture_output=True, text=True,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"planner run on {case.name} --keep {label} failed:\n{done.stderr}")
+    run = json.loads(done.stdout)["ranks"][0]["runs"][0]
+    if run["predicted_peak_bytes"] != plan.memory.peak_bytes:
+        raise RuntimeError(f"{case.name} --keep {label}: planner run planned another peak")
+    return row(case, label, "graph", plan, run["measured_peak_bytes"], run["measured_saved_bytes"])
+
+
+MEASURES = {"eager": measure_case, "compile": measure_compiled, "graph": measure_run}
+
+
+def gap(predicted: int, measured: int) -> float:
+    return (predicted - measured) / max(measured, 1)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| case | keep | executor | peak predicted | peak measured | gap | saved predicted "
+        "| saved measured | gap | note |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['keep']} | {r['executor']} | {r['predicted_peak']:,} "
+            f"| {r['measured_peak']:,} | {gap(r['predicted_peak'], r['measured_peak']):+.1%} "
+            f"| {r['predicted_saved']:,} | {r['measured_saved']:,} "
+            f"| {gap(r['predicted_saved'], r['measured_saved']):+.1%} | {note(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def note(r: dict[str, Any]) -> str:
+    if r.get("worse_than_no_checkpoint"):
+        return "warned: worse than no checkpointing"
+    if r.get("same_plan") is False:
+        return "stage plan differs from the CLI's"
+    return ""
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per case and executor: the range of the peak gap and how many rows are within 3%."""
+    lines = [
+        "| case | eager peak gap | eager within 3% | compile peak gap | compile within 3% "
+        "| graph peak gap | graph within 1% |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells = [case]
+        for executor, tolerance in (("eager", 0.03), ("compile", 0.03), ("graph", 0.01)):
+            gaps = [gap(r["predicted_peak"], r["measured_peak"])
+                    for r in rows if r["case"] == case and r["executor"] == executor]
+            if not gaps:
+                cells += ["", ""]
+                continue
+            within = sum(abs(g) <= tolerance for g in gaps)
+            spread = f"{min(gaps):+.1%}" if min(gaps) == max(gaps) else (
+                f"{min(gaps):+.1%} .. {max(gaps):+.1%}")
+            cells += [spread, f"{within}/{len(gaps)}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--zoo", nargs="*", default=list(ZOO), help="zoo goldens to measure")
+    parser.add_argument(
+        "--hf", nargs="*", default=None, help="HuggingFace families (default: all)"
+    )
+    parser.add_argument("--executor", nargs="*", choices=EXECUTORS, default=list(EXECUTORS))
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--markdown", help="also write the summary and the full table here")
+    args = parser.parse_args(argv)
+    families = list(hf_families()) if args.hf is None else args.hf
+    cases = [lambda n=n: zoo_case(n, args.batch, args.seq) for n in args.zoo]
+    cases += [lambda f=f: hf_case(f, args.batch, args.seq) for f in families]
+    rows = []
+    for make in cases:
+        case = make()
+        for label, keep in keeps(case):
+            for executor in args.executor:
+                measured = MEASURES[executor](case, label, keep)
+                rows.append(measured)
+                print(table([measured]).splitlines()[-1], file=sys.stderr, flush=True)
+    shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
+             "(eager, compile), the runtime's storage count (graph)")
+    print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"batch": args.batch, "seq": args.seq, "rows": rows}, out, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(shape, rows))
+    return 0
+
+
+def markdown(shape: str, rows: list[dict[str, Any]]) -> str:
+    return (
+        "# Predictions against measurement\n\n"
+        "Written by `python scripts/predictions.py --markdown docs/predictions.md` (what each "
+        "executor is and how it is measured: the script's docstring; why the gaps are what they "
+        "are: the README, \"How good the predictions are\").\n\n"
+        f"{shape}.\n\n## Summary\n\n{summary(rows)}\n\n## Every case\n\n{table(rows)}\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
