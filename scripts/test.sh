@@ -25,4 +25,14 @@ echo "== pytest" >&2
 # fresh clone reusing the cached venv tests its own sources.
 # The planner the Rust tests built (a plain `cargo build -p planner-cli` would replace the
 # runtime library with one without `planner run`).
-PLANNER_BIN="$PWD/target/debug/planner" python -m pytest -q python/tests
+# Two processes: with a cold inductor cache (a fresh machine), the files before
+# test_export.py leave fx trace annotations behind (a layer and module path; cause not found
+# yet) that tag every later export in the same process.
+export PLANNER_BIN="$PWD/target/debug/planner"
+early=()
+late=()
+for file in python/tests/test_*.py; do
+    if [[ "$file" < python/tests/test_export.py ]]; then early+=("$file"); else late+=("$file"); fi
+done
+python -m pytest -q "${early[@]}"
+python -m pytest -q "${late[@]}"
