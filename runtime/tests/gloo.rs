@@ -4,6 +4,10 @@
 //! under another op than sum) and element types it does not move (float8); a rank that fails
 //! is named by the others.
 
+mod common;
+
+use common::{on_loopback_ranks, site};
+
 use std::{
     net::TcpListener,
     sync::Arc,
@@ -15,9 +19,8 @@ use runtime::{
     comm::{
         c10d::{Store, StoreAddress},
         gloo::Gloo,
-        loopback::LoopbackGroup,
         rendezvous::Hub,
-        CommError, Communicator, Identity, ReduceOp, Site,
+        CommError, Communicator, Identity, ReduceOp,
     },
     program::Collective,
 };
@@ -25,14 +28,6 @@ use tch::{Device, Kind, Tensor};
 
 const WORLD: usize = 3;
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-fn site(seq: u64, op: &'static str) -> Site {
-    Site {
-        seq,
-        op,
-        node: format!("node{seq}"),
-    }
-}
 
 fn identity() -> Identity {
     Identity {
@@ -85,24 +80,6 @@ fn on_gloo_ranks<T: Send + 'static>(
         let _ = comm.finish();
     }
     ended.into_iter().map(|(result, _, _)| result).collect()
-}
-
-fn on_loopback_ranks<T: Send + 'static>(
-    body: impl Fn(usize, &mut dyn Communicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let group = LoopbackGroup::new(WORLD, TIMEOUT);
-    let body = Arc::new(body);
-    let handles: Vec<_> = (0..WORLD)
-        .map(|rank| {
-            let mut comm = group.rank(rank);
-            let body = Arc::clone(&body);
-            thread::spawn(move || body(rank, &mut comm))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("no rank panics"))
-        .collect()
 }
 
 /// Rank `rank`'s input: `rows` rows of 4 values that differ per rank and row, multiples of
@@ -189,7 +166,7 @@ fn collectives(rank: usize, comm: &mut dyn Communicator) -> Vec<(Kind, Vec<i64>,
 #[test]
 fn every_collective_gives_the_loopback_communicators_result_bit_for_bit() {
     let gloo = on_gloo_ranks(collectives);
-    let loopback = on_loopback_ranks(collectives);
+    let loopback = on_loopback_ranks(WORLD, TIMEOUT, collectives);
     assert_eq!(gloo.len(), WORLD);
     for (rank, (mine, theirs)) in gloo.iter().zip(&loopback).enumerate() {
         for (step, (a, b)) in mine.iter().zip(theirs).enumerate() {

@@ -6,46 +6,17 @@ mod common;
 
 use std::{
     sync::Arc,
-    thread,
     time::{Duration, Instant},
 };
 
+use common::{on_loopback_ranks, site};
 use runtime::{
-    comm::{loopback::LoopbackGroup, CommError, Communicator, ReduceOp, Site},
+    comm::{CommError, ReduceOp},
     exec::{Fault, FaultKind},
     program::Collective,
     run::{run_loopback, RunError},
 };
 use tch::Tensor;
-
-fn site(seq: u64, op: &'static str) -> Site {
-    Site {
-        seq,
-        op,
-        node: format!("node{seq}"),
-    }
-}
-
-/// Runs `body(rank, communicator)` on `world` threads; returns each rank's result.
-fn on_ranks<T: Send + 'static>(
-    world: usize,
-    timeout: Duration,
-    body: impl Fn(usize, &mut dyn Communicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let group = LoopbackGroup::new(world, timeout);
-    let body = Arc::new(body);
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut comm = group.rank(rank);
-            let body = Arc::clone(&body);
-            thread::spawn(move || body(rank, &mut comm))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("no rank panics"))
-        .collect()
-}
 
 fn values(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(t.reshape([-1])).expect("f32")
@@ -55,7 +26,7 @@ fn values(t: &Tensor) -> Vec<f32> {
 fn all_to_all_exchanges_uneven_splits_between_three_ranks() {
     // Rank r sends splits[r][j] rows to rank j; row k of rank r holds 100 r + k.
     let splits: [[i64; 3]; 3] = [[1, 2, 0], [3, 0, 1], [2, 2, 2]];
-    let results = on_ranks(3, Duration::from_secs(10), move |rank, comm| {
+    let results = on_loopback_ranks(3, Duration::from_secs(10), move |rank, comm| {
         let rows: i64 = splits[rank].iter().sum();
         let input = (Tensor::arange(rows, (tch::Kind::Float, tch::Device::Cpu))
             + 100.0 * rank as f64)
@@ -75,7 +46,7 @@ fn all_to_all_exchanges_uneven_splits_between_three_ranks() {
 
 #[test]
 fn gathers_and_reductions_combine_every_rank_in_rank_order() {
-    let results = on_ranks(2, Duration::from_secs(10), |rank, comm| {
+    let results = on_loopback_ranks(2, Duration::from_secs(10), |rank, comm| {
         let input = Tensor::from_slice(&[1.0f32 + rank as f32, 10.0 * (rank as f32 + 1.0)]);
         let gathered = comm
             .run(
@@ -109,7 +80,7 @@ fn gathers_and_reductions_combine_every_rank_in_rank_order() {
 
 #[test]
 fn split_sizes_that_disagree_between_ranks_are_an_error_naming_both() {
-    let results = on_ranks(2, Duration::from_secs(10), |rank, comm| {
+    let results = on_loopback_ranks(2, Duration::from_secs(10), |rank, comm| {
         let input = Tensor::zeros([2, 1], (tch::Kind::Float, tch::Device::Cpu));
         // Rank 1 expects two rows from rank 0, which sends it one.
         let collective = Collective::AllToAll {
@@ -136,7 +107,7 @@ fn split_sizes_that_disagree_between_ranks_are_an_error_naming_both() {
 #[test]
 fn a_rank_that_never_arrives_is_named_by_the_others_within_the_timeout() {
     let started = Instant::now();
-    let results = on_ranks(3, Duration::from_millis(300), |rank, comm| {
+    let results = on_loopback_ranks(3, Duration::from_millis(300), |rank, comm| {
         if rank == 2 {
             return Ok(());
         }

@@ -18,10 +18,11 @@ use std::{
 use tch::{Kind, Tensor};
 
 use super::{
-    average,
+    agree_with_joined, average,
     c10d::{GlooGroup, Progress, Reduction, Store, Work},
+    check_input_splits,
     rendezvous::Coordinator,
-    CommError, Communicator, Identity, ReduceOp, Site,
+    rows_like, CommError, Communicator, Identity, ReduceOp, Site,
 };
 use crate::program::Collective;
 
@@ -92,7 +93,7 @@ impl Gloo {
             return Err(error);
         }
         self.coordinator.arrive(site.seq);
-        let work = start(self.group()?).map_err(|e| invalid(site, e))?;
+        let work = start(self.group()?).map_err(|e| CommError::invalid(site, e))?;
         self.wait(site, &work).inspect_err(|_| {
             // The collective may never complete: destroying the group would wait for it.
             if let Some(group) = self.group.take() {
@@ -135,13 +136,6 @@ impl Gloo {
     }
 }
 
-fn invalid(site: &Site, message: String) -> CommError {
-    CommError::Invalid {
-        site: site.to_string(),
-        message,
-    }
-}
-
 /// gloo's reduction for `op`; an average is a sum divided afterwards.
 fn reduction(op: ReduceOp) -> Reduction {
     match op {
@@ -162,12 +156,7 @@ fn finish_reduction(tensor: Tensor, op: ReduceOp, world: usize) -> Tensor {
 
 /// `rows` leading-dimension rows of `like`'s trailing shape, empty.
 fn empty_rows(like: &Tensor, rows: i64) -> Tensor {
-    let mut sizes = like.size();
-    match sizes.first_mut() {
-        Some(first) => *first = rows,
-        None => sizes.push(rows),
-    }
-    Tensor::empty(sizes, (like.kind(), like.device()))
+    Tensor::empty(rows_like(like, rows), (like.kind(), like.device()))
 }
 
 /// The element types gloo moves (`GENERATE_ALL_TYPES` of ProcessGroupGloo).
@@ -204,16 +193,7 @@ impl Communicator for Gloo {
     }
 
     fn agree(&mut self, identity: &Identity) -> Result<(), CommError> {
-        // The hub compared every rank's identity before the group formed.
-        if *identity == self.identity {
-            return Ok(());
-        }
-        Err(CommError::Mismatch {
-            me: self.rank,
-            mine: identity.describe(),
-            rank: self.rank,
-            theirs: self.identity.describe(),
-        })
+        agree_with_joined(self.rank, &self.identity, identity)
     }
 
     fn run(
@@ -230,12 +210,7 @@ impl Communicator for Gloo {
                 output_splits,
                 input_splits,
             } => {
-                if input_splits.iter().sum::<i64>() != rows {
-                    return Err(invalid(
-                        site,
-                        format!("input split sizes {input_splits:?} do not add up to {rows} rows"),
-                    ));
-                }
+                check_input_splits(site, input_splits, rows)?;
                 let output = empty_rows(&input, output_splits.iter().sum());
                 let (send, recv) = (movable(&input), movable(&output));
                 self.collective(site, |group| {
@@ -256,7 +231,7 @@ impl Communicator for Gloo {
             }
             Collective::ReduceScatter(op) => {
                 if rows % world != 0 {
-                    return Err(invalid(
+                    return Err(CommError::invalid(
                         site,
                         format!("{rows} rows do not split evenly over {world} ranks"),
                     ));

@@ -13,7 +13,9 @@ use std::{
 
 use tch::Tensor;
 
-use super::{average, offsets, CommError, Communicator, Identity, ReduceOp, Site};
+use super::{
+    average, check_input_splits, offsets, CommError, Communicator, Identity, ReduceOp, Site,
+};
 use crate::program::Collective;
 
 /// A group of `world_size` loopback ranks; hand one [`Loopback`] to each rank's thread.
@@ -233,10 +235,7 @@ impl Loopback {
     }
 
     fn invalid(&self, site: &Site, message: String) -> CommError {
-        let error = CommError::Invalid {
-            site: site.to_string(),
-            message,
-        };
+        let error = CommError::invalid(site, message);
         self.shared.abort(error.clone());
         error
     }
@@ -250,13 +249,9 @@ impl Loopback {
         input_splits: &[i64],
     ) -> Result<Tensor, CommError> {
         let rows = input.size().first().copied().unwrap_or(0);
-        if input_splits.iter().sum::<i64>() != rows {
-            return Err(self.invalid(
-                site,
-                format!(
-                    "input split sizes {input_splits:?} do not add up to the input's {rows} rows"
-                ),
-            ));
+        if let Err(error) = check_input_splits(site, input_splits, rows) {
+            self.shared.abort(error.clone());
+            return Err(error);
         }
         let chunks = offsets(input_splits)
             .into_iter()

@@ -142,6 +142,59 @@ pub trait Communicator: Send {
     }
 }
 
+impl CommError {
+    /// A collective whose arguments do not fit its input (`message` says how) at `site`.
+    pub(crate) fn invalid(site: &Site, message: String) -> CommError {
+        CommError::Invalid {
+            site: site.to_string(),
+            message,
+        }
+    }
+}
+
+/// `agree` for communicators whose rendezvous hub compared every rank's identity before the
+/// group formed: `identity` must be the one rank `rank` joined with (`joined`).
+pub(crate) fn agree_with_joined(
+    rank: usize,
+    joined: &Identity,
+    identity: &Identity,
+) -> Result<(), CommError> {
+    if identity == joined {
+        return Ok(());
+    }
+    Err(CommError::Mismatch {
+        me: rank,
+        mine: identity.describe(),
+        rank,
+        theirs: joined.describe(),
+    })
+}
+
+/// An all-to-all's input split sizes must add up to the input's `rows` leading rows.
+pub(crate) fn check_input_splits(
+    site: &Site,
+    input_splits: &[i64],
+    rows: i64,
+) -> Result<(), CommError> {
+    if input_splits.iter().sum::<i64>() == rows {
+        return Ok(());
+    }
+    Err(CommError::invalid(
+        site,
+        format!("input split sizes {input_splits:?} do not add up to the input's {rows} rows"),
+    ))
+}
+
+/// The shape of `rows` leading-dimension rows of `like`'s trailing shape.
+pub(crate) fn rows_like(like: &Tensor, rows: i64) -> Vec<i64> {
+    let mut sizes = like.size();
+    match sizes.first_mut() {
+        Some(first) => *first = rows,
+        None => sizes.push(rows),
+    }
+    sizes
+}
+
 /// The offsets of consecutive chunks of the given sizes.
 pub(crate) fn offsets(sizes: &[i64]) -> Vec<i64> {
     sizes

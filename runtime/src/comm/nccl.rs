@@ -23,10 +23,11 @@ use std::{
 use tch::{Device, Kind, Tensor};
 
 use super::{
+    agree_with_joined, check_input_splits,
     libnccl::{self, Comm, DataType, RedOp, Status, Stream, UniqueId},
     offsets,
     rendezvous::{Coordinator, Hub},
-    CommError, Communicator, Identity, ReduceOp, Site,
+    rows_like, CommError, Communicator, Identity, ReduceOp, Site,
 };
 use crate::{ffi, program::Collective};
 
@@ -329,23 +330,6 @@ fn reduce_op(op: ReduceOp) -> RedOp {
     }
 }
 
-fn invalid(site: &Site, message: String) -> CommError {
-    CommError::Invalid {
-        site: site.to_string(),
-        message,
-    }
-}
-
-/// `rows` leading-dimension rows of `like`'s trailing shape.
-fn rows_like(like: &Tensor, rows: i64) -> Vec<i64> {
-    let mut sizes = like.size();
-    match sizes.first_mut() {
-        Some(first) => *first = rows,
-        None => sizes.push(rows),
-    }
-    sizes
-}
-
 impl Communicator for Nccl {
     fn rank(&self) -> usize {
         self.rank
@@ -356,16 +340,7 @@ impl Communicator for Nccl {
     }
 
     fn agree(&mut self, identity: &Identity) -> Result<(), CommError> {
-        // The hub compared every rank's identity before handing out the NCCL id.
-        if *identity == self.identity {
-            return Ok(());
-        }
-        Err(CommError::Mismatch {
-            me: self.rank,
-            mine: identity.describe(),
-            rank: self.rank,
-            theirs: self.identity.describe(),
-        })
+        agree_with_joined(self.rank, &self.identity, identity)
     }
 
     fn run(
@@ -385,12 +360,7 @@ impl Communicator for Nccl {
                 output_splits,
                 input_splits,
             } => {
-                if input_splits.iter().sum::<i64>() != rows {
-                    return Err(invalid(
-                        site,
-                        format!("input split sizes {input_splits:?} do not add up to {rows} rows"),
-                    ));
-                }
+                check_input_splits(site, input_splits, rows)?;
                 let output = Tensor::empty(
                     rows_like(&input, output_splits.iter().sum()),
                     (kind, self.device),
@@ -446,11 +416,12 @@ impl Communicator for Nccl {
                 Ok(output)
             }
             Collective::ReduceScatter(op) | Collective::AllReduce(op) => {
-                let dtype = nccl_type(kind)
-                    .ok_or_else(|| invalid(site, format!("NCCL cannot reduce {kind:?}")))?;
+                let dtype = nccl_type(kind).ok_or_else(|| {
+                    CommError::invalid(site, format!("NCCL cannot reduce {kind:?}"))
+                })?;
                 let scatter = matches!(collective, Collective::ReduceScatter(_));
                 if scatter && rows % world != 0 {
-                    return Err(invalid(
+                    return Err(CommError::invalid(
                         site,
                         format!("{rows} rows do not split evenly over {world} ranks"),
                     ));

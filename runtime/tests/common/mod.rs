@@ -1,15 +1,16 @@
-//! Helpers shared by the runtime's tests: goldens, plans without checkpointing, and graphs
-//! built op by op.
+//! Helpers shared by the runtime's tests: goldens, plans without checkpointing, graphs built
+//! op by op, and loopback ranks as threads.
 
 #![allow(dead_code)]
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{path::PathBuf, sync::Arc, thread, time::Duration};
 
 use ir::{
     plan::{Config, Cost, GraphRef, Keep, Memory, Plan, SavedKind, SavedValue},
     Graph,
 };
 use runtime::{
+    comm::{loopback::LoopbackGroup, Communicator, Site},
     run::{RankJob, RunConfig},
     Device,
 };
@@ -85,4 +86,35 @@ pub fn config(timeout: Duration) -> RunConfig {
         max_input_bytes: u64::MAX,
         fault: None,
     }
+}
+
+/// The site of collective number `seq`, an `op` called at node `node<seq>`.
+pub fn site(seq: u64, op: &'static str) -> Site {
+    Site {
+        seq,
+        op,
+        node: format!("node{seq}"),
+    }
+}
+
+/// Runs `body(rank, communicator)` on `world` threads, each a loopback rank; each rank's
+/// result, in rank order.
+pub fn on_loopback_ranks<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    body: impl Fn(usize, &mut dyn Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let group = LoopbackGroup::new(world, timeout);
+    let body = Arc::new(body);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut comm = group.rank(rank);
+            let body = Arc::clone(&body);
+            thread::spawn(move || body(rank, &mut comm))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("no rank panics"))
+        .collect()
 }
