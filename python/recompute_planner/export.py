@@ -377,6 +377,8 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
                 "export_joint: nothing in the step requires grad, so there is no backward; "
                 "use export_forward"
             ) from None
+        if markers.resolve_tentative_markers(captured.graph_module.graph):
+            captured.graph_module.recompile()
         return captured.graph_module, captured.num_forward_outputs
     raise RuntimeError("AOTAutograd finished without handing over a graph")
 
