@@ -56,6 +56,28 @@ ANNOTATION_ATTR = "_recompute_planner_annotation"
 
 
 @dataclass(frozen=True)
+class _OpPattern:
+    """An op name and which of its matches (None: the last)."""
+
+    name: str
+    index: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> "_OpPattern":
+        found = re.fullmatch(r"\s*([A-Za-z_][\w.]*)\s*(?:\[\s*(\d+)\s*\])?\s*", text)
+        if found is None:
+            raise ValueError(
+                f"op pattern {text!r}: write an op name (`topk`, `Tensor.topk`, "
+                "`aten._to_copy`), optionally with the match to take (`dropout[0]`)"
+            )
+        name, index = found.groups()
+        return cls(name, None if index is None else int(index))
+
+    def matches(self, names: tuple[str, ...]) -> bool:
+        return any(n == self.name or n.endswith("." + self.name) for n in names)
+
+
+@dataclass(frozen=True)
 class OpInterval:
     """A unit region inside a submodule: from the first op matching ``first`` to the last op
     matching ``last`` (counted from that first one on), in every call of ``module`` (a path
@@ -77,48 +99,27 @@ class OpInterval:
     only when the module returns: until then every match gets a tentative end marker, and the
     exporter keeps the last one (``markers.resolve_tentative_markers``); in eager the others
     stay, identities the selective checkpoint ignores like every marker. An op that writes its
-    input in place cannot be an end of the interval (its marker would take the write away).
+    input in place cannot be the first or the last op (a marker would take the write away from
+    the tensor the model goes on with).
     """
 
     module: str
     first: str
     last: str
     name: str | None = None
+    # The parsed patterns (parsed here, not while the model runs: Dynamo traces the mode).
+    first_op: _OpPattern = field(init=False, repr=False, compare=False)
+    last_op: _OpPattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        first, last = _OpPattern.parse(self.first), _OpPattern.parse(self.last)
-        if first.index is None:
-            object.__setattr__(self, "_first", _OpPattern(first.name, 0))
-        else:
-            object.__setattr__(self, "_first", first)
-        object.__setattr__(self, "_last", last)
+        first = _OpPattern.parse(self.first)
+        object.__setattr__(self, "first_op", _OpPattern(first.name, first.index or 0))
+        object.__setattr__(self, "last_op", _OpPattern.parse(self.last))
 
     @property
     def label(self) -> str:
         """The interval's marker stem (``<label>.begin`` / ``<label>.end``)."""
         return self.name or f"{self.module}[{self.first}..{self.last}]"
-
-
-@dataclass(frozen=True)
-class _OpPattern:
-    """An op name and which of its matches (None: the last)."""
-
-    name: str
-    index: int | None
-
-    @classmethod
-    def parse(cls, text: str) -> "_OpPattern":
-        found = re.fullmatch(r"\s*([A-Za-z_][\w.]*)\s*(?:\[\s*(\d+)\s*\])?\s*", text)
-        if found is None:
-            raise ValueError(
-                f"op pattern {text!r}: write an op name (`topk`, `Tensor.topk`, "
-                "`aten._to_copy`), optionally with the match to take (`dropout[0]`)"
-            )
-        name, index = found.groups()
-        return cls(name, None if index is None else int(index))
-
-    def matches(self, names: tuple[str, ...]) -> bool:
-        return any(n == self.name or n.endswith("." + self.name) for n in names)
 
 
 # What a unit declares: a submodule or method path, or an op interval.
@@ -422,8 +423,7 @@ class _IntervalMode(TorchFunctionMode):
     def __init__(self, interval: OpInterval, where: str):
         super().__init__()
         self.interval, self.where = interval, where
-        self.first: _OpPattern = interval._first  # type: ignore[attr-defined]
-        self.last: _OpPattern = interval._last  # type: ignore[attr-defined]
+        self.first, self.last = interval.first_op, interval.last_op
         self.call = _Call()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -488,6 +488,7 @@ class _IntervalMode(TorchFunctionMode):
         return True
 
 
+# Evaluated, not traced, by Dynamo (it cannot trace the introspection of a torch function).
 @torch._dynamo.assume_constant_result
 def _op_names(func: Any) -> tuple[str, ...] | None:
     """The names a pattern may match a call by, the one to show first; None for what is no op
@@ -618,11 +619,10 @@ class _IntervalRecord:
                 f"`{self.interval.module or '<the layer>'}` ran an op matching "
                 f"`{self.interval.first}` (layer {layer}'s ran: {_op_list(self.ops[layer])})"
             )
-        self.found.clear()
-        self.ops.clear()
 
 
 def _check_intervals(records: list[_IntervalRecord]) -> None:
+    """After a forward of the model: each op interval settles what it found, then forgets it."""
     for record in records:
         try:
             record.settle()
