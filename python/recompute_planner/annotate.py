@@ -197,7 +197,7 @@ def annotate(
         annotation.handles += record.install()
     if intervals:
         annotation.handles.append(
-            model.register_forward_hook(lambda *_: _check_intervals(intervals))
+            model.register_forward_hook(lambda *_: _check_intervals(intervals), always_call=True)
         )
     setattr(model, ANNOTATION_ATTR, annotation)
     return annotation
@@ -622,10 +622,13 @@ class _IntervalRecord:
 
 
 def _check_intervals(records: list[_IntervalRecord]) -> None:
-    """After a forward of the model: each op interval settles what it found, then forgets it."""
+    """After a forward of the model: each op interval settles what it found (unless the
+    forward raised), then forgets it."""
+    failed = sys.exc_info()[0] is not None
     for record in records:
         try:
-            record.settle()
+            if not failed:
+                record.settle()
         finally:
             record.found.clear()
             record.ops.clear()
