@@ -2,9 +2,9 @@
 
 - ``plan(graph, keep=...)``: the Rust planner in-process (``recompute_planner.api``);
   ``load_plan(path)`` reads a ``.json`` / ``.pb`` plan file (``recompute_planner.plans``);
-- ``export(model, example_inputs, ...)`` and ``annotate(model, ...)``: a training step of
-  your own module as the planner's graph (``recompute_planner.model_export``,
-  ``recompute_planner.annotate``);
+- ``export(model, example_inputs, ...)`` and ``annotate(model, ...)`` (units by submodule,
+  method or ``OpInterval``): a training step of your own module as the planner's graph
+  (``recompute_planner.model_export``, ``recompute_planner.annotate``);
 - ``compile``: the torch.compile planning stage (joint-graph pass, ``partition_fn``);
 - ``sac``: eager selective-checkpointing policies from a plan;
 - ``markers``, ``zoo``: markers and the model zoo; ``recompute_planner.export`` is also the
@@ -21,7 +21,7 @@ from .errors import (  # noqa: E402
     SacMismatchError,
 )
 from .plans import Plan, load_plan  # noqa: E402
-from .annotate import Annotation, annotate  # noqa: E402
+from .annotate import Annotation, OpInterval, annotate  # noqa: E402
 
 from . import export as _exporter  # noqa: E402
 from .model_export import TensorSpec  # noqa: E402
@@ -53,6 +53,7 @@ def __getattr__(name: str):
 __all__ = [
     "Annotation",
     "ExportError",
+    "OpInterval",
     "Plan",
     "PlanRejected",
     "PlannerError",

@@ -10,14 +10,24 @@ forward hooks, no source edit:
   pre-hook putting the marker ``<path>.begin`` on the module's (first) tensor input and a hook
   putting ``<path>.end`` on its tensor outputs, so the unit's interval encloses exactly that
   module's ops;
-- on each unit's methods (a path whose last part names a method of a submodule:
-  ``"mlp.route_tokens_to_experts"``), the same markers around that method's calls, by a wrapper
-  set on the submodule instance (the class is not touched), so a unit can be a region smaller
-  than a module without editing the model's source.
+- on each unit's methods (a path whose last part names a method of a submodule, or of an
+  object a module holds: ``"mlp.route_tokens_to_experts"``, ``"dispatcher.dispatch"``), the
+  same markers around that method's calls, by a wrapper set on the instance (the class is not
+  touched), so a unit can be a region smaller than a module without editing the model's
+  source;
+- on each unit's op intervals (``OpInterval("self_attn", first="flatten", last="topk")``: from
+  the first op matching ``first`` to the last op matching ``last`` inside a submodule's
+  forward), markers exactly where a hand-placed ``checkpoint_record`` would put them: a
+  ``__torch_function__`` mode active while the submodule runs puts ``<name>.begin`` on the
+  input of the first matching op and ``<name>.end`` on the output of the last one (see
+  ``OpInterval``).
 
 A unit path absent from some layers (a MoE gate in a model whose first layers are dense) applies
 in the layers that have it; ``Annotation.absent`` says where it is missing, and the plan lists
-per layer what each unit keeps. A path found in no layer is an error.
+per layer what each unit keeps. A path found in no layer is an error. An op interval is absent
+from a layer whose submodule lacks it or ran no op matching ``first``, which is known once the
+model ran (``Annotation.absent`` is then updated); one that matched in no layer is an error
+raised at the end of that forward, naming the unit, the module and the ops it ran.
 
 It returns an ``Annotation``: the ``ModelDecl`` list the exporter and the compile stage need
 (``.models``) and ``.remove()`` to take the hooks off again. ``recompute_planner.export``
@@ -27,18 +37,93 @@ finds the annotation of an annotated model by itself.
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .export import ModelDecl
-from .markers import checkpoint_record, layer_scope
+from .markers import checkpoint_record, layer_scope, tentative_marker
 
 # The attribute an annotated model carries its annotation in.
 ANNOTATION_ATTR = "_recompute_planner_annotation"
+
+
+@dataclass(frozen=True)
+class _OpPattern:
+    """An op name and which of its matches (None: the last)."""
+
+    name: str
+    index: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> "_OpPattern":
+        found = re.fullmatch(r"\s*([A-Za-z_][\w.]*)\s*(?:\[\s*(\d+)\s*\])?\s*", text)
+        if found is None:
+            raise ValueError(
+                f"op pattern {text!r}: write an op name (`topk`, `Tensor.topk`, "
+                "`aten._to_copy`), optionally with the match to take (`dropout[0]`)"
+            )
+        name, index = found.groups()
+        return cls(name, None if index is None else int(index))
+
+    def matches(self, names: tuple[str, ...]) -> bool:
+        return any(n == self.name or n.endswith("." + self.name) for n in names)
+
+
+@dataclass(frozen=True)
+class OpInterval:
+    """A unit region inside a submodule: from the first op matching ``first`` to the last op
+    matching ``last`` (counted from that first one on), in every call of ``module`` (a path
+    relative to a layer; ``""`` is the layer itself).
+
+    A pattern names an op as the model's code calls it: a torch function, a tensor method or a
+    ``torch.ops`` op, by its bare name (``"topk"``, ``"linear"``, ``"all_to_all_single"``) or a
+    dotted tail of its qualified name (``"Tensor.topk"``, ``"aten._to_copy"``,
+    ``"_c10d_functional.all_to_all_single"``). ``name[i]`` picks the i-th match instead
+    (from 0): ``first="linear[1]"``, ``last="dropout[0]"`` (the first dropout at or after the
+    begin).
+
+    ``<name>.begin`` goes on the first tensor input of the first op, ``<name>.end`` on every
+    tensor output of the last: where ``x = checkpoint_record(...)`` written by hand before and
+    after them would put them (later ops of the module's call that read ``x`` read the marked
+    tensor too), so the exported graph is that of the hand-marked model. ``name``
+    defaults to ``module[first..last]``; name it after the hand-placed markers it replaces
+    (``"dsa.indexer"``) to give the graph their names too. Which match is the last is known
+    only when the module returns: until then every match gets a tentative end marker, and the
+    exporter keeps the last one (``markers.resolve_tentative_markers``); in eager the others
+    stay, identities the selective checkpoint ignores like every marker. An op that writes its
+    input in place cannot be the first or the last op (a marker would take the write away from
+    the tensor the model goes on with).
+    """
+
+    module: str
+    first: str
+    last: str
+    name: str | None = None
+    # The parsed patterns (parsed here, not while the model runs: Dynamo traces the mode).
+    first_op: _OpPattern = field(init=False, repr=False, compare=False)
+    last_op: _OpPattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first = _OpPattern.parse(self.first)
+        object.__setattr__(self, "first_op", _OpPattern(first.name, first.index or 0))
+        object.__setattr__(self, "last_op", _OpPattern.parse(self.last))
+
+    @property
+    def label(self) -> str:
+        """The interval's marker stem (``<label>.begin`` / ``<label>.end``)."""
+        return self.name or f"{self.module}[{self.first}..{self.last}]"
+
+
+# What a unit declares: a submodule or method path, or an op interval.
+UnitPart = str | OpInterval
 
 
 @dataclass
@@ -64,38 +149,56 @@ class Annotation:
 def annotate(
     model: nn.Module,
     layers: str = "model.layers",
-    units: dict[str, list[str]] | None = None,
+    units: dict[str, list[UnitPart]] | None = None,
     *,
     name: str = "main",
+    parent: str | None = None,
 ) -> Annotation:
-    """Installs layer scopes and unit markers on ``model`` (see the module docstring)."""
+    """Installs layer scopes and unit markers on ``model`` (see the module docstring).
+
+    ``layers`` names a list of layers, or one module, which is then the model's one layer (an
+    MTP block). ``parent`` declares the model nested in another (an MTP block in its main
+    model, annotated on the block's owner as a root of its own).
+    """
     existing = getattr(model, ANNOTATION_ATTR, None)
     if existing is not None:
         raise ValueError("the model is annotated already: call .remove() on its annotation first")
     layer_list = _layer_list(model, layers)
-    units = {unit.upper(): list(paths) for unit, paths in (units or {}).items()}
+    units = {unit.upper(): list(parts) for unit, parts in (units or {}).items()}
     annotation = Annotation(
-        models=[ModelDecl(name, len(layer_list), _unit_intervals(units))],
+        models=[ModelDecl(name, len(layer_list), _unit_intervals(units), parent)],
         root=model,
         layers=layer_list,
     )
     targets = {
-        (unit, path): _unit_targets(layer_list, unit, path)
-        for unit, paths in units.items()
-        for path in paths
+        (unit, part): _unit_targets(layer_list, unit, part)
+        for unit, parts in units.items()
+        for part in parts
     }
-    for (unit, path), found in targets.items():
+    for (unit, part), found in targets.items():
         missing = [i for i, target in enumerate(found) if target is None]
         if missing:
-            annotation.absent.setdefault(unit, {})[path] = missing
+            annotation.absent.setdefault(unit, {})[_label(part)] = missing
+    intervals = []
+    for (unit, part), found in targets.items():
+        if isinstance(part, OpInterval):
+            intervals.append(_IntervalRecord(unit, part, annotation, found))
     for index, layer in enumerate(layer_list):
         annotation.handles += _scope_hooks(layer, name, index)
-        for (_unit, path), found in targets.items():
+        for (_unit, part), found in targets.items():
             target = found[index]
+            if target is None or isinstance(part, OpInterval):
+                continue
             if isinstance(target, nn.Module):
-                annotation.handles += _marker_hooks(target, path)
-            elif target is not None:
-                annotation.handles.append(_MethodWrapper(target[0], target[1], path))
+                annotation.handles += _marker_hooks(target, part)
+            else:
+                annotation.handles.append(_MethodWrapper(target[0], target[1], part))
+    for record in intervals:
+        annotation.handles += record.install()
+    if intervals:
+        annotation.handles.append(
+            model.register_forward_hook(lambda *_: _check_intervals(intervals), always_call=True)
+        )
     setattr(model, ANNOTATION_ATTR, annotation)
     return annotation
 
@@ -105,8 +208,16 @@ def annotation_of(model: nn.Module) -> Annotation | None:
     return getattr(model, ANNOTATION_ATTR, None)
 
 
-def _unit_intervals(units: dict[str, list[str]]) -> dict[str, list[tuple[str, str]]]:
-    return {unit: [(f"{p}.begin", f"{p}.end") for p in paths] for unit, paths in units.items()}
+def _label(part: UnitPart) -> str:
+    """The marker stem of a unit part: its path, or an op interval's label."""
+    return part.label if isinstance(part, OpInterval) else part
+
+
+def _unit_intervals(units: dict[str, list[UnitPart]]) -> dict[str, list[tuple[str, str]]]:
+    return {
+        unit: [(f"{_label(p)}.begin", f"{_label(p)}.end") for p in parts]
+        for unit, parts in units.items()
+    }
 
 
 def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
@@ -119,43 +230,68 @@ def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
                 f"{children})"
             )
         found = getattr(found, part)
-    if not isinstance(found, (nn.ModuleList, nn.Sequential)):
-        raise ValueError(f"layers={path!r} is a {type(found).__name__}, not a list of layers")
-    return found
+    if isinstance(found, (nn.ModuleList, nn.Sequential)):
+        return found
+    if isinstance(found, nn.Module):
+        return nn.ModuleList([found])  # one layer: a container of its own, not the model's
+    raise ValueError(f"layers={path!r} is a {type(found).__name__}, not a list of layers")
 
 
-# What a unit path names in one layer: a submodule, a (submodule, method name) pair, or
+# What a unit path names in one layer: a submodule, an (object, method name) pair, or
 # nothing.
-_Target = nn.Module | tuple[nn.Module, str] | None
+_Target = nn.Module | tuple[Any, str] | None
 
 
-def _unit_targets(layer_list: nn.ModuleList, unit: str, path: str) -> list[_Target]:
-    """What ``path`` names in each layer; an error if it names nothing in any layer."""
-    found = [_target(layer, path) for layer in layer_list]
+def _unit_targets(layer_list: nn.ModuleList, unit: str, part: UnitPart) -> list[_Target]:
+    """What ``part`` names in each layer; an error if it names nothing in any layer."""
+    if isinstance(part, OpInterval):
+        found = [_submodule(layer, part.module) for layer in layer_list]
+        what = "submodule"
+        path = part.module
+    else:
+        found = [_target(layer, part) for layer in layer_list]
+        what = "submodule or method"
+        path = part
     if layer_list and all(target is None for target in found):
         layer = layer_list[0]
         children = ", ".join(n for n, _ in layer.named_children())
         raise ValueError(
-            f"unit {unit}: no layer has a submodule or method `{path}` (layer 0, "
+            f"unit {unit}: no layer has a {what} `{path}` (layer 0, "
             f"{type(layer).__name__}, has children: {children})"
         )
     return found
 
 
-def _target(layer: nn.Module, path: str) -> _Target:
+def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
     try:
         return layer.get_submodule(path)
     except AttributeError:
-        pass
+        return None
+
+
+def _target(layer: nn.Module, path: str) -> _Target:
+    module = _submodule(layer, path)
+    if module is not None:
+        return module
     owner_path, _, method = path.rpartition(".")
-    try:
-        owner = layer.get_submodule(owner_path)
-    except AttributeError:
+    owner = _attribute(layer, owner_path)
+    if owner is None:
         return None
     attribute = getattr(type(owner), method, None)
     if callable(attribute) and not isinstance(attribute, nn.Module):
         return owner, method
     return None
+
+
+def _attribute(layer: nn.Module, path: str) -> Any:
+    """The submodule or other object at dotted attribute ``path`` of ``layer`` (a dispatcher a
+    layer holds), or None."""
+    found: Any = layer
+    for part in filter(None, path.split(".")):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
 
 
 class _MethodWrapper:
@@ -261,3 +397,238 @@ def _mark_all(
             if first_only:
                 break
     return items, marked
+
+
+# --------------------------------------------------------------------------------------------
+# Op intervals
+
+
+@dataclass
+class _Call:
+    """What one call of an op interval's module ran."""
+
+    begun: bool = False
+    # (tensor, its begin marker's output): later ops of the call read the marked tensor, as
+    # they would after `x = checkpoint_record(...)` written in the forward.
+    marked: tuple[torch.Tensor, torch.Tensor] | None = None
+    first_matches: int = 0  # ops matching `first` so far
+    last_matches: int = 0  # ops matching `last` from the begin on
+    ops: list[str] = field(default_factory=list)  # the ops it ran, for error messages
+
+
+class _IntervalMode(TorchFunctionMode):
+    """Active while one call of the module runs: marks the input of the interval's first op
+    and the outputs of its (tentatively) last ones (``OpInterval``)."""
+
+    def __init__(self, interval: OpInterval, where: str):
+        super().__init__()
+        self.interval, self.where = interval, where
+        self.first, self.last = interval.first_op, interval.last_op
+        self.call = _Call()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        names = _op_names(func)
+        if names is None:
+            return func(*args, **kwargs)
+        call = self.call
+        if call.marked is not None:
+            args, kwargs = _substituted(args, kwargs, *call.marked)
+        if not call.begun and self.first.matches(names):
+            if call.first_matches == self.first.index:
+                self._refuse_in_place(func, names, kwargs, "first")
+                args, kwargs, call.marked = _mark_first_tensor(
+                    args, kwargs, f"{self.interval.label}.begin", f"`{names[0]}` in {self.where}"
+                )
+                call.begun = True
+            call.first_matches += 1
+        out = func(*args, **kwargs)
+        if any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(out)[0]):
+            call.ops.append(names[0])
+        if call.begun and self.last.matches(names):
+            self._refuse_in_place(func, names, kwargs, "last")
+            out = self._mark_end(out, call.last_matches)
+            call.last_matches += 1
+        return out
+
+    def _mark_end(self, out: Any, occurrence: int) -> Any:
+        """``<label>.end`` on every tensor of ``out`` if this is the last match asked for; a
+        tentative end (``markers.tentative_marker``) if the last match is."""
+        end = f"{self.interval.label}.end"
+        if self.last.index is not None and occurrence != self.last.index:
+            return out
+        leaves, spec = tree_flatten(out)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        for leaf, i in enumerate(tensors):
+            name = end if self.last.index is not None else tentative_marker(end, occurrence, leaf)
+            leaves[i] = checkpoint_record(name, leaves[i])
+        return tree_unflatten(leaves, spec)
+
+    def _refuse_in_place(self, func: Any, names: tuple[str, ...], kwargs: dict, which: str):
+        if _writes_in_place(func, names, kwargs):
+            raise ValueError(
+                f"op interval {self.interval.label!r} in {self.where}: `{which}` matches "
+                f"`{names[0]}`, which writes its input in place, so a marker on it would take "
+                "the write away from the tensor the model goes on with; choose an op that "
+                "returns a new tensor"
+            )
+
+    def finish(self) -> bool:
+        """Whether the call had the interval; raises if it began and never ended."""
+        call = self.call
+        if not call.begun:
+            return False
+        wanted = self.last.index if self.last.index is not None else 0
+        if call.last_matches <= wanted:
+            raise ValueError(
+                f"op interval {self.interval.label!r} in {self.where}: the interval began at "
+                f"`{self.interval.first}` but no op matching `{self.interval.last}` ran after "
+                f"it; the ops it ran: {_op_list(call.ops)}"
+            )
+        return True
+
+
+# Evaluated, not traced, by Dynamo (it cannot trace the introspection of a torch function).
+@torch._dynamo.assume_constant_result
+def _op_names(func: Any) -> tuple[str, ...] | None:
+    """The names a pattern may match a call by, the one to show first; None for what is no op
+    (a property read, a constructor such as ``torch.device``)."""
+    if isinstance(func, torch._ops.OpOverload):
+        full = str(func)
+        packet = full.rsplit(".", 1)[0]
+        return packet, packet.rsplit(".", 1)[-1], full
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return str(func), str(func).rsplit(".", 1)[-1]
+    bare = getattr(func, "__name__", None)
+    if bare is None or isinstance(func, type) or bare in ("__get__", "__set__"):
+        return None
+    qualname = getattr(func, "__qualname__", "") or ""
+    if qualname.startswith(("TensorBase.", "Tensor.")):
+        return bare, f"Tensor.{bare}", f"torch.Tensor.{bare}"
+    module = getattr(func, "__module__", None)
+    if module == "torch._C._nn":
+        module = "torch.nn.functional"
+    return (bare, f"{module}.{bare}") if module else (bare,)
+
+
+def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict) -> bool:
+    """An in-place call: ``add_``, ``x[i] = y``, ``x += y``, an ``out=`` call, or a
+    ``torch.ops`` op whose schema writes an argument."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.is_mutable
+    bare = names[0]
+    dunder = bare.startswith("__") and bare.endswith("__")
+    return (
+        "out" in kwargs
+        or (bare.endswith("_") and not dunder)
+        or bare == "__setitem__"
+        or (dunder and bare[2:3] == "i" and bare[2:-2] not in ("index", "int", "invert", "iter"))
+    )
+
+
+def _mark_first_tensor(
+    args: tuple, kwargs: dict, marker: str, where: str
+) -> tuple[tuple, dict, tuple[torch.Tensor, torch.Tensor]]:
+    """``marker`` on the first tensor of the arguments; returns them and (tensor, marked)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            leaves[i] = checkpoint_record(marker, leaf)
+            args, kwargs = tree_unflatten(leaves, spec)
+            return args, kwargs, (leaf, leaves[i])
+    raise ValueError(f"{where} has no tensor input to put `{marker}` on")
+
+
+def _substituted(
+    args: tuple, kwargs: dict, tensor: torch.Tensor, marked: torch.Tensor
+) -> tuple[tuple, dict]:
+    """The arguments with ``marked`` wherever they hold ``tensor`` itself."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(leaf is tensor for leaf in leaves):
+        return args, kwargs
+    return tree_unflatten([marked if leaf is tensor else leaf for leaf in leaves], spec)
+
+
+def _op_list(ops: list[str], limit: int = 40) -> str:
+    """The distinct ops, in the order first run, at most ``limit``."""
+    distinct = list(dict.fromkeys(ops))
+    shown = ", ".join(distinct[:limit])
+    return shown + (", ..." if len(distinct) > limit else "") if shown else "none"
+
+
+@dataclass
+class _IntervalRecord:
+    """One op interval of one unit: its hooks on every layer's module, and what the last
+    forward found in each layer."""
+
+    unit: str
+    interval: OpInterval
+    annotation: Annotation
+    modules: list[_Target]
+    found: dict[int, bool] = field(default_factory=dict)  # layer -> had the interval
+    ops: dict[int, list[str]] = field(default_factory=dict)  # layer -> ops its module ran
+
+    def install(self) -> list[RemovableHandle]:
+        handles = []
+        for index, module in enumerate(self.modules):
+            if isinstance(module, nn.Module):
+                handles += self._hooks(module, index)
+        return handles
+
+    def _hooks(self, module: nn.Module, index: int) -> list[RemovableHandle]:
+        where = f"`{self.interval.module or '<the layer>'}` of layer {index}"
+        active: list[_IntervalMode] = []
+
+        def enter(_module, _args):
+            mode = _IntervalMode(self.interval, where)
+            mode.__enter__()
+            active.append(mode)
+
+        def leave(_module, _args, _output):
+            mode = active.pop()
+            mode.__exit__(None, None, None)
+            if sys.exc_info()[0] is not None:
+                return
+            had = mode.finish()
+            self.found[index] = self.found.get(index, False) or had
+            self.ops.setdefault(index, mode.call.ops)
+
+        return [
+            module.register_forward_pre_hook(enter),
+            # Prepended: modes leave in the reverse order they entered.
+            module.register_forward_hook(leave, always_call=True, prepend=True),
+        ]
+
+    def settle(self) -> None:
+        """After a forward: where the interval was absent, and an error if it was nowhere."""
+        if not self.found:
+            return
+        label = self.interval.label
+        missing = [i for i in range(len(self.modules)) if not self.found.get(i, False)]
+        absent = self.annotation.absent.setdefault(self.unit, {})
+        if missing:
+            absent[label] = missing
+        else:
+            absent.pop(label, None)
+            if not absent:
+                self.annotation.absent.pop(self.unit)
+        if not any(self.found.values()):
+            layer = min(self.ops)
+            raise ValueError(
+                f"unit {self.unit}: op interval {label!r} matched in no layer: no "
+                f"`{self.interval.module or '<the layer>'}` ran an op matching "
+                f"`{self.interval.first}` (layer {layer}'s ran: {_op_list(self.ops[layer])})"
+            )
+
+
+def _check_intervals(records: list[_IntervalRecord]) -> None:
+    """After a forward of the model: each op interval settles what it found (unless the
+    forward raised), then forgets it."""
+    failed = sys.exc_info()[0] is not None
+    for record in records:
+        try:
+            if not failed:
+                record.settle()
+        finally:
+            record.found.clear()
+            record.ops.clear()

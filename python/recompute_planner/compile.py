@@ -117,6 +117,8 @@ def joint_graph_to_ir(
         )
     world_size, rank = _world()
     tag_untraced_nodes(graph_module.graph)
+    if markers.resolve_tentative_markers(graph_module.graph):
+        graph_module.recompile()
     built = _build_graph(
         graph_module,
         _forward_nodes(graph_module, num_fwd_outputs),

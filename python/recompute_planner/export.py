@@ -50,6 +50,10 @@ IR mapping (the contract the Rust loader and planner rely on):
   every node reading a tangent is backward (with the prefix, so is every node depending on a
   tangent through data or in-place writes), and every ancestor of a forward output is forward.
   A forward-only graph (``export_forward``) is all forward, dead-end checks included;
+- markers: the tentative end markers an op interval (``recompute_planner.annotate``) placed
+  are settled in the captured graph before it is mapped (``markers.resolve_tentative_markers``:
+  the last match keeps the end, the others are removed), so the IR has the markers a hand-marked
+  model would have;
 - ``node.meta["custom"]`` (``markers.layer_scope`` / ``compiled_region``) gives model, layer,
   micro-batch and compiled region; module forward hooks installed during capture record each
   op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``).
@@ -377,6 +381,8 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
                 "export_joint: nothing in the step requires grad, so there is no backward; "
                 "use export_forward"
             ) from None
+        if markers.resolve_tentative_markers(captured.graph_module.graph):
+            captured.graph_module.recompile()
         return captured.graph_module, captured.num_forward_outputs
     raise RuntimeError("AOTAutograd finished without handing over a graph")
 

@@ -13,6 +13,11 @@
 - ``layer_scope(model, layer, micro_batch=0)``: ops traced inside belong to ``model`` (a name
   the export declares), decoder layer ``layer`` (``None`` outside layers, also inside an
   enclosing layer scope) and intra-layer micro-batch ``micro_batch``.
+- ``tentative_marker(name, occurrence, leaf)``: the name of a marker that may be the real
+  ``name`` or not, which only the rest of the run tells (an op interval's end on "the last op
+  matching": ``recompute_planner.annotate``). ``resolve_tentative_markers(graph)`` settles them
+  in a traced graph: of each run of tentative markers, those of the highest occurrence become
+  ``name`` and the others are removed (their users read their input, as if never marked).
 
 The scopes are ``torch.fx.traceback.annotate`` contexts: the keys land in ``node.meta["custom"]``
 of forward and backward nodes alike, and nested scopes merge (innermost wins per key). On torch
@@ -26,6 +31,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from . import _native
@@ -116,3 +122,83 @@ def layer_scope(model: str, layer: int | None, micro_batch: int = 0) -> Iterator
     tags = {MODEL_KEY: model, LAYER_KEY: layer, MICRO_BATCH_KEY: micro_batch}
     with annotate(tags):
         yield
+
+
+# A tentative marker's name: the real name, this separator, then "<occurrence>.<leaf>".
+_TENTATIVE = "#"
+
+
+def tentative_marker(name: str, occurrence: int, leaf: int) -> str:
+    """The name of a marker that is ``name`` if ``occurrence`` turns out to be the last one
+    (``leaf``: which tensor of the op's output it is on)."""
+    return f"{name}{_TENTATIVE}{occurrence}.{leaf}"
+
+
+def _tentative_parts(marker: str) -> tuple[str, tuple[int, int]] | None:
+    """``(name, (occurrence, leaf))`` of a tentative marker's name, else None."""
+    name, separator, position = marker.rpartition(_TENTATIVE)
+    occurrence, _, leaf = position.partition(".")
+    if not separator or not occurrence.isdigit() or not leaf.isdigit():
+        return None
+    return name, (int(occurrence), int(leaf))
+
+
+def resolve_tentative_markers(graph: fx.Graph) -> int:
+    """Settles the tentative markers of a traced graph; returns how many it removed.
+
+    The tentative markers of one name form one run per call that placed them: a run ends at
+    the matching ``.begin`` marker (``X.end`` pairs with ``X.begin``), in another layer or
+    micro-batch, or where the (occurrence, leaf) positions stop increasing (a new call counts
+    from zero). In each run the markers of the highest occurrence present take the real name;
+    the others are replaced by their input, which is exact: a marker is an identity whose
+    gradient passes straight through, so no backward node belongs to it. (A marker whose
+    output nothing read is gone already, as dead code.)
+    """
+    runs: dict[str, list[list[tuple[tuple[int, int], fx.Node]]]] = {}
+    last_scope: dict[str, object] = {}
+    for node in graph.find_nodes(op="call_function", target=MARKER_OVERLOAD):
+        marker = _marker_name(node)
+        if marker.endswith(".begin"):
+            runs.get(marker.removesuffix(".begin") + ".end", [[]]).append([])
+            continue
+        parts = _tentative_parts(marker)
+        if parts is None:
+            continue
+        name, position = parts
+        scope = _scope_of(node)
+        named = runs.setdefault(name, [[]])
+        current = named[-1]
+        if current and (position <= current[-1][0] or last_scope.get(name) != scope):
+            named.append(current := [])
+        current.append((position, node))
+        last_scope[name] = scope
+    removed = 0
+    for name, name_runs in runs.items():
+        for run in name_runs:
+            if not run:
+                continue
+            last = max(occurrence for (occurrence, _), _ in run)
+            for (occurrence, _), node in run:
+                if occurrence == last:
+                    _rename_marker(node, name)
+                else:
+                    node.replace_all_uses_with(node.args[0])
+                    graph.erase_node(node)
+                    removed += 1
+    return removed
+
+
+def _marker_name(node: fx.Node) -> str:
+    return node.kwargs["name"] if "name" in node.kwargs else node.args[1]
+
+
+def _rename_marker(node: fx.Node, name: str) -> None:
+    if "name" in node.kwargs:
+        node.kwargs = {**node.kwargs, "name": name}
+    else:
+        node.args = (node.args[0], name, *node.args[2:])
+
+
+def _scope_of(node: fx.Node) -> tuple:
+    custom = node.meta.get("custom") or {}
+    return tuple(custom.get(key) for key in (MODEL_KEY, LAYER_KEY, MICRO_BATCH_KEY))

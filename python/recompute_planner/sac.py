@@ -12,7 +12,11 @@ with the model's KV cache off meanwhile (as HuggingFace's gradient checkpointing
 Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
 each to the next graph op of the same op (the overload ignored, so an inductor-compiled
-region's ``mm.out`` is ``mm``); ops that appear in one stream only are tolerated:
+region's ``mm.out`` is ``mm``). Markers take no part on either side: the plan never keeps one
+(they are identities, always recomputed), and eager may run markers the graph lacks or lack
+markers the graph has (an op interval's tentative ends, ``recompute_planner.annotate``), so
+an eager marker is recomputed unmatched and the graph's are left out of the matching. Other
+ops that appear in one stream only are tolerated:
 
 - eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
   views eager adds, ...) are recomputed; an eager ``_unsafe_view`` (what eager ``matmul``
@@ -70,6 +74,7 @@ from torch.utils.checkpoint import (
 )
 
 from .errors import SacMismatchError
+from .markers import MARKER_OP
 from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, Plan
 
@@ -166,12 +171,22 @@ class LayerOps:
         return [name for name, keep in zip(self.names, self.keep) if keep]
 
 
+# The marker op without its overload: left out of the matching (the module docstring).
+MARKER_PACKET = op_packet(MARKER_OP)
+
+
 class _Matcher:
-    """Matches one forward's eager ops to the layer's graph ops (see the module docstring)."""
+    """Matches one forward's eager ops to the layer's graph ops (see the module docstring).
+
+    Indices are positions among the layer's graph ops other than markers (``self.ops``: their
+    positions in ``layer``)."""
 
     def __init__(self, layer: LayerOps):
         self.layer = layer
-        self.packets = [op_packet(op) for op in layer.ops]
+        self.ops = [i for i, op in enumerate(layer.ops) if op_packet(op) != MARKER_PACKET]
+        self.packets = [op_packet(layer.ops[i]) for i in self.ops]
+        self.keep = [layer.keep[i] for i in self.ops]
+        self.names = [layer.names[i] for i in self.ops]
         self.next = 0  # the next graph op to match
         self.matched: list[str] = []  # graph node names matched, in order
         self.first_unmatched: str | None = None  # the first eager op with no graph op
@@ -185,6 +200,8 @@ class _Matcher:
         collective's result, a reshape), which must not pull the matching ahead.
         """
         packet = op_packet(eager_op)
+        if packet == MARKER_PACKET:
+            return False
         if self.eager_tail and self.eager_tail[0] == packet:
             self.eager_tail.pop(0)
             return False
@@ -201,12 +218,12 @@ class _Matcher:
         for index in range(self.next, end):
             if self.packets[index] != packet:
                 continue
-            skipped_kept = [i for i in range(self.next, index) if self.layer.keep[i]]
+            skipped_kept = [i for i in range(self.next, index) if self.keep[i]]
             if skipped_kept:
                 self._raise(skipped_kept[0], eager_op)
             self.next = index + 1
-            self.matched.append(self.layer.names[index])
-            return self.layer.keep[index]
+            self.matched.append(self.names[index])
+            return self.keep[index]
         if self.first_unmatched is None:
             self.first_unmatched = eager_op
         return False
@@ -228,9 +245,9 @@ class _Matcher:
         if wanted:
             return False
         for skipped in range(self.next, index):
-            if self.layer.keep[skipped] and skipped not in group:
+            if self.keep[skipped] and skipped not in group:
                 self._raise(skipped, eager_op)
-        self.tolerated.extend(self.layer.names[i] for i in group)
+        self.tolerated.extend(self.names[i] for i in group)
         self.next = index
         self.eager_tail = list(composite.eager_tail)
         return True
@@ -238,14 +255,15 @@ class _Matcher:
     def finish(self) -> None:
         """Raises if a kept graph op was never matched."""
         for index in range(self.next, len(self.packets)):
-            if self.layer.keep[index]:
+            if self.keep[index]:
                 self._raise(index, self.first_unmatched or "the end of the layer's forward")
 
     def _raise(self, index: int, eager_op: str) -> None:
-        layer = self.layer
+        layer, position = self.layer, self.ops[index]
         raise SacMismatchError(
-            f"layer {layer.layer} of model `{layer.model}`: the plan keeps `{layer.names[index]}` "
-            f"({layer.ops[index]}, op #{index} of the layer), but the eager layer reached "
+            f"layer {layer.layer} of model `{layer.model}`: the plan keeps "
+            f"`{layer.names[position]}` ({layer.ops[position]}, op #{position} of the layer), "
+            "but the eager layer reached "
             f"{eager_op} without running it; the model's eager op stream does not match the "
             "graph the plan was made for (re-export the model, or plan the graph it runs)"
         )

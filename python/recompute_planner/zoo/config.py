@@ -24,8 +24,10 @@ class ZooConfig:
     """Dimensions and switches of one zoo model.
 
     `omitted_markers` lists `(layer, marker)` pairs a layer does not record (the unbalanced
-    variant); `inplace_dispatch` fills the dispatch buffer with a read-modify-write `index_add_`
-    instead of the out-of-place `index_add` (the in-place variant). The variants written the
+    variant); `hand_markers=False` records no marker at all (the model as a model you did not
+    write is: `recompute_planner.annotate` declares its units); `inplace_dispatch` fills the
+    dispatch buffer with a read-modify-write `index_add_` instead of the out-of-place
+    `index_add` (the in-place variant). The variants written the
     way stock HuggingFace model code is: `hf_moe` (the router normalises its weights in place,
     dispatch routes with `F.one_hot` and fills fresh buffers in place, `moe.HFDispatcher`),
     `mla` (DeepSeek-V3 attention, which builds its queries and keys by filling `new_empty`
@@ -65,6 +67,7 @@ class ZooConfig:
     # Variants
     inplace_dispatch: bool = False
     omitted_markers: frozenset[tuple[int, str]] = frozenset()
+    hand_markers: bool = True
     hf_moe: bool = False
     mla: bool = False
     dropout: float = 0.0

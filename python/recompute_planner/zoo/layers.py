@@ -30,15 +30,16 @@ def seeded_param(gen: torch.Generator, *shape: int, std: float) -> nn.Parameter:
     return nn.Parameter(seeded_tensor(gen, *shape, std=std))
 
 
-def layer_marker(omitted: frozenset[str]) -> Mark:
-    """The marker function of one layer: records every marker except the `omitted` ones.
+def layer_marker(omitted: frozenset[str], record: bool = True) -> Mark:
+    """The marker function of one layer: records every marker except the `omitted` ones, or
+    none at all without `record`.
 
     Omitting markers builds the unbalanced variant (a begin without its end, an end without
-    its begin) from the same layer code.
+    its begin) from the same layer code; recording none builds the unmarked model.
     """
 
     def mark(name: str, x: torch.Tensor) -> torch.Tensor:
-        return x if name in omitted else checkpoint_record(name, x)
+        return x if not record or name in omitted else checkpoint_record(name, x)
 
     return mark
 

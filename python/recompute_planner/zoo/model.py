@@ -62,7 +62,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = Linear(gen, 2 * cfg.hidden, cfg.hidden)
         self.block = build_layer(gen, cfg, MTP_MODEL, 0, moe=cfg.num_experts > 0)
         self.norm = RMSNorm(gen, cfg.hidden, cfg.rms_eps)
-        self.mark = layer_marker(frozenset())
+        self.mark = layer_marker(frozenset(), cfg.hand_markers)
 
     def forward(
         self, hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: SequenceContext
@@ -98,7 +98,10 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(gen, cfg.hidden, cfg.vocab)
         self.mtp = MTPLayer(gen, cfg) if cfg.mtp else None
         self.marks = [
-            layer_marker(frozenset(name for layer, name in cfg.omitted_markers if layer == i))
+            layer_marker(
+                frozenset(name for layer, name in cfg.omitted_markers if layer == i),
+                cfg.hand_markers,
+            )
             for i in range(cfg.num_layers)
         ]
 
