@@ -294,30 +294,98 @@ def partition_from_plan(
     """Forward and backward graphs of ``joint_module`` (the graph ``plan`` was made for, markers
     still in) that save exactly the plan's saved set and re-run exactly its replay.
 
-    torch's own building blocks do the FX work: ``_extract_fwd_bwd_modules`` splits the joint
-    graph given the saved values (the backward copies every forward op it needs and cannot read
-    from them: the replay), ``reordering_to_mimic_autograd_engine`` moves each replayed op to
-    just before its first backward use, as the plan schedules replay, and ``raise_getitems``
-    frees multi-output results early. Markers are removed first, their outputs standing for
-    their inputs. Raises ``PartitionMismatch`` if the result saves or replays anything else.
+    torch's ``_extract_fwd_bwd_modules`` splits the joint graph given the saved values (the
+    backward copies every forward op it needs and cannot read from them: the replay). Then, in
+    place, each replayed op moves to just before its first backward use, as the plan schedules
+    replay (``_replay_at_first_use``), and each ``getitem`` to just after its producer, so
+    multi-output results are freed early. Each graph's Python code is generated once, at the
+    end (torch's ``reordering_to_mimic_autograd_engine`` and ``raise_getitems`` copy the
+    backward and generate code three more times). Markers are removed first, their outputs
+    standing for their inputs; ``joint_module`` is consumed (its graph is changed, its code is
+    not regenerated). Raises ``PartitionMismatch`` if the result saves or replays anything
+    else.
     """
-    from torch._functorch.compile_utils import raise_getitems
-    from torch._functorch.partitioners import (
-        _extract_fwd_bwd_modules,
-        reordering_to_mimic_autograd_engine,
-    )
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     stand_ins = _marker_stand_ins(joint_module.graph)
-    if remove_markers(joint_module.graph):
-        joint_module.recompile()
+    remove_markers(joint_module.graph)
     saved = _saved_nodes(joint_module.graph, plan, stand_ins)
-    forward, backward = _extract_fwd_bwd_modules(
-        joint_module, list(saved), [], num_fwd_outputs=num_fwd_outputs
-    )
-    backward = raise_getitems(reordering_to_mimic_autograd_engine(backward))
-    forward = raise_getitems(forward)
+    with _use_lazy_graph_module(True):
+        forward, backward = _extract_fwd_bwd_modules(
+            joint_module, list(saved), [], num_fwd_outputs=num_fwd_outputs
+        )
+    _replay_at_first_use(backward.graph)
+    for module in (forward, backward):
+        _raise_getitems(module.graph)
+        _generate_code(module)
     _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
     return forward, backward
+
+
+def _replay_at_first_use(graph: fx.Graph) -> None:
+    """Moves the ops a backward graph runs before its first backward op (the replay, as
+    extracted in forward order) to just before the first op that needs each, in their original
+    order, as the autograd engine would run them; ops nothing needs are dropped, in-place
+    ``copy_`` writes to inputs stay first. In place; what ``reordering_to_mimic_autograd_engine``
+    gives by copying the graph."""
+    from torch._functorch.partitioners import _is_tangent as is_tangent_node
+
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    first_backward = min(
+        (user for node in nodes if is_tangent_node(node) for user in node.users),
+        key=order.__getitem__,
+        default=None,
+    )
+    if first_backward is None:
+        return
+    head = nodes[: order[first_backward]]
+    placed = {node for node in head if node.op == "placeholder"}
+
+    def place_before(node: fx.Node, anchor: fx.Node | None) -> None:
+        """``node`` and the ops of the head it needs that are not placed yet, in their original
+        order, just before ``anchor`` (where they are when ``anchor`` is None)."""
+        pending: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if current in placed or current in pending:
+                continue
+            pending.add(current)
+            stack.extend(current.all_input_nodes)
+        for current in sorted(pending, key=order.__getitem__):
+            if anchor is not None and current is not anchor:
+                anchor.prepend(current)
+            placed.add(current)
+
+    for node in head:
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
+            place_before(node, None)
+    for node in nodes[order[first_backward] :]:
+        place_before(node, node)
+    for node in reversed(head):
+        if node not in placed and not node.users:
+            graph.erase_node(node)
+
+
+def _raise_getitems(graph: fx.Graph) -> None:
+    """Moves each ``getitem`` to just after its producer (their relative order kept), so a
+    multi-output result's parts are unpacked, and can be freed, at once. In place; what torch's
+    ``raise_getitems`` does before regenerating the module's code."""
+    for node in reversed(list(graph.find_nodes(op="call_function", target=operator.getitem))):
+        node.all_input_nodes[0].append(node)
+
+
+def _generate_code(module: fx.GraphModule) -> None:
+    """Generates ``module``'s Python code from its graph now (a lazy module would do it on its
+    first call)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if isinstance(module, _LazyGraphModule):
+        module.real_recompile()
+    else:
+        module.recompile()
 
 
 def _marker_stand_ins(graph: fx.Graph) -> dict[str, fx.Node]:
