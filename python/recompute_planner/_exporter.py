@@ -1,4 +1,6 @@
-"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md).
+"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md). Private to
+the package (users call ``recompute_planner.export``); its names without a leading underscore
+are shared with ``model_export``, ``device_export`` and ``compile``.
 
 ``export_joint`` captures the joint forward+backward graph AOTAutograd builds
 (``functorch.compile.aot_function`` over the module's ``functional_call``, each tensor lifted
@@ -76,11 +78,11 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import __version__, _native, markers
+from . import _native, markers
 from .errors import ExportError
 from .proto import graph_pb2
 
-EXPORTER_VERSION = __version__
+EXPORTER_VERSION = _native.PLANNER_VERSION  # the workspace's Cargo version
 
 # Name of the string-list attribute listing tensor arguments that were None.
 ABSENT_TENSOR_ARGS = "absent_tensor_args"
@@ -172,7 +174,7 @@ class ExportResult:
 
 
 @dataclass(frozen=True)
-class _FlatInput:
+class FlatInput:
     """One entry of AOTAutograd's flat input list (parameters, buffers, then arguments)."""
 
     name: str
@@ -201,18 +203,18 @@ def export_joint(
     RNG state, and the module's tensors are restored afterwards, so exporting is free of side
     effects and exporting twice gives the same files.
     """
-    flat = _flat_inputs(module, args)
-    joint, num_forward_outputs = _capture(module, args, joint=True)
+    flat = flat_inputs(module, args)
+    joint, num_forward_outputs = capture(module, args, joint=True)
     snapshot = [f.tensor.detach().clone() for f in flat]
     loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
     _restore(flat, snapshot)
-    built = _build_graph(
+    built = build_graph(
         joint,
-        _forward_nodes(joint, num_forward_outputs),
+        forward_nodes(joint, num_forward_outputs),
         flat,
         name=name,
         models=models,
-        metadata=_metadata(exporter_version, world_size, rank),
+        metadata=graph_metadata(exporter_version, world_size, rank),
     )
     return ExportResult(
         graph=built.graph,
@@ -239,15 +241,15 @@ def export_forward(
 
     Every node is forward; the graph's only output is the loss; no tangents or gradients.
     """
-    flat = _flat_inputs(module, args)
-    forward, _ = _capture(module, args, joint=False)
-    built = _build_graph(
+    flat = flat_inputs(module, args)
+    forward, _ = capture(module, args, joint=False)
+    built = build_graph(
         forward,
-        set(_op_nodes(forward)),
+        set(op_nodes(forward)),
         flat,
         name=name,
         models=models,
-        metadata=_metadata(exporter_version, world_size, rank),
+        metadata=graph_metadata(exporter_version, world_size, rank),
     )
     snapshot = [f.tensor.detach().clone() for f in flat]
     return ExportResult(
@@ -338,7 +340,7 @@ class _GraphCaptured(Exception):
         self.joint = joint
 
 
-def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.GraphModule, int]:
+def capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.GraphModule, int]:
     """Traces ``module(*args)`` with AOTAutograd (fake tensors, CPU) and returns its graph.
 
     ``joint`` traces with autograd enabled and returns the joint graph handed to the partitioner
@@ -366,7 +368,7 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
         with (
             grad_mode,
             fx_traceback.preserve_node_meta(),
-            _module_path_scopes(module),
+            module_path_scopes(module),
             _DropoutOffIsIdentity(),
             _traced_as_compiled(),
         ):
@@ -429,7 +431,7 @@ _DROPOUTS: dict[Callable, Callable] = {
 
 
 @contextlib.contextmanager
-def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
+def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     """Annotates ops traced inside each submodule's forward with its path (``layers.0.attn``).
 
     Forward pre-hooks enter a ``fx.traceback.annotate`` scope and forward hooks leave it; as the
@@ -468,7 +470,7 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
             scopes.pop().close()
 
 
-def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
+def flat_inputs(module: torch.nn.Module, args: tuple) -> list[FlatInput]:
     """AOTAutograd's flat inputs of ``_aot_module(module)(*args)``, named as IR values.
 
     Parameters and buffers keep their fully qualified names; a tensor registered under several
@@ -477,9 +479,9 @@ def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
     """
     if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
-    flat = [_FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
-    flat += [_FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
-    flat += [_FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
+    flat = [FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
+    flat += [FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
+    flat += [FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
     return flat
 
 
@@ -507,7 +509,7 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
 
 
 def _eager_reference(
-    module: torch.nn.Module, args: tuple, flat: list[_FlatInput], *, seed: int
+    module: torch.nn.Module, args: tuple, flat: list[FlatInput], *, seed: int
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
 
@@ -557,7 +559,7 @@ def _check_loss(loss: object) -> None:
         raise ValueError("the module must return the scalar loss (a 0-dim tensor)")
 
 
-def _restore(flat: list[_FlatInput], snapshot: list[torch.Tensor]) -> None:
+def _restore(flat: list[FlatInput], snapshot: list[torch.Tensor]) -> None:
     """Undoes in-place updates the eager step made (buffer statistics, mutated inputs); a
     tensor the step left as it was is not written (an expanded input cannot be)."""
     with torch.no_grad():
@@ -567,7 +569,7 @@ def _restore(flat: list[_FlatInput], snapshot: list[torch.Tensor]) -> None:
 
 
 def _params(
-    flat: list[_FlatInput], snapshot: list[torch.Tensor], built: _Built
+    flat: list[FlatInput], snapshot: list[torch.Tensor], built: _Built
 ) -> dict[str, torch.Tensor]:
     """Parameters, buffers and the graph's tensor constants, by IR value name."""
     params = _tensors_by_role(flat, snapshot, graph_pb2.ROLE_PARAMETER, graph_pb2.ROLE_BUFFER)
@@ -576,7 +578,7 @@ def _params(
 
 
 def _tensors_by_role(
-    flat: list[_FlatInput], tensors: list[torch.Tensor], *roles: int
+    flat: list[FlatInput], tensors: list[torch.Tensor], *roles: int
 ) -> dict[str, torch.Tensor]:
     return {f.name: t for f, t in zip(flat, tensors) if f.role in roles}
 
@@ -674,7 +676,7 @@ def _is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def _op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
+def op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
     """The nodes that become IR nodes: op calls other than ``getitem``, in graph order."""
     return [
         n for n in graph_module.graph.nodes if n.op == "call_function" and not _is_getitem(n)
@@ -683,20 +685,20 @@ def _op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 # Node meta key under which AOTAutograd records the pass that traced a joint-graph node.
 _PASS_TAG = "partitioner_tag"
-_FORWARD_PASS = "is_forward"
-_BACKWARD_PASS = "is_backward"
+FORWARD_PASS = "is_forward"
+BACKWARD_PASS = "is_backward"
 
 
-def _forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
+def forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
     """The op nodes of a joint graph that the forward pass ran (the module docstring's phase
     rule), after checking the pass tags against eager execution; errors name the node."""
-    forward = _forward_prefix(_op_nodes(graph_module))
+    forward = _forward_prefix(op_nodes(graph_module))
     for node in (user for tangent in _tangents(graph_module) for user in tangent.users):
         if node in forward:
             raise RuntimeError(f"forward node `{node.name}` ({node.target}) reads a tangent")
     outputs = [a for a in _output_args(graph_module)[:num_forward_outputs] if a is not None]
     needed = _ancestors(outputs)
-    for node in _op_nodes(graph_module):
+    for node in op_nodes(graph_module):
         if node in needed and node not in forward:
             raise RuntimeError(
                 f"backward node `{node.name}` ({node.target}) computes a forward output"
@@ -711,9 +713,9 @@ def _forward_prefix(nodes: list[fx.Node]) -> set[fx.Node]:
     first_backward: fx.Node | None = None
     for node in nodes:
         tag = node.meta.get(_PASS_TAG)
-        if tag == _BACKWARD_PASS:
+        if tag == BACKWARD_PASS:
             first_backward = first_backward or node
-        elif tag != _FORWARD_PASS:
+        elif tag != FORWARD_PASS:
             raise RuntimeError(
                 f"node `{node.name}` ({node.target}) has no pass tag ({_PASS_TAG}={tag!r}): "
                 "cannot tell whether the forward or the backward pass ran it"
@@ -800,10 +802,10 @@ def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
 # Graph building
 
 
-def _build_graph(
+def build_graph(
     graph_module: fx.GraphModule,
     forward: set[fx.Node],
-    flat: list[_FlatInput],
+    flat: list[FlatInput],
     *,
     name: str,
     models: list[ModelDecl],
@@ -819,7 +821,7 @@ def _build_graph(
     models_by_name = {m.name: m for m in models}
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
     # mutating ops), so every op node is emitted, in the graph's (execution) order.
-    for node in _op_nodes(graph_module):
+    for node in op_nodes(graph_module):
         is_forward = node in forward
         produced = names.add_op(node)
         graph.nodes.append(
@@ -869,7 +871,7 @@ def _model_proto(model: ModelDecl) -> graph_pb2.Model:
     return proto
 
 
-def _metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Metadata:
+def graph_metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Metadata:
     return graph_pb2.Metadata(
         exporter_version=exporter_version,
         torch_version=torch.__version__.split("+")[0],
@@ -879,7 +881,7 @@ def _metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Me
 
 
 def _declare_inputs(
-    graph: graph_pb2.Graph, graph_module: fx.GraphModule, flat: list[_FlatInput]
+    graph: graph_pb2.Graph, graph_module: fx.GraphModule, flat: list[FlatInput]
 ) -> dict[fx.Node, str]:
     """Declares a value per placeholder (parameter, buffer, input or tangent)."""
     inputs: dict[fx.Node, str] = {}

@@ -15,7 +15,7 @@ that are not parameters are live from the first step).
 HuggingFace model's ``model(**inputs).loss``; ``scripts/predictions.py``), and also reports
 what the step holds when forward ends (``StepMemory.saved_bytes``).
 
-The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
+The step is the exporter's (``_exporter._eager_reference``): ``loss = module(*inputs)``, then
 ``torch.autograd.grad(loss, params)``, which returns fresh gradients and leaves ``.grad``
 alone (no accumulation into existing buffers). The loss and the gradients are held to the end,
 as the planner keeps graph outputs alive to the end; the backward seed (``ones_like(loss)``,
@@ -286,7 +286,7 @@ def measure_step(
 LayerKey = tuple[str, int]
 
 
-def checkpoint_layers(
+def checkpoint_zoo_layers(
     model: nn.Module,
     context_fns: dict[LayerKey, Callable] | None = None,
     preserve_rng_state: bool | None = None,
@@ -299,7 +299,7 @@ def checkpoint_layers(
     contexts; the parameter order (hence the gradients' order) does not change.
     ``preserve_rng_state``: see ``sac.checkpoint_call`` (None: what the context asks for).
     """
-    from .zoo.model import MAIN_MODEL, MTP_MODEL
+    from ._zoo.model import MAIN_MODEL, MTP_MODEL
 
     from .sac import checkpoint_call, checkpoint_module
 
@@ -344,8 +344,8 @@ def measure_golden(
     with: every shape in the zoo is static, so allocations do not depend on the values the
     collectives would have exchanged.
     """
-    from .zoo.catalog import make_inputs
-    from .zoo.goldens import golden, traced_group
+    from ._zoo.catalog import make_inputs
+    from ._zoo.goldens import golden, traced_group
 
     if baseline not in (NO_CHECKPOINT, WHOLE_LAYER, SELECTIVE):
         raise ValueError(f"unknown baseline {baseline!r}")
@@ -362,5 +362,5 @@ def measure_golden(
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:
             # The RNG state a checkpoint stashes is host memory, not an activation.
-            checkpoint_layers(model, context_fns, preserve_rng_state=False)
+            checkpoint_zoo_layers(model, context_fns, preserve_rng_state=False)
         return measure_training_step(model, inputs)

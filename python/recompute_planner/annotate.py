@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .export import ModelDecl
+from ._exporter import ModelDecl
 from .markers import checkpoint_record, layer_scope
 
 # The attribute an annotated model carries its annotation in.

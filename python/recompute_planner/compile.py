@@ -67,15 +67,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from . import markers
 from .api import HwLike, check_plan, plan as plan_graph
-from .export import (
-    _BACKWARD_PASS,
-    _FORWARD_PASS,
+from ._exporter import (
+    BACKWARD_PASS,
+    FORWARD_PASS,
     EXPORTER_VERSION,
     ModelDecl,
-    _build_graph,
-    _FlatInput,
-    _forward_nodes,
-    _metadata,
+    build_graph,
+    FlatInput,
+    forward_nodes,
+    graph_metadata,
     require_tracing_torch,
 )
 from .plans import DECISION_NO_CHECKPOINT, Plan
@@ -117,13 +117,13 @@ def joint_graph_to_ir(
         )
     world_size, rank = _world()
     tag_untraced_nodes(graph_module.graph)
-    built = _build_graph(
+    built = build_graph(
         graph_module,
-        _forward_nodes(graph_module, num_fwd_outputs),
+        forward_nodes(graph_module, num_fwd_outputs),
         _flat_inputs(graph_module, output_descs),
         name=name,
         models=models,
-        metadata=_metadata(EXPORTER_VERSION, world_size, rank),
+        metadata=graph_metadata(EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
 
@@ -143,9 +143,9 @@ def tag_untraced_nodes(graph: fx.Graph) -> None:
         tag = node.meta.get(PARTITIONER_TAG)
         if tag is None:
             reads_backward = any(i in backward for i in node.all_input_nodes)
-            tag = _BACKWARD_PASS if in_backward or reads_backward else _FORWARD_PASS
+            tag = BACKWARD_PASS if in_backward or reads_backward else FORWARD_PASS
             node.meta[PARTITIONER_TAG] = tag
-        if tag != _FORWARD_PASS:
+        if tag != FORWARD_PASS:
             in_backward = True
             backward.add(node)
 
@@ -172,7 +172,7 @@ def _flat_inputs(graph_module: fx.GraphModule, output_descs: list[Any]) -> list[
         desc = node.meta.get("desc")
         if isinstance(desc, PlainAOTInput):
             role = graph_pb2.ROLE_PARAMETER if desc.idx in with_grad else graph_pb2.ROLE_INPUT
-            by_index[desc.idx] = _FlatInput(node.name, role, node.meta.get("val"))
+            by_index[desc.idx] = FlatInput(node.name, role, node.meta.get("val"))
         elif not _is_tangent(desc):
             raise ValueError(
                 f"placeholder `{node.name}` is {desc!r}: the planning stage handles plain tensor "

@@ -8,7 +8,7 @@ step with every parameter, buffer and input a fake tensor on ``device`` (``cuda`
 ``cuda:0``) and factory calls defaulting to it: the graph's ops carry the real devices
 (``device`` attributes ``cuda:0`` / ``cpu``), the copies between them, and the decompositions
 torch picks for CUDA tensors. Values keep the exporter's names, and the IR follows the
-exporter's rules (``recompute_planner.export``): node order, phases, annotations.
+exporter's rules (``recompute_planner._exporter``): node order, phases, annotations.
 
 The backward pass. Torch's autograd engine cannot run a backward over CUDA tensors without a
 GPU, fake ones included: when a node of the backward graph takes a CUDA gradient, the engine
@@ -80,8 +80,8 @@ from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
 from . import api
-from . import export as low
-from .export import ModelDecl
+from . import _exporter as low
+from ._exporter import ModelDecl
 from .proto import graph_pb2
 
 # Gradient edge: (autograd node, input slot of that node).
@@ -195,28 +195,28 @@ def export_on_device(
     without ``hw`` it takes torch's fallbacks on a CPU-only machine (math attention, which
     the runtime can run on the CPU: the device goldens)."""
     target = _indexed(torch.device(device))
-    flat = low._flat_inputs(module, args)
+    flat = low.flat_inputs(module, args)
     state = [f.name for f in flat[: len(flat) - len(args)]]
     backward = _replayed_autograd() if joint else contextlib.nullcontext()
     gpu = (
         _device_facts(hw) if target.type == "cuda" and hw is not None else contextlib.nullcontext()
     )
-    with torch.device(target), low._module_path_scopes(module), backward, gpu:
-        graph_module, num_forward_outputs = low._capture(
+    with torch.device(target), low.module_path_scopes(module), backward, gpu:
+        graph_module, num_forward_outputs = low.capture(
             _Functional(module, state), _fake_inputs(flat, target), joint=joint
         )
     forward = (
-        low._forward_nodes(graph_module, num_forward_outputs)
+        low.forward_nodes(graph_module, num_forward_outputs)
         if joint
-        else set(low._op_nodes(graph_module))
+        else set(low.op_nodes(graph_module))
     )
-    built = low._build_graph(
+    built = low.build_graph(
         graph_module,
         forward,
         flat,
         name=name,
         models=models,
-        metadata=low._metadata(low.EXPORTER_VERSION, world_size, rank),
+        metadata=low.graph_metadata(low.EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
 
@@ -229,7 +229,7 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def _fake_inputs(flat: list[low._FlatInput], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _fake_inputs(flat: list[low.FlatInput], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Each flat input as a fake tensor on ``device``, requiring grad as the real one does."""
     mode = FakeTensorMode()
     with mode:

@@ -62,7 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from . import device_export, expert_parallel
 from .annotate import annotate, annotation_of
 from .errors import ExportError
-from .export import ExportResult, ModelDecl, export_forward, export_joint
+from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
 
 
 def causal_mask(

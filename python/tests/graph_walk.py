@@ -11,7 +11,7 @@ import pytest
 from recompute_planner import _native
 from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.goldens import golden
+from recompute_planner._zoo.goldens import golden
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 

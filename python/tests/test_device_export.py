@@ -21,11 +21,11 @@ from recompute_planner.device_export import (
     export_joint_on_device,
     with_device_graph,
 )
-from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner._exporter import ModelDecl, export_joint
 from recompute_planner.markers import checkpoint_record
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
-from recompute_planner.zoo.goldens import GOLDENS, device_graph, traced_group
+from recompute_planner._zoo.catalog import entry, make_inputs, model_decls
+from recompute_planner._zoo.goldens import GOLDENS, device_graph, traced_group
 
 CUDA_GOLDEN = "moe_ep2_cuda"
 TO_COPY = "aten._to_copy.default"

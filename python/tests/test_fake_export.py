@@ -32,7 +32,7 @@ import recompute_planner as rp
 from recompute_planner.device_export import _DeviceAttention
 from recompute_planner.errors import ExportError
 from recompute_planner.model_export import causal_mask
-from recompute_planner.zoo import real_size
+from recompute_planner._zoo import real_size
 
 transformers = pytest.importorskip("transformers")
 MemTracker = pytest.importorskip("torch.distributed._tools.mem_tracker").MemTracker

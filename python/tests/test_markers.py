@@ -8,7 +8,7 @@ from export_support import MAIN, PHASE_BACKWARD, PHASE_FORWARD, Lambda, consumer
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner._exporter import ModelDecl, export_joint
 from recompute_planner.markers import (
     MARKER_NAME_ATTR,
     MARKER_OP,

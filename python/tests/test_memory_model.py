@@ -2,7 +2,7 @@
 
 For every joint golden, the step the golden was exported from (same zoo config, seeded weights
 and inputs, rank 0) runs in eager PyTorch on CPU, and the peak of the bytes it holds,
-parameters excluded, is measured from the allocator (`recompute_planner.measure`). Three
+parameters excluded, is measured from the allocator (`recompute_planner._measure`). Three
 numbers of the golden's eager plan (`--executor eager`: what eager autograd and
 `torch.utils.checkpoint` hold) have an eager counterpart and are compared:
 
@@ -49,11 +49,11 @@ from torch import nn
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, load_graph
-from recompute_planner import measure
-from recompute_planner.measure import BASELINE_KEYS, NO_CHECKPOINT, WHOLE_LAYER
+from recompute_planner import _measure as measure
+from recompute_planner._measure import BASELINE_KEYS, NO_CHECKPOINT, WHOLE_LAYER
 from recompute_planner.plans import Plan
 from recompute_planner.sac import LayerOps
-from recompute_planner.zoo.goldens import GOLDENS, golden
+from recompute_planner._zoo.goldens import GOLDENS, golden
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The plans compared with eager PyTorch model eager PyTorch.

@@ -44,7 +44,7 @@ from export_support import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recompute_planner.export import export_joint
+from recompute_planner._exporter import export_joint
 
 EAGER_TO_TRACED = {
     "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default"

@@ -16,7 +16,7 @@ from export_support import (
     only_node,
 )
 
-from recompute_planner.export import collective_kind, export_joint, schema_facts
+from recompute_planner._exporter import collective_kind, export_joint, schema_facts
 from recompute_planner.proto import graph_pb2
 
 FUNCTIONAL = graph_pb2.COLLECTIVE_KIND_FUNCTIONAL

@@ -29,11 +29,11 @@ from graph_walk import (
     micro_batch_mismatches,
 )
 from tolerance import assert_tensor_close, assert_tensors_close
-from recompute_planner.export import write_graph, write_reference
+from recompute_planner._exporter import write_graph, write_reference
 from recompute_planner.markers import MARKER_NAME_ATTR
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo import make_inputs
-from recompute_planner.zoo.goldens import (
+from recompute_planner._zoo import make_inputs
+from recompute_planner._zoo.goldens import (
     GOLDENS,
     export_rank,
     golden,

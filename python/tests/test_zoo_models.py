@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from graph_walk import GOLDEN_DIR
 from tolerance import assert_tensor_close
-from recompute_planner.zoo import ENTRIES, ZooConfig, entry, make_inputs
-from recompute_planner.zoo.distributed import fake_process_group, run_on_ranks
-from recompute_planner.zoo.goldens import traced_group
-from recompute_planner.zoo.model import CausalLM
+from recompute_planner._zoo import ENTRIES, ZooConfig, entry, make_inputs
+from recompute_planner._zoo.distributed import fake_process_group, run_on_ranks
+from recompute_planner._zoo.goldens import traced_group
+from recompute_planner._zoo.model import CausalLM
 
 
 @pytest.mark.parametrize("zoo_entry", ENTRIES, ids=lambda e: e.name)

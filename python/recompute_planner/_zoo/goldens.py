@@ -28,7 +28,7 @@ from ..device_export import (
     export_joint_on_device,
     with_device_graph,
 )
-from ..export import (
+from .._exporter import (
     ExportResult,
     export_forward,
     export_joint,
@@ -36,7 +36,7 @@ from ..export import (
     write_graph,
     write_reference,
 )
-from ..export import rank_path as rank_file
+from .._exporter import rank_path as rank_file
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
 from .distributed import fake_process_group, run_on_ranks

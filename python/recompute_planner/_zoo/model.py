@@ -77,7 +77,7 @@ class MTPLayer(nn.Module):
         self, hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: SequenceContext
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer 0 of the "mtp" model: everything inside its layer scope (a whole-layer
-        checkpoint wraps this, `recompute_planner.measure`)."""
+        checkpoint wraps this, `recompute_planner._measure`)."""
         h = torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embeds)], dim=-1)
         return self.block(self.eh_proj(h), ctx, self.mark)
 

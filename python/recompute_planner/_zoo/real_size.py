@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..annotate import annotate
-from ..export import ModelDecl
+from .._exporter import ModelDecl
 from ..model_export import TensorSpec, causal_mask
 
 
