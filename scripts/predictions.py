@@ -40,19 +40,20 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import recompute_planner as rp
-from recompute_planner import compile as stage_mod
 from recompute_planner import _measure as measure
+from recompute_planner import compile as stage_mod
 from recompute_planner import sac
-from recompute_planner.annotate import annotation_of
 from recompute_planner._exporter import ModelDecl
+from recompute_planner.annotate import annotation_of
 
 # Zoo goldens measured (the CUDA-traced golden runs other ops on this CPU; dense_forward has no
 # backward).
@@ -138,7 +139,8 @@ def zoo_case(name: str, batch: int, seq: int) -> Case:
 
     def step(plan: rp.Plan):
         model = CausalLM(cfg)
-        measure.checkpoint_zoo_layers(model, {key: sac.context_fn(plan, *key) for key in plan.layers()})
+        policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
+        measure.checkpoint_zoo_layers(model, policies)
         params = [p for p in model.parameters() if p.requires_grad]
         return (lambda: model(*inputs)), params
 
@@ -183,7 +185,9 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
             MOE_UNITS,
         ),
         "mixtral": (
-            build(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+            build(
+                T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2
+            ),
             MOE_UNITS,
         ),
     }
@@ -280,8 +284,8 @@ def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
     from functorch.compile import aot_module
     from torch._dynamo.backends.debugging import boxed_nop
 
-    from recompute_planner.markers import markers_in_compiled_graphs
     from recompute_planner._zoo.goldens import traced_group
+    from recompute_planner.markers import markers_in_compiled_graphs
 
     stage = stage_mod.PlanningStage(case.models, keep)
     with warnings.catch_warnings(), traced_group(case.world_size), markers_in_compiled_graphs():
@@ -306,7 +310,8 @@ def planner_bin() -> str:
 def measure_run(case: Case, label: str, keep: Any) -> dict[str, Any]:
     """The graph-executor row: `planner run` on the exported step, rank 0's figures."""
     plan = quiet_plan(case.graph, keep)
-    keep_args = [] if keep is None else ["--keep", ",".join([keep] if isinstance(keep, str) else keep)]
+    keep_list = [keep] if isinstance(keep, str) else keep
+    keep_args = [] if keep_list is None else ["--keep", ",".join(keep_list)]
     with tempfile.TemporaryDirectory() as folder:
         graph = Path(folder) / f"{case.name}.pb"
         graph.write_bytes(case.graph.SerializeToString())

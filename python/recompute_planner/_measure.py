@@ -2,8 +2,8 @@
 memory prediction.
 
 The planner predicts the peak of live bytes during one training step, parameters excluded
-(docs/cost-and-memory.md, `planner/src/memory.rs`). This module runs the same step eagerly on CPU and
-measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
+(docs/cost-and-memory.md, `planner/src/memory.rs`). This module runs the same step eagerly on
+CPU and measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
 reports every CPU allocation and free with its pointer and size. The CPU allocator does not
 cache, so the events are real ``malloc``/``free`` of tensor storages, and their running sum from
 the start of the step is exactly the bytes the step allocated and still holds. Parameters are
@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ class MemoryTrace:
     def held_after(self, stage: str) -> int:
         """Bytes held after the last event of ``stage`` (relative to the start)."""
         held = 0
-        for event, live in zip(self.events, self.running()):
+        for event, live in zip(self.events, self.running(), strict=True):
             if event.stage == stage:
                 held = live
         return held
@@ -300,7 +301,6 @@ def checkpoint_zoo_layers(
     ``preserve_rng_state``: see ``sac.checkpoint_call`` (None: what the context asks for).
     """
     from ._zoo.model import MAIN_MODEL, MTP_MODEL
-
     from .sac import checkpoint_call, checkpoint_module
 
     context_fns = context_fns or {}
@@ -319,7 +319,7 @@ def checkpoint_zoo_layers(
 # Selective checkpointing from a plan
 
 
-def plan_contexts(plan: "Plan", graph: Any) -> dict[LayerKey, Callable]:
+def plan_contexts(plan: Plan, graph: Any) -> dict[LayerKey, Callable]:
     """Selective-checkpoint contexts per checkpointed layer that save what ``plan`` saves:
     the public policy (``recompute_planner.sac``) restricted to the kept ops whose outputs
     the plan's saved set holds. Saving every kept op instead makes eager SAC hold outputs that
@@ -331,7 +331,7 @@ def plan_contexts(plan: "Plan", graph: Any) -> dict[LayerKey, Callable]:
 
 
 def measure_golden(
-    name: str, baseline: str, plan: "Plan | None" = None, graph: Any = None
+    name: str, baseline: str, plan: Plan | None = None, graph: Any = None
 ) -> StepMemory:
     """Measures rank 0's step of golden ``name`` under a planner baseline or a plan.
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from . import _native
 from .errors import PlannerError, PlannerWarning, PlanRejected
@@ -18,10 +19,10 @@ from .plans import Plan
 
 # What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
 # `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
-GraphLike = Union[Any, bytes, str, os.PathLike]
+GraphLike = Any | bytes | str | os.PathLike[str]
 # `hw`: a shipped profile's name ("h100", "h200", "b200", "mi300x"), a profile's fields
 # (dict), or a JSON file of them.
-HwLike = Union[Mapping[str, Any], str, os.PathLike, None]
+HwLike = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def plan(

@@ -52,8 +52,9 @@ import contextlib
 import functools
 import operator
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -66,18 +67,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import markers
-from .api import HwLike, check_plan, plan as plan_graph
 from ._exporter import (
     BACKWARD_PASS,
-    FORWARD_PASS,
     EXPORTER_VERSION,
+    FORWARD_PASS,
+    FlatInput,
     ModelDecl,
     build_graph,
-    FlatInput,
     forward_nodes,
     graph_metadata,
     require_tracing_torch,
 )
+from .api import HwLike, check_plan
+from .api import plan as plan_graph
 from .plans import DECISION_NO_CHECKPOINT, Plan
 from .proto import graph_pb2
 
@@ -475,7 +477,7 @@ class PlanningStage(CustomGraphPass):
         """No FX graph caching: a cached compile would skip planning and its diagnostics."""
         return None
 
-    def __deepcopy__(self, memo: dict) -> "PlanningStage":
+    def __deepcopy__(self, memo: dict) -> PlanningStage:
         """Inductor copies its config per compile: the copy must be this stage, which collects
         the plans."""
         return self
@@ -524,7 +526,9 @@ class PlanningStage(CustomGraphPass):
             "custom_partitioner_fn": _InductorPartitioner(self),
             "fx_graph_cache": False,
         }
-        inner = _without_ci_fallback_check(compile_fx_options.pop("inner_compile", compile_fx_inner))
+        inner = _without_ci_fallback_check(
+            compile_fx_options.pop("inner_compile", compile_fx_inner)
+        )
         with _ci_fallback_check_off():
             return compile_fx(
                 graph_module, example_inputs, config_patches=patches, decompositions={},
@@ -533,7 +537,7 @@ class PlanningStage(CustomGraphPass):
 
     # Installation ---------------------------------------------------------------------------
 
-    def install(self) -> "PlanningStage":
+    def install(self) -> PlanningStage:
         """Makes this stage inductor's partitioner (or joint-graph pass) and lets markers into
         compiled graphs, until ``uninstall()``."""
         _INSTALLED.add(self)
@@ -548,7 +552,7 @@ class PlanningStage(CustomGraphPass):
     def installed(self) -> bool:
         return self in _INSTALLED.stages
 
-    def __enter__(self) -> "PlanningStage":
+    def __enter__(self) -> PlanningStage:
         return self if self.installed else self.install()
 
     def __exit__(self, *exc: object) -> None:
@@ -570,7 +574,7 @@ class _InductorPartitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None
 
-    def __deepcopy__(self, memo: dict) -> "_InductorPartitioner":
+    def __deepcopy__(self, memo: dict) -> _InductorPartitioner:
         return self
 
 

@@ -66,9 +66,10 @@ import contextlib
 import heapq
 import itertools
 import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +80,8 @@ from torch.autograd.function import BackwardCFunction, _HookMixin
 from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
-from . import api
 from . import _exporter as low
+from . import api
 from ._exporter import ModelDecl
 from .proto import graph_pb2
 
@@ -99,7 +100,7 @@ class _Functional(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         count = len(self.state_names)
-        state = dict(zip(self.state_names, flat[:count]))
+        state = dict(zip(self.state_names, flat[:count], strict=True))
         return torch.func.functional_call(self.inner, state, flat[count:])
 
 
@@ -155,7 +156,7 @@ def with_device_graph(result: low.ExportResult, graph: graph_pb2.Graph) -> low.E
     if len(graph.outputs) != len(result.graph.outputs):
         raise ValueError(f"{graph.name}: another number of outputs than the CPU export's")
     grads = {}
-    for cpu, own in zip(result.graph.outputs, graph.outputs):
+    for cpu, own in zip(result.graph.outputs, graph.outputs, strict=True):
         if _tensor_type(cpu_values[cpu]) != _tensor_type(values[own]):
             raise ValueError(f"{graph.name}: output `{own}` does not pair with `{cpu}`")
         if cpu in result.grads:
@@ -574,7 +575,7 @@ class _GraphTask:
             if not info.needed:
                 return
         outputs = self.engine.call(node, buffer)
-        for (child, slot), grad in zip(node.next_functions, outputs):
+        for (child, slot), grad in zip(node.next_functions, outputs, strict=True):
             if child is not None:
                 self._deliver(child, slot, grad)
 
@@ -693,7 +694,7 @@ def _validate_outputs(edges: list, grads: list) -> list:
         raise RuntimeError(
             f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"
         )
-    for index, ((node, slot), grad) in enumerate(zip(edges, grads)):
+    for index, ((node, slot), grad) in enumerate(zip(edges, grads, strict=True)):
         if node is None or grad is None:
             continue
         metadata = node._input_metadata[slot]

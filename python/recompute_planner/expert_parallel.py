@@ -25,8 +25,8 @@ forward and, reversed, in backward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist

@@ -14,9 +14,10 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from . import _native
 
@@ -293,13 +294,13 @@ def _make(cls: type, doc: dict) -> Any:
 
 def _config(doc: dict) -> Config:
     layer_keep = tuple(
-        LayerKeep(l["model"], l["layer"], tuple(l["keep"])) for l in doc.get("layer_keep", [])
+        LayerKeep(k["model"], k["layer"], tuple(k["keep"])) for k in doc.get("layer_keep", [])
     )
     return _make(Config, {**doc, "keep": tuple(doc["keep"]), "layer_keep": layer_keep})
 
 
 def _unit(doc: dict) -> UnitSummary:
-    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, l) for l in doc["layers"])})
+    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, u) for u in doc["layers"])})
 
 
 def load_plan(source: str | os.PathLike | bytes, format: str | None = None) -> Plan:

@@ -56,8 +56,9 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -138,13 +139,13 @@ class LayerOps:
     random: bool = False  # the layer has random ops (dropout)
 
     @classmethod
-    def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> "LayerOps":
+    def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> LayerOps:
         """The layer's ops; each kept op is to be saved, or with ``graph`` (the plan's
         ``graph_pb2.Graph``) only the kept ops an output of which the plan's saved set holds
         (what a graph executor holds: backward or replay reads it)."""
         nodes = [n for n in plan.nodes if n.model == model and n.layer == layer]
         if not nodes:
-            layers = ", ".join(f"{m}/{l}" for m, l in plan.layers()) or "none"
+            layers = ", ".join(f"{m}/{i}" for m, i in plan.layers()) or "none"
             raise KeyError(
                 f"the plan has no layer {layer} of model `{model}`; it checkpoints: {layers}"
             )
@@ -152,7 +153,10 @@ class LayerOps:
         if graph is not None:
             saved = plan.saved_values()
             outputs = {n.name: n.outputs for n in graph.nodes}
-            keep = [k and any(v in saved for v in outputs[n.name]) for k, n in zip(keep, nodes)]
+            keep = [
+                k and any(v in saved for v in outputs[n.name])
+                for k, n in zip(keep, nodes, strict=True)
+            ]
         return cls(
             model,
             layer,
@@ -163,7 +167,7 @@ class LayerOps:
         )
 
     def kept(self) -> list[str]:
-        return [name for name, keep in zip(self.names, self.keep) if keep]
+        return [name for name, keep in zip(self.names, self.keep, strict=True) if keep]
 
 
 class _Matcher:
@@ -501,7 +505,7 @@ def checkpoint_layers(
         raise KeyError(
             f"the plan has no model `{model}`; its models: {', '.join(sorted(models)) or 'none'}"
         )
-    checkpointed = {l for m, l in plan.layers() if m == model}
+    checkpointed = {i for m, i in plan.layers() if m == model}
     policies = {}
     for index in range(len(layers)):
         if index in checkpointed:

@@ -274,7 +274,9 @@ def test_the_proto_module_parses_the_cli_json(tmp_path):
     text = cli_json(str(GLM), "--keep", "save_dsa_indexer")
     parsed = json_format.Parse(text, plan_pb2.Plan())
     pb = tmp_path / "plan.pb"
-    done = run_planner("plan", str(GLM), "--keep", "save_dsa_indexer", "--format", "pb", "-o", str(pb))
+    done = run_planner(
+        "plan", str(GLM), "--keep", "save_dsa_indexer", "--format", "pb", "-o", str(pb)
+    )
     assert done.returncode == 0, done.stderr
     assert parsed == plan_pb2.Plan.FromString(pb.read_bytes())
     assert {n.decision for n in parsed.nodes} == {"save", "recompute", "no-checkpoint"}
@@ -283,7 +285,8 @@ def test_the_proto_module_parses_the_cli_json(tmp_path):
 
 def test_a_broken_plan_file_raises_the_readers_error(tmp_path):
     path = tmp_path / "plan.json"
-    path.write_text(cli_json(str(GLM)).replace('"decision": "recompute"', '"decision": "sometimes"'))
+    broken = cli_json(str(GLM)).replace('"decision": "recompute"', '"decision": "sometimes"')
+    path.write_text(broken)
     with pytest.raises(rp.PlannerError) as raised:
         rp.load_plan(path)
     assert raised.value.code == "invalid-plan"

@@ -37,12 +37,12 @@ import recompute_planner as rp
 from graph_walk import golden_param
 from hf_families import FAMILIES, family
 from recompute_planner import compile as stage_mod
-from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_compiled_graphs
-from recompute_planner.model_export import _Step
-from recompute_planner.proto import graph_pb2
 from recompute_planner._zoo.catalog import entry, make_inputs, model_decls
 from recompute_planner._zoo.goldens import GOLDENS, traced_group
 from recompute_planner._zoo.model import CausalLM
+from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_compiled_graphs
+from recompute_planner.model_export import _Step
+from recompute_planner.proto import graph_pb2
 
 # Compiled and eager steps differ by fused kernels' rounding.
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5

@@ -10,6 +10,9 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from export_support import (
     MAIN,
     ONE_LAYER,
@@ -27,9 +30,6 @@ from export_support import (
     values_by_name,
 )
 from graph_walk import forward_then_backward, loss_ancestors
-from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from recompute_planner import __version__, _exporter
 from recompute_planner._exporter import (
     ABSENT_TENSOR_ARGS,
@@ -95,7 +95,7 @@ def test_outputs_are_the_loss_then_gradients_matching_eager(decoder):
     assert torch.equal(result.loss, eager_loss.detach())
     # One gradient per parameter, in parameter order, equal to eager autograd's.
     assert len(result.grads) == len(params)
-    for (value, grad), param, expected in zip(result.grads.items(), params, eager):
+    for (value, grad), param, expected in zip(result.grads.items(), params, eager, strict=True):
         assert list(values[value].shape) == list(param.shape)
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
     assert list(result.tangents) == ["tangents_1"] and result.tangents["tangents_1"].item() == 1.0

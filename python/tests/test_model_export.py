@@ -20,8 +20,8 @@ import recompute_planner as rp
 from export_support import fake_process_group, planner_run
 from recompute_planner import sac
 from recompute_planner._exporter import write_graph, write_reference
-from recompute_planner.proto import graph_pb2
 from recompute_planner.model_export import OwnCheckpointingWarning, causal_mask
+from recompute_planner.proto import graph_pb2
 
 transformers = pytest.importorskip("transformers")
 

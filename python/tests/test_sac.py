@@ -38,9 +38,9 @@ from graph_walk import GOLDEN_DIR, golden_param, load_graph
 from recompute_planner import _measure as measure
 from recompute_planner import sac
 from recompute_planner._exporter import TRACING_TORCH, ModelDecl, export_joint
-from recompute_planner.markers import checkpoint_record, layer_scope
 from recompute_planner._zoo.catalog import make_inputs
 from recompute_planner._zoo.goldens import GOLDENS, golden, traced_group
+from recompute_planner.markers import checkpoint_record, layer_scope
 
 JOINT = [g.name for g in GOLDENS if g.joint]
 SINGLE_RANK_JOINT = [g.name for g in GOLDENS if g.joint and g.world_size == 1]
@@ -171,7 +171,8 @@ def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str)
     for with_plan in (False, True):
         model = gold.entry.build(rank=rank)
         if with_plan:
-            measure.checkpoint_zoo_layers(model, {k: sac.context_fn(plan, *k) for k in plan.layers()})
+            policies = {k: sac.context_fn(plan, *k) for k in plan.layers()}
+            measure.checkpoint_zoo_layers(model, policies)
         loss = model(*make_inputs(cfg))
         results.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
     return results
