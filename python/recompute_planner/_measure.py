@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 if TYPE_CHECKING:
+    from ._zoo.model import CausalLM
     from .plans import Plan
+    from .sac import ContextFn
 
 # The planner baselines measured here, with the plan's `memory` key each one predicts.
 NO_CHECKPOINT = "no_checkpoint"
@@ -228,7 +230,7 @@ def training_step(
 
 
 def loss_and_gradients(
-    loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]
+    loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
 ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """``loss_fn()`` in the ``FORWARD`` range, then the gradients of ``params`` in
     ``BACKWARD``."""
@@ -254,7 +256,7 @@ def measure_training_step(
 
 def measure_step(
     loss_fn: Callable[[], torch.Tensor],
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     input_bytes: int,
     seed: int = 0,
 ) -> StepMemory:
@@ -288,10 +290,10 @@ LayerKey = tuple[str, int]
 
 
 def checkpoint_zoo_layers(
-    model: nn.Module,
-    context_fns: dict[LayerKey, Callable] | None = None,
+    model: CausalLM,
+    context_fns: dict[LayerKey, ContextFn] | None = None,
     preserve_rng_state: bool | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """Puts every layer of a zoo ``CausalLM`` under a checkpoint: exactly what each
     ``layer_scope(model, i)`` encloses, the planner's layers.
 
@@ -306,10 +308,11 @@ def checkpoint_zoo_layers(
     context_fns = context_fns or {}
     for index, layer in enumerate(model.layers):
         checkpoint_module(layer, context_fns.get((MAIN_MODEL, index)), preserve_rng_state)
-    mtp = getattr(model, "mtp", None)
+    mtp = model.mtp
     if mtp is not None:
         inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))
-        mtp.layer_forward = lambda *args: checkpoint_call(
+        # Replaced on the instance, as sac.checkpoint_module replaces a forward.
+        mtp.layer_forward = lambda *args: checkpoint_call(  # type: ignore[method-assign]
             inner, args, {}, context_fn, preserve_rng_state
         )
     return model
@@ -319,7 +322,7 @@ def checkpoint_zoo_layers(
 # Selective checkpointing from a plan
 
 
-def plan_contexts(plan: Plan, graph: Any) -> dict[LayerKey, Callable]:
+def plan_contexts(plan: Plan, graph: Any) -> dict[LayerKey, ContextFn]:
     """Selective-checkpoint contexts per checkpointed layer that save what ``plan`` saves:
     the public policy (``recompute_planner.sac``) restricted to the kept ops whose outputs
     the plan's saved set holds. Saving every kept op instead makes eager SAC hold outputs that
@@ -357,7 +360,7 @@ def measure_golden(
     inputs = make_inputs(gold.entry.config)
     with traced_group(gold.world_size):
         context_fns = None
-        if baseline == SELECTIVE:
+        if baseline == SELECTIVE and plan is not None:
             context_fns = plan_contexts(plan, graph)
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:

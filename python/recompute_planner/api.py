@@ -11,7 +11,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _native
 from .errors import PlannerError, PlannerWarning, PlanRejected
@@ -127,7 +127,15 @@ def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
     return names
 
 
-def _hw_source(hw: HwLike) -> dict[str, str]:
+class _HwSource(TypedDict, total=False):
+    """The ``_native.plan`` keywords naming a hardware profile (one at most)."""
+
+    hw_name: str
+    hw_json: str
+    hw_path: str
+
+
+def _hw_source(hw: HwLike) -> _HwSource:
     """The ``_native.plan`` arguments giving the hardware profile: a shipped profile's name, its
     JSON, or its file, which the planner reads as the CLI reads ``--hw`` (a regular file under
     the profile size limit)."""
@@ -143,7 +151,10 @@ def _hw_source(hw: HwLike) -> dict[str, str]:
 def hw_profile(hw: HwLike) -> str:
     """Every field of the hardware profile ``hw`` names (see ``plan``) as JSON; ``None`` is
     the H200. A string without a path separator or ``.json`` suffix is a shipped name."""
-    return _native.hw_profile(**{k.removeprefix("hw_"): v for k, v in _hw_source(hw).items()})
+    source = _hw_source(hw)
+    return _native.hw_profile(
+        name=source.get("hw_name"), json=source.get("hw_json"), path=source.get("hw_path")
+    )
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
@@ -154,7 +165,7 @@ def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
         return {"path": os.fspath(graph)}
     if isinstance(graph, (bytes, bytearray, memoryview)):
         return {"path": "<graph bytes>", "data": bytes(graph), "format": format or "pb"}
-    message = getattr(graph, "graph", graph)  # an ExportResult holds the message
+    message: Any = getattr(graph, "graph", graph)  # an ExportResult holds the message
     serialize = getattr(message, "SerializeToString", None)
     if serialize is None:
         raise TypeError(

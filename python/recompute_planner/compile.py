@@ -209,7 +209,9 @@ class Tag:
 
 def plan_tags(plan: Plan) -> dict[str, Tag]:
     """Per forward node the plan decides, its partitioner tag (see the module docstring)."""
-    layer_ids = {layer: index + 1 for index, layer in enumerate(plan.layers())}
+    layer_ids: dict[tuple[str, int | None], int] = {
+        layer: index + 1 for index, layer in enumerate(plan.layers())
+    }
     replayed = {name for replay in plan.replay for name in replay.nodes}
     tags = {}
     for node in plan.nodes:
@@ -369,11 +371,9 @@ def _check_partition(
 
 def saved_outputs(forward: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The tensors a forward graph returns for backward."""
-    return [
-        node
-        for node in forward.graph.output_node().args[0][num_fwd_outputs:]
-        if isinstance(node, fx.Node)
-    ]
+    outputs = forward.graph.output_node().args[0]
+    assert isinstance(outputs, (tuple, list)), outputs  # a graph returns a tuple of values
+    return [node for node in outputs[num_fwd_outputs:] if isinstance(node, fx.Node)]
 
 
 def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
@@ -432,7 +432,9 @@ class PlanningStage(CustomGraphPass):
                 'or partitioner="min-cut"'
             )
         self.models = list(models)
-        self.options = dict(
+        # `recompute_planner.plan` with the stage's options.
+        self.plan_graph = functools.partial(
+            plan_graph,
             keep=keep,
             recompute_ratio=recompute_ratio,
             collectives=collectives,
@@ -453,7 +455,7 @@ class PlanningStage(CustomGraphPass):
         ir = joint_graph_to_ir(
             graph_module, self.models, name=self.name, num_fwd_outputs=num_fwd_outputs
         )
-        planned = plan_graph(ir, check=False, **self.options)
+        planned = self.plan_graph(ir, check=False)
         self.plans.append(planned)
         check_plan(planned, stacklevel=3)
         return ir, planned
@@ -471,13 +473,15 @@ class PlanningStage(CustomGraphPass):
     # The inductor joint-graph pass (partitioner="min-cut") ----------------------------------
 
     def __call__(self, graph: fx.Graph) -> None:
+        if graph.owning_module is None:
+            raise RuntimeError("the joint-graph pass got a graph without its GraphModule")
         self.apply(graph.owning_module)
 
     def uuid(self) -> None:
         """No FX graph caching: a cached compile would skip planning and its diagnostics."""
         return None
 
-    def __deepcopy__(self, memo: dict) -> PlanningStage:
+    def __deepcopy__(self, memo: dict[int, Any]) -> PlanningStage:
         """Inductor copies its config per compile: the copy must be this stage, which collects
         the plans."""
         return self
@@ -574,7 +578,7 @@ class _InductorPartitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None
 
-    def __deepcopy__(self, memo: dict) -> _InductorPartitioner:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InductorPartitioner:
         return self
 
 

@@ -56,7 +56,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +69,15 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 from .errors import SacMismatchError
 from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, Plan
+
+# A checkpoint's ``context_fn``: the forward and the recompute context of one call.
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
 # How far ahead of the next expected graph op an eager op may match (graph-only ops skipped).
 LOOKAHEAD = 8
@@ -259,14 +264,20 @@ class RecomputeCounter(TorchDispatchMode):
     """Counts the ops dispatched while it is active (by op, overload included)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.counts: Counter[str] = Counter()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -326,7 +337,7 @@ class _SavedOutputs(TorchDispatchMode):
     caching mode, it sees each op before the policy decides it and the output after."""
 
     def __init__(self, run: LayerRun) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.run = run
         self.held: list[tuple[str, int]] = []
 
@@ -334,7 +345,13 @@ class _SavedOutputs(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         decided = len(self.run.decisions)
         out = func(*args, **(kwargs or {}))
         decisions = self.run.decisions
@@ -359,7 +376,7 @@ class PlanPolicy:
     # Graph ops the last forward matched as a divergent composite (recomputed in eager).
     tolerated: list[str] = field(default_factory=list)
 
-    def __call__(self) -> tuple[Any, Any]:
+    def __call__(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         run = LayerRun(self.layer)
         caching, cached = create_selective_checkpoint_contexts(run.policy)
         return self._forward(caching, run), self._recompute(cached, run)
@@ -403,7 +420,10 @@ class _CheckpointedForward:
     ``checkpoint_module``."""
 
     def __init__(
-        self, forward: Callable, context: Callable | None, preserve_rng_state: bool | None
+        self,
+        forward: Callable[..., Any],
+        context: ContextFn | None,
+        preserve_rng_state: bool | None,
     ):
         self.forward = forward
         self.context = context
@@ -414,7 +434,7 @@ class _CheckpointedForward:
 
 
 def checkpoint_module(
-    module: nn.Module, context: Callable | None = None, preserve_rng_state: bool | None = None
+    module: nn.Module, context: ContextFn | None = None, preserve_rng_state: bool | None = None
 ) -> nn.Module:
     """Runs ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` from now on
     (selective with ``context``; ``preserve_rng_state``: see ``checkpoint_call``), and returns
@@ -442,10 +462,10 @@ def uncheckpoint_module(module: nn.Module) -> nn.Module:
 
 
 def checkpoint_call(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    context: Callable | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ContextFn | None,
     preserve_rng_state: bool | None = None,
 ) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing (selective with ``context``).
@@ -454,12 +474,16 @@ def checkpoint_call(
     (``PlanPolicy``): the stash is host memory per layer that a layer without random ops does
     not need.
     """
-    extra = {} if context is None else {"context_fn": context}
     preserve = preserve_rng_state
     if preserve is None:
         preserve = bool(getattr(context, "preserve_rng_state", False))
     return checkpoint(
-        fn, *args, use_reentrant=False, preserve_rng_state=preserve, **extra, **kwargs
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=noop_context_fn if context is None else context,
+        preserve_rng_state=preserve,
+        **kwargs,
     )
 
 
@@ -467,11 +491,13 @@ class KvCacheOffWarning(UserWarning):
     """The model's KV cache is turned off while its layers are checkpointed."""
 
 
-class CheckpointedLayers(dict):
+class CheckpointedLayers(dict[int, PlanPolicy]):
     """What ``checkpoint_layers`` returns: the policies by layer index, and ``remove()``, which
     puts the layers back and the KV cache settings it turned off."""
 
-    def __init__(self, layers: nn.ModuleList, policies: dict[int, PlanPolicy], cache_off: list):
+    def __init__(
+        self, layers: nn.ModuleList, policies: dict[int, PlanPolicy], cache_off: list[Any]
+    ):
         super().__init__(policies)
         self._layers = layers
         self._cache_off = cache_off
