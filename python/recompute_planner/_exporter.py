@@ -61,9 +61,10 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -151,7 +152,7 @@ class ExportResult:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradient value -> tensor
     seed: int | None = None  # the CPU generator's seed for the reference step (joint only)
     # Ranks 1.. of a step exported for several ranks in one call (this result is rank 0's).
-    other_ranks: list["ExportResult"] = field(default_factory=list)
+    other_ranks: list[ExportResult] = field(default_factory=list)
 
     def write(self, path: str | Path) -> list[Path]:
         """Writes the step as ``planner run`` reads it and returns the files written: the graph
@@ -525,7 +526,7 @@ def _eager_reference(
     grads = torch.autograd.grad(
         loss, [flat[i].tensor for i in wanted], allow_unused=True, materialize_grads=True
     )
-    return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads)}
+    return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads, strict=True)}
 
 
 class _PortableBernoulli(TorchDispatchMode):
@@ -563,7 +564,7 @@ def _restore(flat: list[FlatInput], snapshot: list[torch.Tensor]) -> None:
     """Undoes in-place updates the eager step made (buffer statistics, mutated inputs); a
     tensor the step left as it was is not written (an expanded input cannot be)."""
     with torch.no_grad():
-        for f, saved in zip(flat, snapshot):
+        for f, saved in zip(flat, snapshot, strict=True):
             if not torch.equal(f.tensor, saved):
                 f.tensor.copy_(saved)
 
@@ -580,7 +581,7 @@ def _params(
 def _tensors_by_role(
     flat: list[FlatInput], tensors: list[torch.Tensor], *roles: int
 ) -> dict[str, torch.Tensor]:
-    return {f.name: t for f, t in zip(flat, tensors) if f.role in roles}
+    return {f.name: t for f, t in zip(flat, tensors, strict=True) if f.role in roles}
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,7 +606,7 @@ def _user_outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
     """The step's own outputs (``PlainAOTOutput``), in order; mutated inputs come before them."""
     return [
         out
-        for out, desc in zip(_output_args(graph_module), _output_descs(graph_module))
+        for out, desc in zip(_output_args(graph_module), _output_descs(graph_module), strict=True)
         if isinstance(desc, PlainAOTOutput)
     ]
 
@@ -935,7 +936,7 @@ def _graph_outputs(
     outputs: list[tuple[str, int | None]] = [
         (n, None) for out in (loss, *others) for n in names.of(out)
     ]
-    for out, desc in zip(_output_args(graph_module), _output_descs(graph_module)):
+    for out, desc in zip(_output_args(graph_module), _output_descs(graph_module), strict=True):
         if out is not None and isinstance(desc, GradAOTOutput):
             index = _plain_input_index(desc.grad_of)
             outputs.extend((n, index) for n in names.of(out))

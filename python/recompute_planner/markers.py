@@ -5,7 +5,8 @@
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
   passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
   constant-folds the check, so it never enters a compiled graph), as selective-checkpointing
-  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
+  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the
+  torch.compile planning stage
   (``recompute_planner.compile``) needs the markers in the joint graph and removes them after
   planning. Its output must be used: the caller continues with the returned tensor.
 - ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded
@@ -23,7 +24,7 @@ eager SAC there, and the exporter refuses such a torch (``export.TRACING_TORCH``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.fx.traceback as fx_traceback

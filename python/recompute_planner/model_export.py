@@ -52,17 +52,18 @@ import itertools
 import logging
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import device_export, expert_parallel
+from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
 from .annotate import annotate, annotation_of
 from .errors import ExportError
-from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
 
 
 def causal_mask(
@@ -435,7 +436,7 @@ class _HeldTorchLog:
         self.records: list[tuple[logging.Handler, logging.LogRecord]] = []
         self._handlers: dict[logging.Logger, list[logging.Handler]] = {}
 
-    def __enter__(self) -> "_HeldTorchLog":
+    def __enter__(self) -> _HeldTorchLog:
         for name, logger in list(logging.root.manager.loggerDict.items()):
             if (
                 isinstance(logger, logging.Logger)

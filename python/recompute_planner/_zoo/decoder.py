@@ -13,8 +13,8 @@ exactly the operations the single-batch path encloses (policy rule R10, docs/pol
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ def build_attention(
     return Attention(gen, cfg.hidden, cfg.heads, cfg.head_dim)
 
 
-def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> ContextManager[None]:
+def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> AbstractContextManager[None]:
     """The non-EP compile config compiles the whole layer body as one region."""
     return compiled_region(region_prefix) if cfg.compile == "layer" else contextlib.nullcontext()
 
@@ -146,7 +146,7 @@ class MoEDecoderLayer(nn.Module):
             return hidden, None
         return hidden, torch.stack([mb.aux for mb in micro_batches]).mean()
 
-    def _ep_region(self, method: str) -> ContextManager[None]:
+    def _ep_region(self, method: str) -> AbstractContextManager[None]:
         """The EP compile config compiles the layer's pre-MoE, expert, shared-expert and
         post-MoE methods."""
         if self.cfg.compile != "ep":
@@ -191,7 +191,8 @@ class MoEDecoderLayer(nn.Module):
         """Shared experts between `mlp` markers that sit in the (uncompiled) layer body.
 
         Under the EP config the markers fire but everything between them is compiled, so
-        SAVE_MLP keeps nothing there (a region counts only if its contents, not just its endpoints, run in eager).
+        SAVE_MLP keeps nothing there (a region counts only if its contents, not just its
+        endpoints, run in eager).
         """
         h = mark("mlp.begin", mb.normed)
         mb.normed = None

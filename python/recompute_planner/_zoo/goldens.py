@@ -19,15 +19,10 @@ any golden; tests that compare the graph with the model's own step on this CPU s
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager
 
-from ..device_export import (
-    export_forward_on_device,
-    export_joint_on_device,
-    with_device_graph,
-)
 from .._exporter import (
     ExportResult,
     export_forward,
@@ -37,6 +32,11 @@ from .._exporter import (
     write_reference,
 )
 from .._exporter import rank_path as rank_file
+from ..device_export import (
+    export_forward_on_device,
+    export_joint_on_device,
+    with_device_graph,
+)
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
 from .distributed import fake_process_group, run_on_ranks
@@ -106,7 +106,7 @@ def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
     return with_device_graph(result, device_graph(gold, gold.device, rank))
 
 
-def traced_group(world_size: int) -> ContextManager[None]:
+def traced_group(world_size: int) -> AbstractContextManager[None]:
     """The process group to trace rank 0 of a `world_size` model in this process."""
     return fake_process_group(world_size, 0) if world_size > 1 else contextlib.nullcontext()
 

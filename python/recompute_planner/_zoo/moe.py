@@ -128,7 +128,8 @@ class Dispatcher:
         """Zeroes the rows past each (source rank, local expert)'s routed count.
 
         `host_counts` is the host copy of the routing counts; using it keeps the device-to-host
-        `_to_copy` in the graph the way count-derived all-to-all splits do in expert-parallel training.
+        `_to_copy` in the graph the way count-derived all-to-all splits do in expert-parallel
+        training.
         """
         cfg = self.cfg
         rows = received.view(cfg.world_size, cfg.local_experts, cfg.capacity, -1)

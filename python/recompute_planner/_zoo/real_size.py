@@ -13,15 +13,15 @@ the MemTracker cross-check (``python/tests/test_fake_export.py``) and the real-s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from torch import nn
 
-from ..annotate import annotate
 from .._exporter import ModelDecl
+from ..annotate import annotate
 from ..model_export import TensorSpec, causal_mask
 
 
