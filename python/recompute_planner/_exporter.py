@@ -61,15 +61,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from functorch.compile import aot_function
+from functorch.compile import aot_function  # type: ignore[import-untyped]  # no py.typed
 from google.protobuf import json_format
 from torch._functorch._aot_autograd.descriptors import (
     GradAOTOutput,
@@ -123,7 +123,7 @@ def _dtype_table() -> dict[torch.dtype, int]:
 
 
 _DTYPES = _dtype_table()
-_COLLECTIVE_KINDS = {
+_COLLECTIVE_KINDS: dict[str | None, int] = {
     None: graph_pb2.COLLECTIVE_KIND_NONE,
     "functional": graph_pb2.COLLECTIVE_KIND_FUNCTIONAL,
     "mutating": graph_pb2.COLLECTIVE_KIND_MUTATING,
@@ -189,7 +189,7 @@ class FlatInput:
 
 def export_joint(
     module: torch.nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -230,7 +230,7 @@ def export_joint(
 
 def export_forward(
     module: torch.nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -316,7 +316,8 @@ def _without_rank(graph: graph_pb2.Graph) -> bytes:
     copy = graph_pb2.Graph()
     copy.CopyFrom(graph)
     copy.metadata.rank = 0
-    return copy.SerializeToString(deterministic=True)
+    data: bytes = copy.SerializeToString(deterministic=True)
+    return data
 
 
 def _generator_tensors(result: ExportResult) -> dict[str, torch.Tensor]:
@@ -341,7 +342,9 @@ class _GraphCaptured(Exception):
         self.joint = joint
 
 
-def capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.GraphModule, int]:
+def capture(
+    module: torch.nn.Module, args: tuple[Any, ...], *, joint: bool
+) -> tuple[fx.GraphModule, int]:
     """Traces ``module(*args)`` with AOTAutograd (fake tensors, CPU) and returns its graph.
 
     ``joint`` traces with autograd enabled and returns the joint graph handed to the partitioner
@@ -350,10 +353,12 @@ def capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.Gr
     """
     require_tracing_torch("exporting a graph")
 
-    def partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_):
+    def partition(
+        joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
+    ) -> NoReturn:
         raise _GraphCaptured(joint_module, num_fwd_outputs, joint=True)
 
-    def forward_compiler(graph_module, _inputs):
+    def forward_compiler(graph_module: fx.GraphModule, _inputs: Any) -> NoReturn:
         raise _GraphCaptured(graph_module, len(_output_args(graph_module)), joint=False)
 
     compiled = _aot_module(
@@ -407,7 +412,13 @@ class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
     ``clone`` eager never makes (an attention-probabilities copy in HuggingFace eager
     attention) and that selective checkpointing could not match."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _DROPOUTS and args:
             bound = _DROPOUTS[func](*args, **kwargs)
@@ -416,16 +427,18 @@ class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _functional_dropout_off(input, p=0.5, training=True, inplace=False):
+def _functional_dropout_off(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor | None:
     return input if (p == 0 or not training) else None
 
 
-def _aten_dropout_off(input, p, train):
+def _aten_dropout_off(input: torch.Tensor, p: float, train: bool) -> torch.Tensor | None:
     return input if (p == 0 or not train) else None
 
 
 # Dropout entry points -> their input when the call draws nothing, else None.
-_DROPOUTS: dict[Callable, Callable] = {
+_DROPOUTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {
     torch.nn.functional.dropout: _functional_dropout_off,
     torch.dropout: _aten_dropout_off,
 }
@@ -445,14 +458,14 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     scopes: list[contextlib.ExitStack] = []
 
     def enter(path: str) -> Callable[..., None]:
-        def hook(_module, _args) -> None:
+        def hook(_module: torch.nn.Module, _args: tuple[Any, ...]) -> None:
             stack = contextlib.ExitStack()
             stack.enter_context(markers.annotate({markers.MODULE_PATH_KEY: path}))
             scopes.append(stack)
 
         return hook
 
-    def leave(_module, _args, _output) -> None:
+    def leave(_module: torch.nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         scopes.pop().close()
 
     handles = []
@@ -471,7 +484,7 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
             scopes.pop().close()
 
 
-def flat_inputs(module: torch.nn.Module, args: tuple) -> list[FlatInput]:
+def flat_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> list[FlatInput]:
     """AOTAutograd's flat inputs of ``_aot_module(module)(*args)``, named as IR values.
 
     Parameters and buffers keep their fully qualified names; a tensor registered under several
@@ -500,7 +513,9 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
 
-    def functional_call(named_params, named_buffers, *args: Any) -> Any:
+    def functional_call(
+        named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor], *args: Any
+    ) -> Any:
         return torch.func.functional_call(module, {**named_params, **named_buffers}, args)
 
     compiled = aot_function(
@@ -510,7 +525,7 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
 
 
 def _eager_reference(
-    module: torch.nn.Module, args: tuple, flat: list[FlatInput], *, seed: int
+    module: torch.nn.Module, args: tuple[Any, ...], flat: list[FlatInput], *, seed: int
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
 
@@ -518,7 +533,8 @@ def _eager_reference(
     inputs get zero gradients, as the joint graph would compute them. Bernoulli samples
     (dropout masks) are drawn by ``_PortableBernoulli``.
     """
-    with torch.random.fork_rng(devices=[]), _PortableBernoulli():
+    # torch leaves TorchDispatchMode.__init__ unannotated.
+    with torch.random.fork_rng(devices=[]), _PortableBernoulli():  # type: ignore[no-untyped-call]
         torch.manual_seed(seed)
         loss = module(*args)
     _check_loss(loss)
@@ -541,7 +557,13 @@ class _PortableBernoulli(TorchDispatchMode):
     state.
     """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is not torch.ops.aten.bernoulli_.float:
             return func(*args, **kwargs)
@@ -590,8 +612,9 @@ def _tensors_by_role(
 
 def _output_args(graph_module: fx.GraphModule) -> list[Any]:
     """The flat list of the graph's outputs (FX nodes, or None for absent gradients)."""
-    output = graph_module.graph.output_node()
-    return list(output.args[0])
+    outputs = graph_module.graph.output_node().args[0]
+    assert isinstance(outputs, (tuple, list)), outputs  # a graph returns a tuple of values
+    return list(outputs)
 
 
 def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
@@ -786,9 +809,11 @@ def _all_getitems(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[int, ...]]]:
     """Every ``getitem`` node reading (transitively) from ``node``, with its index path."""
     for user in node.users:
         if _is_getitem(user):
-            yield user, (user.args[1],)
+            index = user.args[1]
+            assert isinstance(index, int), index  # an op's results are a tuple or a list
+            yield user, (index,)
             for inner, path in _all_getitems(user):
-                yield inner, (user.args[1],) + path
+                yield inner, (index,) + path
 
 
 def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
@@ -1110,7 +1135,7 @@ def _attribute(node: fx.Node, name: str, value: Any) -> graph_pb2.Attribute:
 
 
 def _set_list_attribute(
-    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list | tuple
+    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list[Any] | tuple[Any, ...]
 ) -> None:
     """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints."""
     kinds = {type(v) for v in values}
@@ -1130,7 +1155,7 @@ def _set_list_attribute(
 
 def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
     """A TorchBind argument (process group, reduce op) as its qualified type name."""
-    obj = getattr(attr.graph.owning_module, attr.target)
+    obj = getattr(attr.graph.owning_module, str(attr.target))
     if not isinstance(obj, torch.ScriptObject):
         raise TypeError(
             f"node `{node.name}` ({node.target}) reads graph attribute `{attr.target}`, "

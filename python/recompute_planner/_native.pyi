@@ -1,6 +1,20 @@
 """Types of the native extension ``recompute_planner._native`` (PyO3, python/native/src/lib.rs).
 ``stubtest`` in scripts/test.sh checks them against the built module."""
 
+__all__ = [
+    "plan",
+    "convert_plan",
+    "read_plan_file",
+    "collective_kind",
+    "interval_contents",
+    "hw_profile",
+    "MARKER_OP",
+    "MARKER_NAME_ATTR",
+    "PLANNER_VERSION",
+    "OPTIMIZED",
+    "DESCRIPTORS",
+]
+
 MARKER_OP: str
 MARKER_NAME_ATTR: str
 PLANNER_VERSION: str

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ._exporter import ModelDecl
 from .markers import checkpoint_record, layer_scope
+
+# A model's decoder layers, as ``layers=`` names them.
+LayerList = nn.ModuleList | nn.Sequential
 
 # The attribute an annotated model carries its annotation in.
 ANNOTATION_ATTR = "_recompute_planner_annotation"
@@ -50,7 +53,7 @@ class Annotation:
     absent: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     handles: list[RemovableHandle | _MethodWrapper] = field(default_factory=list, repr=False)
     root: nn.Module | None = field(default=None, repr=False)
-    layers: nn.ModuleList | None = field(default=None, repr=False)  # the annotated layers
+    layers: LayerList | None = field(default=None, repr=False)  # the annotated layers
 
     def remove(self) -> None:
         """Removes every hook ``annotate`` installed."""
@@ -109,7 +112,7 @@ def _unit_intervals(units: dict[str, list[str]]) -> dict[str, list[tuple[str, st
     return {unit: [(f"{p}.begin", f"{p}.end") for p in paths] for unit, paths in units.items()}
 
 
-def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
+def _layer_list(model: nn.Module, path: str) -> LayerList:
     found: Any = model
     for part in path.split("."):
         if not hasattr(found, part):
@@ -129,7 +132,7 @@ def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
 _Target = nn.Module | tuple[nn.Module, str] | None
 
 
-def _unit_targets(layer_list: nn.ModuleList, unit: str, path: str) -> list[_Target]:
+def _unit_targets(layer_list: LayerList, unit: str, path: str) -> list[_Target]:
     """What ``path`` names in each layer; an error if it names nothing in any layer."""
     found = [_target(layer, path) for layer in layer_list]
     if layer_list and all(target is None for target in found):
@@ -183,12 +186,12 @@ def _scope_hooks(layer: nn.Module, name: str, index: int) -> list[RemovableHandl
     raises)."""
     open_scopes: list[contextlib.ExitStack] = []
 
-    def enter(_module, _args):
+    def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(layer_scope(name, index))
         open_scopes.append(stack)
 
-    def leave(_module, _args, _output):
+    def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         if open_scopes:
             open_scopes.pop().close()
 
@@ -209,10 +212,14 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     end and ignores the repeats.
     """
 
-    def begin(_module, args, kwargs):
+    def begin(
+        _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return _mark_begin(path, args, kwargs)
 
-    def end(_module, _args, _kwargs, output):
+    def end(
+        _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any
+    ) -> Any:
         return _mark_end(path, output)
 
     return [
@@ -221,7 +228,9 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     ]
 
 
-def _mark_begin(path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _mark_begin(
+    path: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``<path>.begin`` on the first floating-point tensor argument, positional else keyword."""
     marked_args, marked = _mark_all(list(args), f"{path}.begin", first_only=True)
     if marked:
@@ -246,9 +255,13 @@ def _mark_end(path: str, output: Any) -> Any:
     )
 
 
+# A list or a dict of a call's arguments or results.
+_Items = TypeVar("_Items", list[Any], dict[str, Any])
+
+
 def _mark_all(
-    items: list | dict, marker: str, *, first_only: bool = False
-) -> tuple[list | dict, bool]:
+    items: _Items, marker: str, *, first_only: bool = False
+) -> tuple[_Items, bool]:
     """Puts ``marker`` on every (or the first) floating-point tensor of ``items`` (a list or
     a dict)."""
     keys = range(len(items)) if isinstance(items, list) else list(items)

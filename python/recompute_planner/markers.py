@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -53,11 +54,11 @@ def _checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @_checkpoint_record.register_fake
-def _(x: torch.Tensor, name: str) -> torch.Tensor:
+def _fake_checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _backward(ctx, grad: torch.Tensor):
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     return grad, None
 
 
@@ -79,7 +80,8 @@ def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("a checkpoint_record marker needs a non-empty name")
     if torch.compiler.is_compiling() and not _in_compiled_graphs:
         return x
-    return _checkpoint_record(x, name)
+    marked: torch.Tensor = _checkpoint_record(x, name)
+    return marked
 
 
 @contextlib.contextmanager
@@ -93,7 +95,7 @@ def markers_in_compiled_graphs() -> Iterator[None]:
         _in_compiled_graphs = previous
 
 
-def annotate(tags: dict) -> contextlib.AbstractContextManager:
+def annotate(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it."""
     if hasattr(fx_traceback, "annotate"):
         return fx_traceback.annotate(tags)

@@ -115,7 +115,8 @@ def trace_graph_bytes(gold: Golden) -> bytes:
     """The `.pb` bytes of rank 0's graph, traced in this process (fake group if multi-rank)."""
     with traced_group(gold.world_size):
         graph = export_rank(gold).graph if gold.device is None else device_graph(gold, gold.device)
-        return graph.SerializeToString(deterministic=True)
+        data: bytes = graph.SerializeToString(deterministic=True)
+        return data
 
 
 def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:

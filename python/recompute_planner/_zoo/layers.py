@@ -111,7 +111,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return out
 
 
 class Attention(nn.Module):
