@@ -33,9 +33,11 @@ from .model_export import TensorSpec, export
 from .plans import Plan, load_plan
 
 if TYPE_CHECKING:
-    from . import compile, sac
+    from . import compile as compile  # explicit re-exports: public, outside __all__
+    from . import sac as sac
 else:
-    # Imported on first use: they pull in torch's compiler and checkpoint machinery. (A type
+    # Imported on first use: they pull in torch's compiler and checkpoint machinery. Not in
+    # __all__, so `import *` neither loads them nor shadows the builtin `compile`. (A type
     # checker sees the imports above, and no module __getattr__ that would hide a misspelt
     # name.)
     _LAZY_SUBMODULES = ("compile", "sac")
@@ -62,11 +64,9 @@ __all__ = [
     "__version__",
     "annotate",
     "check_plan",
-    "compile",
     "errors",
     "export",
     "load_plan",
     "markers",
     "plan",
-    "sac",
 ]

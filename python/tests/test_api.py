@@ -339,12 +339,12 @@ def test_the_extension_is_part_of_the_package():
     assert _native.PLANNER_VERSION == json.loads(cli_json(str(GLM)))["planner_version"]
 
 
-# What a user imports from the package; everything else lives in its modules.
+# What a user imports from the package (`compile` and `sac` are submodules loaded on first
+# use); everything else lives in its modules.
 PUBLIC_NAMES = {
     "Annotation", "ExportError", "ExportResult", "ModelDecl", "Plan", "PlanRejected",
     "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
-    "annotate", "check_plan", "compile", "errors", "export", "load_plan", "markers", "plan",
-    "sac",
+    "annotate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
 }
 
 
