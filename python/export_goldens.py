@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from recompute_planner.zoo.goldens import GOLDENS, export_goldens  # noqa: E402
+from recompute_planner._zoo.goldens import GOLDENS, export_goldens  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Real configurations at full width, exported with fake tensors and planned.
 
-For each configuration of ``recompute_planner.zoo.real_size`` (stock HuggingFace models built
+For each configuration of ``recompute_planner._zoo.real_size`` (stock HuggingFace models built
 on ``meta``: nothing allocated, nothing downloaded) this exports one training step for a GPU
 (``rp.export(..., hw=HW)``: fake CUDA tensors, the profile's device facts and fused attention)
 and plans it, printing one row per model:
@@ -31,8 +31,8 @@ import warnings
 from pathlib import Path
 
 import recompute_planner as rp
-from recompute_planner.export import write_graph
-from recompute_planner.zoo import real_size
+from recompute_planner._exporter import write_graph
+from recompute_planner._zoo import real_size
 
 GIB = 2**30
 

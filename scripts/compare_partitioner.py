@@ -58,9 +58,10 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -71,13 +72,13 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import recompute_planner as rp
 from recompute_planner import _native
 from recompute_planner import compile as stage_mod
-from recompute_planner.export import write_graph
+from recompute_planner._exporter import write_graph
+from recompute_planner._zoo.catalog import ENTRIES, entry, make_inputs, model_decls
+from recompute_planner._zoo.config import ZooConfig
+from recompute_planner._zoo.goldens import traced_group
+from recompute_planner._zoo.model import CausalLM
 from recompute_planner.markers import MARKER_OP
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.catalog import ENTRIES, entry, make_inputs, model_decls
-from recompute_planner.zoo.config import ZooConfig
-from recompute_planner.zoo.goldens import traced_group
-from recompute_planner.zoo.model import CausalLM
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PLANNER = REPO_ROOT / "target" / "release" / "planner"

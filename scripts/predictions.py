@@ -3,7 +3,7 @@ of one training step, predicted by the planner and measured.
 
 - ``eager``: eager selective checkpointing (`recompute_planner.sac`, every checkpointed layer
   under `torch.utils.checkpoint` with the plan's policy), planned with `--executor eager`,
-  measured on the CPU allocator (`recompute_planner.measure`).
+  measured on the CPU allocator (`recompute_planner._measure`).
 - ``compile``: the torch.compile planning stage (`recompute_planner.compile`) on the step's
   joint graph, the step compiled from the stage's plan (`aot_module` with the stage's
   `partition_fn`, graphs run by torch's boxed FX interpreter, which frees each value after its
@@ -40,18 +40,20 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import recompute_planner as rp
+from recompute_planner import _measure as measure
 from recompute_planner import compile as stage_mod
-from recompute_planner import measure, sac
+from recompute_planner import sac
+from recompute_planner._exporter import ModelDecl
 from recompute_planner.annotate import annotation_of
-from recompute_planner.export import ModelDecl
 
 # Zoo goldens measured (the CUDA-traced golden runs other ops on this CPU; dense_forward has no
 # backward).
@@ -112,7 +114,7 @@ class Case:
 
 
 def zoo_config(name: str, batch: int, seq: int):
-    from recompute_planner.zoo.goldens import golden
+    from recompute_planner._zoo.goldens import golden
 
     cfg = golden(name).entry.config
     scale = batch * seq / ZOO_TOKENS
@@ -122,10 +124,10 @@ def zoo_config(name: str, batch: int, seq: int):
 
 
 def zoo_case(name: str, batch: int, seq: int) -> Case:
-    from recompute_planner.export import export_joint
-    from recompute_planner.zoo.catalog import declared_units, make_inputs, model_decls
-    from recompute_planner.zoo.goldens import traced_group
-    from recompute_planner.zoo.model import CausalLM
+    from recompute_planner._exporter import export_joint
+    from recompute_planner._zoo.catalog import declared_units, make_inputs, model_decls
+    from recompute_planner._zoo.goldens import traced_group
+    from recompute_planner._zoo.model import CausalLM
 
     cfg = zoo_config(name, batch, seq).for_rank(zoo_config(name, batch, seq).world_size, 0)
     inputs = make_inputs(cfg)
@@ -137,7 +139,8 @@ def zoo_case(name: str, batch: int, seq: int) -> Case:
 
     def step(plan: rp.Plan):
         model = CausalLM(cfg)
-        measure.checkpoint_layers(model, {key: sac.context_fn(plan, *key) for key in plan.layers()})
+        policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
+        measure.checkpoint_zoo_layers(model, policies)
         params = [p for p in model.parameters() if p.requires_grad]
         return (lambda: model(*inputs)), params
 
@@ -182,7 +185,9 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
             MOE_UNITS,
         ),
         "mixtral": (
-            build(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+            build(
+                T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2
+            ),
             MOE_UNITS,
         ),
     }
@@ -259,7 +264,7 @@ def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: 
 def measure_case(case: Case, label: str, keep: Any) -> dict[str, Any]:
     """The eager row: the eager plan's predictions and the measured step under its SAC
     policies."""
-    from recompute_planner.zoo.goldens import traced_group
+    from recompute_planner._zoo.goldens import traced_group
 
     plan = quiet_plan(case.graph, keep, executor="eager")
     with traced_group(case.world_size):
@@ -279,8 +284,8 @@ def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
     from functorch.compile import aot_module
     from torch._dynamo.backends.debugging import boxed_nop
 
+    from recompute_planner._zoo.goldens import traced_group
     from recompute_planner.markers import markers_in_compiled_graphs
-    from recompute_planner.zoo.goldens import traced_group
 
     stage = stage_mod.PlanningStage(case.models, keep)
     with warnings.catch_warnings(), traced_group(case.world_size), markers_in_compiled_graphs():
@@ -305,7 +310,8 @@ def planner_bin() -> str:
 def measure_run(case: Case, label: str, keep: Any) -> dict[str, Any]:
     """The graph-executor row: `planner run` on the exported step, rank 0's figures."""
     plan = quiet_plan(case.graph, keep)
-    keep_args = [] if keep is None else ["--keep", ",".join([keep] if isinstance(keep, str) else keep)]
+    keep_list = [keep] if isinstance(keep, str) else keep
+    keep_args = [] if keep_list is None else ["--keep", ",".join(keep_list)]
     with tempfile.TemporaryDirectory() as folder:
         graph = Path(folder) / f"{case.name}.pb"
         graph.write_bytes(case.graph.SerializeToString())

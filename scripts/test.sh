@@ -14,6 +14,12 @@ cargo fmt --all -- --check
 # tests too; a plain `cargo build` / `cargo test` at the root needs neither.
 echo "== cargo clippy --all-targets -D warnings" >&2
 cargo clippy --workspace --all-targets --features planner-cli/run --quiet -- -D warnings
+echo "== ruff check (lint, every Python file)" >&2
+ruff check
+echo "== mypy --strict (the package)" >&2
+(cd python && mypy)
+echo "== stubtest (the native extension's stub against the built module)" >&2
+(cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)
 echo "== cargo test" >&2
 # `planner run` loads the runtime library, which `cargo test` does not build (nothing links
 # a cdylib): build it, with the binary, first.

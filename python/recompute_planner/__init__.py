@@ -1,58 +1,61 @@
 """The recompute planner for PyTorch.
 
-- ``plan(graph, keep=...)``: the Rust planner in-process (``recompute_planner.api``);
-  ``load_plan(path)`` reads a ``.json`` / ``.pb`` plan file (``recompute_planner.plans``);
-- ``export(model, example_inputs, ...)`` and ``annotate(model, ...)`` (units by submodule,
-  method or ``OpInterval``): a training step of your own module as the planner's graph
-  (``recompute_planner.model_export``, ``recompute_planner.annotate``);
+- ``plan(graph, keep=...)``: the Rust planner in-process, ``check_plan`` its diagnostics;
+  ``load_plan(path)`` reads a ``.json`` / ``.pb`` plan file; both give a ``Plan``;
+- ``export(model, example_inputs, ...)``: one training step of your own module as the
+  planner's graph (an ``ExportResult``: ``.graph``, ``.write(path)``); ``annotate(model, ...)``
+  places its layer scopes and unit markers (an ``Annotation``; units by submodule, method or
+  ``OpInterval``), or ``markers`` in the source with ``models=[ModelDecl(...)]``;
+  ``TensorSpec`` is an input by shape and dtype;
 - ``compile``: the torch.compile planning stage (joint-graph pass, ``partition_fn``);
-- ``sac``: eager selective-checkpointing policies from a plan;
-- ``markers``, ``zoo``: markers and the model zoo; ``recompute_planner.export`` is also the
-  module of the low-level exporter (``export_joint``, ``write_graph``), callable as above.
+- ``sac``: eager selective-checkpointing policies from a plan (``sac.checkpoint_layers``);
+- ``errors``: ``PlannerError``, ``PlanRejected``, ``PlannerWarning``, ``ExportError``,
+  ``SacMismatchError`` (also importable from here).
+
+Modules whose names start with ``_`` (the low-level exporter, the test model zoo, the
+allocator measurements) are the package's own and may change without notice.
 """
 
+from typing import TYPE_CHECKING
+
+from . import errors, markers
+from ._exporter import ExportResult, ModelDecl
 from ._native import PLANNER_VERSION as __version__  # the workspace's Cargo version
-from .api import check_plan, plan  # noqa: E402
-from .errors import (  # noqa: E402
+from .annotate import Annotation, OpInterval, annotate
+from .api import check_plan, plan
+from .errors import (
     ExportError,
     PlannerError,
     PlannerWarning,
     PlanRejected,
     SacMismatchError,
 )
-from .plans import Plan, load_plan  # noqa: E402
-from .annotate import Annotation, OpInterval, annotate  # noqa: E402
+from .model_export import TensorSpec, export
+from .plans import Plan, load_plan
 
-from . import export as _exporter  # noqa: E402
-from .model_export import TensorSpec  # noqa: E402
-from .model_export import export as _export_model  # noqa: E402
+if TYPE_CHECKING:
+    from . import compile as compile  # explicit re-exports: public, outside __all__
+    from . import sac as sac
+else:
+    # Imported on first use: they pull in torch's compiler and checkpoint machinery. Not in
+    # __all__, so `import *` neither loads them nor shadows the builtin `compile`. (A type
+    # checker sees the imports above, and no module __getattr__ that would hide a misspelt
+    # name.)
+    _LAZY_SUBMODULES = ("compile", "sac")
 
+    def __getattr__(name: str) -> object:
+        if name in _LAZY_SUBMODULES:
+            import importlib
 
-class _CallableModule(type(_exporter)):
-    """The module ``recompute_planner.export`` (the low-level exporter), callable as
-    ``recompute_planner.export(model, example_inputs, ...)`` (``model_export.export``): one
-    name for both, so neither hides the other."""
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __call__(self, *args, **kwargs):
-        return _export_model(*args, **kwargs)
-
-
-_exporter.__class__ = _CallableModule
-
-# Imported on first use: they pull in torch's compiler and checkpoint machinery.
-_LAZY_SUBMODULES = ("compile", "sac", "measure", "zoo")
-
-
-def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        import importlib
-
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Annotation",
     "ExportError",
+    "ExportResult",
+    "ModelDecl",
     "OpInterval",
     "Plan",
     "PlanRejected",
@@ -60,9 +63,12 @@ __all__ = [
     "PlannerWarning",
     "SacMismatchError",
     "TensorSpec",
+    "__version__",
     "annotate",
     "check_plan",
+    "errors",
     "export",
     "load_plan",
+    "markers",
     "plan",
 ]

@@ -39,8 +39,9 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -48,8 +49,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from .export import ModelDecl
+from ._exporter import ModelDecl
 from .markers import checkpoint_record, layer_scope, tentative_marker
+
+# A model's decoder layers, as ``layers=`` names them.
+LayerList = nn.ModuleList | nn.Sequential
 
 # The attribute an annotated model carries its annotation in.
 ANNOTATION_ATTR = "_recompute_planner_annotation"
@@ -63,7 +67,7 @@ class _OpPattern:
     index: int | None
 
     @classmethod
-    def parse(cls, text: str) -> "_OpPattern":
+    def parse(cls, text: str) -> _OpPattern:
         found = re.fullmatch(r"\s*([A-Za-z_][\w.]*)\s*(?:\[\s*(\d+)\s*\])?\s*", text)
         if found is None:
             raise ValueError(
@@ -135,7 +139,7 @@ class Annotation:
     absent: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     handles: list[RemovableHandle | _MethodWrapper] = field(default_factory=list, repr=False)
     root: nn.Module | None = field(default=None, repr=False)
-    layers: nn.ModuleList | None = field(default=None, repr=False)  # the annotated layers
+    layers: LayerList | None = field(default=None, repr=False)  # the annotated layers
 
     def remove(self) -> None:
         """Removes every hook ``annotate`` installed."""
@@ -149,7 +153,7 @@ class Annotation:
 def annotate(
     model: nn.Module,
     layers: str = "model.layers",
-    units: dict[str, list[UnitPart]] | None = None,
+    units: Mapping[str, Sequence[UnitPart]] | None = None,
     *,
     name: str = "main",
     parent: str | None = None,
@@ -164,15 +168,15 @@ def annotate(
     if existing is not None:
         raise ValueError("the model is annotated already: call .remove() on its annotation first")
     layer_list = _layer_list(model, layers)
-    units = {unit.upper(): list(parts) for unit, parts in (units or {}).items()}
+    declared = {unit.upper(): list(parts) for unit, parts in (units or {}).items()}
     annotation = Annotation(
-        models=[ModelDecl(name, len(layer_list), _unit_intervals(units), parent)],
+        models=[ModelDecl(name, len(layer_list), _unit_intervals(declared), parent)],
         root=model,
         layers=layer_list,
     )
     targets = {
         (unit, part): _unit_targets(layer_list, unit, part)
-        for unit, parts in units.items()
+        for unit, parts in declared.items()
         for part in parts
     }
     for (unit, part), found in targets.items():
@@ -220,7 +224,7 @@ def _unit_intervals(units: dict[str, list[UnitPart]]) -> dict[str, list[tuple[st
     }
 
 
-def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
+def _layer_list(model: nn.Module, path: str) -> LayerList:
     found: Any = model
     for part in path.split("."):
         if not hasattr(found, part):
@@ -242,8 +246,9 @@ def _layer_list(model: nn.Module, path: str) -> nn.ModuleList:
 _Target = nn.Module | tuple[Any, str] | None
 
 
-def _unit_targets(layer_list: nn.ModuleList, unit: str, part: UnitPart) -> list[_Target]:
+def _unit_targets(layer_list: LayerList, unit: str, part: UnitPart) -> list[_Target]:
     """What ``part`` names in each layer; an error if it names nothing in any layer."""
+    found: list[_Target]
     if isinstance(part, OpInterval):
         found = [_submodule(layer, part.module) for layer in layer_list]
         what = "submodule"
@@ -319,12 +324,12 @@ def _scope_hooks(layer: nn.Module, name: str, index: int) -> list[RemovableHandl
     raises)."""
     open_scopes: list[contextlib.ExitStack] = []
 
-    def enter(_module, _args):
+    def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(layer_scope(name, index))
         open_scopes.append(stack)
 
-    def leave(_module, _args, _output):
+    def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         if open_scopes:
             open_scopes.pop().close()
 
@@ -345,10 +350,14 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     end and ignores the repeats.
     """
 
-    def begin(_module, args, kwargs):
+    def begin(
+        _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return _mark_begin(path, args, kwargs)
 
-    def end(_module, _args, _kwargs, output):
+    def end(
+        _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any
+    ) -> Any:
         return _mark_end(path, output)
 
     return [
@@ -357,7 +366,9 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     ]
 
 
-def _mark_begin(path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _mark_begin(
+    path: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``<path>.begin`` on the first floating-point tensor argument, positional else keyword."""
     marked_args, marked = _mark_all(list(args), f"{path}.begin", first_only=True)
     if marked:
@@ -382,9 +393,13 @@ def _mark_end(path: str, output: Any) -> Any:
     )
 
 
+# A list or a dict of a call's arguments or results.
+_Items = TypeVar("_Items", list[Any], dict[str, Any])
+
+
 def _mark_all(
-    items: list | dict, marker: str, *, first_only: bool = False
-) -> tuple[list | dict, bool]:
+    items: _Items, marker: str, *, first_only: bool = False
+) -> tuple[_Items, bool]:
     """Puts ``marker`` on every (or the first) floating-point tensor of ``items`` (a list or
     a dict)."""
     keys = range(len(items)) if isinstance(items, list) else list(items)
@@ -426,7 +441,13 @@ class _IntervalMode(TorchFunctionMode):
         self.first, self.last = interval.first_op, interval.last_op
         self.call = _Call()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         names = _op_names(func)
         if names is None:
@@ -464,7 +485,9 @@ class _IntervalMode(TorchFunctionMode):
             leaves[i] = checkpoint_record(name, leaves[i])
         return tree_unflatten(leaves, spec)
 
-    def _refuse_in_place(self, func: Any, names: tuple[str, ...], kwargs: dict, which: str):
+    def _refuse_in_place(
+        self, func: Any, names: tuple[str, ...], kwargs: dict[str, Any], which: str
+    ) -> None:
         if _writes_in_place(func, names, kwargs):
             raise ValueError(
                 f"op interval {self.interval.label!r} in {self.where}: `{which}` matches "
@@ -489,7 +512,7 @@ class _IntervalMode(TorchFunctionMode):
 
 
 # Evaluated, not traced, by Dynamo (it cannot trace the introspection of a torch function).
-@torch._dynamo.assume_constant_result
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # torch leaves it untyped
 def _op_names(func: Any) -> tuple[str, ...] | None:
     """The names a pattern may match a call by, the one to show first; None for what is no op
     (a property read, a constructor such as ``torch.device``)."""
@@ -511,7 +534,7 @@ def _op_names(func: Any) -> tuple[str, ...] | None:
     return (bare, f"{module}.{bare}") if module else (bare,)
 
 
-def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict) -> bool:
+def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict[str, Any]) -> bool:
     """An in-place call: ``add_``, ``x[i] = y``, ``x += y``, an ``out=`` call, or a
     ``torch.ops`` op whose schema writes an argument."""
     if isinstance(func, torch._ops.OpOverload):
@@ -527,8 +550,8 @@ def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict) -> bool:
 
 
 def _mark_first_tensor(
-    args: tuple, kwargs: dict, marker: str, where: str
-) -> tuple[tuple, dict, tuple[torch.Tensor, torch.Tensor]]:
+    args: tuple[Any, ...], kwargs: dict[str, Any], marker: str, where: str
+) -> tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, torch.Tensor]]:
     """``marker`` on the first tensor of the arguments; returns them and (tensor, marked)."""
     leaves, spec = tree_flatten((args, kwargs))
     for i, leaf in enumerate(leaves):
@@ -540,13 +563,16 @@ def _mark_first_tensor(
 
 
 def _substituted(
-    args: tuple, kwargs: dict, tensor: torch.Tensor, marked: torch.Tensor
-) -> tuple[tuple, dict]:
+    args: tuple[Any, ...], kwargs: dict[str, Any], tensor: torch.Tensor, marked: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments with ``marked`` wherever they hold ``tensor`` itself."""
     leaves, spec = tree_flatten((args, kwargs))
     if not any(leaf is tensor for leaf in leaves):
         return args, kwargs
-    return tree_unflatten([marked if leaf is tensor else leaf for leaf in leaves], spec)
+    substituted: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(
+        [marked if leaf is tensor else leaf for leaf in leaves], spec
+    )
+    return substituted
 
 
 def _op_list(ops: list[str], limit: int = 40) -> str:
@@ -579,14 +605,14 @@ class _IntervalRecord:
         where = f"`{self.interval.module or '<the layer>'}` of layer {index}"
         active: list[_IntervalMode] = []
 
-        def enter(_module, _args):
+        def enter(_module: nn.Module, _args: Any) -> None:
             mode = _IntervalMode(self.interval, where)
-            mode.__enter__()
+            mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             active.append(mode)
 
-        def leave(_module, _args, _output):
+        def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
             mode = active.pop()
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # torch: untyped
             if sys.exc_info()[0] is not None:
                 return
             had = mode.finish()

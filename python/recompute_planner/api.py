@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
 
 from . import _native
 from .errors import PlannerError, PlannerWarning, PlanRejected
@@ -18,10 +19,10 @@ from .plans import Plan
 
 # What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
 # `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
-GraphLike = Union[Any, bytes, str, os.PathLike]
+GraphLike = Any | bytes | str | os.PathLike[str]
 # `hw`: a shipped profile's name ("h100", "h200", "b200", "mi300x"), a profile's fields
 # (dict), or a JSON file of them.
-HwLike = Union[Mapping[str, Any], str, os.PathLike, None]
+HwLike = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def plan(
@@ -126,7 +127,15 @@ def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
     return names
 
 
-def _hw_source(hw: HwLike) -> dict[str, str]:
+class _HwSource(TypedDict, total=False):
+    """The ``_native.plan`` keywords naming a hardware profile (one at most)."""
+
+    hw_name: str
+    hw_json: str
+    hw_path: str
+
+
+def _hw_source(hw: HwLike) -> _HwSource:
     """The ``_native.plan`` arguments giving the hardware profile: a shipped profile's name, its
     JSON, or its file, which the planner reads as the CLI reads ``--hw`` (a regular file under
     the profile size limit)."""
@@ -142,7 +151,10 @@ def _hw_source(hw: HwLike) -> dict[str, str]:
 def hw_profile(hw: HwLike) -> str:
     """Every field of the hardware profile ``hw`` names (see ``plan``) as JSON; ``None`` is
     the H200. A string without a path separator or ``.json`` suffix is a shipped name."""
-    return _native.hw_profile(**{k.removeprefix("hw_"): v for k, v in _hw_source(hw).items()})
+    source = _hw_source(hw)
+    return _native.hw_profile(
+        name=source.get("hw_name"), json=source.get("hw_json"), path=source.get("hw_path")
+    )
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
@@ -153,7 +165,7 @@ def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
         return {"path": os.fspath(graph)}
     if isinstance(graph, (bytes, bytearray, memoryview)):
         return {"path": "<graph bytes>", "data": bytes(graph), "format": format or "pb"}
-    message = getattr(graph, "graph", graph)  # an ExportResult holds the message
+    message: Any = getattr(graph, "graph", graph)  # an ExportResult holds the message
     serialize = getattr(message, "SerializeToString", None)
     if serialize is None:
         raise TypeError(

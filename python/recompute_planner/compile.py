@@ -52,8 +52,9 @@ import contextlib
 import functools
 import operator
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -66,18 +67,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import markers
-from .api import HwLike, check_plan, plan as plan_graph
-from .export import (
-    _BACKWARD_PASS,
-    _FORWARD_PASS,
+from ._exporter import (
+    BACKWARD_PASS,
     EXPORTER_VERSION,
+    FORWARD_PASS,
+    FlatInput,
     ModelDecl,
-    _build_graph,
-    _FlatInput,
-    _forward_nodes,
-    _metadata,
+    build_graph,
+    forward_nodes,
+    graph_metadata,
     require_tracing_torch,
 )
+from .api import HwLike, check_plan
+from .api import plan as plan_graph
 from .plans import DECISION_NO_CHECKPOINT, Plan
 from .proto import graph_pb2
 
@@ -119,13 +121,13 @@ def joint_graph_to_ir(
     tag_untraced_nodes(graph_module.graph)
     if markers.resolve_tentative_markers(graph_module.graph):
         graph_module.recompile()
-    built = _build_graph(
+    built = build_graph(
         graph_module,
-        _forward_nodes(graph_module, num_fwd_outputs),
+        forward_nodes(graph_module, num_fwd_outputs),
         _flat_inputs(graph_module, output_descs),
         name=name,
         models=models,
-        metadata=_metadata(EXPORTER_VERSION, world_size, rank),
+        metadata=graph_metadata(EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
 
@@ -145,9 +147,9 @@ def tag_untraced_nodes(graph: fx.Graph) -> None:
         tag = node.meta.get(PARTITIONER_TAG)
         if tag is None:
             reads_backward = any(i in backward for i in node.all_input_nodes)
-            tag = _BACKWARD_PASS if in_backward or reads_backward else _FORWARD_PASS
+            tag = BACKWARD_PASS if in_backward or reads_backward else FORWARD_PASS
             node.meta[PARTITIONER_TAG] = tag
-        if tag != _FORWARD_PASS:
+        if tag != FORWARD_PASS:
             in_backward = True
             backward.add(node)
 
@@ -174,7 +176,7 @@ def _flat_inputs(graph_module: fx.GraphModule, output_descs: list[Any]) -> list[
         desc = node.meta.get("desc")
         if isinstance(desc, PlainAOTInput):
             role = graph_pb2.ROLE_PARAMETER if desc.idx in with_grad else graph_pb2.ROLE_INPUT
-            by_index[desc.idx] = _FlatInput(node.name, role, node.meta.get("val"))
+            by_index[desc.idx] = FlatInput(node.name, role, node.meta.get("val"))
         elif not _is_tangent(desc):
             raise ValueError(
                 f"placeholder `{node.name}` is {desc!r}: the planning stage handles plain tensor "
@@ -209,7 +211,9 @@ class Tag:
 
 def plan_tags(plan: Plan) -> dict[str, Tag]:
     """Per forward node the plan decides, its partitioner tag (see the module docstring)."""
-    layer_ids = {layer: index + 1 for index, layer in enumerate(plan.layers())}
+    layer_ids: dict[tuple[str, int | None], int] = {
+        layer: index + 1 for index, layer in enumerate(plan.layers())
+    }
     replayed = {name for replay in plan.replay for name in replay.nodes}
     tags = {}
     for node in plan.nodes:
@@ -329,7 +333,9 @@ def _replay_at_first_use(graph: fx.Graph) -> None:
     order, as the autograd engine would run them; ops nothing needs are dropped, in-place
     ``copy_`` writes to inputs stay first. In place; what ``reordering_to_mimic_autograd_engine``
     gives by copying the graph."""
-    from torch._functorch.partitioners import _is_tangent as is_tangent_node
+    from torch._functorch.partitioners import (  # type: ignore[attr-defined]  # private
+        _is_tangent as is_tangent_node,
+    )
 
     nodes = list(graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
@@ -437,11 +443,9 @@ def _check_partition(
 
 def saved_outputs(forward: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The tensors a forward graph returns for backward."""
-    return [
-        node
-        for node in forward.graph.output_node().args[0][num_fwd_outputs:]
-        if isinstance(node, fx.Node)
-    ]
+    outputs = forward.graph.output_node().args[0]
+    assert isinstance(outputs, (tuple, list)), outputs  # a graph returns a tuple of values
+    return [node for node in outputs[num_fwd_outputs:] if isinstance(node, fx.Node)]
 
 
 def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
@@ -500,7 +504,9 @@ class PlanningStage(CustomGraphPass):
                 'or partitioner="min-cut"'
             )
         self.models = list(models)
-        self.options = dict(
+        # `recompute_planner.plan` with the stage's options.
+        self.plan_graph = functools.partial(
+            plan_graph,
             keep=keep,
             recompute_ratio=recompute_ratio,
             collectives=collectives,
@@ -521,7 +527,7 @@ class PlanningStage(CustomGraphPass):
         ir = joint_graph_to_ir(
             graph_module, self.models, name=self.name, num_fwd_outputs=num_fwd_outputs
         )
-        planned = plan_graph(ir, check=False, **self.options)
+        planned = self.plan_graph(ir, check=False)
         self.plans.append(planned)
         check_plan(planned, stacklevel=3)
         return ir, planned
@@ -539,13 +545,15 @@ class PlanningStage(CustomGraphPass):
     # The inductor joint-graph pass (partitioner="min-cut") ----------------------------------
 
     def __call__(self, graph: fx.Graph) -> None:
+        if graph.owning_module is None:
+            raise RuntimeError("the joint-graph pass got a graph without its GraphModule")
         self.apply(graph.owning_module)
 
     def uuid(self) -> None:
         """No FX graph caching: a cached compile would skip planning and its diagnostics."""
         return None
 
-    def __deepcopy__(self, memo: dict) -> "PlanningStage":
+    def __deepcopy__(self, memo: dict[int, Any]) -> PlanningStage:
         """Inductor copies its config per compile: the copy must be this stage, which collects
         the plans."""
         return self
@@ -594,7 +602,9 @@ class PlanningStage(CustomGraphPass):
             "custom_partitioner_fn": _InductorPartitioner(self),
             "fx_graph_cache": False,
         }
-        inner = _without_ci_fallback_check(compile_fx_options.pop("inner_compile", compile_fx_inner))
+        inner = _without_ci_fallback_check(
+            compile_fx_options.pop("inner_compile", compile_fx_inner)
+        )
         with _ci_fallback_check_off():
             return compile_fx(
                 graph_module, example_inputs, config_patches=patches, decompositions={},
@@ -603,7 +613,7 @@ class PlanningStage(CustomGraphPass):
 
     # Installation ---------------------------------------------------------------------------
 
-    def install(self) -> "PlanningStage":
+    def install(self) -> PlanningStage:
         """Makes this stage inductor's partitioner (or joint-graph pass) and lets markers into
         compiled graphs, until ``uninstall()``."""
         _INSTALLED.add(self)
@@ -618,7 +628,7 @@ class PlanningStage(CustomGraphPass):
     def installed(self) -> bool:
         return self in _INSTALLED.stages
 
-    def __enter__(self) -> "PlanningStage":
+    def __enter__(self) -> PlanningStage:
         return self if self.installed else self.install()
 
     def __exit__(self, *exc: object) -> None:
@@ -640,7 +650,7 @@ class _InductorPartitioner(CustomPartitionerFn):
     def uuid(self) -> None:
         return None
 
-    def __deepcopy__(self, memo: dict) -> "_InductorPartitioner":
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InductorPartitioner:
         return self
 
 

@@ -8,7 +8,7 @@ step with every parameter, buffer and input a fake tensor on ``device`` (``cuda`
 ``cuda:0``) and factory calls defaulting to it: the graph's ops carry the real devices
 (``device`` attributes ``cuda:0`` / ``cpu``), the copies between them, and the decompositions
 torch picks for CUDA tensors. Values keep the exporter's names, and the IR follows the
-exporter's rules (``recompute_planner.export``): node order, phases, annotations.
+exporter's rules (``recompute_planner._exporter``): node order, phases, annotations.
 
 The backward pass. Torch's autograd engine cannot run a backward over CUDA tensors without a
 GPU, fake ones included: when a node of the backward graph takes a CUDA gradient, the engine
@@ -66,9 +66,10 @@ import contextlib
 import heapq
 import itertools
 import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,18 +80,22 @@ from torch.autograd.function import BackwardCFunction, _HookMixin
 from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
+from . import _exporter as low
 from . import api
-from . import export as low
-from .export import ModelDecl
+from ._exporter import ModelDecl
 from .proto import graph_pb2
 
 # Gradient edge: (autograd node, input slot of that node).
 Edge = tuple[Any, int]
+# The gradients a node takes in or hands on, one per slot (None: undefined).
+Grads = list[torch.Tensor | None]
 
 
 class _Functional(nn.Module):
     """``module`` called with its parameters and buffers passed in (``functional_call``), so
     AOTAutograd lifts fake tensors as inputs; ``module`` is held unregistered."""
+
+    inner: nn.Module
 
     def __init__(self, module: nn.Module, state_names: list[str]):
         super().__init__()
@@ -99,13 +104,14 @@ class _Functional(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         count = len(self.state_names)
-        state = dict(zip(self.state_names, flat[:count]))
-        return torch.func.functional_call(self.inner, state, flat[count:])
+        state = dict(zip(self.state_names, flat[:count], strict=True))
+        loss: torch.Tensor = torch.func.functional_call(self.inner, state, flat[count:])
+        return loss
 
 
 def export_joint_on_device(
     module: nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -123,7 +129,7 @@ def export_joint_on_device(
 
 def export_forward_on_device(
     module: nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -155,7 +161,7 @@ def with_device_graph(result: low.ExportResult, graph: graph_pb2.Graph) -> low.E
     if len(graph.outputs) != len(result.graph.outputs):
         raise ValueError(f"{graph.name}: another number of outputs than the CPU export's")
     grads = {}
-    for cpu, own in zip(result.graph.outputs, graph.outputs):
+    for cpu, own in zip(result.graph.outputs, graph.outputs, strict=True):
         if _tensor_type(cpu_values[cpu]) != _tensor_type(values[own]):
             raise ValueError(f"{graph.name}: output `{own}` does not pair with `{cpu}`")
         if cpu in result.grads:
@@ -165,11 +171,11 @@ def with_device_graph(result: low.ExportResult, graph: graph_pb2.Graph) -> low.E
     return replace(result, graph=graph, grads=grads)
 
 
-def _tensor_type(value: graph_pb2.Value) -> tuple:
+def _tensor_type(value: graph_pb2.Value) -> tuple[int, int, tuple[int, ...]]:
     return value.role, value.dtype, tuple(value.shape)
 
 
-def _graph_inputs(graph: graph_pb2.Graph) -> dict[str, tuple]:
+def _graph_inputs(graph: graph_pb2.Graph) -> dict[str, tuple[int, int, tuple[int, ...]]]:
     """The values no node produces (weights, inputs, tangents): name -> role, dtype, shape."""
     produced = {name for node in graph.nodes for name in node.outputs}
     return {v.name: _tensor_type(v) for v in graph.values if v.name not in produced}
@@ -177,7 +183,7 @@ def _graph_inputs(graph: graph_pb2.Graph) -> dict[str, tuple]:
 
 def export_on_device(
     module: nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     joint: bool,
     name: str,
@@ -195,28 +201,28 @@ def export_on_device(
     without ``hw`` it takes torch's fallbacks on a CPU-only machine (math attention, which
     the runtime can run on the CPU: the device goldens)."""
     target = _indexed(torch.device(device))
-    flat = low._flat_inputs(module, args)
+    flat = low.flat_inputs(module, args)
     state = [f.name for f in flat[: len(flat) - len(args)]]
     backward = _replayed_autograd() if joint else contextlib.nullcontext()
     gpu = (
         _device_facts(hw) if target.type == "cuda" and hw is not None else contextlib.nullcontext()
     )
-    with torch.device(target), low._module_path_scopes(module), backward, gpu:
-        graph_module, num_forward_outputs = low._capture(
+    with torch.device(target), low.module_path_scopes(module), backward, gpu:
+        graph_module, num_forward_outputs = low.capture(
             _Functional(module, state), _fake_inputs(flat, target), joint=joint
         )
     forward = (
-        low._forward_nodes(graph_module, num_forward_outputs)
+        low.forward_nodes(graph_module, num_forward_outputs)
         if joint
-        else set(low._op_nodes(graph_module))
+        else set(low.op_nodes(graph_module))
     )
-    built = low._build_graph(
+    built = low.build_graph(
         graph_module,
         forward,
         flat,
         name=name,
         models=models,
-        metadata=low._metadata(low.EXPORTER_VERSION, world_size, rank),
+        metadata=low.graph_metadata(low.EXPORTER_VERSION, world_size, rank),
     )
     return built.graph
 
@@ -229,7 +235,7 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-def _fake_inputs(flat: list[low._FlatInput], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _fake_inputs(flat: list[low.FlatInput], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Each flat input as a fake tensor on ``device``, requiring grad as the real one does."""
     mode = FakeTensorMode()
     with mode:
@@ -291,7 +297,13 @@ class _DeviceAttention(TorchFunctionMode):
         self.capability = capability
         self.device_type = device_type
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             fused = self._fused(*args, **kwargs)
@@ -323,9 +335,10 @@ class _DeviceAttention(TorchFunctionMode):
             and value_head == head <= 256
             and head % 8 == 0
         ):
-            return torch.ops.aten._scaled_dot_product_flash_attention(
+            flash: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale
             )[0]
+            return flash
         alignment = 4 if query.dtype == torch.float32 else 8
         if (
             self.capability >= (5, 0)
@@ -339,9 +352,10 @@ class _DeviceAttention(TorchFunctionMode):
                     attn_mask.logical_not(), float("-inf")
                 )
             needs_grad = any(t.requires_grad for t in (query, key, value))
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
+            efficient: torch.Tensor = torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
             )[0]
+            return efficient
         return None
 
 
@@ -355,9 +369,12 @@ def _replayed_autograd() -> Iterator[None]:
     stack-trace hooks are registered with it, and hooks registered on tensors or autograd
     nodes are refused."""
     engine = _ReplayEngine()
-    original_setup = graph_capture_wrappers.setup_stacktrace_preservation_hooks
+    # Imported there from its own module, which torch's typing does not re-export.
+    original_setup: Callable[[list[Any]], None] = (
+        graph_capture_wrappers.setup_stacktrace_preservation_hooks  # type: ignore[attr-defined]
+    )
 
-    def setup_hooks(roots: list) -> None:
+    def setup_hooks(roots: list[Any]) -> None:
         original_setup([_HookRecorder(root, engine) for root in roots])
 
     with contextlib.ExitStack() as stack:
@@ -422,18 +439,19 @@ class _HookRecorder:
         return isinstance(other, _HookRecorder) and other.node is self.node
 
     @property
-    def next_functions(self) -> tuple:
+    def next_functions(self) -> tuple[tuple[_HookRecorder | None, int], ...]:
         return tuple(
             (None if child is None else _HookRecorder(child, self._engine), slot)
             for child, slot in self.node.next_functions
         )
 
     @property
-    def metadata(self) -> dict:
-        return self.node.metadata
+    def metadata(self) -> dict[str, Any]:
+        metadata: dict[str, Any] = self.node.metadata
+        return metadata
 
     def _sequence_nr(self) -> int:
-        return self.node._sequence_nr()
+        return int(self.node._sequence_nr())
 
     def register_prehook(self, hook: Callable[..., Any]) -> None:
         self._engine.hooks(self.node).pre.append(hook)
@@ -446,7 +464,7 @@ class _GraphRoot:
     """The node a backward from several outputs starts at: it hands each output its gradient
     (torch's ``GraphRoot``)."""
 
-    def __init__(self, edges: list[Edge], grads: list):
+    def __init__(self, edges: list[Edge], grads: Grads):
         self.next_functions = tuple(edges)
         self.grads = grads
 
@@ -475,7 +493,7 @@ class _ReplayEngine:
         inputs: Sequence[torch.Tensor] = (),
         allow_unreachable: bool = False,
         accumulate_grad: bool = True,
-    ) -> tuple:
+    ) -> tuple[torch.Tensor | None, ...]:
         if accumulate_grad or not inputs:
             raise NotImplementedError(
                 "the device export replays torch.autograd.grad(outputs, inputs) only"
@@ -495,7 +513,7 @@ class _ReplayEngine:
             )
         return tuple(task.captured)
 
-    def call(self, node: Any, grads: list) -> list:
+    def call(self, node: Any, grads: Grads) -> Grads:
         """Runs ``node`` on its incoming gradients, between its hooks; its outgoing gradients,
         checked against their consumers."""
         hooks = self._hooks.get(node, _Hooks())
@@ -538,7 +556,7 @@ class _GraphTask:
         self,
         engine: _ReplayEngine,
         roots: list[Edge],
-        grads: list,
+        grads: Grads,
         inputs: Sequence[torch.Tensor],
     ):
         self.engine = engine
@@ -546,18 +564,18 @@ class _GraphTask:
         nodes = _reachable(self.root)
         self.dependencies = _dependencies(nodes)
         self.exec_info = _exec_info(self.root, _input_edges(nodes, inputs))
-        self.captured: list = [None] * len(inputs)
-        self.not_ready: dict[Any, list] = {}
-        self.ready: list = []
+        self.captured: Grads = [None] * len(inputs)
+        self.not_ready: dict[Any, Grads] = {}
+        self.ready: list[tuple[int, int, Any, Grads]] = []
         self.order = itertools.count()
         if isinstance(self.root, _GraphRoot):
             self.push(self.root, [])
         else:
-            buffer = [None] * len(self.root._input_metadata)
+            buffer: Grads = [None] * len(self.root._input_metadata)
             _accumulate(buffer, roots[0][1], grads[0])
             self.push(self.root, buffer)
 
-    def push(self, node: Any, buffer: list) -> None:
+    def push(self, node: Any, buffer: Grads) -> None:
         """Queues ``node`` with its complete incoming gradients."""
         heapq.heappush(self.ready, (-_priority(node), next(self.order), node, buffer))
 
@@ -566,7 +584,7 @@ class _GraphTask:
             *_, node, buffer = heapq.heappop(self.ready)
             self._evaluate(node, buffer)
 
-    def _evaluate(self, node: Any, buffer: list) -> None:
+    def _evaluate(self, node: Any, buffer: Grads) -> None:
         info = self.exec_info.get(node)
         if info is not None:
             for slot, index in info.captures:
@@ -574,7 +592,7 @@ class _GraphTask:
             if not info.needed:
                 return
         outputs = self.engine.call(node, buffer)
-        for (child, slot), grad in zip(node.next_functions, outputs):
+        for (child, slot), grad in zip(node.next_functions, outputs, strict=True):
             if child is not None:
                 self._deliver(child, slot, grad)
 
@@ -608,7 +626,7 @@ def _children(node: Any) -> Iterator[Any]:
     return (child for child, _ in node.next_functions if child is not None)
 
 
-def _reachable(root: Any) -> list:
+def _reachable(root: Any) -> list[Any]:
     """``root`` and every node reachable from it."""
     seen = {root}
     stack = [root]
@@ -620,7 +638,7 @@ def _reachable(root: Any) -> list:
     return list(seen)
 
 
-def _dependencies(nodes: list) -> dict[Any, int]:
+def _dependencies(nodes: list[Any]) -> dict[Any, int]:
     """Per node, how many edges from ``nodes`` lead to it (``compute_dependencies``)."""
     counts: dict[Any, int] = {}
     for node in nodes:
@@ -629,13 +647,13 @@ def _dependencies(nodes: list) -> dict[Any, int]:
     return counts
 
 
-def _input_edges(nodes: list, inputs: Sequence[torch.Tensor]) -> list[Edge | None]:
+def _input_edges(nodes: list[Any], inputs: Sequence[torch.Tensor]) -> list[Edge | None]:
     """Each input's gradient edge: its ``grad_fn`` output, or a leaf's accumulator among
     ``nodes`` (None when the backward never reaches it)."""
     accumulators = {
         id(node.variable): node
         for node in nodes
-        if isinstance(node, torch._C._functions.AccumulateGrad)
+        if isinstance(node, torch._C._functions.AccumulateGrad)  # type: ignore[attr-defined]
     }
     edges: list[Edge | None] = []
     for tensor in inputs:
@@ -661,7 +679,7 @@ def _exec_info(root: Any, targets: list[Edge | None]) -> dict[Any, _ExecInfo]:
     def executes(node: Any) -> bool:
         return node in info and info[node].should_execute()
 
-    seen: set = set()
+    seen: set[Any] = set()
     stack = [(root, _children(root))]
     while stack:
         node, children = stack[-1]
@@ -679,21 +697,22 @@ def _exec_info(root: Any, targets: list[Edge | None]) -> dict[Any, _ExecInfo]:
     return info
 
 
-def _accumulate(buffer: list, slot: int, grad: torch.Tensor | None) -> None:
+def _accumulate(buffer: Grads, slot: int, grad: torch.Tensor | None) -> None:
     """Adds ``grad`` into ``buffer[slot]`` (``InputBuffer::add``; fake tensors are never summed
     in place)."""
     if grad is None:
         return
-    buffer[slot] = grad if buffer[slot] is None else buffer[slot] + grad
+    held = buffer[slot]
+    buffer[slot] = grad if held is None else held + grad
 
 
-def _validate_outputs(edges: list, grads: list) -> list:
+def _validate_outputs(edges: list[Edge], grads: Grads) -> Grads:
     """Each gradient as its consumer takes it: summed to its shape, cast to its dtype."""
     if len(edges) != len(grads):
         raise RuntimeError(
             f"invalid number of gradients - expected {len(edges)}, but got {len(grads)}"
         )
-    for index, ((node, slot), grad) in enumerate(zip(edges, grads)):
+    for index, ((node, slot), grad) in enumerate(zip(edges, grads, strict=True)):
         if node is None or grad is None:
             continue
         metadata = node._input_metadata[slot]
@@ -705,7 +724,7 @@ def _validate_outputs(edges: list, grads: list) -> list:
     return grads
 
 
-def _apply(node: Any, grads: list) -> list:
+def _apply(node: Any, grads: Grads) -> Grads:
     """Calls ``node``; its outgoing gradients, one per next edge (None when undefined)."""
     if isinstance(node, BackwardCFunction):
         return _apply_python_function(node, grads)
@@ -713,17 +732,22 @@ def _apply(node: Any, grads: list) -> list:
     return list(result) if isinstance(result, tuple) else [result]
 
 
-def _apply_python_function(node: BackwardCFunction, grads: list) -> list:
+def _apply_python_function(node: BackwardCFunction, grads: Grads) -> Grads:
     """A custom ``autograd.Function``'s backward (``PyNode::apply``): the gradients it returns
     for its tensor inputs."""
     if any(g is None for g in grads):
         raise NotImplementedError(
-            f"{node.name()} receives an undefined gradient: the device export cannot tell "
+            f"{_function_name(node)} receives an undefined gradient: the device export cannot tell "
             "whether it materializes zeros"
         )
     result = node.apply(*grads)
     result = result if isinstance(result, tuple) else (result,)
     return [result[i] if i < len(result) else None for i in _tensor_inputs(node)]
+
+
+def _function_name(node: BackwardCFunction) -> str:
+    """The backward node's name (``MyFunctionBackward``), which torch's typing leaves out."""
+    return str(node.name())  # type: ignore[attr-defined]
 
 
 def _tensor_inputs(node: BackwardCFunction) -> list[int]:
@@ -736,6 +760,6 @@ def _tensor_inputs(node: BackwardCFunction) -> list[int]:
     requiring = [i for i, need in enumerate(needs) if need]
     if len(requiring) != edges:
         raise NotImplementedError(
-            f"{node.name()}: cannot tell its tensor inputs from its other inputs"
+            f"{_function_name(node)}: cannot tell its tensor inputs from its other inputs"
         )
     return requiring

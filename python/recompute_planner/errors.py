@@ -39,7 +39,7 @@ class PlanRejected(PlannerError):
     (``<code>: <message>``); ``diagnostics`` lists every error and ``plan`` is the plan.
     """
 
-    def __init__(self, plan: "Plan", errors: "list[Diagnostic]"):
+    def __init__(self, plan: Plan, errors: list[Diagnostic]):
         first = errors[0]
         super().__init__(f"{first.code}: {first.message}", first.code, first.hint)
         self.plan = plan

@@ -25,8 +25,9 @@ forward and, reversed, in backward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,17 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from .errors import ExportError
+
+if TYPE_CHECKING:
+
+    class FusedExperts(nn.Module):
+        """HuggingFace's fused experts module, as ``is_fused_experts`` finds it."""
+
+        num_experts: int
+        gate_up_proj: nn.Parameter
+        down_proj: nn.Parameter
+
+        def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 @contextlib.contextmanager
@@ -50,13 +62,14 @@ def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def is_fused_experts(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> TypeGuard[FusedExperts]:
     """HuggingFace's fused experts: 3D ``gate_up_proj`` / ``down_proj`` over ``num_experts``."""
+    gate_up_proj = getattr(module, "gate_up_proj", None)
     return (
         isinstance(getattr(module, "num_experts", None), int)
-        and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+        and isinstance(gate_up_proj, nn.Parameter)
         and isinstance(getattr(module, "down_proj", None), nn.Parameter)
-        and module.gate_up_proj.dim() == 3
+        and gate_up_proj.dim() == 3
     )
 
 
@@ -64,7 +77,7 @@ def balanced_routing(pairs: int, experts: int, ranks: int) -> list[list[int]]:
     """``counts[s][e]``: every rank sends every expert ``pairs / experts`` (token, choice)
     pairs, the remainder one each to the first experts."""
     share, extra = divmod(pairs, experts)
-    row = [share + (e < extra) for e in range(experts)]
+    row = [share + int(e < extra) for e in range(experts)]
     return [list(row) for _ in range(ranks)]
 
 
@@ -80,16 +93,21 @@ class Plan:
     @staticmethod
     def of(counts: Sequence[Sequence[int]], ranks: int, rank: int) -> Plan:
         local = len(counts[0]) // ranks
-        owned = lambda r: range(r * local, (r + 1) * local)  # noqa: E731
+
+        def owned(r: int) -> range:
+            return range(r * local, (r + 1) * local)
+
         send = [sum(counts[rank][e] for e in owned(d)) for d in range(ranks)]
         recv = [sum(counts[s][e] for e in owned(rank)) for s in range(ranks)]
         # Received rows come by source rank, each source's rows by expert.
-        start, first = 0, {}
+        start = 0
+        first: dict[tuple[int, int], int] = {}  # (source rank, expert) -> first row
         for s in range(ranks):
             for e in owned(rank):
                 first[s, e] = start
                 start += counts[s][e]
-        by_expert, offsets = [], []
+        by_expert: list[int] = []
+        offsets: list[int] = []
         for e in owned(rank):
             for s in range(ranks):
                 by_expert.extend(range(first[s, e], first[s, e] + counts[s][e]))
@@ -102,7 +120,11 @@ class ExpertShard(nn.Module):
     docstring). Its parameters keep the replaced module's names."""
 
     def __init__(
-        self, experts: nn.Module, ranks: int, rank: int, routing: Sequence[Sequence[int]] | None
+        self,
+        experts: FusedExperts,
+        ranks: int,
+        rank: int,
+        routing: Sequence[Sequence[int]] | None,
     ):
         super().__init__()
         if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
@@ -145,7 +167,7 @@ class ExpertShard(nn.Module):
         # Dispatch: the pairs sorted by expert, to the ranks holding their experts.
         _, order = torch.sort(top_k_index.reshape(-1))
         sent = hidden[order // top_k]
-        received = funcol.all_to_all_single(sent, plan.recv, plan.send, dist.group.WORLD)
+        received = funcol.all_to_all_single(sent, plan.recv, plan.send, _world())
         by_expert = torch.tensor(plan.by_expert, dtype=torch.long, device=device)
         rows = received[by_expert]
         offsets = torch.tensor(plan.offsets, dtype=torch.int32, device=device)
@@ -153,10 +175,17 @@ class ExpertShard(nn.Module):
         out = _grouped_linear(self.gate(out), self.down_proj, offsets)
         # Combine: back to the received order, to the source ranks, to the pairs' order.
         back = torch.empty_like(out).index_copy(0, by_expert, out)
-        returned = funcol.all_to_all_single(back, plan.send, plan.recv, dist.group.WORLD)
+        returned = funcol.all_to_all_single(back, plan.send, plan.recv, _world())
         weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         pairs = torch.empty_like(weighted).index_copy(0, order, weighted)
         return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("expert parallelism exchanges under a process group: none is set up")
+    return group
 
 
 @contextlib.contextmanager

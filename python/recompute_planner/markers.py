@@ -5,7 +5,8 @@
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
   passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
   constant-folds the check, so it never enters a compiled graph), as selective-checkpointing
-  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the torch.compile planning stage
+  markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the
+  torch.compile planning stage
   (``recompute_planner.compile``) needs the markers in the joint graph and removes them after
   planning. Its output must be used: the caller continues with the returned tensor.
 - ``compiled_region(name)``: every op traced inside runs in the named compiled region (recorded
@@ -28,7 +29,8 @@ eager SAC there, and the exporter refuses such a torch (``export.TRACING_TORCH``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -58,11 +60,11 @@ def _checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @_checkpoint_record.register_fake
-def _(x: torch.Tensor, name: str) -> torch.Tensor:
+def _fake_checkpoint_record(x: torch.Tensor, name: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _backward(ctx, grad: torch.Tensor):
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     return grad, None
 
 
@@ -84,7 +86,8 @@ def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("a checkpoint_record marker needs a non-empty name")
     if torch.compiler.is_compiling() and not _in_compiled_graphs:
         return x
-    return _checkpoint_record(x, name)
+    marked: torch.Tensor = _checkpoint_record(x, name)
+    return marked
 
 
 @contextlib.contextmanager
@@ -98,7 +101,7 @@ def markers_in_compiled_graphs() -> Iterator[None]:
         _in_compiled_graphs = previous
 
 
-def annotate(tags: dict) -> contextlib.AbstractContextManager:
+def annotate(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it."""
     if hasattr(fx_traceback, "annotate"):
         return fx_traceback.annotate(tags)
@@ -182,14 +185,18 @@ def resolve_tentative_markers(graph: fx.Graph) -> int:
                 if occurrence == last:
                     _rename_marker(node, name)
                 else:
-                    node.replace_all_uses_with(node.args[0])
+                    source = node.args[0]
+                    assert isinstance(source, fx.Node)
+                    node.replace_all_uses_with(source)
                     graph.erase_node(node)
                     removed += 1
     return removed
 
 
 def _marker_name(node: fx.Node) -> str:
-    return node.kwargs["name"] if "name" in node.kwargs else node.args[1]
+    name = node.kwargs["name"] if "name" in node.kwargs else node.args[1]
+    assert isinstance(name, str)
+    return name
 
 
 def _rename_marker(node: fx.Node, name: str) -> None:
@@ -199,6 +206,6 @@ def _rename_marker(node: fx.Node, name: str) -> None:
         node.args = (node.args[0], name, *node.args[2:])
 
 
-def _scope_of(node: fx.Node) -> tuple:
+def _scope_of(node: fx.Node) -> tuple[Any, ...]:
     custom = node.meta.get("custom") or {}
     return tuple(custom.get(key) for key in (MODEL_KEY, LAYER_KEY, MICRO_BATCH_KEY))

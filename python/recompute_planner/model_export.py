@@ -52,17 +52,18 @@ import itertools
 import logging
 import re
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import device_export, expert_parallel
-from .annotate import annotate, annotation_of
+from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
+from .annotate import LayerList, annotate, annotation_of
 from .errors import ExportError
-from .export import ExportResult, ModelDecl, export_forward, export_joint
 
 
 def causal_mask(
@@ -106,7 +107,7 @@ class _Step(nn.Module):
         self,
         model: nn.Module,
         loss_fn: Callable[[Any], torch.Tensor] | None,
-        positional: tuple,
+        positional: tuple[Any, ...],
         keywords: dict[str, Any],
     ):
         super().__init__()
@@ -151,7 +152,7 @@ class _EagerLayers:
     mask, repeated key/value heads): the same loss, but other ops than eager (and eager
     selective checkpointing) runs. The mask code left unread drops out of the graph."""
 
-    layers: nn.ModuleList
+    layers: LayerList
     # Layer -> the index of its mask among the step's tensor inputs, or None (no mask).
     masks: dict[int, int | None]
     # The masks that are none of the step's own inputs, inputs after them.
@@ -163,8 +164,10 @@ class _EagerLayers:
         tensor inputs, traced or real)."""
         compiling: list[bool] = []
 
-        def enter(index: int) -> Callable:
-            def pre_hook(_module, args, kwargs):
+        def enter(index: int) -> Callable[..., Any]:
+            def pre_hook(
+                _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
                 compiling.append(torch.compiler._is_compiling_flag)
                 torch.compiler._is_compiling_flag = False
                 if index not in self.masks:
@@ -174,7 +177,7 @@ class _EagerLayers:
 
             return pre_hook
 
-        def leave(_module, _args, _output):
+        def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
             torch.compiler._is_compiling_flag = compiling.pop()
 
         handles = [
@@ -192,7 +195,7 @@ class _EagerLayers:
                 handle.remove()
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+def _decoder_layers(model: nn.Module) -> LayerList | None:
     """The model's decoder layers: the annotated ones, else ``model.layers`` (where a
     HuggingFace causal LM holds them, ``annotate``'s default), else None."""
     annotation = annotation_of(model)
@@ -203,15 +206,15 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return found if isinstance(found, nn.ModuleList) else None
 
 
-def _eager_layers(step: _Step, layers: nn.ModuleList, *, fake: bool) -> _EagerLayers:
+def _eager_layers(step: _Step, layers: LayerList, *, fake: bool) -> _EagerLayers:
     """The step's layers as eager runs them; unless ``fake`` (nothing may run), with the
     masks they receive in an eager forward (no grad, RNG and buffers restored)."""
     if fake:
         return _EagerLayers(layers, {}, ())
     received: dict[int, Any] = {}
 
-    def record(index: int) -> Callable:
-        def pre_hook(_module, _args, kwargs):
+    def record(index: int) -> Callable[..., None]:
+        def pre_hook(_module: nn.Module, _args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if MASK_ARGUMENT in kwargs:
                 received[index] = kwargs[MASK_ARGUMENT]
 
@@ -235,7 +238,7 @@ def _eager_layers(step: _Step, layers: nn.ModuleList, *, fake: bool) -> _EagerLa
 
 
 def _received_masks(
-    layers: nn.ModuleList, received: dict[int, Any], own: tuple[torch.Tensor, ...]
+    layers: LayerList, received: dict[int, Any], own: tuple[torch.Tensor, ...]
 ) -> _EagerLayers:
     """Where each layer's mask comes from: a step input when it is one (the model passed it
     through), else an extra input (its own copy: the model may hand out an expanded view,
@@ -255,7 +258,7 @@ def _received_masks(
     return _EagerLayers(layers, masks, tuple(extra))
 
 
-def _loss_of(output: Any, loss_fn: Callable | None) -> torch.Tensor:
+def _loss_of(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
     """The loss of a step's output: ``loss_fn(output)``, else the output itself, its ``.loss``
     (an HF ``ModelOutput`` given labels), its ``"loss"`` (a dict) or its first element (a
     tuple, as HF models return it with ``return_dict=False``)."""
@@ -280,7 +283,7 @@ def _loss_of(output: Any, loss_fn: Callable | None) -> torch.Tensor:
 
 def export(
     model: nn.Module,
-    example_inputs: tuple | list | dict,
+    example_inputs: tuple[Any, ...] | list[Any] | dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     units: dict[str, list[str]] | None = None,
@@ -331,7 +334,7 @@ def export(
 
 def _export(
     model: nn.Module,
-    example_inputs: tuple | list | dict,
+    example_inputs: tuple[Any, ...] | list[Any] | dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     *,
     units: dict[str, list[str]] | None,
@@ -367,7 +370,9 @@ def _export(
     return _export_step(step, joint=joint, fake=fake, target=target, hw=hw, rank=rank, **traced)
 
 
-def _step(model: nn.Module, loss_fn: Callable | None, example_inputs: Any) -> _Step:
+def _step(
+    model: nn.Module, loss_fn: Callable[[Any], torch.Tensor] | None, example_inputs: Any
+) -> _Step:
     if isinstance(example_inputs, dict):
         return _Step(model, loss_fn, (), {k: _materialized(v) for k, v in example_inputs.items()})
     return _Step(model, loss_fn, tuple(_materialized(v) for v in example_inputs), {})
@@ -435,7 +440,7 @@ class _HeldTorchLog:
         self.records: list[tuple[logging.Handler, logging.LogRecord]] = []
         self._handlers: dict[logging.Logger, list[logging.Handler]] = {}
 
-    def __enter__(self) -> "_HeldTorchLog":
+    def __enter__(self) -> _HeldTorchLog:
         for name, logger in list(logging.root.manager.loggerDict.items()):
             if (
                 isinstance(logger, logging.Logger)
@@ -470,7 +475,9 @@ class _HeldTorchLog:
 class _Holding(logging.Handler):
     """Stands in for ``target`` and keeps what it would emit (its level and filters pass)."""
 
-    def __init__(self, records: list, target: logging.Handler):
+    def __init__(
+        self, records: list[tuple[logging.Handler, logging.LogRecord]], target: logging.Handler
+    ):
         super().__init__(target.level)
         self.records, self.target = records, target
 
@@ -630,7 +637,7 @@ _KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
 )
 
 
-def explain_tracing_failure(error: BaseException) -> str | None:
+def explain_tracing_failure(error: BaseException | None) -> str | None:
     """The cause and fix of a known tracing failure, from ``error`` and its causes."""
     chain, seen = [], set()
     while error is not None and id(error) not in seen:

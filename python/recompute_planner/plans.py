@@ -14,11 +14,15 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _native
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DECISION_SAVE = "save"
 DECISION_RECOMPUTE = "recompute"
@@ -176,12 +180,13 @@ class Plan:
         self._json = json_text
 
     @functools.cached_property
-    def _doc(self) -> dict:
-        return json.loads(self._json)
+    def _doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(self._json)
+        return doc
 
     @functools.cached_property
     def planner_version(self) -> str:
-        return self._doc["planner_version"]
+        return str(self._doc["planner_version"])
 
     @functools.cached_property
     def graph(self) -> GraphRef:
@@ -193,7 +198,7 @@ class Plan:
 
     @functools.cached_property
     def joint(self) -> bool:
-        return self._doc["joint"]
+        return bool(self._doc["joint"])
 
     @functools.cached_property
     def nodes(self) -> tuple[NodeDecision, ...]:
@@ -284,25 +289,28 @@ class Plan:
         )
 
 
-def _make(cls: type, doc: dict) -> Any:
+_Record = TypeVar("_Record", bound="DataclassInstance")
+
+
+def _make(cls: type[_Record], doc: dict[str, Any]) -> _Record:
     """``cls`` from the JSON object ``doc``: its fields by name, keys it does not know ignored
     (a newer planner's), fields the JSON leaves out at their defaults (an older planner's)."""
     known = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in doc.items() if k in known})
 
 
-def _config(doc: dict) -> Config:
+def _config(doc: dict[str, Any]) -> Config:
     layer_keep = tuple(
-        LayerKeep(l["model"], l["layer"], tuple(l["keep"])) for l in doc.get("layer_keep", [])
+        LayerKeep(k["model"], k["layer"], tuple(k["keep"])) for k in doc.get("layer_keep", [])
     )
     return _make(Config, {**doc, "keep": tuple(doc["keep"]), "layer_keep": layer_keep})
 
 
-def _unit(doc: dict) -> UnitSummary:
-    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, l) for l in doc["layers"])})
+def _unit(doc: dict[str, Any]) -> UnitSummary:
+    return _make(UnitSummary, {**doc, "layers": tuple(_make(UnitLayer, u) for u in doc["layers"])})
 
 
-def load_plan(source: str | os.PathLike | bytes, format: str | None = None) -> Plan:
+def load_plan(source: str | os.PathLike[str] | bytes, format: str | None = None) -> Plan:
     """A plan from a ``.json`` or ``.pb`` file (or its bytes, with ``format`` ``"json"`` or
     ``"pb"``), read by the planner's own reader: a file is read as the CLI reads one (a
     regular file under the plan size limit; a device or a FIFO is an error, not a hang)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
+from typing import Any
 
 from google.protobuf import descriptor_pool
 from google.protobuf.internal import builder
@@ -33,7 +34,8 @@ def _module(name: str, serialized: bytes) -> ModuleType:
 
 
 _MODULES = {name: _module(name, serialized) for name, serialized in _native.DESCRIPTORS}
-graph_pb2 = _MODULES["graph_pb2"]
-plan_pb2 = _MODULES["plan_pb2"]
+# Their message classes exist only once built: to a type checker they are `Any`.
+graph_pb2: Any = _MODULES["graph_pb2"]
+plan_pb2: Any = _MODULES["plan_pb2"]
 
 __all__ = ["graph_pb2", "plan_pb2"]

@@ -60,8 +60,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,12 +73,16 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 from .errors import SacMismatchError
 from .markers import MARKER_OP
 from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, Plan
+
+# A checkpoint's ``context_fn``: the forward and the recompute context of one call.
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 
 # How far ahead of the next expected graph op an eager op may match (graph-only ops skipped).
 LOOKAHEAD = 8
@@ -143,13 +149,13 @@ class LayerOps:
     random: bool = False  # the layer has random ops (dropout)
 
     @classmethod
-    def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> "LayerOps":
+    def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> LayerOps:
         """The layer's ops; each kept op is to be saved, or with ``graph`` (the plan's
         ``graph_pb2.Graph``) only the kept ops an output of which the plan's saved set holds
         (what a graph executor holds: backward or replay reads it)."""
         nodes = [n for n in plan.nodes if n.model == model and n.layer == layer]
         if not nodes:
-            layers = ", ".join(f"{m}/{l}" for m, l in plan.layers()) or "none"
+            layers = ", ".join(f"{m}/{i}" for m, i in plan.layers()) or "none"
             raise KeyError(
                 f"the plan has no layer {layer} of model `{model}`; it checkpoints: {layers}"
             )
@@ -157,7 +163,10 @@ class LayerOps:
         if graph is not None:
             saved = plan.saved_values()
             outputs = {n.name: n.outputs for n in graph.nodes}
-            keep = [k and any(v in saved for v in outputs[n.name]) for k, n in zip(keep, nodes)]
+            keep = [
+                k and any(v in saved for v in outputs[n.name])
+                for k, n in zip(keep, nodes, strict=True)
+            ]
         return cls(
             model,
             layer,
@@ -168,7 +177,7 @@ class LayerOps:
         )
 
     def kept(self) -> list[str]:
-        return [name for name, keep in zip(self.names, self.keep) if keep]
+        return [name for name, keep in zip(self.names, self.keep, strict=True) if keep]
 
 
 # The marker op without its overload: left out of the matching (the module docstring).
@@ -273,14 +282,20 @@ class RecomputeCounter(TorchDispatchMode):
     """Counts the ops dispatched while it is active (by op, overload included)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.counts: Counter[str] = Counter()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -340,7 +355,7 @@ class _SavedOutputs(TorchDispatchMode):
     caching mode, it sees each op before the policy decides it and the output after."""
 
     def __init__(self, run: LayerRun) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.run = run
         self.held: list[tuple[str, int]] = []
 
@@ -348,7 +363,13 @@ class _SavedOutputs(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         decided = len(self.run.decisions)
         out = func(*args, **(kwargs or {}))
         decisions = self.run.decisions
@@ -373,7 +394,7 @@ class PlanPolicy:
     # Graph ops the last forward matched as a divergent composite (recomputed in eager).
     tolerated: list[str] = field(default_factory=list)
 
-    def __call__(self) -> tuple[Any, Any]:
+    def __call__(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         run = LayerRun(self.layer)
         caching, cached = create_selective_checkpoint_contexts(run.policy)
         return self._forward(caching, run), self._recompute(cached, run)
@@ -417,7 +438,10 @@ class _CheckpointedForward:
     ``checkpoint_module``."""
 
     def __init__(
-        self, forward: Callable, context: Callable | None, preserve_rng_state: bool | None
+        self,
+        forward: Callable[..., Any],
+        context: ContextFn | None,
+        preserve_rng_state: bool | None,
     ):
         self.forward = forward
         self.context = context
@@ -428,7 +452,7 @@ class _CheckpointedForward:
 
 
 def checkpoint_module(
-    module: nn.Module, context: Callable | None = None, preserve_rng_state: bool | None = None
+    module: nn.Module, context: ContextFn | None = None, preserve_rng_state: bool | None = None
 ) -> nn.Module:
     """Runs ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` from now on
     (selective with ``context``; ``preserve_rng_state``: see ``checkpoint_call``), and returns
@@ -456,10 +480,10 @@ def uncheckpoint_module(module: nn.Module) -> nn.Module:
 
 
 def checkpoint_call(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    context: Callable | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    context: ContextFn | None,
     preserve_rng_state: bool | None = None,
 ) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant checkpointing (selective with ``context``).
@@ -468,12 +492,16 @@ def checkpoint_call(
     (``PlanPolicy``): the stash is host memory per layer that a layer without random ops does
     not need.
     """
-    extra = {} if context is None else {"context_fn": context}
     preserve = preserve_rng_state
     if preserve is None:
         preserve = bool(getattr(context, "preserve_rng_state", False))
     return checkpoint(
-        fn, *args, use_reentrant=False, preserve_rng_state=preserve, **extra, **kwargs
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=noop_context_fn if context is None else context,
+        preserve_rng_state=preserve,
+        **kwargs,
     )
 
 
@@ -481,11 +509,13 @@ class KvCacheOffWarning(UserWarning):
     """The model's KV cache is turned off while its layers are checkpointed."""
 
 
-class CheckpointedLayers(dict):
+class CheckpointedLayers(dict[int, PlanPolicy]):
     """What ``checkpoint_layers`` returns: the policies by layer index, and ``remove()``, which
     puts the layers back and the KV cache settings it turned off."""
 
-    def __init__(self, layers: nn.ModuleList, policies: dict[int, PlanPolicy], cache_off: list):
+    def __init__(
+        self, layers: nn.ModuleList, policies: dict[int, PlanPolicy], cache_off: list[Any]
+    ):
         super().__init__(policies)
         self._layers = layers
         self._cache_off = cache_off
@@ -519,7 +549,7 @@ def checkpoint_layers(
         raise KeyError(
             f"the plan has no model `{model}`; its models: {', '.join(sorted(models)) or 'none'}"
         )
-    checkpointed = {l for m, l in plan.layers() if m == model}
+    checkpointed = {i for m, i in plan.layers() if m == model}
     policies = {}
     for index in range(len(layers)):
         if index in checkpointed:

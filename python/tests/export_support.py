@@ -7,8 +7,8 @@ import functools
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recompute_planner.export import ModelDecl
+from recompute_planner._exporter import ModelDecl
 from recompute_planner.markers import checkpoint_record, compiled_region, layer_scope
 from recompute_planner.proto import graph_pb2
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from recompute_planner import _native
+from recompute_planner._zoo.goldens import golden
 from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.goldens import golden
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
 
@@ -111,7 +111,8 @@ def micro_batch_mismatches(single: graph_pb2.Graph, domino: graph_pb2.Graph) -> 
     """Where the domino graph's intervals enclose other ops than the single-batch graph's.
 
     Every micro-batch of every layer must enclose, per interval, exactly the multiset of ops
-    the same layer's interval encloses in the single-batch path (each micro-batch replays the same ops).
+    the same layer's interval encloses in the single-batch path (each micro-batch replays the
+    same ops).
     """
     reference = {(run[0], run[1], begin): ops for (run, begin), ops in interval_ops(single).items()}
     seen = set()

@@ -3,8 +3,8 @@ annotated with layer scopes and units, with the inputs that keep their mask code
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

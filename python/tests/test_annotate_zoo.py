@@ -24,12 +24,12 @@ import warnings
 import pytest
 
 import recompute_planner as rp
-from recompute_planner.export import ModelDecl, export_joint
+from recompute_planner._exporter import ModelDecl, export_joint
+from recompute_planner._zoo.catalog import ENTRIES, ZooConfig, entry, make_inputs, model_decls
+from recompute_planner._zoo.goldens import traced_group
+from recompute_planner._zoo.model import MAIN_MODEL, MTP_MODEL, CausalLM
 from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.catalog import ENTRIES, ZooConfig, entry, make_inputs, model_decls
-from recompute_planner.zoo.goldens import traced_group
-from recompute_planner.zoo.model import MAIN_MODEL, MTP_MODEL, CausalLM
 
 # The EP compile config compiles the shared experts in a region the layer body opens around
 # the call, between `mlp.begin` and `mlp.end` it places in eager: a hook (or an op interval) of

@@ -6,6 +6,8 @@ extension is proved to be the same planner with the same error texts.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import os
 import signal
@@ -23,7 +25,7 @@ from google.protobuf import json_format
 import recompute_planner as rp
 from export_support import REPO_ROOT, run_planner
 from graph_walk import GOLDEN_DIR, load_graph
-from recompute_planner.export import ModelDecl, export_joint, write_graph
+from recompute_planner._exporter import ModelDecl, export_joint, write_graph
 from recompute_planner.markers import checkpoint_record, layer_scope
 from recompute_planner.proto import plan_pb2
 
@@ -272,7 +274,9 @@ def test_the_proto_module_parses_the_cli_json(tmp_path):
     text = cli_json(str(GLM), "--keep", "save_dsa_indexer")
     parsed = json_format.Parse(text, plan_pb2.Plan())
     pb = tmp_path / "plan.pb"
-    done = run_planner("plan", str(GLM), "--keep", "save_dsa_indexer", "--format", "pb", "-o", str(pb))
+    done = run_planner(
+        "plan", str(GLM), "--keep", "save_dsa_indexer", "--format", "pb", "-o", str(pb)
+    )
     assert done.returncode == 0, done.stderr
     assert parsed == plan_pb2.Plan.FromString(pb.read_bytes())
     assert {n.decision for n in parsed.nodes} == {"save", "recompute", "no-checkpoint"}
@@ -281,7 +285,8 @@ def test_the_proto_module_parses_the_cli_json(tmp_path):
 
 def test_a_broken_plan_file_raises_the_readers_error(tmp_path):
     path = tmp_path / "plan.json"
-    path.write_text(cli_json(str(GLM)).replace('"decision": "recompute"', '"decision": "sometimes"'))
+    broken = cli_json(str(GLM)).replace('"decision": "recompute"', '"decision": "sometimes"')
+    path.write_text(broken)
     with pytest.raises(rp.PlannerError) as raised:
         rp.load_plan(path)
     assert raised.value.code == "invalid-plan"
@@ -332,6 +337,27 @@ def test_the_extension_is_part_of_the_package():
     assert Path(_native.__file__).parent == Path(rp.__file__).parent
     assert dict(_native.DESCRIPTORS).keys() == {"graph_pb2", "plan_pb2"}
     assert _native.PLANNER_VERSION == json.loads(cli_json(str(GLM)))["planner_version"]
+
+
+# What a user imports from the package (`compile` and `sac` are submodules loaded on first
+# use); everything else lives in its modules.
+PUBLIC_NAMES = {
+    "Annotation", "ExportError", "ExportResult", "ModelDecl", "Plan", "PlanRejected",
+    "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
+    "annotate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
+}
+
+
+def test_the_package_exports_the_user_api_and_keeps_its_helpers_private():
+    assert set(rp.__all__) == PUBLIC_NAMES
+    for name in rp.__all__:
+        assert getattr(rp, name) is not None
+    # `rp.export` is the function that exports a model, not a module made callable.
+    assert inspect.isfunction(rp.export)
+    assert inspect.ismodule(rp.compile) and inspect.ismodule(rp.sac)
+    for private in ("zoo", "measure", "export"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"recompute_planner.{private}")
 
 
 def test_a_plan_decodes_each_field_on_first_access():

@@ -37,12 +37,12 @@ import recompute_planner as rp
 from graph_walk import golden_param
 from hf_families import FAMILIES, family
 from recompute_planner import compile as stage_mod
+from recompute_planner._zoo.catalog import entry, make_inputs, model_decls
+from recompute_planner._zoo.goldens import GOLDENS, traced_group
+from recompute_planner._zoo.model import CausalLM
 from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, markers_in_compiled_graphs
 from recompute_planner.model_export import _Step
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
-from recompute_planner.zoo.goldens import GOLDENS, traced_group
-from recompute_planner.zoo.model import CausalLM
 
 # Compiled and eager steps differ by fused kernels' rounding.
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
@@ -144,7 +144,7 @@ class Subject:
     world_size: int = 1
 
     def exported_plan(self, keep) -> tuple[graph_pb2.Graph, rp.Plan]:
-        from recompute_planner.export import export_joint
+        from recompute_planner._exporter import export_joint
 
         with traced_group(self.world_size):
             graph = export_joint(

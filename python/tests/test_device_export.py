@@ -15,17 +15,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner._exporter import ModelDecl, export_joint
+from recompute_planner._zoo.catalog import entry, make_inputs, model_decls
+from recompute_planner._zoo.goldens import GOLDENS, device_graph, traced_group
 from recompute_planner.device_export import (
     _replayed_autograd,
     export_forward_on_device,
     export_joint_on_device,
     with_device_graph,
 )
-from recompute_planner.export import ModelDecl, export_joint
 from recompute_planner.markers import checkpoint_record
 from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo.catalog import entry, make_inputs, model_decls
-from recompute_planner.zoo.goldens import GOLDENS, device_graph, traced_group
 
 CUDA_GOLDEN = "moe_ep2_cuda"
 TO_COPY = "aten._to_copy.default"
@@ -75,7 +75,7 @@ def test_the_replay_computes_torchs_gradients_bit_for_bit():
     expected = gradients()
     with _replayed_autograd():
         replayed = gradients()
-    assert all(torch.equal(a, b) for a, b in zip(replayed, expected))
+    assert all(torch.equal(a, b) for a, b in zip(replayed, expected, strict=True))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU gives fake CUDA tensors a context")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import recompute_planner as rp
+from recompute_planner._exporter import write_graph
+from recompute_planner._zoo import real_size
 from recompute_planner.errors import ExportError
 from recompute_planner.expert_parallel import ExpertShard
-from recompute_planner.export import write_graph
-from recompute_planner.zoo import real_size
 
 pytest.importorskip("transformers")
 

@@ -10,6 +10,9 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from export_support import (
     MAIN,
     ONE_LAYER,
@@ -27,11 +30,8 @@ from export_support import (
     values_by_name,
 )
 from graph_walk import forward_then_backward, loss_ancestors
-from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from recompute_planner import __version__, export
-from recompute_planner.export import (
+from recompute_planner import __version__, _exporter
+from recompute_planner._exporter import (
     ABSENT_TENSOR_ARGS,
     export_forward,
     export_joint,
@@ -95,7 +95,7 @@ def test_outputs_are_the_loss_then_gradients_matching_eager(decoder):
     assert torch.equal(result.loss, eager_loss.detach())
     # One gradient per parameter, in parameter order, equal to eager autograd's.
     assert len(result.grads) == len(params)
-    for (value, grad), param, expected in zip(result.grads.items(), params, eager):
+    for (value, grad), param, expected in zip(result.grads.items(), params, eager, strict=True):
         assert list(values[value].shape) == list(param.shape)
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
     assert list(result.tangents) == ["tangents_1"] and result.tangents["tangents_1"].item() == 1.0
@@ -214,12 +214,12 @@ def test_pass_tags_contradicting_eager_execution_are_refused(tamper, message):
     """The exporter checks AOTAutograd's pass tags against what eager execution implies."""
     torch.manual_seed(0)
     module = Lambda(lambda self, x: torch.relu(self.lin(x)).sum())
-    graph_module, num_forward_outputs = export._capture(module, (torch.randn(2, 4),), joint=True)
-    forward = export._forward_nodes(graph_module, num_forward_outputs)
+    graph_module, num_forward_outputs = _exporter.capture(module, (torch.randn(2, 4),), joint=True)
+    forward = _exporter.forward_nodes(graph_module, num_forward_outputs)
     assert sorted(n.name for n in forward) == ["addmm", "detach", "relu", "sum_1", "t"]
     tamper(graph_module)
     with pytest.raises(RuntimeError, match=message):
-        export._forward_nodes(graph_module, num_forward_outputs)
+        _exporter.forward_nodes(graph_module, num_forward_outputs)
 
 
 def test_no_dead_nodes(decoder):
@@ -359,7 +359,7 @@ def test_reference_dropout_masks_are_drawn_the_same_on_every_cpu():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    with Record() as kernels, export._PortableBernoulli():
+    with Record() as kernels, _exporter._PortableBernoulli():
         torch.empty(16).bernoulli_(0.3)
     assert kernels.ops and "aten.bernoulli_.float" not in kernels.ops
 

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import recompute_planner as rp
+from recompute_planner._zoo import real_size
 from recompute_planner.device_export import _DeviceAttention
 from recompute_planner.errors import ExportError
 from recompute_planner.model_export import causal_mask
-from recompute_planner.zoo import real_size
 
 transformers = pytest.importorskip("transformers")
 MemTracker = pytest.importorskip("torch.distributed._tools.mem_tracker").MemTracker
@@ -115,7 +115,8 @@ def test_planned_totals_are_within_5_percent_of_memtracker(family, attention, de
         measured_peak(family, measured_attention, checkpoint=False),
         measured_peak(family, measured_attention, checkpoint=True),
     )
-    for what, plan_bytes, tracked in zip(("no checkpoint", "whole-layer"), planned, measured):
+    labels = ("no checkpoint", "whole-layer")
+    for what, plan_bytes, tracked in zip(labels, planned, measured, strict=True):
         assert abs(plan_bytes / tracked - 1) < 0.05, (
             f"{what}: planned {plan_bytes / GIB:.2f} GiB, MemTracker {tracked / GIB:.2f} GiB"
         )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from export_support import MAIN, PHASE_BACKWARD, PHASE_FORWARD, Lambda, consumers, only_node
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from recompute_planner.export import ModelDecl, export_joint
+from export_support import MAIN, PHASE_BACKWARD, PHASE_FORWARD, Lambda, consumers, only_node
+from recompute_planner._exporter import ModelDecl, export_joint
 from recompute_planner.markers import (
     MARKER_NAME_ATTR,
     MARKER_OP,

@@ -2,7 +2,7 @@
 
 For every joint golden, the step the golden was exported from (same zoo config, seeded weights
 and inputs, rank 0) runs in eager PyTorch on CPU, and the peak of the bytes it holds,
-parameters excluded, is measured from the allocator (`recompute_planner.measure`). Three
+parameters excluded, is measured from the allocator (`recompute_planner._measure`). Three
 numbers of the golden's eager plan (`--executor eager`: what eager autograd and
 `torch.utils.checkpoint` hold) have an eager counterpart and are compared:
 
@@ -22,11 +22,11 @@ training step, and the planner reports no peak for it.
 
 Tolerance: 6% of the measured peak for the baselines (measured -5.8% .. +3.2%: the largest,
 `dense_dropout` without checkpointing, is eager's `bernoulli_` dropout and its mask, which the
-traced `native_dropout` does not make), 8% for the plans (-6.3% .. +2.6% run alone; `glm_dsa_ep2_compiled`
-measured 2 KiB more, -7.6%, in the whole suite: the GLM/DSA goldens' kept indexer outputs,
-whose cached tuples eager releases later than modelled, and a measurement that depends on what
-ran before it in the process). The eager
-model's itemised causes: docs/cost-and-memory.md, "Eager checkpointing".
+traced `native_dropout` does not make), 8% for the plans (-6.3% .. +2.6% run alone;
+`glm_dsa_ep2_compiled` measured 2 KiB more, -7.6%, in the whole suite: the GLM/DSA goldens'
+kept indexer outputs, whose cached tuples eager releases later than modelled, and a measurement
+that depends on what ran before it in the process). The eager model's itemised causes:
+docs/cost-and-memory.md, "Eager checkpointing".
 
 Then every executor at a shape where activations dominate, through
 `scripts/predictions.py`: eager SAC, the step compiled from the compile stage's plan, and
@@ -49,11 +49,11 @@ from torch import nn
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, load_graph
-from recompute_planner import measure
-from recompute_planner.measure import BASELINE_KEYS, NO_CHECKPOINT, WHOLE_LAYER
+from recompute_planner import _measure as measure
+from recompute_planner._measure import BASELINE_KEYS, NO_CHECKPOINT, WHOLE_LAYER
+from recompute_planner._zoo.goldens import GOLDENS, golden
 from recompute_planner.plans import Plan
 from recompute_planner.sac import LayerOps
-from recompute_planner.zoo.goldens import GOLDENS, golden
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The plans compared with eager PyTorch model eager PyTorch.
@@ -81,7 +81,7 @@ def cases():
             yield pytest.param(name, baseline, id=f"{name}-{baseline}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def planned(planner: str, name: str, flags: tuple[str, ...] = ("--keep", "none")) -> dict:
     """The JSON plan of golden `name` with planning `flags`."""
     done = subprocess.run(
@@ -149,7 +149,7 @@ def test_selective_policy_saves_what_backward_or_replay_reads(planner_bin):
     projection, which nothing after forward reads (saving them too: +12160 B, +26%)."""
     plan = planned(planner_bin, "dense", ("--keep", "all"))
     layer = LayerOps.of(Plan(json.dumps(plan)), "main", 0, load_graph(GOLDEN_DIR / "dense.pb"))
-    saved = [op for op, save in zip(layer.ops, layer.keep) if save]
+    saved = [op for op, save in zip(layer.ops, layer.keep, strict=True) if save]
     assert saved == [
         "aten.mm.default",  # qkv
         "aten.add.Tensor",  # q after RoPE

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 import recompute_planner as rp
 from export_support import fake_process_group, planner_run
 from recompute_planner import sac
-from recompute_planner.export import write_graph, write_reference
-from recompute_planner.proto import graph_pb2
+from recompute_planner._exporter import write_graph, write_reference
 from recompute_planner.model_export import OwnCheckpointingWarning, causal_mask
+from recompute_planner.proto import graph_pb2
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import recompute_planner as rp
 from recompute_planner import sac
-from recompute_planner.export import export_joint
+from recompute_planner._exporter import export_joint
 from recompute_planner.markers import MARKER_NAME_ATTR, MARKER_OP, checkpoint_record
 from test_annotate_zoo import canonical
 
@@ -76,7 +76,7 @@ def annotated(*layers: dict, **spec) -> tuple[Model, rp.Annotation]:
     return model, rp.annotate(model, layers="layers", units={UNIT: [interval(**spec)]})
 
 
-def exported(model: nn.Module, annotation) -> "rp.proto.graph_pb2.Graph":  # noqa: F821
+def exported(model: nn.Module, annotation) -> rp.proto.graph_pb2.Graph:  # noqa: F821
     return export_joint(model, inputs(), name="m", models=annotation.models).graph
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from export_support import (
     MAIN,
     ONE_LAYER,
@@ -42,9 +44,7 @@ from export_support import (
     fake_process_group,
     tiny_decoder,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from recompute_planner.export import export_joint
+from recompute_planner._exporter import export_joint
 
 EAGER_TO_TRACED = {
     "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default"

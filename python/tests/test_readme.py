@@ -11,7 +11,6 @@ import shlex
 import subprocess
 import warnings
 
-
 import recompute_planner as rp
 from export_support import REPO_ROOT, planner_bin
 

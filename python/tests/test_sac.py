@@ -35,11 +35,12 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, golden_param, load_graph
-from recompute_planner import measure, sac
-from recompute_planner.export import TRACING_TORCH, ModelDecl, export_joint
+from recompute_planner import _measure as measure
+from recompute_planner import sac
+from recompute_planner._exporter import TRACING_TORCH, ModelDecl, export_joint
+from recompute_planner._zoo.catalog import make_inputs
+from recompute_planner._zoo.goldens import GOLDENS, golden, traced_group
 from recompute_planner.markers import checkpoint_record, layer_scope
-from recompute_planner.zoo.catalog import make_inputs
-from recompute_planner.zoo.goldens import GOLDENS, golden, traced_group
 
 JOINT = [g.name for g in GOLDENS if g.joint]
 SINGLE_RANK_JOINT = [g.name for g in GOLDENS if g.joint and g.world_size == 1]
@@ -78,7 +79,7 @@ def run_step(name: str, plan: rp.Plan | None):
         policies = {}
         if plan is not None:
             policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
-            measure.checkpoint_layers(model, policies)
+            measure.checkpoint_zoo_layers(model, policies)
         params = [p for p in model.parameters()]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # dropout draws the same masks in every run
@@ -170,7 +171,8 @@ def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str)
     for with_plan in (False, True):
         model = gold.entry.build(rank=rank)
         if with_plan:
-            measure.checkpoint_layers(model, {k: sac.context_fn(plan, *k) for k in plan.layers()})
+            policies = {k: sac.context_fn(plan, *k) for k in plan.layers()}
+            measure.checkpoint_zoo_layers(model, policies)
         loss = model(*make_inputs(cfg))
         results.append((loss.detach(), torch.autograd.grad(loss, list(model.parameters()))))
     return results
@@ -180,7 +182,7 @@ def _step_on_rank(world_size: int, rank: int, name: str, keep, collectives: str)
 def test_sac_on_real_ranks_is_bit_identical_to_the_plain_step():
     """GLM/DSA on two gloo ranks (all-gather, all-to-all, MTP), the indexer and the
     collectives kept: each rank's loss and gradients equal its plain step's exactly."""
-    from recompute_planner.zoo.distributed import run_on_ranks
+    from recompute_planner._zoo.distributed import run_on_ranks
 
     ranks = run_on_ranks(2, _step_on_rank, "glm_dsa_ep2", ["SAVE_DSA_INDEXER"], "save")
     for (plain_loss, plain_grads), (loss, grads) in ranks:
@@ -311,7 +313,7 @@ def test_a_plan_for_another_graph_raises_naming_the_kept_op():
     glm = planned("glm_dsa_ep2", ["SAVE_DSA_INDEXER"])
     gold = golden("dense")
     model = gold.entry.build()
-    measure.checkpoint_layers(model, {("main", 0): sac.context_fn(glm, "main", 0)})
+    measure.checkpoint_zoo_layers(model, {("main", 0): sac.context_fn(glm, "main", 0)})
     with pytest.raises(rp.SacMismatchError, match=r"the plan keeps `bmm` \(aten\.bmm\.default"):
         model(*make_inputs(gold.entry.config))
 

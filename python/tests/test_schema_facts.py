@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
 from export_support import (
     MAIN,
     PHASE_BACKWARD,
@@ -15,8 +16,7 @@ from export_support import (
     nodes_with_op,
     only_node,
 )
-
-from recompute_planner.export import collective_kind, export_joint, schema_facts
+from recompute_planner._exporter import collective_kind, export_joint, schema_facts
 from recompute_planner.proto import graph_pb2
 
 FUNCTIONAL = graph_pb2.COLLECTIVE_KIND_FUNCTIONAL

@@ -23,9 +23,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR
+from recompute_planner._zoo import real_size
 from recompute_planner.expert_parallel import fake_process_group
 from recompute_planner.model_export import causal_mask
-from recompute_planner.zoo import real_size
 
 transformers = pytest.importorskip("transformers")
 MemTracker = pytest.importorskip("torch.distributed._tools.mem_tracker").MemTracker

@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,12 @@ def test_the_wheel_is_abi3_and_carries_the_cargo_version(wheel):
     assert name == "recompute_planner"
     assert version == _native.PLANNER_VERSION
     assert (python_tag, abi_tag) == ("cp310", "abi3")
+
+
+def test_the_wheel_is_typed(wheel):
+    """The PEP 561 marker ships, so a type checker reads the package's own annotations."""
+    with zipfile.ZipFile(wheel) as archive:
+        assert "recompute_planner/py.typed" in archive.namelist()
 
 
 def test_the_installed_wheel_runs_the_readme_recipes_from_another_folder(

@@ -28,12 +28,9 @@ from graph_walk import (
     markers_by_run,
     micro_batch_mismatches,
 )
-from tolerance import assert_tensor_close, assert_tensors_close
-from recompute_planner.export import write_graph, write_reference
-from recompute_planner.markers import MARKER_NAME_ATTR
-from recompute_planner.proto import graph_pb2
-from recompute_planner.zoo import make_inputs
-from recompute_planner.zoo.goldens import (
+from recompute_planner._exporter import write_graph, write_reference
+from recompute_planner._zoo import make_inputs
+from recompute_planner._zoo.goldens import (
     GOLDENS,
     export_rank,
     golden,
@@ -41,6 +38,9 @@ from recompute_planner.zoo.goldens import (
     reference_path,
     trace_graph_bytes,
 )
+from recompute_planner.markers import MARKER_NAME_ATTR
+from recompute_planner.proto import graph_pb2
+from tolerance import assert_tensor_close, assert_tensors_close
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_GOLDEN_BYTES = 300_000
@@ -364,7 +364,7 @@ def test_ep_compile_config_compiles_the_seeds_methods():
 
 def test_layer_compile_config_compiles_each_layer_as_one_region():
     graph = graph_of("moe_layer_compiled")
-    for (model, layer, _), nodes in layer_runs(graph).items():
+    for (_, layer, _), nodes in layer_runs(graph).items():
         assert regions_of(nodes) == {f"layers.{layer}"}, layer
     outside = [n for n in graph.nodes if not n.HasField("layer")]
     assert regions_of(outside) == {""}
@@ -372,7 +372,8 @@ def test_layer_compile_config_compiles_each_layer_as_one_region():
 
 @by_name(["glm_dsa_ep2", "glm_dsa_ep2_compiled"])
 def test_dsa_topk_runs_eager_between_compiled_indexer_and_sparse_attention(name):
-    """The DSA layout (top-k eager between compiled projection and sparse attention), in every layer of both models (main and the nested MTP)."""
+    """The DSA layout (top-k eager between compiled projection and sparse attention), in every
+    layer of both models (main and the nested MTP)."""
     graph = graph_of(name)
     contents = interval_contents(graph)
     indexer_runs = [run for run, begin in contents if begin == "dsa.indexer.begin"]

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from graph_walk import GOLDEN_DIR
+from recompute_planner._zoo import ENTRIES, ZooConfig, entry, make_inputs
+from recompute_planner._zoo.distributed import fake_process_group, run_on_ranks
+from recompute_planner._zoo.goldens import traced_group
+from recompute_planner._zoo.model import CausalLM
 from tolerance import assert_tensor_close
-from recompute_planner.zoo import ENTRIES, ZooConfig, entry, make_inputs
-from recompute_planner.zoo.distributed import fake_process_group, run_on_ranks
-from recompute_planner.zoo.goldens import traced_group
-from recompute_planner.zoo.model import CausalLM
 
 
 @pytest.mark.parametrize("zoo_entry", ENTRIES, ids=lambda e: e.name)
@@ -39,7 +39,7 @@ def test_ranks_hold_slices_of_the_same_experts():
             part = moe.build(world_size=world_size, rank=rank)
             local = part.cfg.local_experts
             rows = slice(rank * local, (rank + 1) * local)
-            for layer, whole_layer in zip(part.layers, whole.layers):
+            for layer, whole_layer in zip(part.layers, whole.layers, strict=True):
                 assert torch.equal(layer.experts.up_proj, whole_layer.experts.up_proj[rows])
                 assert torch.equal(layer.gate.weight, whole_layer.gate.weight)
 

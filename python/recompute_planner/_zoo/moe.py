@@ -10,7 +10,7 @@ HuggingFace MoE code.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +82,9 @@ class Dispatcher:
 
     def dispatch(
         self, x: torch.Tensor, experts: torch.Tensor, mark: Mark
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens `x` [T, D] routed to `experts` [T, k] -> (expert input, slots).
+    ) -> tuple[torch.Tensor, Any]:
+        """Tokens `x` [T, D] routed to `experts` [T, k] -> (expert input, slots); `slots` is
+        what `combine` takes back (a tensor here, `PermutedSlots` in `HFDispatcher`).
 
         The expert input is [local experts, world * capacity, D]: for each local expert, the
         rows every source rank sent it, padding zeroed. `slots` [T * k] says where each
@@ -128,7 +129,8 @@ class Dispatcher:
         """Zeroes the rows past each (source rank, local expert)'s routed count.
 
         `host_counts` is the host copy of the routing counts; using it keeps the device-to-host
-        `_to_copy` in the graph the way count-derived all-to-all splits do in expert-parallel training.
+        `_to_copy` in the graph the way count-derived all-to-all splits do in expert-parallel
+        training.
         """
         cfg = self.cfg
         rows = received.view(cfg.world_size, cfg.local_experts, cfg.capacity, -1)
@@ -139,7 +141,7 @@ class Dispatcher:
         return rows * valid.to(rows.device).unsqueeze(-1)
 
     def combine(
-        self, y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, mark: Mark
+        self, y: torch.Tensor, slots: Any, weights: torch.Tensor, mark: Mark
     ) -> torch.Tensor:
         """Expert outputs `y` back to their tokens, weighted by the router: -> [T, D]."""
         cfg = self.cfg

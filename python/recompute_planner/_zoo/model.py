@@ -77,9 +77,10 @@ class MTPLayer(nn.Module):
         self, hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: SequenceContext
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer 0 of the "mtp" model: everything inside its layer scope (a whole-layer
-        checkpoint wraps this, `recompute_planner.measure`)."""
+        checkpoint wraps this, `recompute_planner._measure`)."""
         h = torch.cat([self.hidden_norm(hidden), self.embed_norm(next_embeds)], dim=-1)
-        return self.block(self.eh_proj(h), ctx, self.mark)
+        out: tuple[torch.Tensor, torch.Tensor | None] = self.block(self.eh_proj(h), ctx, self.mark)
+        return out
 
 
 class CausalLM(nn.Module):
@@ -105,7 +106,9 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_layers)
         ]
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor, *mtp_inputs: torch.Tensor):
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor, *mtp_inputs: torch.Tensor
+    ) -> torch.Tensor:
         """Mean cross-entropy of this rank's tokens (+ weighted indexer and MTP losses).
 
         `mtp_inputs` (MTP only) are the next tokens and the labels after them, per position.
@@ -144,6 +147,8 @@ class CausalLM(nn.Module):
         """-> (the weighted MTP loss, the MTP block's auxiliary loss)."""
         with layer_scope(MTP_MODEL, None):
             next_embeds = F.embedding(next_tokens, self.embed_tokens)
+        if self.mtp is None:
+            raise ValueError("the model has no MTP layer (cfg.mtp)")
         mtp_hidden, aux = self.mtp(hidden, next_embeds, ctx)
         with layer_scope(MTP_MODEL, None):
             return self.cfg.mtp_loss_weight * self._lm_loss(mtp_hidden, next_labels), aux

@@ -13,15 +13,15 @@ the MemTracker cross-check (``python/tests/test_fake_export.py``) and the real-s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from torch import nn
 
-from ..annotate import annotate
-from ..export import ModelDecl
+from .._exporter import ModelDecl
+from ..annotate import Annotation, annotate, annotation_of
 from ..model_export import TensorSpec, causal_mask
 
 
@@ -104,7 +104,7 @@ def build(
         attn_implementation=attention,
     )
     with torch.device("meta"):
-        model = getattr(transformers, real.model_class)(config).to(dtype)
+        model: nn.Module = getattr(transformers, real.model_class)(config).to(dtype)
     annotate(model, layers="model.layers", units=real.units)
     return model
 
@@ -127,7 +127,7 @@ class MultiTokenPrediction(nn.Module):
     model returns no other without keeping every layer's); the module's own layer is declared
     as the model ``mtp`` nested in ``main``."""
 
-    def __init__(self, model: nn.Module, weight: float = 0.3):
+    def __init__(self, model: Any, weight: float = 0.3):  # a HuggingFace DeepSeek-V3
         super().__init__()
         config = model.config
         layer_class = type(model.model.layers[-1])
@@ -140,7 +140,9 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleList([layer_class(config, config.num_hidden_layers)])
         self.norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids, labels, attention_mask):
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         inner, vocab = self.model.model, self.model.config.vocab_size
         hidden = inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         loss = self.model.loss_function(self.model.lm_head(hidden), labels, vocab)
@@ -155,7 +157,8 @@ class MultiTokenPrediction(nn.Module):
         )
         logits = self.model.lm_head(self.norm(h))
         mtp_loss = self.model.loss_function(logits, labels.roll(-1, dims=1), vocab)
-        return loss + self.weight * mtp_loss
+        total: torch.Tensor = loss + self.weight * mtp_loss
+        return total
 
 
 def with_mtp(model: nn.Module) -> MultiTokenPrediction:
@@ -170,10 +173,15 @@ def with_mtp(model: nn.Module) -> MultiTokenPrediction:
 def declared_models(step: nn.Module) -> list[ModelDecl]:
     """The models of an annotated model, or of a ``MultiTokenPrediction`` step: ``main`` and
     ``mtp`` nested in it."""
-    from ..annotate import annotation_of
-
     if not isinstance(step, MultiTokenPrediction):
-        return annotation_of(step).models
-    (main,) = annotation_of(step.model).models
-    (mtp,) = annotation_of(step).models
+        return _annotated(step).models
+    (main,) = _annotated(step.model).models
+    (mtp,) = _annotated(step).models
     return [main, ModelDecl(mtp.name, mtp.num_layers, mtp.units, parent=main.name)]
+
+
+def _annotated(module: nn.Module) -> Annotation:
+    annotation = annotation_of(module)
+    if annotation is None:
+        raise ValueError(f"{type(module).__name__} is not annotated (recompute_planner.annotate)")
+    return annotation

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..export import ModelDecl
+from .._exporter import ModelDecl
 from .config import ZooConfig
 from .model import MAIN_MODEL, MTP_MODEL, CausalLM
 

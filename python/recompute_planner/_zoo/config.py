@@ -124,6 +124,6 @@ class ZooConfig:
         """True when decoder layer `layer` uses the routed-expert MoE block."""
         return self.num_experts > 0 and layer >= self.first_dense_layers
 
-    def for_rank(self, world_size: int, rank: int) -> "ZooConfig":
+    def for_rank(self, world_size: int, rank: int) -> ZooConfig:
         """The same model on another rank (or world size)."""
         return dataclasses.replace(self, world_size=world_size, rank=rank)

@@ -1,4 +1,6 @@
-"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md).
+"""Exporter: one training step of a PyTorch module as the project's IR (docs/ir.md). Private to
+the package (users call ``recompute_planner.export``); its names without a leading underscore
+are shared with ``model_export``, ``device_export`` and ``compile``.
 
 ``export_joint`` captures the joint forward+backward graph AOTAutograd builds
 (``functorch.compile.aot_function`` over the module's ``functional_call``, each tensor lifted
@@ -63,14 +65,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from functorch.compile import aot_function
+from functorch.compile import aot_function  # type: ignore[import-untyped]  # no py.typed
 from google.protobuf import json_format
 from torch._functorch._aot_autograd.descriptors import (
     GradAOTOutput,
@@ -80,11 +83,11 @@ from torch._functorch._aot_autograd.descriptors import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import __version__, _native, markers
+from . import _native, markers
 from .errors import ExportError
 from .proto import graph_pb2
 
-EXPORTER_VERSION = __version__
+EXPORTER_VERSION = _native.PLANNER_VERSION  # the workspace's Cargo version
 
 # Name of the string-list attribute listing tensor arguments that were None.
 ABSENT_TENSOR_ARGS = "absent_tensor_args"
@@ -124,7 +127,7 @@ def _dtype_table() -> dict[torch.dtype, int]:
 
 
 _DTYPES = _dtype_table()
-_COLLECTIVE_KINDS = {
+_COLLECTIVE_KINDS: dict[str | None, int] = {
     None: graph_pb2.COLLECTIVE_KIND_NONE,
     "functional": graph_pb2.COLLECTIVE_KIND_FUNCTIONAL,
     "mutating": graph_pb2.COLLECTIVE_KIND_MUTATING,
@@ -153,7 +156,7 @@ class ExportResult:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # gradient value -> tensor
     seed: int | None = None  # the CPU generator's seed for the reference step (joint only)
     # Ranks 1.. of a step exported for several ranks in one call (this result is rank 0's).
-    other_ranks: list["ExportResult"] = field(default_factory=list)
+    other_ranks: list[ExportResult] = field(default_factory=list)
 
     def write(self, path: str | Path) -> list[Path]:
         """Writes the step as ``planner run`` reads it and returns the files written: the graph
@@ -176,7 +179,7 @@ class ExportResult:
 
 
 @dataclass(frozen=True)
-class _FlatInput:
+class FlatInput:
     """One entry of AOTAutograd's flat input list (parameters, buffers, then arguments)."""
 
     name: str
@@ -190,7 +193,7 @@ class _FlatInput:
 
 def export_joint(
     module: torch.nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -205,18 +208,18 @@ def export_joint(
     RNG state, and the module's tensors are restored afterwards, so exporting is free of side
     effects and exporting twice gives the same files.
     """
-    flat = _flat_inputs(module, args)
-    joint, num_forward_outputs = _capture(module, args, joint=True)
+    flat = flat_inputs(module, args)
+    joint, num_forward_outputs = capture(module, args, joint=True)
     snapshot = [f.tensor.detach().clone() for f in flat]
     loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
     _restore(flat, snapshot)
-    built = _build_graph(
+    built = build_graph(
         joint,
-        _forward_nodes(joint, num_forward_outputs),
+        forward_nodes(joint, num_forward_outputs),
         flat,
         name=name,
         models=models,
-        metadata=_metadata(exporter_version, world_size, rank),
+        metadata=graph_metadata(exporter_version, world_size, rank),
     )
     return ExportResult(
         graph=built.graph,
@@ -231,7 +234,7 @@ def export_joint(
 
 def export_forward(
     module: torch.nn.Module,
-    args: tuple,
+    args: tuple[Any, ...],
     *,
     name: str,
     models: list[ModelDecl],
@@ -243,15 +246,15 @@ def export_forward(
 
     Every node is forward; the graph's only output is the loss; no tangents or gradients.
     """
-    flat = _flat_inputs(module, args)
-    forward, _ = _capture(module, args, joint=False)
-    built = _build_graph(
+    flat = flat_inputs(module, args)
+    forward, _ = capture(module, args, joint=False)
+    built = build_graph(
         forward,
-        set(_op_nodes(forward)),
+        set(op_nodes(forward)),
         flat,
         name=name,
         models=models,
-        metadata=_metadata(exporter_version, world_size, rank),
+        metadata=graph_metadata(exporter_version, world_size, rank),
     )
     snapshot = [f.tensor.detach().clone() for f in flat]
     return ExportResult(
@@ -317,7 +320,8 @@ def _without_rank(graph: graph_pb2.Graph) -> bytes:
     copy = graph_pb2.Graph()
     copy.CopyFrom(graph)
     copy.metadata.rank = 0
-    return copy.SerializeToString(deterministic=True)
+    data: bytes = copy.SerializeToString(deterministic=True)
+    return data
 
 
 def _generator_tensors(result: ExportResult) -> dict[str, torch.Tensor]:
@@ -342,7 +346,9 @@ class _GraphCaptured(Exception):
         self.joint = joint
 
 
-def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.GraphModule, int]:
+def capture(
+    module: torch.nn.Module, args: tuple[Any, ...], *, joint: bool
+) -> tuple[fx.GraphModule, int]:
     """Traces ``module(*args)`` with AOTAutograd (fake tensors, CPU) and returns its graph.
 
     ``joint`` traces with autograd enabled and returns the joint graph handed to the partitioner
@@ -351,10 +357,12 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
     """
     require_tracing_torch("exporting a graph")
 
-    def partition(joint_module, _joint_inputs, *, num_fwd_outputs, **_):
+    def partition(
+        joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_: Any
+    ) -> NoReturn:
         raise _GraphCaptured(joint_module, num_fwd_outputs, joint=True)
 
-    def forward_compiler(graph_module, _inputs):
+    def forward_compiler(graph_module: fx.GraphModule, _inputs: Any) -> NoReturn:
         raise _GraphCaptured(graph_module, len(_output_args(graph_module)), joint=False)
 
     compiled = _aot_module(
@@ -370,7 +378,7 @@ def _capture(module: torch.nn.Module, args: tuple, *, joint: bool) -> tuple[fx.G
         with (
             grad_mode,
             fx_traceback.preserve_node_meta(),
-            _module_path_scopes(module),
+            module_path_scopes(module),
             _DropoutOffIsIdentity(),
             _traced_as_compiled(),
         ):
@@ -410,7 +418,13 @@ class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
     ``clone`` eager never makes (an attention-probabilities copy in HuggingFace eager
     attention) and that selective checkpointing could not match."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _DROPOUTS and args:
             bound = _DROPOUTS[func](*args, **kwargs)
@@ -419,23 +433,25 @@ class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _functional_dropout_off(input, p=0.5, training=True, inplace=False):
+def _functional_dropout_off(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor | None:
     return input if (p == 0 or not training) else None
 
 
-def _aten_dropout_off(input, p, train):
+def _aten_dropout_off(input: torch.Tensor, p: float, train: bool) -> torch.Tensor | None:
     return input if (p == 0 or not train) else None
 
 
 # Dropout entry points -> their input when the call draws nothing, else None.
-_DROPOUTS: dict[Callable, Callable] = {
+_DROPOUTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {
     torch.nn.functional.dropout: _functional_dropout_off,
     torch.dropout: _aten_dropout_off,
 }
 
 
 @contextlib.contextmanager
-def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
+def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     """Annotates ops traced inside each submodule's forward with its path (``layers.0.attn``).
 
     Forward pre-hooks enter a ``fx.traceback.annotate`` scope and forward hooks leave it; as the
@@ -448,14 +464,14 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     scopes: list[contextlib.ExitStack] = []
 
     def enter(path: str) -> Callable[..., None]:
-        def hook(_module, _args) -> None:
+        def hook(_module: torch.nn.Module, _args: tuple[Any, ...]) -> None:
             stack = contextlib.ExitStack()
             stack.enter_context(markers.annotate({markers.MODULE_PATH_KEY: path}))
             scopes.append(stack)
 
         return hook
 
-    def leave(_module, _args, _output) -> None:
+    def leave(_module: torch.nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
         scopes.pop().close()
 
     handles = []
@@ -474,7 +490,7 @@ def _module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
             scopes.pop().close()
 
 
-def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
+def flat_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> list[FlatInput]:
     """AOTAutograd's flat inputs of ``_aot_module(module)(*args)``, named as IR values.
 
     Parameters and buffers keep their fully qualified names; a tensor registered under several
@@ -483,9 +499,9 @@ def _flat_inputs(module: torch.nn.Module, args: tuple) -> list[_FlatInput]:
     """
     if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
-    flat = [_FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
-    flat += [_FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
-    flat += [_FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
+    flat = [FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
+    flat += [FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
+    flat += [FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
     return flat
 
 
@@ -503,7 +519,9 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
 
-    def functional_call(named_params, named_buffers, *args: Any) -> Any:
+    def functional_call(
+        named_params: dict[str, torch.Tensor], named_buffers: dict[str, torch.Tensor], *args: Any
+    ) -> Any:
         return torch.func.functional_call(module, {**named_params, **named_buffers}, args)
 
     compiled = aot_function(
@@ -513,7 +531,7 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
 
 
 def _eager_reference(
-    module: torch.nn.Module, args: tuple, flat: list[_FlatInput], *, seed: int
+    module: torch.nn.Module, args: tuple[Any, ...], flat: list[FlatInput], *, seed: int
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Runs the step eagerly: the loss and, per flat input that requires grad, its gradient.
 
@@ -521,7 +539,8 @@ def _eager_reference(
     inputs get zero gradients, as the joint graph would compute them. Bernoulli samples
     (dropout masks) are drawn by ``_PortableBernoulli``.
     """
-    with torch.random.fork_rng(devices=[]), _PortableBernoulli():
+    # torch leaves TorchDispatchMode.__init__ unannotated.
+    with torch.random.fork_rng(devices=[]), _PortableBernoulli():  # type: ignore[no-untyped-call]
         torch.manual_seed(seed)
         loss = module(*args)
     _check_loss(loss)
@@ -529,7 +548,7 @@ def _eager_reference(
     grads = torch.autograd.grad(
         loss, [flat[i].tensor for i in wanted], allow_unused=True, materialize_grads=True
     )
-    return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads)}
+    return loss.detach(), {i: g.detach() for i, g in zip(wanted, grads, strict=True)}
 
 
 class _PortableBernoulli(TorchDispatchMode):
@@ -544,7 +563,13 @@ class _PortableBernoulli(TorchDispatchMode):
     state.
     """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is not torch.ops.aten.bernoulli_.float:
             return func(*args, **kwargs)
@@ -563,17 +588,17 @@ def _check_loss(loss: object) -> None:
         raise ValueError("the module must return the scalar loss (a 0-dim tensor)")
 
 
-def _restore(flat: list[_FlatInput], snapshot: list[torch.Tensor]) -> None:
+def _restore(flat: list[FlatInput], snapshot: list[torch.Tensor]) -> None:
     """Undoes in-place updates the eager step made (buffer statistics, mutated inputs); a
     tensor the step left as it was is not written (an expanded input cannot be)."""
     with torch.no_grad():
-        for f, saved in zip(flat, snapshot):
+        for f, saved in zip(flat, snapshot, strict=True):
             if not torch.equal(f.tensor, saved):
                 f.tensor.copy_(saved)
 
 
 def _params(
-    flat: list[_FlatInput], snapshot: list[torch.Tensor], built: _Built
+    flat: list[FlatInput], snapshot: list[torch.Tensor], built: _Built
 ) -> dict[str, torch.Tensor]:
     """Parameters, buffers and the graph's tensor constants, by IR value name."""
     params = _tensors_by_role(flat, snapshot, graph_pb2.ROLE_PARAMETER, graph_pb2.ROLE_BUFFER)
@@ -582,9 +607,9 @@ def _params(
 
 
 def _tensors_by_role(
-    flat: list[_FlatInput], tensors: list[torch.Tensor], *roles: int
+    flat: list[FlatInput], tensors: list[torch.Tensor], *roles: int
 ) -> dict[str, torch.Tensor]:
-    return {f.name: t for f, t in zip(flat, tensors) if f.role in roles}
+    return {f.name: t for f, t in zip(flat, tensors, strict=True) if f.role in roles}
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,8 +618,9 @@ def _tensors_by_role(
 
 def _output_args(graph_module: fx.GraphModule) -> list[Any]:
     """The flat list of the graph's outputs (FX nodes, or None for absent gradients)."""
-    output = graph_module.graph.output_node()
-    return list(output.args[0])
+    outputs = graph_module.graph.output_node().args[0]
+    assert isinstance(outputs, (tuple, list)), outputs  # a graph returns a tuple of values
+    return list(outputs)
 
 
 def _output_descs(graph_module: fx.GraphModule) -> list[Any]:
@@ -609,7 +635,7 @@ def _user_outputs(graph_module: fx.GraphModule) -> list[fx.Node]:
     """The step's own outputs (``PlainAOTOutput``), in order; mutated inputs come before them."""
     return [
         out
-        for out, desc in zip(_output_args(graph_module), _output_descs(graph_module))
+        for out, desc in zip(_output_args(graph_module), _output_descs(graph_module), strict=True)
         if isinstance(desc, PlainAOTOutput)
     ]
 
@@ -680,7 +706,7 @@ def _is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def _op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
+def op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
     """The nodes that become IR nodes: op calls other than ``getitem``, in graph order."""
     return [
         n for n in graph_module.graph.nodes if n.op == "call_function" and not _is_getitem(n)
@@ -689,20 +715,20 @@ def _op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 # Node meta key under which AOTAutograd records the pass that traced a joint-graph node.
 _PASS_TAG = "partitioner_tag"
-_FORWARD_PASS = "is_forward"
-_BACKWARD_PASS = "is_backward"
+FORWARD_PASS = "is_forward"
+BACKWARD_PASS = "is_backward"
 
 
-def _forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
+def forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
     """The op nodes of a joint graph that the forward pass ran (the module docstring's phase
     rule), after checking the pass tags against eager execution; errors name the node."""
-    forward = _forward_prefix(_op_nodes(graph_module))
+    forward = _forward_prefix(op_nodes(graph_module))
     for node in (user for tangent in _tangents(graph_module) for user in tangent.users):
         if node in forward:
             raise RuntimeError(f"forward node `{node.name}` ({node.target}) reads a tangent")
     outputs = [a for a in _output_args(graph_module)[:num_forward_outputs] if a is not None]
     needed = _ancestors(outputs)
-    for node in _op_nodes(graph_module):
+    for node in op_nodes(graph_module):
         if node in needed and node not in forward:
             raise RuntimeError(
                 f"backward node `{node.name}` ({node.target}) computes a forward output"
@@ -717,9 +743,9 @@ def _forward_prefix(nodes: list[fx.Node]) -> set[fx.Node]:
     first_backward: fx.Node | None = None
     for node in nodes:
         tag = node.meta.get(_PASS_TAG)
-        if tag == _BACKWARD_PASS:
+        if tag == BACKWARD_PASS:
             first_backward = first_backward or node
-        elif tag != _FORWARD_PASS:
+        elif tag != FORWARD_PASS:
             raise RuntimeError(
                 f"node `{node.name}` ({node.target}) has no pass tag ({_PASS_TAG}={tag!r}): "
                 "cannot tell whether the forward or the backward pass ran it"
@@ -789,9 +815,11 @@ def _all_getitems(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[int, ...]]]:
     """Every ``getitem`` node reading (transitively) from ``node``, with its index path."""
     for user in node.users:
         if _is_getitem(user):
-            yield user, (user.args[1],)
+            index = user.args[1]
+            assert isinstance(index, int), index  # an op's results are a tuple or a list
+            yield user, (index,)
             for inner, path in _all_getitems(user):
-                yield inner, (user.args[1],) + path
+                yield inner, (index,) + path
 
 
 def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
@@ -806,10 +834,10 @@ def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
 # Graph building
 
 
-def _build_graph(
+def build_graph(
     graph_module: fx.GraphModule,
     forward: set[fx.Node],
-    flat: list[_FlatInput],
+    flat: list[FlatInput],
     *,
     name: str,
     models: list[ModelDecl],
@@ -825,7 +853,7 @@ def _build_graph(
     models_by_name = {m.name: m for m in models}
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
     # mutating ops), so every op node is emitted, in the graph's (execution) order.
-    for node in _op_nodes(graph_module):
+    for node in op_nodes(graph_module):
         is_forward = node in forward
         produced = names.add_op(node)
         graph.nodes.append(
@@ -875,7 +903,7 @@ def _model_proto(model: ModelDecl) -> graph_pb2.Model:
     return proto
 
 
-def _metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Metadata:
+def graph_metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Metadata:
     return graph_pb2.Metadata(
         exporter_version=exporter_version,
         torch_version=torch.__version__.split("+")[0],
@@ -885,7 +913,7 @@ def _metadata(exporter_version: str, world_size: int, rank: int) -> graph_pb2.Me
 
 
 def _declare_inputs(
-    graph: graph_pb2.Graph, graph_module: fx.GraphModule, flat: list[_FlatInput]
+    graph: graph_pb2.Graph, graph_module: fx.GraphModule, flat: list[FlatInput]
 ) -> dict[fx.Node, str]:
     """Declares a value per placeholder (parameter, buffer, input or tangent)."""
     inputs: dict[fx.Node, str] = {}
@@ -939,7 +967,7 @@ def _graph_outputs(
     outputs: list[tuple[str, int | None]] = [
         (n, None) for out in (loss, *others) for n in names.of(out)
     ]
-    for out, desc in zip(_output_args(graph_module), _output_descs(graph_module)):
+    for out, desc in zip(_output_args(graph_module), _output_descs(graph_module), strict=True):
         if out is not None and isinstance(desc, GradAOTOutput):
             index = _plain_input_index(desc.grad_of)
             outputs.extend((n, index) for n in names.of(out))
@@ -1113,7 +1141,7 @@ def _attribute(node: fx.Node, name: str, value: Any) -> graph_pb2.Attribute:
 
 
 def _set_list_attribute(
-    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list | tuple
+    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list[Any] | tuple[Any, ...]
 ) -> None:
     """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints."""
     kinds = {type(v) for v in values}
@@ -1133,7 +1161,7 @@ def _set_list_attribute(
 
 def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
     """A TorchBind argument (process group, reduce op) as its qualified type name."""
-    obj = getattr(attr.graph.owning_module, attr.target)
+    obj = getattr(attr.graph.owning_module, str(attr.target))
     if not isinstance(obj, torch.ScriptObject):
         raise TypeError(
             f"node `{node.name}` ({node.target}) reads graph attribute `{attr.target}`, "

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 from ..expert_parallel import fake_process_group
 
@@ -25,7 +26,10 @@ __all__ = ["fake_process_group"]  # the library's, for the zoo's exports
 
 def world_group() -> dist.ProcessGroup:
     """The group every zoo collective runs over: the whole world (EP and SP share it)."""
-    return dist.group.WORLD
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("the zoo's collectives run under a process group: none is set up")
+    return group
 
 
 def all_to_all(x: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -49,17 +53,25 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     `x.to("cpu")` on a CPU tensor returns `x` itself and records nothing; the explicit op keeps
     the copy in the graph on CPU exactly as it appears on GPU.
     """
-    return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
+    host: torch.Tensor = torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
+    return host
 
 
 def _free_port() -> int:
     """A TCP port on localhost that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str):
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    out_dir: str,
+) -> None:
     """Body of one spawned rank: joins the gloo group, runs `fn`, saves its result."""
     torch.set_num_threads(1)  # ranks share the machine's cores; one thread each is enough
     dist.init_process_group(
@@ -79,7 +91,7 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[An
     must be `torch.save`-able. A failing rank raises here with that rank's traceback.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(
+        spawn(
             _rank_main,
             args=(world_size, _free_port(), fn, args, out_dir),
             nprocs=world_size,

@@ -19,16 +19,11 @@ any golden; tests that compare the graph with the model's own step on this CPU s
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager
 
-from ..device_export import (
-    export_forward_on_device,
-    export_joint_on_device,
-    with_device_graph,
-)
-from ..export import (
+from .._exporter import (
     ExportResult,
     export_forward,
     export_joint,
@@ -36,7 +31,12 @@ from ..export import (
     write_graph,
     write_reference,
 )
-from ..export import rank_path as rank_file
+from .._exporter import rank_path as rank_file
+from ..device_export import (
+    export_forward_on_device,
+    export_joint_on_device,
+    with_device_graph,
+)
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
 from .distributed import fake_process_group, run_on_ranks
@@ -106,7 +106,7 @@ def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
     return with_device_graph(result, device_graph(gold, gold.device, rank))
 
 
-def traced_group(world_size: int) -> ContextManager[None]:
+def traced_group(world_size: int) -> AbstractContextManager[None]:
     """The process group to trace rank 0 of a `world_size` model in this process."""
     return fake_process_group(world_size, 0) if world_size > 1 else contextlib.nullcontext()
 
@@ -115,7 +115,8 @@ def trace_graph_bytes(gold: Golden) -> bytes:
     """The `.pb` bytes of rank 0's graph, traced in this process (fake group if multi-rank)."""
     with traced_group(gold.world_size):
         graph = export_rank(gold).graph if gold.device is None else device_graph(gold, gold.device)
-        return graph.SerializeToString(deterministic=True)
+        data: bytes = graph.SerializeToString(deterministic=True)
+        return data
 
 
 def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:

@@ -13,8 +13,9 @@ exactly the operations the single-batch path encloses (policy rule R10, docs/pol
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def build_attention(
     return Attention(gen, cfg.hidden, cfg.heads, cfg.head_dim)
 
 
-def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> ContextManager[None]:
+def whole_layer_region(cfg: ZooConfig, region_prefix: str) -> AbstractContextManager[None]:
     """The non-EP compile config compiles the whole layer body as one region."""
     return compiled_region(region_prefix) if cfg.compile == "layer" else contextlib.nullcontext()
 
@@ -100,6 +101,16 @@ class _MicroBatch:
     shared: torch.Tensor | None = None
 
 
+_Slot = TypeVar("_Slot")
+
+
+def _filled(slot: _Slot | None) -> _Slot:
+    """A micro-batch slot an earlier stage filled."""
+    if slot is None:
+        raise RuntimeError("an MoE layer stage ran before the stage that fills its input")
+    return slot
+
+
 class MoEDecoderLayer(nn.Module):
     """Decoder layer with a routed-expert MoE block and shared experts, optionally domino."""
 
@@ -144,9 +155,9 @@ class MoEDecoderLayer(nn.Module):
         hidden = torch.cat([mb.hidden for mb in micro_batches])
         if micro_batches[0].aux is None:
             return hidden, None
-        return hidden, torch.stack([mb.aux for mb in micro_batches]).mean()
+        return hidden, torch.stack([_filled(mb.aux) for mb in micro_batches]).mean()
 
-    def _ep_region(self, method: str) -> ContextManager[None]:
+    def _ep_region(self, method: str) -> AbstractContextManager[None]:
         """The EP compile config compiles the layer's pre-MoE, expert, shared-expert and
         post-MoE methods."""
         if self.cfg.compile != "ep":
@@ -174,7 +185,8 @@ class MoEDecoderLayer(nn.Module):
 
     def _dispatch_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """The dispatcher's permutation, padding and all-to-all: eager in every config."""
-        mb.routed, mb.slots = self.dispatcher.dispatch(mb.normed, mb.experts, mark)
+        normed, experts = _filled(mb.normed), _filled(mb.experts)
+        mb.routed, mb.slots = self.dispatcher.dispatch(normed, experts, mark)
         mb.experts = None
 
     def _experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
@@ -184,16 +196,19 @@ class MoEDecoderLayer(nn.Module):
 
     def _combine_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """The reverse all-to-all and the router-weighted sum: eager in every config."""
-        mb.combined = self.dispatcher.combine(mb.routed, mb.slots, mb.weights, mark)
+        mb.combined = self.dispatcher.combine(
+            _filled(mb.routed), _filled(mb.slots), _filled(mb.weights), mark
+        )
         mb.routed = mb.slots = mb.weights = None
 
     def _shared_experts_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """Shared experts between `mlp` markers that sit in the (uncompiled) layer body.
 
         Under the EP config the markers fire but everything between them is compiled, so
-        SAVE_MLP keeps nothing there (a region counts only if its contents, not just its endpoints, run in eager).
+        SAVE_MLP keeps nothing there (a region counts only if its contents, not just its
+        endpoints, run in eager).
         """
-        h = mark("mlp.begin", mb.normed)
+        h = mark("mlp.begin", _filled(mb.normed))
         mb.normed = None
         with self._ep_region("_shared_experts_forward"):
             h = self.shared_experts(h)
@@ -202,7 +217,8 @@ class MoEDecoderLayer(nn.Module):
     def _post_moe_stage(self, mb: _MicroBatch, ctx: SequenceContext, mark: Mark) -> None:
         """`_post_moe_forward`: routed plus shared output back onto the residual stream."""
         with self._ep_region("_post_moe_forward"):
-            moe_out = (mb.combined + mb.shared).view_as(mb.residual)
+            residual = _filled(mb.residual)
+            moe_out = (_filled(mb.combined) + _filled(mb.shared)).view_as(residual)
             mb.combined = mb.shared = None
-            mb.hidden = mb.residual + moe_out
+            mb.hidden = residual + moe_out
             mb.residual = None

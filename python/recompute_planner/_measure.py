@@ -2,8 +2,8 @@
 memory prediction.
 
 The planner predicts the peak of live bytes during one training step, parameters excluded
-(docs/cost-and-memory.md, `planner/src/memory.rs`). This module runs the same step eagerly on CPU and
-measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
+(docs/cost-and-memory.md, `planner/src/memory.rs`). This module runs the same step eagerly on
+CPU and measures that quantity from the allocator: ``torch.profiler`` with ``profile_memory=True``
 reports every CPU allocation and free with its pointer and size. The CPU allocator does not
 cache, so the events are real ``malloc``/``free`` of tensor storages, and their running sum from
 the start of the step is exactly the bytes the step allocated and still holds. Parameters are
@@ -15,7 +15,7 @@ that are not parameters are live from the first step).
 HuggingFace model's ``model(**inputs).loss``; ``scripts/predictions.py``), and also reports
 what the step holds when forward ends (``StepMemory.saved_bytes``).
 
-The step is the exporter's (``export._eager_reference``): ``loss = module(*inputs)``, then
+The step is the exporter's (``_exporter._eager_reference``): ``loss = module(*inputs)``, then
 ``torch.autograd.grad(loss, params)``, which returns fresh gradients and leaves ``.grad``
 alone (no accumulation into existing buffers). The loss and the gradients are held to the end,
 as the planner keeps graph outputs alive to the end; the backward seed (``ones_like(loss)``,
@@ -47,15 +47,18 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 if TYPE_CHECKING:
+    from ._zoo.model import CausalLM
     from .plans import Plan
+    from .sac import ContextFn
 
 # The planner baselines measured here, with the plan's `memory` key each one predicts.
 NO_CHECKPOINT = "no_checkpoint"
@@ -108,7 +111,7 @@ class MemoryTrace:
     def held_after(self, stage: str) -> int:
         """Bytes held after the last event of ``stage`` (relative to the start)."""
         held = 0
-        for event, live in zip(self.events, self.running()):
+        for event, live in zip(self.events, self.running(), strict=True):
             if event.stage == stage:
                 held = live
         return held
@@ -227,7 +230,7 @@ def training_step(
 
 
 def loss_and_gradients(
-    loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]
+    loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
 ) -> Callable[[], tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """``loss_fn()`` in the ``FORWARD`` range, then the gradients of ``params`` in
     ``BACKWARD``."""
@@ -253,7 +256,7 @@ def measure_training_step(
 
 def measure_step(
     loss_fn: Callable[[], torch.Tensor],
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     input_bytes: int,
     seed: int = 0,
 ) -> StepMemory:
@@ -286,11 +289,11 @@ def measure_step(
 LayerKey = tuple[str, int]
 
 
-def checkpoint_layers(
-    model: nn.Module,
-    context_fns: dict[LayerKey, Callable] | None = None,
+def checkpoint_zoo_layers(
+    model: CausalLM,
+    context_fns: dict[LayerKey, ContextFn] | None = None,
     preserve_rng_state: bool | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """Puts every layer of a zoo ``CausalLM`` under a checkpoint: exactly what each
     ``layer_scope(model, i)`` encloses, the planner's layers.
 
@@ -299,17 +302,17 @@ def checkpoint_layers(
     contexts; the parameter order (hence the gradients' order) does not change.
     ``preserve_rng_state``: see ``sac.checkpoint_call`` (None: what the context asks for).
     """
-    from .zoo.model import MAIN_MODEL, MTP_MODEL
-
+    from ._zoo.model import MAIN_MODEL, MTP_MODEL
     from .sac import checkpoint_call, checkpoint_module
 
     context_fns = context_fns or {}
     for index, layer in enumerate(model.layers):
         checkpoint_module(layer, context_fns.get((MAIN_MODEL, index)), preserve_rng_state)
-    mtp = getattr(model, "mtp", None)
+    mtp = model.mtp
     if mtp is not None:
         inner, context_fn = mtp.layer_forward, context_fns.get((MTP_MODEL, 0))
-        mtp.layer_forward = lambda *args: checkpoint_call(
+        # Replaced on the instance, as sac.checkpoint_module replaces a forward.
+        mtp.layer_forward = lambda *args: checkpoint_call(  # type: ignore[method-assign]
             inner, args, {}, context_fn, preserve_rng_state
         )
     return model
@@ -319,7 +322,7 @@ def checkpoint_layers(
 # Selective checkpointing from a plan
 
 
-def plan_contexts(plan: "Plan", graph: Any) -> dict[LayerKey, Callable]:
+def plan_contexts(plan: Plan, graph: Any) -> dict[LayerKey, ContextFn]:
     """Selective-checkpoint contexts per checkpointed layer that save what ``plan`` saves:
     the public policy (``recompute_planner.sac``) restricted to the kept ops whose outputs
     the plan's saved set holds. Saving every kept op instead makes eager SAC hold outputs that
@@ -331,7 +334,7 @@ def plan_contexts(plan: "Plan", graph: Any) -> dict[LayerKey, Callable]:
 
 
 def measure_golden(
-    name: str, baseline: str, plan: "Plan | None" = None, graph: Any = None
+    name: str, baseline: str, plan: Plan | None = None, graph: Any = None
 ) -> StepMemory:
     """Measures rank 0's step of golden ``name`` under a planner baseline or a plan.
 
@@ -344,8 +347,8 @@ def measure_golden(
     with: every shape in the zoo is static, so allocations do not depend on the values the
     collectives would have exchanged.
     """
-    from .zoo.catalog import make_inputs
-    from .zoo.goldens import golden, traced_group
+    from ._zoo.catalog import make_inputs
+    from ._zoo.goldens import golden, traced_group
 
     if baseline not in (NO_CHECKPOINT, WHOLE_LAYER, SELECTIVE):
         raise ValueError(f"unknown baseline {baseline!r}")
@@ -357,10 +360,10 @@ def measure_golden(
     inputs = make_inputs(gold.entry.config)
     with traced_group(gold.world_size):
         context_fns = None
-        if baseline == SELECTIVE:
+        if baseline == SELECTIVE and plan is not None:
             context_fns = plan_contexts(plan, graph)
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:
             # The RNG state a checkpoint stashes is host memory, not an activation.
-            checkpoint_layers(model, context_fns, preserve_rng_state=False)
+            checkpoint_zoo_layers(model, context_fns, preserve_rng_state=False)
         return measure_training_step(model, inputs)

@@ -92,7 +92,7 @@ class DSAAttention(nn.Module):
         logits = torch.bmm(index_q.flatten(1, 2), index_k.transpose(1, 2)).relu()
         weights = index_weights.view(batch * seq, 1, heads)
         scores = torch.bmm(weights, logits.view(batch * seq, heads, -1)).view(batch, seq, -1)
-        scores = scores + ctx.causal_bias
+        scores = scores + _causal_bias(ctx)
         return scores, scores.topk(self.cfg.index_topk, dim=-1).indices
 
     def _sparse_attention(
@@ -108,7 +108,7 @@ class DSAAttention(nn.Module):
         rows = selected + (torch.arange(batch) * keys).view(batch, 1, 1)
         picked = kv.flatten(0, 1).index_select(0, rows.flatten())
         k_sel, v_sel = picked.view(*rows.shape, *kv.shape[2:]).unbind(dim=3)  # [B, S, k, H, hd]
-        bias = ctx.causal_bias.expand(batch, -1, -1).gather(-1, selected)
+        bias = _causal_bias(ctx).expand(batch, -1, -1).gather(-1, selected)
         scores = (q.unsqueeze(2) * k_sel).sum(dim=-1) * self.cfg.head_dim**-0.5  # [B, S, k, H]
         probs = (scores + bias.unsqueeze(-1)).softmax(dim=2)
         return (probs.unsqueeze(-1) * v_sel).sum(dim=2), probs
@@ -121,3 +121,10 @@ class DSAAttention(nn.Module):
         target = probs.detach().mean(dim=-1)
         log_index = scores.gather(-1, selected).log_softmax(dim=-1)
         return F.kl_div(log_index.flatten(0, 1), target.flatten(0, 1), reduction="batchmean")
+
+
+def _causal_bias(ctx: SequenceContext) -> torch.Tensor:
+    """The causal bias DSA masks its scores with (the sequence context of a DSA model has it)."""
+    if ctx.causal_bias is None:
+        raise ValueError("DSA attention needs the sequence context's causal bias")
+    return ctx.causal_bias

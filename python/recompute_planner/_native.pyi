@@ -1,0 +1,54 @@
+"""Types of the native extension ``recompute_planner._native`` (PyO3, python/native/src/lib.rs).
+``stubtest`` in scripts/test.sh checks them against the built module."""
+
+__all__ = [
+    "plan",
+    "convert_plan",
+    "read_plan_file",
+    "collective_kind",
+    "interval_contents",
+    "hw_profile",
+    "MARKER_OP",
+    "MARKER_NAME_ATTR",
+    "PLANNER_VERSION",
+    "OPTIMIZED",
+    "DESCRIPTORS",
+]
+
+MARKER_OP: str
+MARKER_NAME_ATTR: str
+PLANNER_VERSION: str
+OPTIMIZED: bool
+# (module name, serialized FileDescriptorProto) of graph.proto and plan.proto.
+DESCRIPTORS: list[tuple[str, bytes]]
+
+def plan(
+    *,
+    path: str,
+    data: bytes | None = None,
+    format: str | None = None,
+    keep: list[str],
+    recompute_ratio: float,
+    collectives_name: str,
+    random_ops_name: str,
+    executor_name: str,
+    budget_size: str | None = None,
+    budget_includes: str = "activations",
+    granularity: str,
+    fsdp: int = 1,
+    optimizer_name: str = "adamw",
+    optimizer_state_dtype_name: str = "fp32",
+    master_weights: bool = False,
+    hw_name: str | None = None,
+    hw_json: str | None = None,
+    hw_path: str | None = None,
+) -> str: ...
+def read_plan_file(path: str, from_format: str, to_format: str) -> bytes: ...
+def hw_profile(
+    *, name: str | None = None, json: str | None = None, path: str | None = None
+) -> str: ...
+def convert_plan(data: bytes, from_format: str, to_format: str) -> bytes: ...
+def collective_kind(op: str) -> str | None: ...
+def interval_contents(
+    *, data: bytes, format: str, origin: str
+) -> list[tuple[str, int, int, str, str, list[str]]]: ...
