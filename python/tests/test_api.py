@@ -342,7 +342,7 @@ def test_the_extension_is_part_of_the_package():
 # What a user imports from the package (`compile` and `sac` are submodules loaded on first
 # use); everything else lives in its modules.
 PUBLIC_NAMES = {
-    "Annotation", "ExportError", "ExportResult", "ModelDecl", "Plan", "PlanRejected",
+    "Annotation", "ExportError", "ExportResult", "ModelDecl", "OpInterval", "Plan", "PlanRejected",
     "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
     "annotate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
 }
