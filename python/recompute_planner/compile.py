@@ -309,9 +309,10 @@ def partition_from_plan(
     graph with a feature it does not handle (symbolic shapes, random-seed or backward-state
     inputs, submodules, saved values backward does not read) goes through torch's
     ``_extract_fwd_bwd_modules`` and the same reordering in place (``_split_with_torch``).
-    Each graph's Python code is generated once, at the end. ``joint_module`` is consumed (its
-    graph is changed, its code is not regenerated). Raises ``PartitionMismatch`` if the result
-    saves or replays anything else.
+    Each graph's Python code is generated once, at the end, or, where lazy graph modules are on
+    (as ``torch.compile`` compiles), on first use, as torch's partitioners leave it.
+    ``joint_module`` is consumed (its graph is changed, its code is not regenerated). Raises
+    ``PartitionMismatch`` if the result saves or replays anything else.
     """
     stand_ins = _marker_stand_ins(joint_module.graph)
     remove_markers(joint_module.graph)
@@ -320,8 +321,9 @@ def partition_from_plan(
     if halves is None:
         halves = _split_with_torch(joint_module, list(saved), num_fwd_outputs=num_fwd_outputs)
     forward, backward = halves
-    for module in halves:
-        _generate_code(module)
+    if not _lazy_graph_modules():
+        for module in halves:
+            _generate_code(module)
     _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
     return forward, backward
 
@@ -656,6 +658,14 @@ def _raise_getitems(graph: fx.Graph) -> None:
     ``raise_getitems`` does before regenerating the module's code."""
     for node in reversed(list(graph.find_nodes(op="call_function", target=operator.getitem))):
         node.all_input_nodes[0].append(node)
+
+
+def _lazy_graph_modules() -> bool:
+    """Whether graph modules are made lazy here (their code generated on first use), as
+    ``torch.compile`` makes them while it compiles."""
+    from torch.fx._lazy_graph_module import _get_graph_module_cls, _LazyGraphModule
+
+    return _get_graph_module_cls() is _LazyGraphModule
 
 
 def _generate_code(module: fx.GraphModule) -> None:
