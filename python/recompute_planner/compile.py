@@ -61,6 +61,8 @@ import torch.fx as fx
 from torch._functorch._aot_autograd.descriptors import (
     GradAOTOutput,
     PlainAOTInput,
+    SavedForBackwardsAOTOutput,
+    SavedForBackwardsNoVcCheckAOTOutput,
     TangentAOTInput,
 )
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
@@ -298,33 +300,308 @@ def partition_from_plan(
     """Forward and backward graphs of ``joint_module`` (the graph ``plan`` was made for, markers
     still in) that save exactly the plan's saved set and re-run exactly its replay.
 
-    torch's ``_extract_fwd_bwd_modules`` splits the joint graph given the saved values (the
-    backward copies every forward op it needs and cannot read from them: the replay). Then, in
-    place, each replayed op moves to just before its first backward use, as the plan schedules
-    replay (``_replay_at_first_use``), and each ``getitem`` to just after its producer, so
-    multi-output results are freed early. Each graph's Python code is generated once, at the
-    end (torch's ``reordering_to_mimic_autograd_engine`` and ``raise_getitems`` copy the
-    backward and generate code three more times). Markers are removed first, their outputs
-    standing for their inputs; ``joint_module`` is consumed (its graph is changed, its code is
-    not regenerated). Raises ``PartitionMismatch`` if the result saves or replays anything
-    else.
+    Markers are removed first, their outputs standing for their inputs. The forward returns the
+    step's outputs and the saved values; the backward reads the saved values and the tangents
+    and copies every forward op it needs and cannot read from them: the replay, each replayed
+    op placed just before its first backward use, as the plan schedules replay, and each
+    ``getitem`` just after its producer, so multi-output results are freed early.
+    ``_split_in_one_pass`` builds both graphs with one copy of each node they keep; a joint
+    graph with a feature it does not handle (symbolic shapes, random-seed or backward-state
+    inputs, submodules, saved values backward does not read) goes through torch's
+    ``_extract_fwd_bwd_modules`` and the same reordering in place (``_split_with_torch``).
+    Each graph's Python code is generated once, at the end, or, where lazy graph modules are on
+    (as ``torch.compile`` compiles), on first use, as torch's partitioners leave it.
+    ``joint_module`` is consumed (its graph is changed, its code is not regenerated). Raises
+    ``PartitionMismatch`` if the result saves or replays anything else.
     """
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
-
     stand_ins = _marker_stand_ins(joint_module.graph)
     remove_markers(joint_module.graph)
     saved = _saved_nodes(joint_module.graph, plan, stand_ins)
+    halves = _split_in_one_pass(joint_module, list(saved), num_fwd_outputs=num_fwd_outputs)
+    if halves is None:
+        halves = _split_with_torch(joint_module, list(saved), num_fwd_outputs=num_fwd_outputs)
+    forward, backward = halves
+    if not _lazy_graph_modules():
+        for module in halves:
+            _generate_code(module)
+    _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
+    return forward, backward
+
+
+def _split_with_torch(
+    joint_module: fx.GraphModule, saved: list[fx.Node], *, num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's ``_extract_fwd_bwd_modules`` (three copies of the graph), then the replay moved
+    to first use and getitems raised in place; code not generated."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
     with _use_lazy_graph_module(True):
         forward, backward = _extract_fwd_bwd_modules(
-            joint_module, list(saved), [], num_fwd_outputs=num_fwd_outputs
+            joint_module, saved, [], num_fwd_outputs=num_fwd_outputs
         )
     _replay_at_first_use(backward.graph)
     for module in (forward, backward):
         _raise_getitems(module.graph)
-        _generate_code(module)
-    _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
     return forward, backward
+
+
+# What a joint graph's values may be for the one-pass split: no symbolic scalars.
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _split_in_one_pass(
+    joint_module: fx.GraphModule, saved: list[fx.Node], *, num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """The forward and backward modules ``_extract_fwd_bwd_modules`` makes for ``saved``, built
+    with one copy of each node they keep, the backward in replay-at-first-use order with
+    getitems raised (code not generated); None for a graph it does not handle.
+
+    As torch's: each half holds the ops computable from its inputs (the primals; the saved
+    values then the tangents) that its outputs or a side effect need, ops that must stay in
+    the other half excluded; placeholders share the joint graph's metadata; saved tensors
+    without version-counter check come last; the forward returns its outputs then the saved
+    values, described ``SavedForBackwards*AOTOutput``; backward ops are marked
+    ``autograd_backward``.
+    """
+    from torch._functorch import partitioners as torch_partitioners
+    from torch._functorch.partitioners import (  # type: ignore[attr-defined]  # private
+        _is_primal,
+        _is_tangent,
+    )
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    graph = joint_module.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    primals = [node for node in placeholders if _is_primal(node)]
+    tangents = [node for node in placeholders if _is_tangent(node)]
+    if len(primals) + len(tangents) != len(placeholders) or not _one_pass_handles(
+        graph, [*placeholders, *saved]
+    ):
+        return None
+    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = (
+        torch_partitioners._extract_fwd_bwd_outputs(joint_module, num_fwd_outputs=num_fwd_outputs)
+    )
+    saved, no_vc_check_start = _by_version_counter_check(saved)
+    impure_random = _impure_random()
+    backward_nodes = _live_nodes(
+        graph, [*saved, *tangents], bwd_outputs, torch_partitioners._must_be_in_forward,
+        impure_random,
+    )
+    forward_nodes = _live_nodes(
+        graph, primals, [*fwd_outputs, *saved], torch_partitioners._must_be_in_backward,
+        impure_random,
+    )
+    if forward_nodes is None or backward_nodes is None:
+        return None
+    if _unread_saved(saved, backward_nodes, bwd_outputs):
+        return None
+    saved_descs = [
+        (SavedForBackwardsNoVcCheckAOTOutput if i >= no_vc_check_start else
+         SavedForBackwardsAOTOutput)(i)
+        for i in range(len(saved))
+    ]
+    forward_graph = _emit_graph(
+        primals, _getitems_after_producers(forward_nodes), [*fwd_outputs, *saved],
+        [*fwd_descs, *saved_descs],
+    )
+    backward_graph = _emit_graph(
+        [*saved, *tangents],
+        _getitems_after_producers(_at_first_use(backward_nodes, tangents, bwd_outputs)),
+        bwd_outputs, bwd_descs,
+    )
+    for node in backward_graph.nodes:
+        if node.op in ("call_function", "get_attr"):
+            node.meta["autograd_backward"] = True
+    with _use_lazy_graph_module(True):
+        return (
+            _make_graph_module(joint_module, forward_graph),
+            _make_graph_module(joint_module, backward_graph),
+        )
+
+
+def _one_pass_handles(graph: fx.Graph, inputs: list[fx.Node]) -> bool:
+    """Whether the one-pass split handles ``graph``: no symbolic scalar anywhere, no symbolic
+    shape or opaque object among the placeholders and saved values (``inputs``), and no
+    activation quantization pass (torch saves symbols, opaque objects and quantized
+    activations its own way)."""
+    from torch._inductor import config as inductor_config
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    if inductor_config.post_grad_fusion_options.get("activation_quantization_aten_pass"):
+        return False
+    if any(isinstance(node.meta.get("val"), _SYMBOLIC) for node in graph.nodes):
+        return False
+    return not any(
+        isinstance(node.meta.get("val"), FakeScriptObject) or free_symbols(node.meta.get("val"))
+        for node in inputs
+    )
+
+
+def _by_version_counter_check(saved: list[fx.Node]) -> tuple[list[fx.Node], int]:
+    """``saved`` with the tensors saved without version-counter check last (in order), and
+    where they start: the order AOTAutograd slices them in."""
+    checked = [node for node in saved if not node.meta.get("saved_tensor_with_no_vc_check")]
+    unchecked = [node for node in saved if node.meta.get("saved_tensor_with_no_vc_check")]
+    return checked + unchecked, len(checked)
+
+
+def _impure_random() -> bool:
+    """Whether dead-code elimination keeps random ops, as ``Graph.eliminate_dead_code``
+    decides."""
+    from torch._guards import TracingContext
+    from torch._inductor import config as inductor_config
+
+    if TracingContext.try_get():
+        return bool(inductor_config.fallback_random)
+    return True
+
+
+def _live_nodes(
+    graph: fx.Graph,
+    inputs: list[fx.Node],
+    outputs: list[Any],
+    stays_out: Callable[[fx.Node], bool],
+    impure_random: bool,
+) -> list[fx.Node] | None:
+    """The ops, in graph order, of the subgraph that reads ``inputs`` and returns ``outputs``:
+    each op computable from the inputs (not one ``stays_out`` of this half) that an output or
+    a side effect needs, as torch's extraction then dead-code elimination keeps; None if an
+    output is not computable or the graph holds other than functions and attributes."""
+    available = set(inputs)
+    computable: list[fx.Node] = []
+    for node in graph.nodes:
+        if node in available or node.op in ("placeholder", "output"):
+            continue
+        if node.op not in ("call_function", "get_attr"):
+            return None
+        if stays_out(node):
+            continue
+        if all(source in available for source in node.all_input_nodes):
+            available.add(node)
+            computable.append(node)
+    live = {node for node in outputs if isinstance(node, fx.Node)}
+    if not live <= available:
+        return None
+    kept: list[fx.Node] = []
+    for node in reversed(computable):
+        if node in live or node.is_impure(impure_random):
+            live.update(node.all_input_nodes)
+            kept.append(node)
+    kept.reverse()
+    return kept
+
+
+def _unread_saved(saved: list[fx.Node], backward_nodes: list[fx.Node], outputs: list[Any]) -> bool:
+    """Whether backward leaves a saved value unread (or reads it only into a dead
+    ``wait_tensor``): torch drops such values from the saved set."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for node in backward_nodes:
+        for source in node.all_input_nodes:
+            readers.setdefault(source, []).append(node)
+    returned = {node for node in outputs if isinstance(node, fx.Node)}
+
+    def dead_wait(node: fx.Node) -> bool:
+        return (
+            torch.distributed.is_available()
+            and node.target is torch.ops._c10d_functional.wait_tensor.default
+            and node not in readers
+            and node not in returned
+        )
+
+    return any(
+        node not in returned and all(dead_wait(reader) for reader in readers.get(node, []))
+        for node in saved
+    )
+
+
+def _at_first_use(
+    nodes: list[fx.Node], tangents: list[fx.Node], outputs: list[Any]
+) -> list[fx.Node]:
+    """``nodes`` (a backward's ops in graph order) with the ops before the first that reads a
+    tangent (the replay) each moved to just before the first op that needs it, in their
+    original order, as the autograd engine would run them; in-place ``copy_`` writes stay
+    first, ops nothing needs are dropped. The order ``_replay_at_first_use`` makes in place."""
+    tangent_set = set(tangents)
+    first = next(
+        (k for k, node in enumerate(nodes)
+         if any(source in tangent_set for source in node.all_input_nodes)),
+        None,
+    )
+    if first is None:
+        if not any(isinstance(node, fx.Node) and node in tangent_set for node in outputs):
+            return nodes
+        first = len(nodes)
+    position = {node: k for k, node in enumerate(nodes)}
+    unplaced = set(nodes[:first])
+    ordered: list[fx.Node] = []
+
+    def place(*roots: fx.Node) -> None:
+        pending: set[fx.Node] = set()
+        stack = list(roots)
+        while stack:
+            current = stack.pop()
+            if current not in pending:
+                pending.add(current)
+                stack.extend(source for source in current.all_input_nodes if source in unplaced)
+        unplaced.difference_update(pending)
+        ordered.extend(sorted(pending, key=position.__getitem__))
+
+    for node in nodes[:first]:
+        if node.target is torch.ops.aten.copy_.default and node in unplaced:
+            place(node)
+    for node in nodes[first:]:
+        place(node)
+    place(*(node for node in outputs if isinstance(node, fx.Node) and node in unplaced))
+    return ordered
+
+
+def _getitems_after_producers(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` with each ``getitem`` of one of them just after its producer (their relative
+    order kept), so a multi-output result's parts are unpacked, and can be freed, at once."""
+    present = set(nodes)
+    parts: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        producer = _unpacked(node)
+        if producer in present:
+            parts.setdefault(producer, []).append(node)
+    ordered: list[fx.Node] = []
+    for node in nodes:
+        if _unpacked(node) not in present:
+            ordered.append(node)
+            ordered.extend(parts.get(node, ()))
+    return ordered
+
+
+def _unpacked(node: fx.Node) -> fx.Node | None:
+    """The result a ``getitem`` node unpacks; None for other nodes."""
+    if _is_getitem(node) and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+def _emit_graph(
+    inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[Any], output_descs: list[Any]
+) -> fx.Graph:
+    """A graph with a placeholder per input (named as it, sharing its metadata), a copy of each
+    of ``nodes`` in order, returning ``outputs``: what ``_extract_graph_with_inputs_outputs``
+    builds."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = node.meta
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    values = [env[node] if isinstance(node, fx.Node) else node for node in outputs]
+    output = graph.output(tuple(values))
+    output.meta["desc"] = output_descs
+    output.meta["output_stack_traces"] = [
+        value.meta.get("stack_trace") if isinstance(value, fx.Node) else None
+        for value in values
+    ]
+    return graph
 
 
 def _replay_at_first_use(graph: fx.Graph) -> None:
@@ -381,6 +658,14 @@ def _raise_getitems(graph: fx.Graph) -> None:
     ``raise_getitems`` does before regenerating the module's code."""
     for node in reversed(list(graph.find_nodes(op="call_function", target=operator.getitem))):
         node.all_input_nodes[0].append(node)
+
+
+def _lazy_graph_modules() -> bool:
+    """Whether graph modules are made lazy here (their code generated on first use), as
+    ``torch.compile`` makes them while it compiles."""
+    from torch.fx._lazy_graph_module import _get_graph_module_cls, _LazyGraphModule
+
+    return _get_graph_module_cls() is _LazyGraphModule
 
 
 def _generate_code(module: fx.GraphModule) -> None:

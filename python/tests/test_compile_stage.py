@@ -23,6 +23,7 @@ eager once. Torch's min-cut partitioner stays an option (`partitioner="min-cut"`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -461,6 +462,117 @@ def _is_rng_state(node: torch.fx.Node) -> bool:
 def test_the_plan_partitioner_refuses_replayed_random_ops():
     with pytest.raises(ValueError, match='random_ops="replay"'):
         stage_mod.PlanningStage(model_decls(entry("dense").config), random_ops="replay")
+
+
+# --------------------------------------------------------------------------------------------
+# The one-pass split and torch's
+
+
+def halves_signature(module: torch.fx.GraphModule) -> tuple:
+    """What AOTAutograd reads of a partitioned half: its code, its placeholders' names and
+    descriptions, its outputs' descriptions, which ops are marked backward."""
+    graph = module.graph
+    return (
+        module.code,
+        [(node.name, node.meta.get("desc")) for node in graph.find_nodes(op="placeholder")],
+        graph.output_node().meta.get("desc"),
+        [node.name for node in graph.nodes if node.meta.get("autograd_backward")],
+    )
+
+
+@pytest.mark.parametrize("name", ["dense", "moe_ep2", "glm_dsa_ep2", "dense_dropout"])
+def test_one_pass_split_builds_the_graphs_torch_extraction_builds(name, monkeypatch):
+    """The one-pass split and torch's `_extract_fwd_bwd_modules` with the in-place replay
+    order, on copies of the same joint graph and saved set: the same forward and backward."""
+    built = []
+    one_pass = stage_mod._split_in_one_pass
+
+    def both_splits(joint_module, saved, *, num_fwd_outputs):
+        twin = copy.deepcopy(joint_module)
+        twin_nodes = {node.name: node for node in twin.graph.nodes}
+        ours = one_pass(joint_module, saved, num_fwd_outputs=num_fwd_outputs)
+        torch_halves = stage_mod._split_with_torch(
+            twin, [twin_nodes[node.name] for node in saved], num_fwd_outputs=num_fwd_outputs
+        )
+        built.append((ours, torch_halves))
+        return ours
+
+    monkeypatch.setattr(stage_mod, "_split_in_one_pass", both_splits)
+    golden_subject(name).staged("all", run_aot)
+    assert built
+    for ours, theirs in built:
+        assert ours is not None
+        for our_half, their_half in zip(ours, theirs, strict=True):
+            stage_mod._generate_code(their_half)
+            assert halves_signature(our_half) == halves_signature(their_half)
+
+
+def test_partition_takes_torch_split_when_the_one_pass_split_declines(monkeypatch):
+    """A joint graph the one-pass split does not handle is split by torch's extraction, and
+    the step still saves and replays the plan."""
+    torch_split = stage_mod._split_with_torch
+    calls = []
+
+    def recorded_torch_split(*args, **kwargs):
+        calls.append(args)
+        return torch_split(*args, **kwargs)
+
+    monkeypatch.setattr(stage_mod, "_split_in_one_pass", lambda *args, **kwargs: None)
+    monkeypatch.setattr(stage_mod, "_split_with_torch", recorded_torch_split)
+    staged = golden_subject("dense").staged("all", run_aot)
+    assert calls
+    assert_saves_and_replays_the_plan(staged)
+
+
+def _joint_graph_split(fn, inputs, also_saved=(), **aot_options):
+    """The one-pass split of ``fn``'s joint graph as AOTAutograd traces it with
+    ``aot_options``, saving what torch's default partition saves and the ops ``also_saved``
+    names."""
+    from functorch.compile import aot_function, default_partition
+
+    splits = []
+
+    def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+        fwd, bwd = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        saved_names = {node.name for node in fwd.graph.output_node().args[0][num_fwd_outputs:]}
+        twin = copy.deepcopy(joint_module)
+        saved = [node for node in twin.graph.nodes if node.name in {*saved_names, *also_saved}]
+        splits.append(
+            stage_mod._split_in_one_pass(twin, saved, num_fwd_outputs=num_fwd_outputs)
+        )
+        return fwd, bwd
+
+    aot_function(fn, nop_compiler, nop_compiler, partition_fn=partition, **aot_options)(
+        *inputs
+    ).sum().backward()
+    return splits[0]
+
+
+def _matmul_relu(x, w):
+    return (x @ w).relu() * 2
+
+
+def _matmul_relu_inputs():
+    return torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+
+def test_one_pass_split_handles_a_static_joint_graph():
+    assert _joint_graph_split(_matmul_relu, _matmul_relu_inputs()) is not None
+
+
+@pytest.mark.parametrize(
+    "also_saved, options",
+    [
+        pytest.param((), {"dynamic": True}, id="symbolic-shapes"),
+        pytest.param(("mul",), {}, id="saved-value-backward-does-not-read"),
+    ],
+)
+def test_one_pass_split_declines_symbolic_shapes_and_unread_saved_values(also_saved, options):
+    """Symbolic sizes to save are torch's to handle, and a saved value backward does not read
+    torch drops from the saved set: the one-pass split declines such graphs (the stage then
+    takes torch's)."""
+    split = _joint_graph_split(_matmul_relu, _matmul_relu_inputs(), also_saved, **options)
+    assert split is None
 
 
 # --------------------------------------------------------------------------------------------
