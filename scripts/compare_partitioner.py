@@ -39,7 +39,11 @@ partitioner median divided by each planner median. What each timing includes:
 
     source scripts/env.sh
     python scripts/compare_partitioner.py [--model dense] [--layers 12 60 ...] [--runs 5]
-        [--planner target/release/planner] [--budget-fraction 0.5]
+        [--planner target/release/planner] [--budget-fraction 0.5] [--lazy]
+
+A full garbage collection runs before every timed call. ``--lazy`` runs everything with lazy
+graph modules, as ``torch.compile`` does: the partitioners then leave the Python code of the
+graphs they build to the graphs' first call.
 
 The in-process figures depend on how the native extension was built: ``scripts/setup.sh``
 builds it optimised unless ``PLANNER_NATIVE_PROFILE=dev``; the script says which.
@@ -51,6 +55,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import operator
 import os
 import statistics
@@ -68,6 +73,7 @@ import torch.fx as fx
 from functorch.compile import aot_module
 from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 import recompute_planner as rp
 from recompute_planner import _native
@@ -170,10 +176,13 @@ class Timing:
 
 
 def time_runs(runs: int, prepare: Callable[[], Any], body: Callable[[Any], Any]) -> list[float]:
-    """Times ``body(prepare())`` ``runs`` times; ``prepare`` (a fresh copy) is not timed."""
+    """Times ``body(prepare())`` ``runs`` times; ``prepare`` (a fresh copy) is not timed. A full
+    garbage collection runs before each timed call: on a heap of this size one costs most of a
+    second, and it would land in whichever contender happened to trigger it."""
     seconds = []
     for _ in range(runs):
         arg = prepare()
+        gc.collect()
         start = time.perf_counter()
         body(arg)
         seconds.append(time.perf_counter() - start)
@@ -472,6 +481,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-fraction", type=float, default=DEFAULT_BUDGET_FRACTION,
         help="torch's activation_memory_budget, and the planner's analogue (default: 0.5)",
     )
+    parser.add_argument(
+        "--lazy", action="store_true",
+        help="lazy graph modules, as torch.compile makes them: every contender leaves the "
+        "Python code of the graphs it builds to their first call",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or min(args.layers) < 1:
         parser.error("--runs and --layers must be positive")
@@ -490,7 +504,10 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     print(native_build_line(), flush=True)
     start = time.perf_counter()
     results = []
-    with tempfile.TemporaryDirectory(prefix="compare-partitioner-") as workdir:
+    lazy = _use_lazy_graph_module(True) if args.lazy else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="compare-partitioner-") as workdir, lazy:
+        if args.lazy:
+            print("lazy graph modules (as under torch.compile): code generated on first use")
         for layers in args.layers:
             result = compare(
                 args.model, layers, runs=args.runs, planner=args.planner,
