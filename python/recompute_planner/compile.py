@@ -331,18 +331,26 @@ def partition_from_plan(
 def _split_with_torch(
     joint_module: fx.GraphModule, saved: list[fx.Node], *, num_fwd_outputs: int
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """torch's ``_extract_fwd_bwd_modules`` (three copies of the graph), then the replay moved
-    to first use and getitems raised in place; code not generated."""
-    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    """torch's ``_extract_fwd_bwd_modules`` (three copies of the graph), then, in place, the
+    order the one-pass split emits: the replay at first use, getitems after their producers;
+    code not generated."""
+    from torch._functorch.partitioners import (  # type: ignore[attr-defined]  # private
+        _extract_fwd_bwd_modules,
+        _is_tangent,
+    )
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     with _use_lazy_graph_module(True):
         forward, backward = _extract_fwd_bwd_modules(
             joint_module, saved, [], num_fwd_outputs=num_fwd_outputs
         )
-    _replay_at_first_use(backward.graph)
-    for module in (forward, backward):
-        _raise_getitems(module.graph)
+    _reorder(forward.graph, _getitems_after_producers(_ops(forward.graph)))
+    tangents = [node for node in backward.graph.find_nodes(op="placeholder") if _is_tangent(node)]
+    outputs = list(backward.graph.output_node().args[0])  # type: ignore[arg-type]
+    _reorder(
+        backward.graph,
+        _getitems_after_producers(_at_first_use(_ops(backward.graph), tangents, outputs)),
+    )
     return forward, backward
 
 
@@ -522,7 +530,7 @@ def _at_first_use(
     """``nodes`` (a backward's ops in graph order) with the ops before the first that reads a
     tangent (the replay) each moved to just before the first op that needs it, in their
     original order, as the autograd engine would run them; in-place ``copy_`` writes stay
-    first, ops nothing needs are dropped. The order ``_replay_at_first_use`` makes in place."""
+    first, ops nothing needs are dropped."""
     tangent_set = set(tangents)
     first = next(
         (k for k, node in enumerate(nodes)
@@ -604,60 +612,21 @@ def _emit_graph(
     return graph
 
 
-def _replay_at_first_use(graph: fx.Graph) -> None:
-    """Moves the ops a backward graph runs before its first backward op (the replay, as
-    extracted in forward order) to just before the first op that needs each, in their original
-    order, as the autograd engine would run them; ops nothing needs are dropped, in-place
-    ``copy_`` writes to inputs stay first. In place; what ``reordering_to_mimic_autograd_engine``
-    gives by copying the graph."""
-    from torch._functorch.partitioners import (  # type: ignore[attr-defined]  # private
-        _is_tangent as is_tangent_node,
-    )
+def _ops(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes of ``graph`` between its placeholders and its output, in order."""
+    return [node for node in graph.nodes if node.op not in ("placeholder", "output")]
 
-    nodes = list(graph.nodes)
-    order = {node: i for i, node in enumerate(nodes)}
-    first_backward = min(
-        (user for node in nodes if is_tangent_node(node) for user in node.users),
-        key=order.__getitem__,
-        default=None,
-    )
-    if first_backward is None:
-        return
-    head = nodes[: order[first_backward]]
-    placed = {node for node in head if node.op == "placeholder"}
 
-    def place_before(node: fx.Node, anchor: fx.Node | None) -> None:
-        """``node`` and the ops of the head it needs that are not placed yet, in their original
-        order, just before ``anchor`` (where they are when ``anchor`` is None)."""
-        pending: set[fx.Node] = set()
-        stack = [node]
-        while stack:
-            current = stack.pop()
-            if current in placed or current in pending:
-                continue
-            pending.add(current)
-            stack.extend(current.all_input_nodes)
-        for current in sorted(pending, key=order.__getitem__):
-            if anchor is not None and current is not anchor:
-                anchor.prepend(current)
-            placed.add(current)
-
-    for node in head:
-        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default:
-            place_before(node, None)
-    for node in nodes[order[first_backward] :]:
-        place_before(node, node)
-    for node in reversed(head):
-        if node not in placed and not node.users:
+def _reorder(graph: fx.Graph, order: list[fx.Node]) -> None:
+    """Puts the ops of ``graph`` in ``order`` just before its output, in place, and erases the
+    ops ``order`` leaves out (nothing it keeps reads them)."""
+    output = graph.output_node()
+    for node in order:
+        output.prepend(node)
+    kept = set(order)
+    for node in reversed(_ops(graph)):
+        if node not in kept:
             graph.erase_node(node)
-
-
-def _raise_getitems(graph: fx.Graph) -> None:
-    """Moves each ``getitem`` to just after its producer (their relative order kept), so a
-    multi-output result's parts are unpacked, and can be freed, at once. In place; what torch's
-    ``raise_getitems`` does before regenerating the module's code."""
-    for node in reversed(list(graph.find_nodes(op="call_function", target=operator.getitem))):
-        node.all_input_nodes[0].append(node)
 
 
 def _lazy_graph_modules() -> bool:
