@@ -64,6 +64,7 @@ IR mapping (the contract the Rust loader and planner rely on):
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1019,16 +1020,16 @@ def _node_proto(
     *,
     default_model: str,
 ) -> graph_pb2.Node:
-    op = _op_overload(node)
-    inputs, positions, attributes = _inputs_and_attributes(node, op, names)
+    facts = _op_facts(_op_overload(node))
+    inputs, positions, attributes = _inputs_and_attributes(node, facts, names)
     proto = graph_pb2.Node(
         name=node.name,
-        op=str(op),
+        op=facts.name,
         inputs=inputs,
         outputs=names.of(node),
         attributes=attributes,
         phase=graph_pb2.PHASE_FORWARD if is_forward else graph_pb2.PHASE_BACKWARD,
-        schema=schema_facts(op, positions),
+        schema=facts.schema(positions),
         stack_trace=_stack_trace(node),
     )
     _annotate(proto, node, models, default_model)
@@ -1044,21 +1045,81 @@ def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
     return node.target
 
 
-def _bound_arguments(node: fx.Node, op: torch._ops.OpOverload) -> Iterator[tuple[Any, Any]]:
+@dataclass(frozen=True)
+class _ArgumentFacts:
+    """What the exporter reads of one schema argument, read from the schema once per op."""
+
+    name: str
+    kwarg_only: bool
+    is_tensor: bool  # Tensor, Tensor?, Tensor[] or Tensor?[]
+    has_default: bool
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """An operator's name, arguments and schema facts, computed once per operator overload:
+    a graph calls the same few dozen overloads thousands of times, and reading a schema from
+    Python costs more than building the node's IR."""
+
+    name: str  # namespace.name.overload
+    arguments: tuple[_ArgumentFacts, ...]
+    written: tuple[str, ...]  # the arguments the op writes, ``(a!)``
+    view_of: str | None  # the argument its first output is a view of
+    random: bool
+    collective: int
+
+    def schema(self, positions: dict[str, list[int]]) -> graph_pb2.SchemaFacts:
+        """The node's schema facts; ``positions`` maps each tensor argument name to its
+        positions in the node's IR inputs."""
+        facts = graph_pb2.SchemaFacts(
+            mutates=sorted(p for name in self.written for p in positions.get(name, [])),
+            random=self.random,
+            collective=self.collective,
+        )
+        if self.view_of is not None and positions.get(self.view_of):
+            facts.view_of = positions[self.view_of][0]
+        return facts
+
+
+@functools.cache
+def _op_facts(op: torch._ops.OpOverload) -> _OpFacts:
+    arguments = op._schema.arguments
+    return _OpFacts(
+        name=str(op),
+        arguments=tuple(
+            _ArgumentFacts(
+                name=arg.name,
+                kwarg_only=arg.kwarg_only,
+                is_tensor=_is_tensor_type(arg.type),
+                has_default=arg.has_default_value(),
+            )
+            for arg in arguments
+        ),
+        written=tuple(
+            arg.name for arg in arguments if arg.alias_info is not None and arg.alias_info.is_write
+        ),
+        view_of=_view_base(op),
+        random=is_random(op),
+        collective=_collective_kind(op),
+    )
+
+
+def _bound_arguments(node: fx.Node, facts: _OpFacts) -> Iterator[tuple[_ArgumentFacts, Any]]:
     """(schema argument, value) for every schema argument the node passes, in schema order.
 
     Arguments left at their default are skipped (None for tensors): FX records only what the
     caller passed, and Python sees enum defaults (``ScalarType dtype=long``) as bare ints.
     """
-    for index, arg in enumerate(op._schema.arguments):
-        if index < len(node.args) and not arg.kwarg_only:
-            yield arg, node.args[index]
-        elif arg.name in node.kwargs:
-            yield arg, node.kwargs[arg.name]
-        elif _is_tensor_type(arg.type):
+    args, kwargs = node.args, node.kwargs
+    for index, arg in enumerate(facts.arguments):
+        if index < len(args) and not arg.kwarg_only:
+            yield arg, args[index]
+        elif arg.name in kwargs:
+            yield arg, kwargs[arg.name]
+        elif arg.is_tensor:
             yield arg, None
-        elif not arg.has_default_value():
-            raise ValueError(f"node `{node.name}` ({op}): argument `{arg.name}` is missing")
+        elif not arg.has_default:
+            raise ValueError(f"node `{node.name}` ({facts.name}): argument `{arg.name}` is missing")
 
 
 def _is_tensor_type(schema_type: Any) -> bool:
@@ -1071,7 +1132,7 @@ def _is_tensor_type(schema_type: Any) -> bool:
 
 
 def _inputs_and_attributes(
-    node: fx.Node, op: torch._ops.OpOverload, names: _ValueNames
+    node: fx.Node, facts: _OpFacts, names: _ValueNames
 ) -> tuple[list[str], dict[str, list[int]], list[graph_pb2.Attribute]]:
     """Splits the arguments into IR inputs (tensors) and attributes (the rest).
 
@@ -1083,8 +1144,8 @@ def _inputs_and_attributes(
     positions: dict[str, list[int]] = {}
     attributes: list[graph_pb2.Attribute] = []
     absent: list[str] = []
-    for arg, value in _bound_arguments(node, op):
-        if _is_tensor_type(arg.type) and not isinstance(value, (bool, int, float)):
+    for arg, value in _bound_arguments(node, facts):
+        if arg.is_tensor and not isinstance(value, (bool, int, float)):
             start = len(inputs)
             for slot, item in _tensor_argument_items(node, arg.name, value):
                 if item is None:
@@ -1181,20 +1242,7 @@ def schema_facts(
 
     ``positions`` maps each tensor argument name to its positions in the node's IR inputs.
     """
-    facts = graph_pb2.SchemaFacts(
-        mutates=sorted(
-            p
-            for arg in op._schema.arguments
-            if arg.alias_info is not None and arg.alias_info.is_write
-            for p in positions.get(arg.name, [])
-        ),
-        random=is_random(op),
-        collective=_collective_kind(op),
-    )
-    view_of = _view_base(op)
-    if view_of is not None and positions.get(view_of):
-        facts.view_of = positions[view_of][0]
-    return facts
+    return _op_facts(op).schema(positions)
 
 
 def _view_base(op: torch._ops.OpOverload) -> str | None:
