@@ -777,12 +777,16 @@ class _ValueNames:
         A ``getitem`` reading a list inside the result (``c10d`` ops return ``(Tensor[],
         Work)``) stands for the slots under its index path.
         """
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):  # one output, read by name (most ops)
+            self._names[node] = [node.name]
+            return [(node.name, val)]
         readers = _getitem_paths(node)
         slots = []  # (index path into the result, value name, fake tensor)
-        for index, (path, val) in enumerate(_tensor_leaves(node.meta.get("val"))):
+        for index, (path, leaf) in enumerate(_tensor_leaves(val)):
             reader = readers.get(path)
             name = reader.name if reader is not None else _unread_output_name(node, path, index)
-            slots.append((path, name, val))
+            slots.append((path, name, leaf))
         self._names[node] = [name for _, name, _ in slots]
         for reader, prefix in _all_getitems(node):
             self._names[reader] = [n for p, n, _ in slots if p[: len(prefix)] == prefix]
