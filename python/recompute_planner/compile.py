@@ -305,14 +305,14 @@ def partition_from_plan(
     and copies every forward op it needs and cannot read from them: the replay, each replayed
     op placed just before its first backward use, as the plan schedules replay, and each
     ``getitem`` just after its producer, so multi-output results are freed early.
-    ``_split_in_one_pass`` copies the backward's nodes once and cuts the joint graph down to the
-    forward in place; a joint graph with a feature it does not handle (symbolic shapes,
+    ``_split_in_one_pass`` copies the forward's nodes once and cuts the joint graph down to the
+    backward in place; a joint graph with a feature it does not handle (symbolic shapes,
     random-seed or backward-state inputs, submodules, saved values backward does not read) goes
     through torch's ``_extract_fwd_bwd_modules`` and the same reordering in place
     (``_split_with_torch``). Each graph's Python code is generated once, at the end, or, where
     lazy graph modules are on (as ``torch.compile`` compiles), on first use, as torch's
-    partitioners leave it. ``joint_module`` is consumed (its graph may become the forward's; its
-    code is not regenerated). Raises ``PartitionMismatch`` if the result saves or replays
+    partitioners leave it. ``joint_module`` is consumed (its graph may become the backward's;
+    its code is not regenerated). Raises ``PartitionMismatch`` if the result saves or replays
     anything else.
     """
     stand_ins = _marker_stand_ins(joint_module.graph)
@@ -363,8 +363,8 @@ def _split_in_one_pass(
     joint_module: fx.GraphModule, saved: list[fx.Node], *, num_fwd_outputs: int
 ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
     """The forward and backward modules ``_extract_fwd_bwd_modules`` makes for ``saved``, built
-    with one copy of each node the backward keeps, the forward cut out of the joint graph in
-    place (after the backward is copied), the backward in replay-at-first-use order with
+    with one copy of each node the forward keeps, the backward cut out of the joint graph in
+    place (after the forward is copied), the backward in replay-at-first-use order with
     getitems raised (code not generated); None for a graph it does not handle.
 
     As torch's: each half holds the ops computable from its inputs (the primals; the saved
@@ -411,24 +411,22 @@ def _split_in_one_pass(
          SavedForBackwardsAOTOutput)(i)
         for i in range(len(saved))
     ]
-    backward_graph = _emit_graph(
-        [*saved, *tangents],
-        _getitems_after_producers(_at_first_use(backward_nodes, tangents, bwd_outputs)),
-        bwd_outputs, bwd_descs,
-    )
-    for node in backward_graph.nodes:
-        if node.op in ("call_function", "get_attr"):
-            node.meta["autograd_backward"] = True
-    # The backward is a copy; the forward is the joint graph itself, cut down in place (erasing
-    # a node costs a fraction of copying one), once the backward no longer reads it.
-    _cut_to(
-        graph, _getitems_after_producers(forward_nodes), tangents, [*fwd_outputs, *saved],
+    # The forward (the smaller half: the backward holds the replay too) is a copy; the backward
+    # is the joint graph itself, cut down in place once the forward is copied out of it
+    # (erasing a node costs a fraction of copying one).
+    forward_graph = _emit_graph(
+        primals, _getitems_after_producers(forward_nodes), [*fwd_outputs, *saved],
         [*fwd_descs, *saved_descs],
     )
+    backward_order = _getitems_after_producers(_at_first_use(backward_nodes, tangents, bwd_outputs))
+    _cut_to(graph, [*saved, *tangents], backward_order, bwd_outputs, bwd_descs)
+    for node in backward_order:
+        if node.op in ("call_function", "get_attr"):
+            node.meta["autograd_backward"] = True
     with _use_lazy_graph_module(True):
         return (
+            _make_graph_module(joint_module, forward_graph),
             _make_graph_module(joint_module, graph),
-            _make_graph_module(joint_module, backward_graph),
         )
 
 
@@ -613,21 +611,36 @@ def _emit_graph(
 
 def _cut_to(
     graph: fx.Graph,
+    inputs: list[fx.Node],
     nodes: list[fx.Node],
-    dropped_inputs: list[fx.Node],
     outputs: list[Any],
     output_descs: list[Any],
 ) -> None:
-    """Makes ``graph`` the graph ``_emit_graph`` would copy out of it, in place: ``nodes`` in
-    order, returning ``outputs``; the other ops and the placeholders ``dropped_inputs`` erased
-    (``nodes`` read none of them), its inputs passed flat, as the joint graph's are not."""
+    """Makes ``graph`` the graph ``_emit_graph`` would copy out of it, in place: a placeholder
+    per input in order (an op among them becomes one: the same node, name and metadata), then
+    ``nodes`` in order, returning ``outputs``; everything else erased (``nodes`` read nothing
+    else), its inputs passed flat, as the joint graph's are not."""
     output = graph.output_node()
     output.args = (tuple(outputs),)
     _set_output_meta(output, output_descs)
-    _reorder(graph, nodes)
-    for node in dropped_inputs:
-        graph.erase_node(node)
+    for node in inputs:
+        if node.op != "placeholder":
+            _make_placeholder(node)
+    for node in [*inputs, *nodes]:
+        output.prepend(node)
+    kept = {*inputs, *nodes, output}
+    for node in list(reversed(graph.nodes)):
+        if node not in kept:
+            graph.erase_node(node)
     graph.set_codegen(fx.graph.CodeGen())
+
+
+def _make_placeholder(node: fx.Node) -> None:
+    """Turns op ``node`` into a placeholder of the same name, reading nothing."""
+    node.args = ()
+    node.kwargs = {}
+    node.op = "placeholder"
+    node.target = node.name
 
 
 def _set_output_meta(output: fx.Node, output_descs: list[Any]) -> None:
