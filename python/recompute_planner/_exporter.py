@@ -511,7 +511,9 @@ def flat_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> list[FlatInpu
     """
     if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
-    state = [(graph_pb2.ROLE_PARAMETER, n, t) for n, t in module.named_parameters()]
+    state: list[tuple[int, str, torch.Tensor]] = [
+        (graph_pb2.ROLE_PARAMETER, n, t) for n, t in module.named_parameters()
+    ]
     state += [(graph_pb2.ROLE_BUFFER, n, t) for n, t in module.named_buffers()]
     flat = [FlatInput(plain_path(n), role, t, path=n) for role, n, t in state]
     flat += [FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]

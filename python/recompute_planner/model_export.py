@@ -36,6 +36,14 @@ inputs (no mask where eager attends plainly causally), and is traced as eager ru
 (``is_compiling()`` false inside), so the graph runs the ops eager runs and eager selective
 checkpointing matches it.
 
+Compiled submodules (``module.compile()``, ``torch.compile(module)``) need no annotation: the
+export traces their contents, op by op, as the compiled region named after the module's path
+(``markers.compiled_region``, where the planner keeps nothing), and parameters are named as in
+the model without ``torch.compile`` (no ``_orig_mod``). They run their own code, not compiled
+code, throughout the export (the masks' forward and the reference step included). A model
+compiled as a whole, or a function compiled on its own that the step calls, is an
+``ExportError`` saying what to compile instead.
+
 The known tracing failures are raised as ``ExportError``: its first line names the cause and
 the fix, and what torch logged while tracing (held back meanwhile) follows it. A
 model that enables its own gradient checkpointing gets a warning: the export turns it off

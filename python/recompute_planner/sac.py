@@ -11,8 +11,8 @@ with the model's KV cache off meanwhile (as HuggingFace's gradient checkpointing
 
 Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
-each to the next graph op of the same op (the overload ignored, so an inductor-compiled
-region's ``mm.out`` is ``mm``). Markers take no part on either side: the plan never keeps one
+each to the next graph op of the same op (the overload ignored: ``mm.out`` is ``mm``). Markers
+take no part on either side: the plan never keeps one
 (they are identities, always recomputed), and eager may run markers the graph lacks or lack
 markers the graph has (an op interval's tentative ends, ``recompute_planner.annotate``), so
 an eager marker is recomputed unmatched and the graph's are left out of the matching. Other
@@ -35,6 +35,16 @@ ops that appear in one stream only are tolerated:
 but a kept graph op may never be skipped: when the eager stream does not reach it, the
 forward raises ``SacMismatchError`` naming the kept op and the first eager op that did not
 match, instead of saving the wrong tensors.
+
+Compiled submodules (``module.compile()``, ``torch.compile(module)``) run compiled inside the
+checkpoint, one call per region; the plan keeps nothing in them (the graph has their region,
+``recompute_planner.export``), and their compiled code re-runs in recompute. Their code
+dispatches other ops than the graph has (inductor's: ``mm.out``, fallbacks such as ``topk``,
+no pointwise op), so ``checkpoint_module`` follows their calls (``_CompiledCall``): while one
+runs, the ops it dispatches are recomputed unmatched, and when it begins, the graph's run of
+compiled-region ops that comes next is passed over (``_Matcher.enter_compiled``). A checkpoint
+that does not follow them (``context_fn`` under a checkpoint of one's own) matches their ops
+one by one, which holds for ``aot_eager``'s but not for inductor's; its mismatch says so.
 
 Forward and recompute. The policy matches in forward only: the decisions a forward made are
 replayed, op by op, when torch asks again in recompute (``ctx.is_recompute``: torch before
@@ -297,32 +307,32 @@ class _Matcher:
 
     def _raise(self, index: int, eager_op: str) -> None:
         layer, position = self.layer, self.ops[index]
-        kept = f"`{layer.names[position]}` ({layer.ops[position]}, op #{position} of the layer)"
-        where = f"layer {layer.layer} of model `{layer.model}`"
-        if any(self.compiled[self.next : index]) and not self.regions:
-            raise SacMismatchError(
-                f"{where}: the plan's graph runs compiled-region ops before the kept {kept}, but "
-                f"no compiled submodule of the layer announced its call, and the eager layer "
-                f"reached {eager_op} instead. Fix: checkpoint the layer with "
-                "sac.checkpoint_module or sac.checkpoint_layers, which follow the calls of its "
-                "compiled submodules (module.compile(), torch.compile(module)); a function "
-                "compiled on its own cannot be followed: compile a submodule instead"
-            )
         raise SacMismatchError(
-            f"{where}: the plan keeps {kept}, but the eager layer reached "
+            f"layer {layer.layer} of model `{layer.model}`: the plan keeps "
+            f"`{layer.names[position]}` ({layer.ops[position]}, op #{position} of the layer), "
+            "but the eager layer reached "
             f"{eager_op} without running it; the model's eager op stream does not match the "
             "graph the plan was made for (re-export the model, or plan the graph it runs)"
-            + self._regions_note()
+            + self._compiled_note(index)
         )
 
-    def _regions_note(self) -> str:
-        if not self.regions:
-            return ""
-        regions = ", ".join(f"`{r}`" for r in dict.fromkeys(self.regions))
-        return (
-            f"; compiled regions the layer ran: {regions} (export the model with its "
-            "submodules compiled as they run here, so the graph has their regions)"
-        )
+    def _compiled_note(self, index: int) -> str:
+        """What compiled regions may have to do with a mismatch before graph op ``index``."""
+        if self.regions:
+            regions = ", ".join(f"`{r}`" for r in dict.fromkeys(self.regions))
+            return (
+                f"; the layer ran compiled regions {regions}: export the model with its "
+                "submodules compiled as they run here, so that the graph has their regions"
+            )
+        if any(self.compiled[self.next : index]):
+            return (
+                "; the graph runs compiled-region ops before it, and no compiled submodule "
+                "announced its call: if they run compiled here, checkpoint the layer with "
+                "sac.checkpoint_module or sac.checkpoint_layers, which follow the calls of its "
+                "compiled submodules (module.compile(), torch.compile(module); a function "
+                "compiled on its own cannot be followed: compile a submodule instead)"
+            )
+        return ""
 
 
 class RecomputeCounter(TorchDispatchMode):
