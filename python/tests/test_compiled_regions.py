@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import recompute_planner as rp
+from export_support import planner_run
 from recompute_planner import sac
 from recompute_planner._zoo.catalog import make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
@@ -90,6 +91,8 @@ class Case:
     cfg: ZooConfig
     path: str
     keep: tuple[str, ...]
+    # The regions the zoo model marks itself with the stand-in.
+    zoo_regions: tuple[str, ...] = ()
 
     def build(self) -> CausalLM:
         model = CausalLM(self.cfg)
@@ -100,20 +103,30 @@ class Case:
 
 
 MOE_ROUTERS = Case("moe-routers", MOE, "gate", ("SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MOE_DISPATCH"))
-DSA_INDEXER = Case("dsa-indexer", DSA, "self_attn.indexer", ("SAVE_DSA_INDEXER",))
+DSA_INDEXER = Case(
+    "dsa-indexer",
+    DSA,
+    "self_attn.indexer",
+    ("SAVE_DSA_INDEXER",),
+    zoo_regions=("layers.0.self_attn.sparse_attention", "layers.1.self_attn.sparse_attention"),
+)
+
+
+def compile_module(module: nn.Module, form: str, backend: str = "aot_eager") -> nn.Module:
+    """`module` compiled as users do: `form` "wrap" is `torch.compile(module)` (returned, to
+    put in its place), "method" is `module.compile()` (`module` itself)."""
+    if form == "wrap":
+        return torch.compile(module, backend=backend)
+    module.compile(backend=backend)
+    return module
 
 
 def compiled(model: CausalLM, path: str, form: str, backend: str = "aot_eager") -> CausalLM:
-    """`model` with submodule `path` of every layer compiled: `form` "wrap" puts
-    `torch.compile(submodule)` in its place, "method" calls `submodule.compile()`."""
+    """`model` with submodule `path` of every layer compiled (`compile_module`)."""
     for layer in model.layers:
         owner_path, _, name = path.rpartition(".")
         owner = layer.get_submodule(owner_path)
-        submodule = getattr(owner, name)
-        if form == "wrap":
-            setattr(owner, name, torch.compile(submodule, backend=backend))
-        else:
-            submodule.compile(backend=backend)
+        setattr(owner, name, compile_module(getattr(owner, name), form, backend))
     return model
 
 
@@ -148,16 +161,18 @@ def planned(graph, keep) -> rp.Plan:
     [(MOE_ROUTERS, "wrap"), (MOE_ROUTERS, "method"), (DSA_INDEXER, "wrap")],
     ids=["moe-routers-torch.compile", "moe-routers-.compile()", "dsa-indexer-torch.compile"],
 )
-def test_a_compiled_submodule_exports_as_the_stand_in_region_of_its_path(case, form):
-    graph = exported(compiled(case.build(), case.path, form), case).graph
+def test_a_compiled_submodule_exports_as_the_stand_in_region_of_its_path(case, form, tmp_path):
+    result = exported(compiled(case.build(), case.path, form), case)
+    graph = result.graph
     assert graph == exported(stand_in(case.build(), case.path), case).graph
-    # The zoo's DSA marks its sparse attention compiled with the stand-in itself.
-    zoo_regions = {n.compiled_region for n in exported(case.build(), case).graph.nodes}
     regions = {n.compiled_region: n.module_path for n in graph.nodes}
-    assert sorted(set(regions) - zoo_regions) == case.regions()
+    assert set(regions) == {"", *case.regions(), *case.zoo_regions}
     assert all(regions[region].startswith(region) for region in case.regions())
-    # Parameters are named as in the model without torch.compile.
+    # Parameters are named as in the model without torch.compile, in the graph and in the
+    # reference `planner run` checks the graph against.
     assert not [v.name for v in graph.values if "_orig_mod" in v.name]
+    done = planner_run(str(result.write(tmp_path / "step.pb")[0]), "--check")
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_plan_keeps_nothing_in_a_compiled_submodule():
@@ -267,15 +282,13 @@ def test_checkpoint_layers_follows_compiled_calls_until_removed():
     assert [layer.gate.forward for layer in model.layers] == calls
 
 
-def test_a_compiled_model_is_refused_with_its_cause_and_fix():
-    cfg = MOE
-    for model in (torch.compile(CausalLM(cfg)), CausalLM(cfg)):
-        if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model.compile()
-        with pytest.raises(rp.ExportError) as raised:
-            rp.export(model, make_inputs(cfg), models=model_decls(cfg))
-        assert str(raised.value).startswith("the model itself is compiled")
-        assert "Fix: export the model as it is before compiling it" in str(raised.value)
+@pytest.mark.parametrize("form", ["wrap", "method"])
+def test_a_compiled_model_is_refused_with_its_cause_and_fix(form):
+    model = compile_module(CausalLM(MOE), form)
+    with pytest.raises(rp.ExportError) as raised:
+        rp.export(model, make_inputs(MOE), models=model_decls(MOE))
+    assert str(raised.value).startswith("the model itself is compiled")
+    assert "Fix: export the model as it is before compiling it" in str(raised.value)
 
 
 class CompiledFunctionModel(nn.Module):
@@ -299,6 +312,41 @@ def test_a_compiled_function_in_the_step_is_explained_first():
 
 def test_checkpointing_a_layer_compiled_as_a_whole_is_refused_with_the_fix():
     model = CausalLM(MOE)
-    model.layers[0].compile(backend="aot_eager")
+    compile_module(model.layers[0], "method")
     with pytest.raises(ValueError, match="compiled as a whole .* Fix: compile the layer's"):
         sac.checkpoint_module(model.layers[0])
+
+
+def test_a_stock_moe_with_compiled_routers_runs_its_plan_bit_identically():
+    """Qwen3-MoE as HuggingFace writes it, its routers under `torch.compile`: the README's
+    recipe (annotate, export, plan) gives the routers' regions, SAVE_MOE_GATE keeps nothing
+    in them while SAVE_ATTN keeps attention, and eager SAC matches the plain step exactly."""
+    pytest.importorskip("transformers")
+    from test_model_export import MOE_UNITS, qwen3_moe, tokens
+
+    model = qwen3_moe()
+    for layer in model.model.layers:
+        layer.mlp.gate = torch.compile(layer.mlp.gate, backend="aot_eager")
+    rp.annotate(model, units=MOE_UNITS)
+    batch = tokens(torch.bfloat16)
+    graph = rp.export(model, batch).graph
+    regions = {n.compiled_region for n in graph.nodes} - {""}
+    assert regions == {f"{MODEL_PATH}.model.layers.{i}.mlp.gate" for i in (0, 1)}
+    plan = planned(graph, list(MOE_UNITS))
+    assert {(n.layer, n.unit) for n in plan.nodes if n.decision == "save"} == {
+        (0, "SAVE_ATTN"),
+        (1, "SAVE_ATTN"),
+    }
+
+    def step():
+        loss = model(**batch).loss
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    policies = sac.checkpoint_layers(model.model.layers, plan)
+    loss, grads = step()
+    policies.remove()
+    plain_loss, plain_grads = step()
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    held = {layer: policy.held_bytes() for layer, policy in policies.items()}
+    assert held == held_by_plan(graph, plan)
