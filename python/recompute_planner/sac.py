@@ -11,9 +11,9 @@ with the model's KV cache off meanwhile (as HuggingFace's gradient checkpointing
 
 Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
-each to the next graph op of the same op (the overload ignored: ``mm.out`` is ``mm``). Markers
-take no part on either side: the plan never keeps one
-(they are identities, always recomputed), and eager may run markers the graph lacks or lack
+each to the next graph op of the same op (the overload ignored: ``mm.out`` is ``mm``).
+Markers take no part on either side: the plan never keeps one (they are identities, always
+recomputed), and eager may run markers the graph lacks or lack
 markers the graph has (an op interval's tentative ends, ``recompute_planner.annotate``), so
 an eager marker is recomputed unmatched and the graph's are left out of the matching. Other
 ops that appear in one stream only are tolerated:
@@ -215,7 +215,8 @@ class _Matcher:
         self.names = [layer.names[i] for i in self.ops]
         self.compiled = [bool(layer.compiled) and layer.compiled[i] for i in self.ops]
         self.next = 0  # the next graph op to match
-        self.regions: list[str] = []  # the compiled regions eager entered, in order
+        # Compiled regions eager entered where the graph has no compiled ops, in order.
+        self.unplanned_regions: list[str] = []
         self.matched: list[str] = []  # graph node names matched, in order
         self.first_unmatched: str | None = None  # the first eager op with no graph op
         self.tolerated: list[str] = []  # graph ops eager computes otherwise (composites)
@@ -262,10 +263,10 @@ class _Matcher:
         the graph's run of compiled ops that comes next (at most ``LOOKAHEAD`` ops on) is
         passed over, never kept; the ops before it must not be kept either. A graph without
         compiled ops there passes over nothing (the ops eager runs inside are recomputed)."""
-        self.regions.append(region)
         end = min(self.next + LOOKAHEAD, len(self.packets))
         start = next((i for i in range(self.next, end) if self.compiled[i]), None)
         if start is None:
+            self.unplanned_regions.append(region)
             return
         skipped_kept = [i for i in range(self.next, start) if self.keep[i]]
         if skipped_kept:
@@ -318,16 +319,16 @@ class _Matcher:
 
     def _compiled_note(self, index: int) -> str:
         """What compiled regions may have to do with a mismatch before graph op ``index``."""
-        if self.regions:
-            regions = ", ".join(f"`{r}`" for r in dict.fromkeys(self.regions))
+        if self.unplanned_regions:
+            regions = ", ".join(f"`{r}`" for r in dict.fromkeys(self.unplanned_regions))
             return (
-                f"; the layer ran compiled regions {regions}: export the model with its "
-                "submodules compiled as they run here, so that the graph has their regions"
+                f"; the layer ran compiled submodules the graph has no region for there "
+                f"({regions}): export the model with its submodules compiled as they run here"
             )
         if any(self.compiled[self.next : index]):
             return (
-                "; the graph runs compiled-region ops before it, and no compiled submodule "
-                "announced its call: if they run compiled here, checkpoint the layer with "
+                "; the graph runs compiled-region ops before it that no compiled submodule's "
+                "call passed over: if they run compiled here, checkpoint the layer with "
                 "sac.checkpoint_module or sac.checkpoint_layers, which follow the calls of its "
                 "compiled submodules (module.compile(), torch.compile(module); a function "
                 "compiled on its own cannot be followed: compile a submodule instead)"

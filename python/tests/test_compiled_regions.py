@@ -272,6 +272,19 @@ def test_sac_runs_an_inductor_compiled_indexer_and_names_the_fix_when_not_follow
     assert "if they run compiled here, checkpoint the layer with sac.checkpoint_module" in message
 
 
+def test_a_plan_without_the_compiled_regions_names_the_submodules_compiled_in_eager():
+    """The plan of the uncompiled model keeps the routers, which run compiled in eager: the
+    mismatch names the compiled submodules and says to export the model as it runs."""
+    case = MOE_ROUTERS
+    plan = planned(exported(case.build(), case).graph, ["SAVE_MOE_GATE"])
+    model = compiled(case.build(), case.path, "wrap")
+    with pytest.raises(rp.SacMismatchError) as raised:
+        train_step(model, case.cfg, plan)
+    message = str(raised.value)
+    assert message.startswith("layer 0 of model `main`: the plan keeps")
+    assert "compiled submodules the graph has no region for there (`gate`)" in message
+
+
 def test_checkpoint_layers_follows_compiled_calls_until_removed():
     model = compiled(CausalLM(MOE), "gate", "wrap")
     calls = [layer.gate.forward for layer in model.layers]
