@@ -175,6 +175,20 @@ def test_a_compiled_submodule_exports_as_the_stand_in_region_of_its_path(case, f
     assert done.returncode == 0, done.stderr
 
 
+def test_a_fake_export_traces_compiled_submodules_as_the_stand_in_regions_too():
+    """`fake=True` traces on fake tensors (`device_export`), the state passed by attribute
+    path (with `_orig_mod`) and named without it."""
+    case = MOE_ROUTERS
+
+    def fake_graph(model: CausalLM) -> graph_pb2.Graph:
+        inputs = make_inputs(case.cfg)
+        return rp.export(model, inputs, models=model_decls(case.cfg), fake=True).graph
+
+    graph = fake_graph(compiled(case.build(), case.path, "wrap"))
+    assert graph == fake_graph(stand_in(case.build(), case.path))
+    assert {n.compiled_region for n in graph.nodes} == {"", *case.regions()}
+
+
 def test_the_plan_keeps_nothing_in_a_compiled_submodule():
     """SAVE_MOE_GATE encloses exactly the compiled router: its ops are the region's, and the
     plan keeps none of them (the eager-contents rule), where it keeps them when eager."""
