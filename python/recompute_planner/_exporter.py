@@ -58,7 +58,10 @@ IR mapping (the contract the Rust loader and planner rely on):
   model would have;
 - ``node.meta["custom"]`` (``markers.layer_scope`` / ``compiled_region``) gives model, layer,
   micro-batch and compiled region; module forward hooks installed during capture record each
-  op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``).
+  op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``);
+- compiled submodules (``module.compile()``, ``torch.compile(module)``) run their own code while
+  the step is captured and its reference runs, inside ``compiled_region(<module path>)``
+  (``_compiled_regions.traced_as_regions``); paths and value names leave out ``_orig_mod``.
 """
 
 from __future__ import annotations
