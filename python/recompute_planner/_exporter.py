@@ -58,7 +58,10 @@ IR mapping (the contract the Rust loader and planner rely on):
   model would have;
 - ``node.meta["custom"]`` (``markers.layer_scope`` / ``compiled_region``) gives model, layer,
   micro-batch and compiled region; module forward hooks installed during capture record each
-  op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``).
+  op's innermost module path the same way (``aot_module`` records no ``nn_module_stack``);
+- compiled submodules (``module.compile()``, ``torch.compile(module)``) run their own code while
+  the step is captured and its reference runs, inside ``compiled_region(<module path>)``
+  (``_compiled_regions.traced_as_regions``); paths and value names leave out ``_orig_mod``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _native, markers
+from ._compiled_regions import plain_path, traced_as_regions
 from .errors import ExportError
 from .proto import graph_pb2
 
@@ -183,9 +187,11 @@ class ExportResult:
 class FlatInput:
     """One entry of AOTAutograd's flat input list (parameters, buffers, then arguments)."""
 
-    name: str
+    name: str  # the IR value's name
     role: int
     tensor: torch.Tensor
+    # Where ``functional_call`` finds it (``name`` but for the parts torch.compile adds).
+    path: str = ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,12 +213,16 @@ def export_joint(
 
     The eager reference step runs with the CPU generator seeded with ``seed`` inside a forked
     RNG state, and the module's tensors are restored afterwards, so exporting is free of side
-    effects and exporting twice gives the same files.
+    effects and exporting twice gives the same files. Compiled submodules run their own code
+    in eager there, as the graph has it (``traced_as_regions``): the export never runs
+    ``torch.compile``, which under the reference's dispatch mode would also leave them
+    running eagerly afterwards.
     """
     flat = flat_inputs(module, args)
-    joint, num_forward_outputs = capture(module, args, joint=True)
-    snapshot = [f.tensor.detach().clone() for f in flat]
-    loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
+    with traced_as_regions(module):  # the reference step runs no compiled code either
+        joint, num_forward_outputs = capture(module, args, joint=True)
+        snapshot = [f.tensor.detach().clone() for f in flat]
+        loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
     _restore(flat, snapshot)
     built = build_graph(
         joint,
@@ -380,6 +390,7 @@ def capture(
             grad_mode,
             fx_traceback.preserve_node_meta(),
             module_path_scopes(module),
+            traced_as_regions(module),
             _DropoutOffIsIdentity(),
             _traced_as_compiled(),
         ):
@@ -461,6 +472,9 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     forward hooks (``prepend``): a scope entered after another module hook's (a layer scope
     of ``recompute_planner.annotate``) is left before it, so each hook restores what it saw
     and no layer tag outlives its layer.
+
+    Paths leave out the ``_orig_mod`` of ``torch.compile(module)``: a compiled submodule's ops
+    are in its own path, as in the model without ``torch.compile``.
     """
     scopes: list[contextlib.ExitStack] = []
 
@@ -478,7 +492,7 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     handles = []
     for path, submodule in module.named_modules(remove_duplicate=False):
         if path:
-            handles.append(submodule.register_forward_pre_hook(enter(path)))
+            handles.append(submodule.register_forward_pre_hook(enter(plain_path(path))))
             handles.append(
                 submodule.register_forward_hook(leave, always_call=True, prepend=True)
             )
@@ -494,14 +508,18 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
 def flat_inputs(module: torch.nn.Module, args: tuple[Any, ...]) -> list[FlatInput]:
     """AOTAutograd's flat inputs of ``_aot_module(module)(*args)``, named as IR values.
 
-    Parameters and buffers keep their fully qualified names; a tensor registered under several
-    names (tied input and output embeddings) is one input, named by its first name, as
+    Parameters and buffers keep their fully qualified names (without the ``_orig_mod`` of
+    ``torch.compile(module)``: the names of the model without it); a tensor registered under
+    several names (tied input and output embeddings) is one input, named by its first name, as
     ``named_parameters()`` lists it; data arguments are ``input.<i>``.
     """
     if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError("args must be a tuple of tensors (the module's positional inputs)")
-    flat = [FlatInput(n, graph_pb2.ROLE_PARAMETER, t) for n, t in module.named_parameters()]
-    flat += [FlatInput(n, graph_pb2.ROLE_BUFFER, t) for n, t in module.named_buffers()]
+    state: list[tuple[int, str, torch.Tensor]] = [
+        (graph_pb2.ROLE_PARAMETER, n, t) for n, t in module.named_parameters()
+    ]
+    state += [(graph_pb2.ROLE_BUFFER, n, t) for n, t in module.named_buffers()]
+    flat = [FlatInput(plain_path(n), role, t, path=n) for role, n, t in state]
     flat += [FlatInput(f"input.{i}", graph_pb2.ROLE_INPUT, t) for i, t in enumerate(args)]
     return flat
 

@@ -82,6 +82,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _exporter as low
 from . import api
+from ._compiled_regions import traced_as_regions
 from ._exporter import ModelDecl
 from .proto import graph_pb2
 
@@ -202,12 +203,18 @@ def export_on_device(
     the runtime can run on the CPU: the device goldens)."""
     target = _indexed(torch.device(device))
     flat = low.flat_inputs(module, args)
-    state = [f.name for f in flat[: len(flat) - len(args)]]
+    state = [f.path for f in flat[: len(flat) - len(args)]]
     backward = _replayed_autograd() if joint else contextlib.nullcontext()
     gpu = (
         _device_facts(hw) if target.type == "cuda" and hw is not None else contextlib.nullcontext()
     )
-    with torch.device(target), low.module_path_scopes(module), backward, gpu:
+    with (
+        torch.device(target),
+        low.module_path_scopes(module),
+        traced_as_regions(module),
+        backward,
+        gpu,
+    ):
         graph_module, num_forward_outputs = low.capture(
             _Functional(module, state), _fake_inputs(flat, target), joint=joint
         )

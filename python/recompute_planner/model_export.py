@@ -36,6 +36,14 @@ inputs (no mask where eager attends plainly causally), and is traced as eager ru
 (``is_compiling()`` false inside), so the graph runs the ops eager runs and eager selective
 checkpointing matches it.
 
+Compiled submodules (``module.compile()``, ``torch.compile(module)``) need no annotation: the
+export traces their contents, op by op, as the compiled region named after the module's path
+(``markers.compiled_region``, where the planner keeps nothing), and parameters are named as in
+the model without ``torch.compile`` (no ``_orig_mod``). They run their own code, not compiled
+code, throughout the export (the masks' forward and the reference step included). A model
+compiled as a whole, or a function compiled on its own that the step calls, is an
+``ExportError`` saying what to compile instead.
+
 The known tracing failures are raised as ``ExportError``: its first line names the cause and
 the fix, and what torch logged while tracing (held back meanwhile) follows it. A
 model that enables its own gradient checkpointing gets a warning: the export turns it off
@@ -51,6 +59,7 @@ import contextlib
 import itertools
 import logging
 import re
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +70,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import device_export, expert_parallel
+from ._compiled_regions import COMPILED_MODEL, is_compiled, traced_as_regions
 from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
 from .annotate import LayerList, annotate, annotation_of
 from .errors import ExportError
@@ -349,6 +359,8 @@ def _export(
     hw: Any,
 ) -> ExportResult:
     """``export`` of one rank's model as it is."""
+    if is_compiled(model):
+        raise ExportError(COMPILED_MODEL)
     models = _models(model, units, layers, models)
     step = _step(model, loss_fn, example_inputs)
     world, own_rank = _world()
@@ -405,7 +417,12 @@ def _export_step(
     model = step.model
     torch_log = _HeldTorchLog()
     try:
-        with torch_log, _own_checkpointing_off(model), _kv_cache_off(model):
+        # Compiled submodules run their own code throughout (``traced_as_regions``): the
+        # masks' forward and the reference step compute what the graph does, and no compiled
+        # code runs (Dynamo would skip it for good under the reference's dispatch mode).
+        with torch_log, _own_checkpointing_off(model), _kv_cache_off(model), traced_as_regions(
+            step
+        ):
             layers = _decoder_layers(model)
             if layers is not None:
                 step.eager_layers = _eager_layers(step, layers, fake=fake)
@@ -637,16 +654,42 @@ _KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
 )
 
 
+# A function compiled with torch.compile ran while the step was traced (Dynamo's wrapper of a
+# compiled callable is on the failure's stack). It fails in other ways than the known failures
+# (a FunctionalTensor used on its own, a real tensor among fake ones), so it is told first.
+_COMPILED_CALL_FAILURE = (
+    "the step calls code compiled with torch.compile that is not a compiled submodule (a "
+    "compiled function or method), which cannot be traced. Fix: compile the submodule that "
+    "calls it instead (`module.compile()` or `torch.compile(module)`): the export traces a "
+    "compiled submodule's contents as a compiled region named after its path"
+)
+_DYNAMO_ENTRY = ("_dynamo/eval_frame.py", "compile_wrapper")
+
+
 def explain_tracing_failure(error: BaseException | None) -> str | None:
     """The cause and fix of a known tracing failure, from ``error`` and its causes."""
-    chain, seen = [], set()
+    chain: list[str] = []
+    seen: set[int] = set()
+    compiled_call = False
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         chain.append(f"{type(error).__name__}: {error}")
+        compiled_call = compiled_call or _ran_compiled_code(error)
         error = error.__cause__ or error.__context__
     text = "\n".join(chain)
+    first = chain[-1].splitlines()[0] if chain else ""
+    if compiled_call:
+        return f"{_COMPILED_CALL_FAILURE}. (torch: {first})"
     for pattern, explanation in _KNOWN_FAILURES:
         if re.search(pattern, text):
-            first = chain[-1].splitlines()[0] if chain else ""
             return f"{explanation}. (torch: {first})"
     return None
+
+
+def _ran_compiled_code(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a call of a ``torch.compile``d callable."""
+    file, function = _DYNAMO_ENTRY
+    return any(
+        frame.filename.replace("\\", "/").endswith(file) and frame.name == function
+        for frame in traceback.extract_tb(error.__traceback__)
+    )

@@ -11,9 +11,9 @@ with the model's KV cache off meanwhile (as HuggingFace's gradient checkpointing
 
 Matching. The plan lists the layer's forward ops in execution order, which is eager dispatch
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
-each to the next graph op of the same op (the overload ignored, so an inductor-compiled
-region's ``mm.out`` is ``mm``). Markers take no part on either side: the plan never keeps one
-(they are identities, always recomputed), and eager may run markers the graph lacks or lack
+each to the next graph op of the same op (the overload ignored: ``mm.out`` is ``mm``).
+Markers take no part on either side: the plan never keeps one (they are identities, always
+recomputed), and eager may run markers the graph lacks or lack
 markers the graph has (an op interval's tentative ends, ``recompute_planner.annotate``), so
 an eager marker is recomputed unmatched and the graph's are left out of the matching. Other
 ops that appear in one stream only are tolerated:
@@ -35,6 +35,16 @@ ops that appear in one stream only are tolerated:
 but a kept graph op may never be skipped: when the eager stream does not reach it, the
 forward raises ``SacMismatchError`` naming the kept op and the first eager op that did not
 match, instead of saving the wrong tensors.
+
+Compiled submodules (``module.compile()``, ``torch.compile(module)``) run compiled inside the
+checkpoint, one call per region; the plan keeps nothing in them (the graph has their region,
+``recompute_planner.export``), and their compiled code re-runs in recompute. Their code
+dispatches other ops than the graph has (inductor's: ``mm.out``, fallbacks such as ``topk``,
+no pointwise op), so ``checkpoint_module`` follows their calls (``_CompiledCall``): while one
+runs, the ops it dispatches are recomputed unmatched, and when it begins, the graph's run of
+compiled-region ops that comes next is passed over (``_Matcher.enter_compiled``). A checkpoint
+that does not follow them (``context_fn`` under a checkpoint of one's own) matches their ops
+one by one, which holds for ``aot_eager``'s but not for inductor's; its mismatch says so.
 
 Forward and recompute. The policy matches in forward only: the decisions a forward made are
 replayed, op by op, when torch asks again in recompute (``ctx.is_recompute``: torch before
@@ -76,10 +86,14 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from ._compiled_regions import compiled_submodules, is_compiled
 from .errors import SacMismatchError
 from .markers import MARKER_OP
 from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, Plan
+
+# The reason the plan gives an op that runs in a compiled region.
+REASON_COMPILED = "compiled"
 
 # A checkpoint's ``context_fn``: the forward and the recompute context of one call.
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -147,6 +161,8 @@ class LayerOps:
     ops: tuple[str, ...]
     keep: tuple[bool, ...]
     random: bool = False  # the layer has random ops (dropout)
+    # Per op, whether it runs in a compiled region (none when empty).
+    compiled: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> LayerOps:
@@ -174,6 +190,7 @@ class LayerOps:
             tuple(n.op for n in nodes),
             tuple(keep),
             random=any(n.reason.startswith("random") for n in nodes),
+            compiled=tuple(n.reason == REASON_COMPILED for n in nodes),
         )
 
     def kept(self) -> list[str]:
@@ -196,7 +213,10 @@ class _Matcher:
         self.packets = [op_packet(layer.ops[i]) for i in self.ops]
         self.keep = [layer.keep[i] for i in self.ops]
         self.names = [layer.names[i] for i in self.ops]
+        self.compiled = [bool(layer.compiled) and layer.compiled[i] for i in self.ops]
         self.next = 0  # the next graph op to match
+        # Compiled regions eager entered where the graph has no compiled ops, in order.
+        self.unplanned_regions: list[str] = []
         self.matched: list[str] = []  # graph node names matched, in order
         self.first_unmatched: str | None = None  # the first eager op with no graph op
         self.tolerated: list[str] = []  # graph ops eager computes otherwise (composites)
@@ -237,6 +257,25 @@ class _Matcher:
             self.first_unmatched = eager_op
         return False
 
+    def enter_compiled(self, region: str) -> None:
+        """Eager enters compiled region ``region``: its ops run as compiled code, which
+        dispatches other ops than the graph has (inductor: ``mm.out`` and no pointwise op), so
+        the graph's run of compiled ops that comes next (at most ``LOOKAHEAD`` ops on) is
+        passed over, never kept; the ops before it must not be kept either. A graph without
+        compiled ops there passes over nothing (the ops eager runs inside are recomputed)."""
+        end = min(self.next + LOOKAHEAD, len(self.packets))
+        start = next((i for i in range(self.next, end) if self.compiled[i]), None)
+        if start is None:
+            self.unplanned_regions.append(region)
+            return
+        skipped_kept = [i for i in range(self.next, start) if self.keep[i]]
+        if skipped_kept:
+            self._raise(skipped_kept[0], f"compiled region `{region}`")
+        stop = start
+        while stop < len(self.compiled) and self.compiled[stop]:
+            stop += 1
+        self.next = stop
+
     def _match_composite(self, composite: Composite, eager_op: str) -> bool:
         """Consumes the composite's graph ops as a group, if they come next (other ops among
         them must not be kept)."""
@@ -275,7 +314,26 @@ class _Matcher:
             "but the eager layer reached "
             f"{eager_op} without running it; the model's eager op stream does not match the "
             "graph the plan was made for (re-export the model, or plan the graph it runs)"
+            + self._compiled_note(index)
         )
+
+    def _compiled_note(self, index: int) -> str:
+        """What compiled regions may have to do with a mismatch before graph op ``index``."""
+        if self.unplanned_regions:
+            regions = ", ".join(f"`{r}`" for r in dict.fromkeys(self.unplanned_regions))
+            return (
+                f"; the layer ran compiled submodules the graph has no region for there "
+                f"({regions}): export the model with its submodules compiled as they run here"
+            )
+        if any(self.compiled[self.next : index]):
+            return (
+                "; the graph runs compiled-region ops before it that no compiled submodule's "
+                "call passed over: if they run compiled here, checkpoint the layer with "
+                "sac.checkpoint_module or sac.checkpoint_layers, which follow the calls of its "
+                "compiled submodules (module.compile(), torch.compile(module); a function "
+                "compiled on its own cannot be followed: compile a submodule instead)"
+            )
+        return ""
 
 
 class RecomputeCounter(TorchDispatchMode):
@@ -318,14 +376,25 @@ class LayerRun:
         self.matcher = _Matcher(layer)
         self.decisions: list[tuple[str, bool]] = []  # forward's (op, save), in dispatch order
         self.replayed = 0  # decisions answered in the current recompute
+        self.compiled_depth = 0  # compiled calls open in forward (``_CompiledCall``)
 
     def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if ctx.is_recompute:
             save = self._replay(str(op))
         else:
-            save = self.matcher.decide(str(op), op.is_view)
+            # An op compiled code dispatches is recomputed with its region, unmatched.
+            save = not self.compiled_depth and self.matcher.decide(str(op), op.is_view)
             self.decisions.append((str(op), save))
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def enter_compiled(self, region: str) -> None:
+        """A compiled submodule's call begins (in forward)."""
+        if not self.compiled_depth:
+            self.matcher.enter_compiled(region)
+        self.compiled_depth += 1
+
+    def leave_compiled(self) -> None:
+        self.compiled_depth -= 1
 
     def start_recompute(self) -> None:
         self.replayed = 0
@@ -402,8 +471,12 @@ class PlanPolicy:
     @contextlib.contextmanager
     def _forward(self, caching: Any, run: LayerRun) -> Iterator[None]:
         saved = _SavedOutputs(run)
-        with caching, saved:
-            yield
+        _MATCHING.append(run)
+        try:
+            with caching, saved:
+                yield
+        finally:
+            _MATCHING.remove(run)
         run.matcher.finish()
         self.tolerated = list(run.matcher.tolerated)
         self.held = saved.held
@@ -433,19 +506,62 @@ def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPol
     return PlanPolicy(LayerOps.of(plan, model, layer, graph))
 
 
+# The layer forwards whose policy is matching ops now, innermost last (``PlanPolicy``).
+_MATCHING: list[LayerRun] = []
+
+
+class _CompiledCall:
+    """A compiled submodule's call, announced to the layer forward being matched (if any) while
+    it runs: the ops its compiled code dispatches are recomputed unmatched, and the graph's ops
+    of its region are passed over (``_Matcher.enter_compiled``)."""
+
+    def __init__(self, call: Callable[..., Any], region: str):
+        self.call, self.region = call, region
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = _MATCHING[-1] if _MATCHING else None
+        if run is None:
+            return self.call(*args, **kwargs)
+        run.enter_compiled(self.region)
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            run.leave_compiled()
+
+
+def follow_compiled_submodules(module: nn.Module) -> Callable[[], None]:
+    """Announces every call of ``module``'s compiled submodules (``module.compile()``,
+    ``torch.compile(submodule)``; the outermost of nested ones) to the selective checkpoint
+    matching the layer they run in; returns what undoes it. ``checkpoint_module`` does it for
+    the module it checkpoints."""
+    restores = [
+        compiled.replace(_CompiledCall(compiled.compiled_call(), compiled.path))
+        for compiled in compiled_submodules(module)
+        if compiled.outermost
+    ]
+
+    def undo() -> None:
+        for restore in reversed(restores):
+            restore()
+
+    return undo
+
+
 class _CheckpointedForward:
     """A module's ``forward`` run under ``checkpoint_call``, set on the instance by
-    ``checkpoint_module``."""
+    ``checkpoint_module``, with its compiled submodules followed (``unfollow`` undoes it)."""
 
     def __init__(
         self,
         forward: Callable[..., Any],
         context: ContextFn | None,
         preserve_rng_state: bool | None,
+        unfollow: Callable[[], None],
     ):
         self.forward = forward
         self.context = context
         self.preserve_rng_state = preserve_rng_state
+        self.unfollow = unfollow
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint_call(self.forward, args, kwargs, self.context, self.preserve_rng_state)
@@ -462,10 +578,28 @@ def checkpoint_module(
     the model, its attributes, parameter names and ``state_dict`` keys, so a state dict saved
     with or without checkpointing loads into either. Its hooks run outside the checkpoint.
     Checkpointing a module again replaces its checkpoint (they do not nest).
+
+    The module's compiled submodules run compiled, as one call each inside the checkpoint
+    (``follow_compiled_submodules``): the plan keeps nothing in them, and their compiled code
+    re-runs in recompute. A module compiled as a whole is refused (``ValueError``).
     """
+    if is_compiled(module):
+        raise ValueError(
+            f"the {type(module).__name__} to checkpoint is compiled as a whole "
+            "(module.compile() or torch.compile(module)), so the checkpoint would run inside "
+            "its compiled code, out of eager selective checkpointing's reach (and the plan "
+            "keeps nothing in a layer compiled as one region). Fix: compile the layer's "
+            "submodules instead of the layer, or plan the compiled step with the torch.compile "
+            "stage (recompute_planner.compile)"
+        )
     current = module.__dict__.get("forward")
-    forward = current.forward if isinstance(current, _CheckpointedForward) else module.forward
-    module.forward = _CheckpointedForward(forward, context, preserve_rng_state)
+    if isinstance(current, _CheckpointedForward):
+        current.unfollow()
+        forward = current.forward
+    else:
+        forward = module.forward
+    unfollow = follow_compiled_submodules(module)
+    module.forward = _CheckpointedForward(forward, context, preserve_rng_state, unfollow)
     return module
 
 
@@ -473,6 +607,7 @@ def uncheckpoint_module(module: nn.Module) -> nn.Module:
     """Undoes ``checkpoint_module``: ``module`` runs its own forward again; returns it."""
     current = module.__dict__.get("forward")
     if isinstance(current, _CheckpointedForward):
+        current.unfollow()
         del module.__dict__["forward"]
         if module.forward != current.forward:  # the instance had a forward of its own
             module.forward = current.forward
