@@ -285,10 +285,9 @@ def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
     from torch._dynamo.backends.debugging import boxed_nop
 
     from recompute_planner._zoo.goldens import traced_group
-    from recompute_planner.markers import markers_in_compiled_graphs
 
     stage = stage_mod.PlanningStage(case.models, keep)
-    with warnings.catch_warnings(), traced_group(case.world_size), markers_in_compiled_graphs():
+    with warnings.catch_warnings(), traced_group(case.world_size), stage_mod.tracing():
         warnings.simplefilter("ignore", rp.PlannerWarning)
         module = case.module()
         compiled = aot_module(

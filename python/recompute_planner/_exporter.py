@@ -391,7 +391,6 @@ def capture(
             fx_traceback.preserve_node_meta(),
             module_path_scopes(module),
             traced_as_regions(module),
-            _DropoutOffIsIdentity(),
             _traced_as_compiled(),
         ):
             compiled(*args)
@@ -413,15 +412,25 @@ def _traced_as_compiled() -> Iterator[None]:
     ``torch.compile`` and while ``torch.export`` traces (which sets the same flag): library
     code then takes its traceable path instead of branching on data. HuggingFace's mask code
     builds the model's own masks (causal, sliding-window, per layer type) from the positions
-    as tensor ops, where eagerly it would test the positions for packed sequences. Markers
-    stay in the graph, as in a compiled graph under ``markers_in_compiled_graphs``."""
+    as tensor ops, where eagerly it would test the positions for packed sequences. The rest
+    is ``traced_as_exported``: markers stay in the graph, dropout off is no op."""
     compiling = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
-        with markers.markers_in_compiled_graphs():
+        with traced_as_exported():
             yield
     finally:
         torch.compiler._is_compiling_flag = compiling
+
+
+@contextlib.contextmanager
+def traced_as_exported() -> Iterator[None]:
+    """What the exporter traces a step under, and the torch.compile planning stage too (its
+    ``tracing()``), so both trace one program: markers enter the traced graph
+    (``markers_in_compiled_graphs``) and a dropout that draws nothing returns its input
+    (``_DropoutOffIsIdentity``) instead of the ``clone`` torch's decomposition makes."""
+    with markers.markers_in_compiled_graphs(), _DropoutOffIsIdentity():
+        yield
 
 
 class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):

@@ -12,9 +12,12 @@ partitioner (or, as an option, runs just before torch's):
 3. with ``partitioner="plan"`` (the default), builds the forward and backward graphs from the
    plan itself (``partition_from_plan``): the forward returns exactly the plan's saved set,
    the backward re-runs exactly the plan's replay, each replayed op placed before its first
-   backward use; nothing is solved again. The graph is planned as AOTAutograd traced it, with
-   no common-subexpression elimination first, so its plan is the plan of the same step
-   exported with ``recompute_planner.export`` (test_compile_stage.py checks both);
+   backward use; nothing is solved again. The graph is planned as AOTAutograd traced it
+   (inside ``tracing()``), with no common-subexpression elimination first, so its plan is the
+   plan of the same step exported with ``recompute_planner.export`` (test_compile_stage.py
+   checks both), but where torch.compile functionalizes an in-place write of a tensor a kept
+   unit made: the write makes a new tensor, which the plan saves, where the exported
+   (in-place) step's plan replays the tensor with its writers;
 4. with ``partitioner="min-cut"``, runs torch's common-subexpression elimination first (the
    partitioner runs it, so the plan must be made for its result), tags every forward node
    (``node.meta["recompute"]`` is ``PREFER_RECOMPUTE`` for the ops the plan replays and
@@ -38,9 +41,13 @@ Three ways in:
   ``stage.uninstall()`` or ``with install(...):`` restores both. Stages may be installed and
   uninstalled in any order: the most recently installed stage still installed is the one
   inductor runs;
-- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn``. Trace it
-  inside ``markers_in_compiled_graphs()`` (``install`` does that too) when Dynamo traces the
-  model.
+- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn``, and
+  trace the step inside ``tracing()`` (``install`` and ``planning`` do that too).
+
+Traced inside ``tracing()``, the step is the program ``recompute_planner.export`` traces:
+markers enter the graph, and a dropout that draws nothing (``p=0``, as HuggingFace eager
+attention calls it, or not training) returns its input as eager ATen does, where torch's
+decomposition would copy it (a ``clone`` the plan would save instead of its input).
 
 The stage declines inductor's FX graph cache (``uuid()`` is None): every compile plans again,
 so its diagnostics are reported and ``stage.plans`` holds the plan of each compiled graph.
@@ -79,6 +86,7 @@ from ._exporter import (
     forward_nodes,
     graph_metadata,
     require_tracing_torch,
+    traced_as_exported,
 )
 from .api import HwLike, check_plan
 from .api import plan as plan_graph
@@ -960,7 +968,7 @@ class _Installed:
     def __init__(self) -> None:
         self.stages: list[PlanningStage] = []
         self._before: dict[str, Any] = {}
-        self._markers: contextlib.ExitStack | None = None
+        self._tracing: contextlib.ExitStack | None = None
 
     def add(self, stage: PlanningStage) -> None:
         if stage in self.stages:
@@ -969,8 +977,8 @@ class _Installed:
             import torch._inductor.config as inductor_config
 
             self._before = {key: getattr(inductor_config, key) for key in self.SETTINGS}
-            self._markers = contextlib.ExitStack()
-            self._markers.enter_context(markers.markers_in_compiled_graphs())
+            self._tracing = contextlib.ExitStack()
+            self._tracing.enter_context(tracing())
         self.stages.append(stage)
         self._configure()
 
@@ -979,9 +987,9 @@ class _Installed:
             return
         self.stages.remove(stage)
         self._configure()
-        if not self.stages and self._markers is not None:
-            self._markers.close()
-            self._markers = None
+        if not self.stages and self._tracing is not None:
+            self._tracing.close()
+            self._tracing = None
 
     def _configure(self) -> None:
         import torch._inductor.config as inductor_config
@@ -1014,6 +1022,16 @@ def install(
 def active_stage() -> PlanningStage | None:
     """The installed stage inductor runs, or None."""
     return _INSTALLED.stages[-1] if _INSTALLED.stages else None
+
+
+def tracing() -> contextlib.AbstractContextManager[None]:
+    """``with tracing():`` around the compiled step's first call (which traces it) makes the
+    traced program the one ``recompute_planner.export`` traces: markers enter compiled graphs,
+    a dropout that draws nothing returns its input (eager ATen allocates nothing for it;
+    torch's decomposition would ``clone`` it). ``install`` and ``planning`` enter it until the
+    stage is uninstalled; its torch-function mode is thread-local, so trace in the thread that
+    installed the stage."""
+    return traced_as_exported()
 
 
 @contextlib.contextmanager

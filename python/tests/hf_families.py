@@ -63,11 +63,32 @@ MOE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MOE_GATE": ["mlp.gate"]}
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", _causal_lm("LlamaConfig", "LlamaForCausalLM"), DENSE_UNITS),
+    Family(
+        "llama_eager_attn",
+        _causal_lm("LlamaConfig", "LlamaForCausalLM", attn_implementation="eager"),
+        DENSE_UNITS,
+    ),
     Family("mistral", _causal_lm("MistralConfig", "MistralForCausalLM"), DENSE_UNITS),
     Family("qwen2", _causal_lm("Qwen2Config", "Qwen2ForCausalLM"), DENSE_UNITS),
     Family("qwen3", _causal_lm("Qwen3Config", "Qwen3ForCausalLM"), DENSE_UNITS),
     Family(
         "qwen3_moe", _causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **MOE), MOE_UNITS,
+        torch.bfloat16,
+    ),
+    Family(
+        "qwen2_moe",
+        _causal_lm(
+            "Qwen2MoeConfig", "Qwen2MoeForCausalLM", shared_expert_intermediate_size=16, **MOE
+        ),
+        MOE_UNITS,
+        torch.bfloat16,
+    ),
+    Family(
+        "mixtral",
+        _causal_lm(
+            "MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2
+        ),
+        MOE_UNITS,
         torch.bfloat16,
     ),
 )
