@@ -219,7 +219,9 @@ impl Node {
     /// Forward values the model's Python code held through this node past their last forward
     /// read, released right after it (empty when the export did not observe it).
     pub fn python_releases(&self) -> &[ValueId] {
-        self.python_releases.as_deref().map_or(&[], |v| v.as_slice())
+        self.python_releases
+            .as_deref()
+            .map_or(&[], |v| v.as_slice())
     }
 
     /// A copy to the host (`_to_copy` with device `cpu`): on a GPU run it synchronises the

@@ -14,6 +14,10 @@ matching runs, ``difflib``: the trace decomposes some composites differently fro
 as CPU dropout, and eager dispatches ops the trace lacks); ops that do not align are skipped. A
 value Python releases after a later forward node than its last forward read is listed in that
 node's ``python_releases`` (docs/ir.md), which the planner's eager memory model holds.
+
+Memory a collective reads or writes is left out: functional collectives keep their tensors
+in a work registry until they are waited on or cleaned up by a later call, so when they are
+released depends on what ran before, not on the model's code (two exports would differ).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import difflib
+import gc
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,12 +99,22 @@ def probe_releases(module: torch.nn.Module, args: tuple[Any, ...], seed: int) ->
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), probe:
-            loss = module(*args)
-            end = len(probe.ops) - 1
-        del loss
+    # Reference cycles are freed when the cycle collector runs, which depends on what ran
+    # before: collected first, then not during the forward, a tensor in a cycle counts as
+    # held to the end of forward, the same on every run.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack), probe:
+                loss = module(*args)
+                end = len(probe.ops) - 1
+            del loss
+    finally:
+        if was_enabled:
+            gc.enable()
     for probed in probe.ops:
         probed.released_after = [end if r is None else r for r in probed.released_after]
     return probe.ops
@@ -117,6 +132,7 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
     if not aligned:
         return 0
     probe_indices = [a for a, _ in aligned]
+    collective_memory = _collective_storages(graph)
     last_read: dict[str, int] = {}
     for position, i in enumerate(forward):
         for value in graph.nodes[i].inputs:
@@ -128,6 +144,8 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
         if len(probed.released_after) != len(node.outputs):
             continue
         for value, released in zip(node.outputs, probed.released_after, strict=True):
+            if released is None or collective_memory.root(value) in collective_memory.roots:
+                continue
             # The last aligned graph node at or before the release.
             k = _last_at_or_before(probe_indices, released)
             if k is None:
@@ -138,6 +156,35 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
     for at, values in releases.items():
         graph.nodes[forward[at]].python_releases.extend(values)
     return sum(len(v) for v in releases.values())
+
+
+@dataclass
+class _Storages:
+    """Which value's storage each value shares (views and in-place results share their
+    base's), and the storages some collective reads or writes."""
+
+    base: dict[str, str] = field(default_factory=dict)
+    roots: set[str] = field(default_factory=set)
+
+    def root(self, value: str) -> str:
+        while value in self.base:
+            value = self.base[value]
+        return value
+
+
+def _collective_storages(graph: graph_pb2.Graph) -> _Storages:
+    storages = _Storages()
+    for node in graph.nodes:
+        schema = node.schema
+        if schema.HasField("view_of"):
+            shared = node.inputs[schema.view_of]
+            storages.base.update((v, shared) for v in node.outputs)
+        elif schema.mutates and node.outputs:
+            storages.base[node.outputs[0]] = node.inputs[schema.mutates[0]]
+    for node in graph.nodes:
+        if node.schema.collective:
+            storages.roots.update(storages.root(v) for v in (*node.inputs, *node.outputs))
+    return storages
 
 
 def _last_at_or_before(sorted_indices: list[int], index: int) -> int | None:

@@ -33,7 +33,12 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
     let mut holds = holds(graph, policy, &layers, &recomputes, &order);
     holds.extend(autograd_holds(graph, &order));
     holds.extend(python_holds(graph));
-    holds.extend(recompute_python_holds(graph, &layer_of, &recomputes, &replays));
+    holds.extend(recompute_python_holds(
+        graph,
+        &layer_of,
+        &recomputes,
+        &replays,
+    ));
     let mut in_replay = vec![false; graph.nodes().len()];
     for r in &replays {
         for &n in &r.nodes {
