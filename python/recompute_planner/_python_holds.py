@@ -15,9 +15,10 @@ as CPU dropout, and eager dispatches ops the trace lacks); ops that do not align
 value Python releases after a later forward node than its last forward read is listed in that
 node's ``python_releases`` (docs/ir.md), which the planner's eager memory model holds.
 
-Memory a collective reads or writes is left out: functional collectives keep their tensors
-in a work registry until they are waited on or cleaned up by a later call, so when they are
-released depends on what ran before, not on the model's code (two exports would differ).
+The tensors a collective reads or writes, and the bases they are views of, are left out:
+functional collectives keep them in a work registry until they are waited on or cleaned up by
+a later call, so when they are released depends on what ran before, not on the model's code
+(two exports would differ).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
     if not aligned:
         return 0
     probe_indices = [a for a, _ in aligned]
-    collective_memory = _collective_storages(graph)
+    by_collectives = _held_by_collectives(graph)
     last_read: dict[str, int] = {}
     for position, i in enumerate(forward):
         for value in graph.nodes[i].inputs:
@@ -144,7 +145,7 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
         if len(probed.released_after) != len(node.outputs):
             continue
         for value, released in zip(node.outputs, probed.released_after, strict=True):
-            if released is None or collective_memory.root(value) in collective_memory.roots:
+            if released is None or value in by_collectives:
                 continue
             # The last aligned graph node at or before the release.
             k = _last_at_or_before(probe_indices, released)
@@ -158,33 +159,25 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
     return sum(len(v) for v in releases.values())
 
 
-@dataclass
-class _Storages:
-    """Which value's storage each value shares (views and in-place results share their
-    base's), and the storages some collective reads or writes."""
-
-    base: dict[str, str] = field(default_factory=dict)
-    roots: set[str] = field(default_factory=set)
-
-    def root(self, value: str) -> str:
-        while value in self.base:
-            value = self.base[value]
-        return value
-
-
-def _collective_storages(graph: graph_pb2.Graph) -> _Storages:
-    storages = _Storages()
+def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
+    """The tensors a collective's work may keep referenced: its inputs and outputs, and the
+    base each of them is a view of (a view references its base tensor; views are followed
+    to their root, as torch keeps the root). Other views of that memory are Python's alone."""
+    base: dict[str, str] = {}
     for node in graph.nodes:
         schema = node.schema
         if schema.HasField("view_of"):
             shared = node.inputs[schema.view_of]
-            storages.base.update((v, shared) for v in node.outputs)
+            base.update((v, base.get(shared, shared)) for v in node.outputs)
         elif schema.mutates and node.outputs:
-            storages.base[node.outputs[0]] = node.inputs[schema.mutates[0]]
+            written = node.inputs[schema.mutates[0]]
+            base[node.outputs[0]] = base.get(written, written)
+    held: set[str] = set()
     for node in graph.nodes:
         if node.schema.collective:
-            storages.roots.update(storages.root(v) for v in (*node.inputs, *node.outputs))
-    return storages
+            for value in (*node.inputs, *node.outputs):
+                held.update((value, base.get(value, value)))
+    return held
 
 
 def _last_at_or_before(sorted_indices: list[int], index: int) -> int | None:
