@@ -193,6 +193,12 @@ impl GraphSpec {
             if op == ir::MARKER_OP {
                 attributes.push(str_attribute("name", &marker(spec.marker)));
             }
+            // Some forward nodes say Python released their inputs after them.
+            let python_releases = if !spec.backward && spec.micro_batch % 2 == 1 {
+                inputs.clone()
+            } else {
+                Vec::new()
+            };
             nodes.push(pb::Node {
                 name: format!("n{i}"),
                 op: op.to_owned(),
@@ -217,6 +223,7 @@ impl GraphSpec {
                 micro_batch: u32::from(spec.micro_batch % 3),
                 schema: None,
                 stack_trace: Vec::new(),
+                python_releases,
             });
         }
         let units = self

@@ -121,6 +121,8 @@ pub enum ValidationError {
     UnknownInput { node: String, value: String },
     #[error("node `{}` writes `{}`, which is not a declared value", display::name(.node), display::name(.value))]
     UnknownOutput { node: String, value: String },
+    #[error("node `{}` lists `{}` among the values Python releases after it, which is not a declared value", display::name(.node), display::name(.value))]
+    UnknownPythonRelease { node: String, value: String },
     #[error("value `{}` is produced twice: by `{}` and by `{}`", display::name(.value), display::name(.first), display::name(.second))]
     ProducedTwice {
         value: String,

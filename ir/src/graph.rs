@@ -197,19 +197,33 @@ pub struct Node {
     pub effects: Effects,
     /// What the op knowledge base knows of `op`.
     pub info: OpInfo,
+    /// Forward values the model's Python code held through this forward node, past their last
+    /// forward read, and released right after it (observed at export; docs/ir.md). Only an
+    /// eager executor holds them. Boxed and absent when empty, as in most nodes of most
+    /// graphs: 8 bytes a node ([`Node::python_releases`]).
+    pub python_releases: Option<Box<ValueIds>>,
 }
 
 // Every node of a million-node graph is one of these: keep them small (the memory is most of
 // what loading costs, and a one-shot run pays for every fresh page). What nothing reads stays
 // in the file (a node's module path and stack trace), and what can be derived is (its marker
-// name). Grow the bound only for a reason.
+// name). Grow the bound only for a reason (248: the values Python releases after a node, which
+// the eager memory model reads).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Node>() <= 240 && std::mem::size_of::<Value>() <= 80);
+const _: () = assert!(std::mem::size_of::<Node>() <= 248 && std::mem::size_of::<Value>() <= 80);
 
 /// The op of a copy that may cross devices.
 const TO_COPY_OP: &str = "aten._to_copy.default";
 
 impl Node {
+    /// Forward values the model's Python code held through this node past their last forward
+    /// read, released right after it (empty when the export did not observe it).
+    pub fn python_releases(&self) -> &[ValueId] {
+        self.python_releases
+            .as_deref()
+            .map_or(&[], |v| v.as_slice())
+    }
+
     /// A copy to the host (`_to_copy` with device `cpu`): on a GPU run it synchronises the
     /// stream, as the routing-count copy of expert-parallel dispatch does.
     pub fn is_device_to_host_copy(&self) -> bool {

@@ -804,6 +804,12 @@ fn convert_node<'w>(
     let info = worker.ops.lookup(n.op);
     let effects = effects(name, &n.schema, &info, inputs.len())?;
     check_marker_name(name, n.op, &attributes)?;
+    let python_releases = resolve(
+        name,
+        &n.python_releases,
+        |v| worker.values.input(v),
+        |node, value| E::UnknownPythonRelease { node, value },
+    )?;
     Ok(Node {
         name: Name::new(name),
         op: Name::new(n.op),
@@ -819,6 +825,7 @@ fn convert_node<'w>(
         micro_batch: n.micro_batch,
         effects,
         info,
+        python_releases: (!python_releases.is_empty()).then(|| Box::new(python_releases)),
     })
 }
 
@@ -837,6 +844,7 @@ fn unconverted_node() -> Node {
         micro_batch: 0,
         effects: Effects::default(),
         info: ops::OpInfo::UNKNOWN,
+        python_releases: None,
     }
 }
 

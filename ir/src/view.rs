@@ -56,6 +56,7 @@ pub(crate) struct RawNode<'a> {
     pub compiled_region: &'a str,
     pub micro_batch: u32,
     pub schema: RawSchema,
+    pub python_releases: SmallVec<[&'a str; 2]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -187,6 +188,7 @@ impl<'a> RawNode<'a> {
             compiled_region: &n.compiled_region,
             micro_batch: n.micro_batch,
             schema,
+            python_releases: n.python_releases.iter().map(String::as_str).collect(),
         }
     }
 
@@ -223,6 +225,7 @@ impl<'a> RawNode<'a> {
                 node::COMPILED_REGION => raw.compiled_region = r.str(wire)?,
                 node::MICRO_BATCH => raw.micro_batch = r.varint(wire)? as u32,
                 node::SCHEMA => raw.schema.merge(r.nested(wire)?)?,
+                node::PYTHON_RELEASES => raw.python_releases.push(r.str(wire)?),
                 _ => r.skip(wire, tag)?,
             }
         }

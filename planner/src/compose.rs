@@ -34,7 +34,7 @@ use ir::{
 use crate::{
     cost::ForwardWork,
     memory::{self, Instance, Observer, Step},
-    partition::{Hold, Partition, Replay, Saved},
+    partition::{Hold, Partition, Replay, Saved, Until},
     policy::Policy,
 };
 
@@ -613,7 +613,16 @@ impl Model {
     pub fn new(graph: &Graph, layers: &Layers, runs: Vec<Run>, work: &ForwardWork) -> Model {
         use rayon::prelude::*;
         let timeline = Timeline::new(graph, runs.iter().flat_map(|r| &r.replays));
-        let forward = memory::forward(graph, recorder(graph, layers, &timeline));
+        // What the executor holds in forward (the model's Python references) is the same in
+        // every run: the first run's stands for all.
+        let forward_holds: Vec<Hold> = runs.first().map_or_else(Vec::new, |run| {
+            run.holds
+                .iter()
+                .filter(|h| matches!(h.until, Until::Forward(_)))
+                .copied()
+                .collect()
+        });
+        let forward = memory::forward(graph, recorder(graph, layers, &timeline), &forward_holds);
         let recordings: Vec<Recording> = runs
             .par_iter()
             .enumerate()

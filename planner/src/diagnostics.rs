@@ -562,7 +562,7 @@ fn random_ops(graph: &Graph, policy: &Policy, out: &mut Collector) {
             (
                 Code::RandomOpReplayed,
                 "replay with the generator state forward saw: the executor must restore it (the runtime does; eager checkpoint does with preserve_rng_state=True; torch.compile needs functionalize_rng_ops)",
-                "`--random-ops save` saves their outputs instead, which every executor honours",
+                "`--random-ops save` saves their outputs instead, which every executor honours but eager checkpointing of CPU dropout (eager runs it as an in-place `bernoulli_`, which the checkpoint cannot cache)",
             )
         };
         out.add(

@@ -8,8 +8,9 @@
 //! it); graph outputs (loss, gradients) live to the end. What is *saved* needs no bookkeeping:
 //! a forward value that backward or replay reads simply stays alive until that read, and
 //! everything else dies after its last forward use. An executor may hold a value past its last
-//! read by an op (eager checkpointing's cache and inputs, eager autograd's saved tensors): a
-//! partition's *holds* are reads at a replay or backward step that no op makes.
+//! read by an op (eager checkpointing's cache and inputs, eager autograd's saved tensors, the
+//! model's Python references): a partition's *holds* are reads at a forward, replay or
+//! backward step that no op makes.
 //!
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.
@@ -135,7 +136,7 @@ pub fn simulate_sharded(
     holds: &[Hold],
     shards: u32,
 ) -> Simulation {
-    let mut after = forward(graph, ());
+    let mut after = forward(graph, (), holds);
     after.0.gradient_shards = shards.max(1);
     after.backward(order, replays, holds).0
 }
@@ -149,31 +150,32 @@ pub(crate) fn simulate_with<O: Observer>(
     holds: &[Hold],
     observer: O,
 ) -> (Simulation, O) {
-    forward(graph, observer).backward(order, replays, holds)
+    forward(graph, observer, holds).backward(order, replays, holds)
 }
 
 /// The values an executor holds until each step, as reads at that step: by the forward node
-/// whose replay step it is, and by backward position.
+/// whose forward or replay step it is, and by backward position.
 struct HeldUntil {
+    forward: Vec<Vec<ValueId>>,
     replay: Vec<Vec<ValueId>>,
     backward: Vec<Vec<ValueId>>,
 }
 
 impl HeldUntil {
     fn new(graph: &Graph, order: &[NodeId], holds: &[Hold]) -> HeldUntil {
+        let per_node = if holds.is_empty() {
+            0
+        } else {
+            graph.nodes().len()
+        };
         let mut held = HeldUntil {
-            replay: vec![
-                Vec::new();
-                if holds.is_empty() {
-                    0
-                } else {
-                    graph.nodes().len()
-                }
-            ],
+            forward: vec![Vec::new(); per_node],
+            replay: vec![Vec::new(); per_node],
             backward: vec![Vec::new(); if holds.is_empty() { 0 } else { order.len() }],
         };
         for h in holds {
             let list = match h.until {
+                Until::Forward(node) => held.forward.get_mut(node.index()),
                 Until::Replay(node) => held.replay.get_mut(node.index()),
                 Until::Backward(position) => held.backward.get_mut(position),
             };
@@ -186,7 +188,7 @@ impl HeldUntil {
 
     fn at(&self, step: &Step) -> &[ValueId] {
         let list = match step.stage {
-            Stage::Forward => None,
+            Stage::Forward => self.forward.get(step.node.index()),
             Stage::Replay => self.replay.get(step.node.index()),
             Stage::Backward => self.backward.get(step.position),
         };
@@ -199,8 +201,13 @@ impl HeldUntil {
 #[derive(Clone)]
 pub(crate) struct AfterForward<'g, O>(Simulator<'g, O>);
 
-/// Runs forward (graph inputs placed, every forward node), reporting to `observer`.
-pub(crate) fn forward<O: Observer>(graph: &Graph, observer: O) -> AfterForward<'_, O> {
+/// Runs forward (graph inputs placed, every forward node), reporting to `observer`, under the
+/// holds that end in forward (the others are for [`AfterForward::backward`]).
+pub(crate) fn forward<'g, O: Observer>(
+    graph: &'g Graph,
+    observer: O,
+    holds: &[Hold],
+) -> AfterForward<'g, O> {
     let n = graph.values().len();
     let mut sim = Simulator {
         graph,
@@ -216,8 +223,10 @@ pub(crate) fn forward<O: Observer>(graph: &Graph, observer: O) -> AfterForward<'
         layer_ends: Default::default(),
     };
     sim.place_graph_inputs();
+    let held = HeldUntil::new(graph, &[], holds);
     for step in forward_steps(graph) {
         sim.run(&step);
+        sim.touch(step.stage, held.at(&step));
     }
     AfterForward(sim)
 }

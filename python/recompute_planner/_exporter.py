@@ -89,6 +89,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _native, markers
 from ._compiled_regions import plain_path, traced_as_regions
+from ._python_holds import add_python_releases, probe_releases
 from .errors import ExportError
 from .proto import graph_pb2
 
@@ -213,16 +214,20 @@ def export_joint(
 
     The eager reference step runs with the CPU generator seeded with ``seed`` inside a forked
     RNG state, and the module's tensors are restored afterwards, so exporting is free of side
-    effects and exporting twice gives the same files. Compiled submodules run their own code
-    in eager there, as the graph has it (``traced_as_regions``): the export never runs
-    ``torch.compile``, which under the reference's dispatch mode would also leave them
-    running eagerly afterwards.
+    effects and exporting twice gives the same files. A probe of the eager forward then
+    observes which values the model's Python code keeps referenced past their last forward
+    read (``_python_holds``: each forward node's ``python_releases``). Compiled submodules
+    run their own code in eager in both, as the graph has it (``traced_as_regions``): the
+    export never runs ``torch.compile``, which under the reference's dispatch mode would also
+    leave them running eagerly afterwards.
     """
     flat = flat_inputs(module, args)
-    with traced_as_regions(module):  # the reference step runs no compiled code either
+    with traced_as_regions(module):  # the reference step and the probe run no compiled code
         joint, num_forward_outputs = capture(module, args, joint=True)
         snapshot = [f.tensor.detach().clone() for f in flat]
         loss, grads_by_input = _eager_reference(module, args, flat, seed=seed)
+        _restore(flat, snapshot)
+        released = probe_releases(module, args, seed)
     _restore(flat, snapshot)
     built = build_graph(
         joint,
@@ -232,6 +237,7 @@ def export_joint(
         models=models,
         metadata=graph_metadata(exporter_version, world_size, rank),
     )
+    add_python_releases(built.graph, released)
     return ExportResult(
         graph=built.graph,
         params=_params(flat, snapshot, built),

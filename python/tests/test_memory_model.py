@@ -284,11 +284,11 @@ def eager_rows(prediction_rows) -> list[dict]:
 
 def test_eager_plan_predicts_the_measured_peak_and_saved_set(eager_rows):
     """`--keep none`, `all` and each unit alone under eager SAC: the eager plan's peak within
-    3% of the allocator's (5% for HuggingFace Llama, 11% for the zoo MoE, whose Python locals
-    outlive their last use), and on the zoo goldens its saved bytes are what the step holds
-    when forward ends, to the byte."""
+    3% of the allocator's (5% for HuggingFace Llama; the zoo MoE's Python locals that outlive
+    their last use are observed at export and held), and on the zoo goldens its saved bytes
+    are what the step holds when forward ends, to the byte."""
     for r in eager_rows:
-        tolerance = {"llama": HF_TOLERANCE, "moe_ep2": 0.11}.get(r["case"], EAGER_TOLERANCE)
+        tolerance = {"llama": HF_TOLERANCE}.get(r["case"], EAGER_TOLERANCE)
         relative = gap(r["predicted_peak"], r["measured_peak"])
         assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
         if r["case"] != "llama":

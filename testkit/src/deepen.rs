@@ -7,7 +7,9 @@
 //! by the layer before (or by the next layer's backward), the copy reads the neighbouring copy's
 //! value at the same position. Per-layer parameters are duplicated per copy, values shared by
 //! both layers (positions, masks) stay shared, and every other node keeps its place around the
-//! run of copies.
+//! run of copies. What the export observed of the model's Python references
+//! (`Node.python_releases`) is left out: it names values of particular layers, which the copies
+//! rename.
 
 use std::collections::{HashMap, HashSet};
 
@@ -378,6 +380,7 @@ impl Builder<'_> {
             inputs,
             outputs,
             layer,
+            python_releases: Vec::new(),
             ..template.clone()
         });
         Ok(())

@@ -62,6 +62,12 @@ pub fn wire_node() -> impl Strategy<Value = pb::Node> {
                 attributes,
                 (random, region, micro_batch),
             )| {
+                // Some nodes list values Python releases after them (any declared names).
+                let python_releases = if micro_batch % 2 == 1 {
+                    inputs.clone()
+                } else {
+                    Vec::new()
+                };
                 pb::Node {
                     name,
                     op,
@@ -81,6 +87,7 @@ pub fn wire_node() -> impl Strategy<Value = pb::Node> {
                         collective,
                     }),
                     stack_trace: vec!["model.py:1".to_owned(); usize::from(random)],
+                    python_releases,
                 }
             },
         )

@@ -9,7 +9,9 @@
 //! whose output backward reads. So a layer's replay is the prefix of its forward up to that op,
 //! less the kept ops, run just before the first backward read of anything the layer made.
 //! What torch holds beyond the reads of ops becomes the partition's holds ([`holds`],
-//! [`autograd_holds`]; docs/cost-and-memory.md, "Eager checkpointing").
+//! [`autograd_holds`]), and so does what the model's Python code keeps referenced, in forward
+//! and in the recompute ([`python_holds`], [`recompute_python_holds`]; docs/cost-and-memory.md,
+//! "Eager checkpointing").
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -30,6 +32,13 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
     let replays = replays(policy, &layers, &recomputes, &order);
     let mut holds = holds(graph, policy, &layers, &recomputes, &order);
     holds.extend(autograd_holds(graph, &order));
+    holds.extend(python_holds(graph));
+    holds.extend(recompute_python_holds(
+        graph,
+        &layer_of,
+        &recomputes,
+        &replays,
+    ));
     let mut in_replay = vec![false; graph.nodes().len()];
     for r in &replays {
         for &n in &r.nodes {
@@ -271,6 +280,64 @@ fn holds(
                 if !inside {
                     hold(v, frame_freed);
                 }
+            }
+        }
+    }
+    holds
+}
+
+/// What the model's Python code keeps referenced in forward past the last forward read (a
+/// function's locals live until it returns): each value is held through the forward node after
+/// which the export saw Python release it ([`ir::Node::python_releases`]). Graphs exported
+/// without that observation hold nothing here.
+pub(super) fn python_holds(graph: &Graph) -> Vec<Hold> {
+    graph
+        .nodes()
+        .iter()
+        .filter(|(_, node)| node.phase == Phase::Forward)
+        .flat_map(|(id, node)| {
+            node.python_releases().iter().map(move |&value| Hold {
+                value,
+                until: Until::Forward(id),
+            })
+        })
+        .collect()
+}
+
+/// The same Python references in a layer's recompute, which re-runs the layer's Python code:
+/// a value the recompute makes (or serves from the cache) is held through the last replayed
+/// node up to its release, or up to the recompute's last node when the release comes later
+/// (the recompute stops there by raising, or returns: either frees the frame's locals).
+fn recompute_python_holds(
+    graph: &Graph,
+    layer_of: &[Option<LayerRef>],
+    recomputes: &BTreeMap<LayerRef, Recompute>,
+    replays: &[Replay],
+) -> Vec<Hold> {
+    let replay_of: BTreeMap<LayerRef, &Replay> = replays.iter().map(|r| (r.layer, r)).collect();
+    let mut holds = Vec::new();
+    for (id, node) in graph.nodes().iter() {
+        for &value in node.python_releases() {
+            let Some(producer) = graph.producer(value) else {
+                continue;
+            };
+            let Some(at) = layer_of[producer.index()] else {
+                continue;
+            };
+            let (Some(recompute), Some(replay)) = (recomputes.get(&at), replay_of.get(&at)) else {
+                continue;
+            };
+            if producer > recompute.last_needed {
+                continue; // the recompute stops before making it
+            }
+            let end = id.min(recompute.last_needed);
+            // The last node the recompute runs (not served from the cache) by then.
+            let last_run = replay.nodes[..replay.nodes.partition_point(|&n| n <= end)].last();
+            if let Some(&last_run) = last_run.filter(|&&n| n >= producer) {
+                holds.push(Hold {
+                    value,
+                    until: Until::Replay(last_run),
+                });
             }
         }
     }

@@ -55,8 +55,9 @@ pub struct Partition {
     pub holds: Vec<Hold>,
 }
 
-/// A forward value the executor holds until a step of backward: eager checkpointing's cache of
-/// a kept op's outputs, and a checkpoint's inputs.
+/// A forward value the executor holds until a step: eager checkpointing's cache of a kept op's
+/// outputs, a checkpoint's inputs, what eager autograd and the model's Python code keep
+/// referenced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hold {
     pub value: ValueId,
@@ -66,6 +67,8 @@ pub struct Hold {
 /// The last step at which a [`Hold`] keeps its value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Until {
+    /// The forward step of this node.
+    Forward(NodeId),
     /// The replay step of this forward node.
     Replay(NodeId),
     /// The backward step at this position of [`Partition::order`].
@@ -148,10 +151,15 @@ pub fn partition(graph: &Graph, policy: &Policy, executor: Executor) -> Partitio
 }
 
 /// What the executor holds when nothing is checkpointed: eager autograd keeps saved tensors
-/// by node and some only for their shape; a graph executor frees op by op.
+/// by node and some only for their shape, and the model's Python code keeps values referenced
+/// past their last use; a graph executor frees op by op.
 pub fn no_checkpoint_holds(graph: &Graph, executor: Executor) -> Vec<Hold> {
     match executor {
-        Executor::Eager => eager::autograd_holds(graph, graph.backward_order()),
+        Executor::Eager => {
+            let mut holds = eager::autograd_holds(graph, graph.backward_order());
+            holds.extend(eager::python_holds(graph));
+            holds
+        }
         Executor::Graph => Vec::new(),
     }
 }

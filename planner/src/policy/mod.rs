@@ -16,7 +16,7 @@ mod markers;
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Decision, LayerRef, RandomOps, Reason},
+    plan::{Collectives, Decision, Executor, LayerRef, RandomOps, Reason},
     Graph, IdVec, ModelId, Node, NodeId, Phase, UnitId, ValueId,
 };
 
@@ -161,6 +161,7 @@ pub fn apply(graph: &Graph, config: &PlanConfig, resolved: &Resolved) -> Policy 
     let rules = Rules {
         config,
         chosen: &resolved.chosen_ops,
+        eager_on_host: config.executor == Executor::Eager && traced_on_host(graph),
     };
     for (&site, members) in &sessions {
         let index = &indexes[site.at.model];
@@ -402,6 +403,29 @@ struct Rules<'a> {
     config: &'a PlanConfig,
     /// Ops the budget solver keeps one by one.
     chosen: &'a BTreeSet<NodeId>,
+    /// The plan is for eager execution of a graph traced on the CPU, where some random ops
+    /// run as other ops than the trace shows ([`EAGER_HOST_UNCACHED_RANDOM`]).
+    eager_on_host: bool,
+}
+
+/// Random ops that eager PyTorch on the CPU runs as other, in-place ops, which a selective
+/// checkpoint cannot cache: CPU dropout fills a mask with `bernoulli_` where the trace has
+/// `native_dropout` (on a GPU, eager dispatches the fused `native_dropout` itself). Under eager
+/// checkpointing they re-run in the recompute, with the generator state forward saw restored.
+const EAGER_HOST_UNCACHED_RANDOM: &[&str] = &["aten.native_dropout"];
+
+/// Whether the graph was traced on the CPU, as its factory ops say (`device` attributes: only
+/// the CPU named). A graph naming another device, or none, is not.
+fn traced_on_host(graph: &Graph) -> bool {
+    let mut devices = graph
+        .nodes()
+        .values()
+        .filter_map(|n| match n.attribute("device") {
+            Some(ir::AttrValue::Str(d)) => Some(d.as_str()),
+            _ => None,
+        })
+        .peekable();
+    devices.peek().is_some() && devices.all(|d| d == "cpu" || d.starts_with("cpu:"))
 }
 
 impl Rules<'_> {
@@ -456,12 +480,19 @@ impl Rules<'_> {
 
     /// A random op never replays with other random numbers than forward drew: saved, or
     /// replayed with the forward generator state, as `--random-ops` says. A compiled one is out
-    /// of the per-op policy's reach and replays (its region restores the state, or not).
+    /// of the per-op policy's reach and replays (its region restores the state, or not), and so
+    /// does one eager on the CPU runs as ops it cannot cache.
     fn random(&self, node: &Node, unit: Option<UnitId>) -> Option<NodePolicy> {
         if !node.draws_random() || node.effects.is_mutable() {
             return None;
         }
-        if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay {
+        let packet = node
+            .op
+            .rsplit_once('.')
+            .map_or(node.op.as_str(), |(p, _)| p);
+        let uncached = self.eager_on_host && EAGER_HOST_UNCACHED_RANDOM.contains(&packet);
+        if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay || uncached
+        {
             return Some(recompute(Reason::RandomReplayed, unit));
         }
         Some(NodePolicy {
