@@ -126,6 +126,13 @@ STOCK_FAMILIES: tuple[Family, ...] = (
         _causal_lm("Gemma2Config", "Gemma2ForCausalLM", sliding_window=4, **STOCK),
         DENSE_UNITS,
     ),
+    # Phi-3: fused query/key/value and gate/up projections, a sliding window (its default
+    # padding token id lies outside the tiny vocabulary).
+    Family(
+        "phi3",
+        _causal_lm("Phi3Config", "Phi3ForCausalLM", sliding_window=4, pad_token_id=0, **STOCK),
+        DENSE_UNITS,
+    ),
     Family(
         "qwen3_moe",
         _causal_lm("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "batched_mm", **MOE, **STOCK),

@@ -3,8 +3,8 @@ model as configured (KV cache on, its own masks: no `attention_mask` given), ann
 layer scopes and units.
 
 For each family (`hf_families.STOCK_FAMILIES`: Llama, Mistral with a sliding window, Qwen2,
-Qwen3 mixing full and sliding layers, Gemma 2 with tied embeddings and sliding layers,
-Qwen3-MoE, Mixtral, DeepSeek-V3):
+Qwen3 mixing full and sliding layers, Gemma 2 with tied embeddings and sliding layers, Phi-3
+with fused projections and a sliding window, Qwen3-MoE, Mixtral, DeepSeek-V3):
 
 - the export's loss is the model's own;
 - every unit alone plans without an error diagnostic;
