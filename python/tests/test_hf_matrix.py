@@ -34,7 +34,9 @@ from hf_families import STOCK_FAMILIES
 from recompute_planner import sac
 from recompute_planner.model_export import _Step
 from test_compile_stage import (
-    Recording, assert_saves_and_replays_the_plan, run_inductor_partition,
+    Recording,
+    assert_saves_and_replays_the_plan,
+    run_inductor_partition,
 )
 
 pytest.importorskip("transformers")
