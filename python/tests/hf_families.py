@@ -98,10 +98,10 @@ def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
-# The stock families as the README exports them: the configs' own defaults (KV cache on), a
-# sliding window where the family has one, float32, and MoE experts as batched matmuls (HF's
-# default grouped matmul runs in bfloat16 only, whose rounding `planner run --check`'s float32
-# tolerance does not cover).
+# The stock families as the README exports them: the configs' own defaults (KV cache on, tied
+# embeddings where the family ties them), a sliding window where the family has one, float32,
+# and MoE experts as batched matmuls (HF's default grouped matmul runs in bfloat16 only, whose
+# rounding `planner run --check`'s float32 tolerance does not cover).
 STOCK = dict(use_cache=True)
 STOCK_FAMILIES: tuple[Family, ...] = (
     Family("llama", _causal_lm("LlamaConfig", "LlamaForCausalLM", **STOCK), DENSE_UNITS),
@@ -117,6 +117,20 @@ STOCK_FAMILIES: tuple[Family, ...] = (
             "Qwen3Config", "Qwen3ForCausalLM", use_sliding_window=True, sliding_window=4,
             layer_types=["full_attention", "sliding_attention"], **STOCK,
         ),
+        DENSE_UNITS,
+    ),
+    # Gemma 2: tied input and output embeddings, full and sliding layers alternating, logits
+    # and attention scores soft-capped.
+    Family(
+        "gemma2",
+        _causal_lm("Gemma2Config", "Gemma2ForCausalLM", sliding_window=4, **STOCK),
+        DENSE_UNITS,
+    ),
+    # Phi-3: fused query/key/value and gate/up projections, a sliding window (its default
+    # padding token id lies outside the tiny vocabulary).
+    Family(
+        "phi3",
+        _causal_lm("Phi3Config", "Phi3ForCausalLM", sliding_window=4, pad_token_id=0, **STOCK),
         DENSE_UNITS,
     ),
     Family(

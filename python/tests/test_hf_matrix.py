@@ -3,14 +3,15 @@ model as configured (KV cache on, its own masks: no `attention_mask` given), ann
 layer scopes and units.
 
 For each family (`hf_families.STOCK_FAMILIES`: Llama, Mistral with a sliding window, Qwen2,
-Qwen3 mixing full and sliding layers, Qwen3-MoE, Mixtral, DeepSeek-V3):
+Qwen3 mixing full and sliding layers, Gemma 2 with tied embeddings and sliding layers, Phi-3
+with fused projections and a sliding window, Qwen3-MoE, Mixtral, DeepSeek-V3):
 
 - the export's loss is the model's own;
 - every unit alone plans without an error diagnostic;
 - eager selective checkpointing from the eager plan keeping every unit: loss and gradients
   bit-identical to the plain step;
-- the torch.compile stage (aot_autograd with the stage's partition_fn) saves and replays
-  exactly its plan;
+- the torch.compile stage (`torch.compile` with the stage's backend, as the README compiles,
+  stopped after the partition) saves and replays exactly its plan;
 - `planner run --check` runs the exported step keeping every unit: the plan's loss and
   gradients bit-identical to no checkpointing and whole-layer recompute, and PyTorch's within
   float32 tolerance.
@@ -32,7 +33,11 @@ from export_support import planner_run
 from hf_families import STOCK_FAMILIES
 from recompute_planner import sac
 from recompute_planner.model_export import _Step
-from test_compile_stage import Recording, assert_saves_and_replays_the_plan, run_aot
+from test_compile_stage import (
+    Recording,
+    assert_saves_and_replays_the_plan,
+    run_inductor_partition,
+)
 
 pytest.importorskip("transformers")
 
@@ -78,7 +83,7 @@ def test_stock_family_exports_plans_checkpoints_compiles_and_runs(family, determ
 
         stage = Recording(annotation.models, list(family.units))
         compiled = _Step(model, None, (), batch)
-        run_aot(stage, compiled, compiled.tensors())
+        run_inductor_partition(stage, compiled, compiled.tensors())
     assert_saves_and_replays_the_plan(stage)
 
     # Last: skipped where the planner was built without the runtime.

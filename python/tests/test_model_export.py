@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import recompute_planner as rp
-from export_support import fake_process_group, planner_run
+from export_support import fake_process_group, planner_run, run_planner
 from recompute_planner import sac
 from recompute_planner._exporter import write_graph, write_reference
 from recompute_planner.model_export import OwnCheckpointingWarning, causal_mask
@@ -120,6 +120,34 @@ def test_sac_from_the_plan_of_a_stock_model_keeps_its_gradients_bit_identical():
     for policy in policies.values():
         assert policy.held_bytes() > 0
         assert policy.recomputed.count("aten.silu") == 0  # kept by SAVE_MLP
+
+
+def test_sac_matches_eager_attentions_matmul_views_to_the_traced_ones():
+    """HF's eager attention multiplies 4D tensors with `matmul`, which eager returns through
+    `_unsafe_view` where the trace has a `view`: eager SAC keeping the attention still finds
+    every kept op, and the step's gradients are the plain step's."""
+    def eager_attention_llama():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**SHAPE, attn_implementation="eager")
+        )
+
+    model = eager_attention_llama()
+    rp.annotate(model, units=DENSE_UNITS)
+    batch = {k: v for k, v in tokens().items() if k != "attention_mask"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(rp.export(model, batch), list(DENSE_UNITS), executor="eager")
+    policies = sac.checkpoint_layers(model.model.layers, plan)
+
+    def step(m):
+        loss = m(**batch).loss
+        return loss, torch.autograd.grad(loss, list(m.parameters()))
+
+    (loss, grads), (plain_loss, plain_grads) = step(model), step(eager_attention_llama())
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    assert all(policy.held_bytes() > 0 for policy in policies.values())
 
 
 def test_sac_turns_the_kv_cache_off_while_checkpointing_and_back_on_after():
@@ -327,7 +355,7 @@ def test_annotation_errors_name_what_exists():
         rp.annotate(model, units={"SAVE_MOE": ["moe"]})
 
 
-def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning():
+def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning(tmp_path):
     # Forgetting `rp.annotate` declares no layer: the plan can only be "no checkpointing",
     # and it says so instead of a silent "keep nothing (whole-layer recompute)".
     model, inputs = llama(), tokens()
@@ -335,6 +363,11 @@ def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning():
     with pytest.warns(rp.PlannerWarning, match="no-layers-annotated.*declares no decoder layers"):
         plan = rp.plan(graph, ["none"])
     assert plan.nodes and all(n.decision == "no-checkpoint" for n in plan.nodes)
+    # The CLI says the same, and `--deny-warnings` turns it into exit code 3.
+    write_graph(graph, tmp_path / "step.pb")
+    denied = run_planner("plan", str(tmp_path / "step.pb"), "--deny-warnings")
+    assert denied.returncode == 3, denied.stderr
+    assert "no-layers-annotated" in denied.stdout + denied.stderr
 
 
 def test_tied_input_and_output_embeddings_export_as_one_weight_with_the_models_loss():
