@@ -36,16 +36,21 @@ per layer (5056 bytes, host memory on a GPU) is not an activation. In the one zo
 random ops (dropout), recomputation then draws other masks than the forward did, which changes
 values, not the bytes measured.
 
-Measurement details that keep the numbers deterministic: one intra-op thread while measuring
-(some kernels size their scratch buffers by thread count), one warm-up step first (lazy
-initialisation allocates once), the global RNG seeded inside a fork around the steps, and
-frees of blocks allocated before the step ignored (an earlier step's leftovers, such as the
-output of a functional collective nobody waited on, may be released during this one).
+Measurement details that keep the numbers those of the step's tensors: oneDNN off while
+measuring (``no_onednn``: its bfloat16 matmul allocates a scratchpad through the CPU allocator
+inside every ``mm``, sized by its CPU kernel's blocking, not by the step's tensors), one
+intra-op thread (some kernels size their scratch buffers by thread count), one warm-up step
+first (lazy initialisation allocates once), the global RNG seeded inside a fork around the
+steps, and frees of blocks allocated before the step ignored (an earlier step's leftovers,
+such as the output of a functional collective nobody waited on, may be released during this
+one). A step whose every op is a node of the planned graph (a compiled step) can also be
+measured without its kernels' other scratch (``measure_step(op_scratch=False)``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +89,7 @@ class Allocation:
     op: str  # outermost aten op running (else the innermost range, e.g. an autograd node)
     inner_op: str  # innermost op running ("" outside every op)
     stage: str  # FORWARD or BACKWARD ("" outside both)
+    call: int = -1  # which call of the outermost aten op (numbered in time order; -1 outside)
 
 
 @dataclass
@@ -116,6 +122,20 @@ class MemoryTrace:
                 held = live
         return held
 
+    def without_op_scratch(self) -> MemoryTrace:
+        """The trace without the blocks an op allocates and frees within one call: a kernel's
+        scratch, no op's output (the events of the other blocks, in order)."""
+        made: dict[int, int] = {}
+        scratch: set[int] = set()  # indices of the scratch blocks' events
+        for index, event in enumerate(self.events):
+            if event.nbytes > 0:
+                made[event.ptr] = index
+                continue
+            start = made.pop(event.ptr, None)
+            if start is not None and event.call >= 0 and self.events[start].call == event.call:
+                scratch.update((start, index))
+        return MemoryTrace([e for i, e in enumerate(self.events) if i not in scratch])
+
     def live_at(self, index: int) -> list[Allocation]:
         """The allocations made up to event ``index`` (inclusive) and not yet freed."""
         live: dict[int, Allocation] = {}
@@ -132,6 +152,7 @@ class StepMemory:
     """One measured step: its peak and where it happened."""
 
     peak_bytes: int  # largest running sum of the step's allocations, plus the inputs
+    peak_with_op_scratch_bytes: int  # the same, ops' scratch counted (measure_step)
     input_bytes: int  # the step's inputs, held by the caller throughout
     output_bytes: int  # the loss and the gradients, alive at the end
     saved_bytes: int  # what the step holds when forward ends, the loss aside
@@ -166,25 +187,29 @@ def trace_allocations(fn: Callable[[], Any]) -> tuple[MemoryTrace, Any]:
         result = fn()
     timed: list[tuple[int, Allocation]] = []
 
-    def walk(node: Any, ops: tuple[str, ...], stage: str) -> None:
+    calls = itertools.count()  # numbers the outermost aten op calls
+
+    def walk(node: Any, ops: tuple[str, ...], stage: str, call: int) -> None:
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
                 outer = next((o for o in ops if o.startswith("aten::")), ops[-1] if ops else "")
                 event = Allocation(
-                    fields.ptr, fields.alloc_size, outer, ops[-1] if ops else "", stage
+                    fields.ptr, fields.alloc_size, outer, ops[-1] if ops else "", stage, call
                 )
                 timed.append((node.start_time_ns, event))
             return
         if node.name in (FORWARD, BACKWARD):
             stage = node.name
         else:
+            if call < 0 and node.name.startswith("aten::"):
+                call = next(calls)
             ops = ops + (node.name,)
         for child in node.children:
-            walk(child, ops, stage)
+            walk(child, ops, stage, call)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, (), "")
+        walk(root, (), "", -1)
     # A stable sort: events of one thread come out of the tree in order already.
     timed.sort(key=lambda item: item[0])
     return MemoryTrace(_own_events(event for _, event in timed)), result
@@ -219,6 +244,26 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def no_onednn() -> Iterator[None]:
+    """oneDNN (MKL-DNN) off for the block (restored after).
+
+    On CPU, a bfloat16 ``mm`` runs oneDNN's matmul, which allocates its scratchpad through the
+    CPU allocator for the length of the call: the Mixtral experts' weight gradients (grouped
+    mm of 4 experts, bf16, batch 2 x seq 8) measured 87,168 B above their tensors at the
+    step's peak. Its size comes from the CPU kernel's blocking (ISA, thread count), not from
+    the step's tensors, and a GPU step has no such allocation (cuBLAS's workspace is
+    allocated once per handle). Without oneDNN, a bf16 ``mm`` allocates nothing but its
+    output through the allocator (as a float32 ``mm`` does either way).
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def training_step(
@@ -259,23 +304,34 @@ def measure_step(
     params: Sequence[torch.Tensor],
     input_bytes: int,
     seed: int = 0,
+    op_scratch: bool = True,
 ) -> StepMemory:
     """Peak bytes (parameters excluded, the ``input_bytes`` the caller holds included) of one
     eager step: ``loss_fn()``, then the gradients of ``params``.
+
+    ``op_scratch=False`` leaves out the blocks an op allocates and frees within one call
+    (``MemoryTrace.without_op_scratch``): for a step whose every op is a node of the planned
+    graph (a compiled step's aten graphs), those are its kernels' scratch, which the graph
+    does not show and the planner does not model (on CPU, ``TensorIterator`` copies an input
+    to the common dtype before a mixed-dtype elementwise op; a CUDA kernel casts as it loads).
+    An eager step calls composite ops (``linear``, ``cross_entropy``) whose intermediates are
+    nodes of the traced graph, so its measurement keeps them.
 
     The global RNG is seeded with ``seed`` inside a fork, as the exporter does; the fork's
     state copies are made outside the measured step.
     """
     step = loss_and_gradients(loss_fn, params)
-    with single_thread(), torch.random.fork_rng(devices=[]):
+    with single_thread(), no_onednn(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         step()  # warm-up
         torch.manual_seed(seed)
-        trace, (loss, grads) = trace_allocations(step)
+        full, (loss, grads) = trace_allocations(step)
+    trace = full if op_scratch else full.without_op_scratch()
     peak, at = trace.peak()
     event = trace.events[at] if at >= 0 else None
     return StepMemory(
         peak_bytes=peak + input_bytes,
+        peak_with_op_scratch_bytes=full.peak()[0] + input_bytes,
         input_bytes=input_bytes,
         output_bytes=tensor_bytes(loss) + sum(tensor_bytes(g) for g in grads),
         saved_bytes=trace.held_after(FORWARD) - tensor_bytes(loss),

@@ -189,6 +189,25 @@ def test_trace_follows_allocations_and_frees():
     assert sorted(a.nbytes for a in trace.live_at(len(trace.events) - 1)) == [1000, 2000]
 
 
+def test_op_scratch_is_what_an_op_frees_within_its_call():
+    """A float32 x bfloat16 `mul` on CPU copies the bf16 input to float32 (1024 B) and frees
+    the copy before it returns: scratch. Its output is not, nor the 40 B block `resize_`
+    frees: another call (`empty`) allocated it."""
+    a, b = torch.ones(256), torch.ones(256, dtype=torch.bfloat16)
+
+    def step():
+        out = a * b
+        buf = torch.empty(10)
+        buf.resize_(256)
+        return out, buf
+
+    trace, _ = measure.trace_allocations(step)
+    assert [e.nbytes for e in trace.events] == [1024, 1024, -1024, 40, 1024, -40]
+    tensors = trace.without_op_scratch()
+    assert [e.nbytes for e in tensors.events] == [1024, 40, 1024, -40]
+    assert tensors.peak() == (2088, 2)
+
+
 class _Scale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -208,6 +227,30 @@ def test_step_excludes_parameters_and_counts_inputs_and_gradients():
     assert step.output_bytes == 4 + 1024
     assert step.peak_bytes == 1024 + 4 + 4 + 1024
     assert step.peak_stage == measure.BACKWARD
+
+
+class _Projection(nn.Module):
+    """A bias-free projection summed to a loss: every tensor of its step is floating point."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(64, 256, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight).sum()
+
+
+def test_bfloat16_matmul_step_measures_half_the_float32_step():
+    """The step's tensors only: in bfloat16 every one of them is half its float32 size, and so
+    is the measured peak. oneDNN's bf16 matmul would add its scratchpad, allocated inside `mm`,
+    to the bf16 peak alone (the weight gradient's, 25,728 B on an AVX-512 CPU: 2 x 78,980 B
+    against 106,504 B)."""
+
+    def peak(dtype: torch.dtype) -> int:
+        x = torch.ones(32, 64, dtype=dtype)
+        return measure.measure_training_step(_Projection(dtype), (x,)).peak_bytes
+
+    assert 2 * peak(torch.bfloat16) == peak(torch.float32)
 
 
 def test_measurement_is_deterministic():
@@ -244,25 +287,30 @@ EAGER_TOLERANCE = 0.03
 # HuggingFace Llama: eager holds two hidden-size tensors of the final norm more than the traced
 # graph when forward ends, which `--keep all` (-4.2% at this shape) does not absorb.
 HF_TOLERANCE = 0.05
-# The step compiled from the stage's plan: torch orders backward and replay as the plan does,
-# but for ties (measured -0.5% .. +1.3%).
+# HuggingFace Mixtral (bf16): its experts' float32 x bf16 `mul` copies the bf16 input to
+# float32 on CPU (65,536 B at this shape, -3.5%), scratch the eager measurement counts.
+EAGER_CASE_TOLERANCE = {"llama": HF_TOLERANCE, "mixtral": 0.04}
+HF_CASES = ("llama", "mixtral")
+# The step compiled from the stage's plan, its kernels' scratch apart: torch orders backward
+# and replay as the plan does, but for ties (measured -0.5% .. +1.3%). With the scratch,
+# Mixtral measured 3.1% .. 3.5% above its plan (a bf16 input copied to float32 for a
+# mixed-dtype `mul`), dsv3_kv_expand `SAVE_MLP` 3.3% (the CPU flash-attention backward's
+# buffers, 8,320 B).
 COMPILE_TOLERANCE = 0.02
-# torch.compile functionalizes the step's in-place writes into fresh buffers: the stage plans
-# another program than the exported one (tests/test_compile_stage.py, FUNCTIONALIZED_DIFFERS),
-# and its step measures up to 3.3% above that plan (`slice_scatter` buffers live at the
-# attention backward; not yet explained).
-FUNCTIONALIZED = {"dsv3_kv_expand"}
-FUNCTIONALIZED_TOLERANCE = 0.04
+# torch.compile functionalizes the step's in-place writes into fresh buffers: where a kept unit
+# makes a written tensor, the stage plans another program than the exported one
+# (tests/test_compile_stage.py, FUNCTIONALIZED: Mixtral's router `div_`).
+FUNCTIONALIZED = {"dsv3_kv_expand", "mixtral"}
 
 
 @pytest.fixture(scope="module")
 def prediction_rows(tmp_path_factory, planner_bin) -> list[dict]:
-    """The script's rows for three zoo goldens and HuggingFace Llama at the small shape, every
-    executor."""
+    """The script's rows for three zoo goldens, HuggingFace Llama and Mixtral (bf16) at the
+    small shape, every executor."""
     out = tmp_path_factory.mktemp("predictions") / "rows.json"
     done = subprocess.run(
         [sys.executable, str(PREDICTIONS_SCRIPT), *SMALL_SHAPE, "--zoo", "dense",
-         "dsv3_kv_expand", "moe_ep2", "--hf", "llama", "--json", str(out)],
+         "dsv3_kv_expand", "moe_ep2", "--hf", *HF_CASES, "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True,
         env={**os.environ, "PLANNER_BIN": planner_bin},
     )
@@ -273,7 +321,7 @@ def prediction_rows(tmp_path_factory, planner_bin) -> list[dict]:
 
 def rows_of(rows: list[dict], executor: str) -> list[dict]:
     chosen = [r for r in rows if r["executor"] == executor]
-    assert {r["case"] for r in chosen} == {"dense", "dsv3_kv_expand", "moe_ep2", "llama"}
+    assert {r["case"] for r in chosen} == {"dense", "dsv3_kv_expand", "moe_ep2", *HF_CASES}
     return chosen
 
 
@@ -284,29 +332,27 @@ def eager_rows(prediction_rows) -> list[dict]:
 
 def test_eager_plan_predicts_the_measured_peak_and_saved_set(eager_rows):
     """`--keep none`, `all` and each unit alone under eager SAC: the eager plan's peak within
-    3% of the allocator's (5% for HuggingFace Llama; the zoo MoE's Python locals that outlive
-    their last use are observed at export and held), and on the zoo goldens its saved bytes
-    are what the step holds when forward ends, to the byte."""
+    3% of the allocator's (`EAGER_CASE_TOLERANCE`: HuggingFace Llama and Mixtral; the zoo MoE's
+    Python locals that outlive their last use are observed at export and held), and on the zoo
+    goldens its saved bytes are what the step holds when forward ends, to the byte."""
     for r in eager_rows:
-        tolerance = {"llama": HF_TOLERANCE}.get(r["case"], EAGER_TOLERANCE)
+        tolerance = EAGER_CASE_TOLERANCE.get(r["case"], EAGER_TOLERANCE)
         relative = gap(r["predicted_peak"], r["measured_peak"])
         assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
-        if r["case"] != "llama":
+        if r["case"] not in HF_CASES:
             assert r["predicted_saved"] == r["measured_saved"], r
 
 
 def test_compiled_step_holds_what_the_stage_plan_predicts(prediction_rows):
     """The step compiled from the compile stage's plan (torch's boxed interpreter, which frees
-    each value after its last use): its peak within 2% of the plan's (4% where torch
-    functionalizes in-place writes), its saved bytes those of the plan to the byte, and the
-    stage's plan that of the exported step (but where torch functionalizes)."""
+    each value after its last use), its kernels' scratch apart: its peak within 2% of the
+    plan's, its saved bytes those of the plan to the byte, and the stage's plan that of the
+    exported step (but where torch functionalizes)."""
     for r in rows_of(prediction_rows, "compile"):
         relative = gap(r["predicted_peak"], r["measured_peak"])
-        functionalized = r["case"] in FUNCTIONALIZED
-        tolerance = FUNCTIONALIZED_TOLERANCE if functionalized else COMPILE_TOLERANCE
-        assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
+        assert abs(relative) <= COMPILE_TOLERANCE, f"{r}: {relative:+.1%}"
         assert r["predicted_saved"] == r["measured_saved"], r
-        assert r["same_plan"] or functionalized, r
+        assert r["same_plan"] or r["case"] in FUNCTIONALIZED, r
 
 
 def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows):
@@ -319,12 +365,14 @@ def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows
 
 def test_eager_keep_all_worse_than_no_checkpointing_is_flagged(eager_rows):
     """The cache holds every kept output: `--keep all` peaks above the step without
-    checkpointing, and the plan says so; keeping nothing never does."""
+    checkpointing, and the plan says so; keeping nothing never does. Mixtral's units
+    (attention, router) leave its experts, most of a layer's activations, to recompute."""
     for r in eager_rows:
         worse = r["predicted_peak"] > r["no_checkpoint_peak"]
         assert r["worse_than_no_checkpoint"] == worse, r
         assert not (r["keep"] == "none" and worse), r
-    assert all(r["worse_than_no_checkpoint"] for r in eager_rows if r["keep"] == "all")
+    keep_all = [r for r in eager_rows if r["keep"] == "all" and r["case"] != "mixtral"]
+    assert all(r["worse_than_no_checkpoint"] for r in keep_all)
 
 
 def test_eager_budget_answer_fits_its_budget_when_measured():
