@@ -301,6 +301,32 @@ fn respell(key: &str) -> String {
     }
 }
 
+#[test]
+fn a_refused_integer_is_placed_where_pbjson_places_it_last_member_or_not() {
+    for text in [
+        r#"{"metadata":{"rank":-1,"exporterVersion":"x0"},"name":"g"}"#,
+        r#"{"metadata":{"exporterVersion":"x0","rank":-1},"name":"g"}"#,
+        r#"{"nodes":[{"name":"a","layer":-1}]}"#,
+        r#"{"nodes":[{"name":"a","layer":4294967296},{"name":"b"}]}"#,
+    ] {
+        let streamed = convert(text.as_bytes(), Format::Json, Format::Protobuf)
+            .expect_err("a negative or too large u32 is refused")
+            .to_string();
+        let whole = io::decode(text.as_bytes(), Format::Json, path())
+            .expect_err("pbjson refuses it too")
+            .to_string();
+        assert!(
+            streamed.contains("must be an integer from 0 to 4294967295"),
+            "{streamed}"
+        );
+        assert_eq!(
+            json_error_place(&streamed),
+            json_error_place(&whole),
+            "{text}"
+        );
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 

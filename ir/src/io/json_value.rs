@@ -73,52 +73,59 @@ impl<T> IntegerOf<T> {
 impl<'de, T: Integer> DeserializeSeed<'de> for IntegerOf<T> {
     type Value = T;
 
+    /// The value is read whole, then judged, as pbjson judges the value it buffered: a refusal
+    /// then gets its place from the enclosing object, as pbjson's does (past the object's `}`
+    /// when the value is its last member).
     fn deserialize<D: de::Deserializer<'de>>(self, deserializer: D) -> Result<T, D::Error> {
-        deserializer.deserialize_any(self)
+        deserializer
+            .deserialize_any(ReadInteger(self))?
+            .map_err(|what| self.refuse(what))
     }
 }
 
-impl<'de, T: Integer> Visitor<'de> for IntegerOf<T> {
-    type Value = T;
+/// Reads an integer of an [`IntegerOf`]: the value, or what was there instead, in words.
+struct ReadInteger<T>(IntegerOf<T>);
+
+impl<'de, T: Integer> Visitor<'de> for ReadInteger<T> {
+    type Value = Result<T, String>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "`{}` to be {}", self.field, T::RANGE)
+        write!(f, "`{}` to be {}", self.0.field, T::RANGE)
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<T, E> {
-        T::from_i64(v).ok_or_else(|| self.refuse(v))
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(T::from_i64(v).ok_or_else(|| v.to_string()))
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<T, E> {
-        T::from_u64(v).ok_or_else(|| self.refuse(v))
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(T::from_u64(v).ok_or_else(|| v.to_string()))
     }
 
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<T, E> {
-        Err(self.refuse(v))
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Err(v.to_string()))
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
-        v.parse()
-            .map_err(|_| self.refuse(format_args!("the string `{v}`")))
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.parse().map_err(|_| format!("the string `{v}`")))
     }
 
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<T, E> {
-        Err(self.refuse(v))
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Err(v.to_string()))
     }
 
-    fn visit_unit<E: de::Error>(self) -> Result<T, E> {
-        Err(self.refuse("null"))
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Err("null".to_owned()))
     }
 
     // A list or an object is read to its end before it is refused, as pbjson reads it.
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<T, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Err(self.refuse("a list"))
+        Ok(Err("a list".to_owned()))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<T, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Err(self.refuse("an object"))
+        Ok(Err("an object".to_owned()))
     }
 }
 
@@ -232,13 +239,14 @@ mod tests {
         assert_eq!(integer::<u32>("4294967295"), Ok(u32::MAX));
         assert_eq!(integer::<u32>("\"7\""), Ok(7));
         assert_eq!(integer::<i64>("-3"), Ok(-3));
+        // Alone, a refused value has no place: the enclosing object gives it one.
         assert_eq!(
             integer::<u32>("4294967296").unwrap_err(),
-            "`layer` must be an integer from 0 to 4294967295, not 4294967296 at line 1 column 10"
+            "`layer` must be an integer from 0 to 4294967295, not 4294967296"
         );
         assert_eq!(
             integer::<u32>("-1").unwrap_err(),
-            "`layer` must be an integer from 0 to 4294967295, not -1 at line 1 column 2"
+            "`layer` must be an integer from 0 to 4294967295, not -1"
         );
         for (json, what) in [
             ("1.5", "not 1.5"),
