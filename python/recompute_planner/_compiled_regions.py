@@ -16,7 +16,8 @@ parameter, a module path or a region is named as in the model without ``torch.co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,14 +85,34 @@ class CompiledSubmodule:
         return own
 
     def replace(self, call: Call) -> Callable[[], None]:
-        """Makes the module run ``call`` instead; returns what puts the compiled call back."""
+        """Makes the module run ``call`` instead; returns what puts the call it replaced back,
+        unless something replaced ``call`` since (that replacement is left to its own undo)."""
         slot, saved = self._slot, self.compiled_call()
         self.module.__dict__[slot] = call
 
         def restore() -> None:
-            self.module.__dict__[slot] = saved
+            if self.module.__dict__.get(slot) is call:
+                self.module.__dict__[slot] = saved
 
         return restore
+
+
+def replaced_while(replacements: Iterable[Callable[[], Callable[[], None]]]) -> Callable[[], None]:
+    """Makes each replacement (a ``replace`` call to make); returns what undoes them all, in
+    reverse order. If one fails, those made are undone before the error propagates."""
+    restores: list[Callable[[], None]] = []
+
+    def undo() -> None:
+        for restore in reversed(restores):
+            restore()
+
+    try:
+        for replacement in replacements:
+            restores.append(replacement())
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def compiled_submodules(root: nn.Module) -> list[CompiledSubmodule]:
@@ -132,12 +153,13 @@ def traced_as_regions(root: nn.Module) -> Iterator[None]:
     compiled = compiled_submodules(root)
     if any(c.path == "" for c in compiled):
         raise ExportError(COMPILED_MODEL)
-    restores = [
-        c.replace(_InRegion(c.plain_call(), c.path) if c.outermost else c.plain_call())
+    undo = replaced_while(
+        functools.partial(
+            c.replace, _InRegion(c.plain_call(), c.path) if c.outermost else c.plain_call()
+        )
         for c in compiled
-    ]
+    )
     try:
         yield
     finally:
-        for restore in reversed(restores):
-            restore()
+        undo()

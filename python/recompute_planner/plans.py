@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 DECISION_SAVE = "save"
 DECISION_RECOMPUTE = "recompute"
 DECISION_NO_CHECKPOINT = "no-checkpoint"
+# The reason of an op the plan leaves to a compiled region (nothing is kept there).
+REASON_COMPILED = "compiled"
 
 
 @dataclass(frozen=True)

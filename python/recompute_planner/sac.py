@@ -68,6 +68,7 @@ names and attributes stay those of the plain model, so checkpoints load either w
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -86,14 +87,11 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from ._compiled_regions import compiled_submodules, is_compiled
+from ._compiled_regions import compiled_submodules, is_compiled, replaced_while
 from .errors import SacMismatchError
 from .markers import MARKER_OP
 from .model_export import kv_cache_configs
-from .plans import DECISION_SAVE, Plan
-
-# The reason the plan gives an op that runs in a compiled region.
-REASON_COMPILED = "compiled"
+from .plans import DECISION_SAVE, REASON_COMPILED, Plan
 
 # A checkpoint's ``context_fn``: the forward and the recompute context of one call.
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -533,18 +531,15 @@ def follow_compiled_submodules(module: nn.Module) -> Callable[[], None]:
     """Announces every call of ``module``'s compiled submodules (``module.compile()``,
     ``torch.compile(submodule)``; the outermost of nested ones) to the selective checkpoint
     matching the layer they run in; returns what undoes it. ``checkpoint_module`` does it for
-    the module it checkpoints."""
-    restores = [
-        compiled.replace(_CompiledCall(compiled.compiled_call(), compiled.path))
+    the module it checkpoints. A submodule followed already (a module that holds it is
+    checkpointed too) stays with its follower: calls are announced to the innermost layer
+    forward being matched whoever follows them. Regions are named by their path from
+    ``module`` (the export names them from the model's root)."""
+    return replaced_while(
+        functools.partial(compiled.replace, _CompiledCall(compiled.compiled_call(), compiled.path))
         for compiled in compiled_submodules(module)
-        if compiled.outermost
-    ]
-
-    def undo() -> None:
-        for restore in reversed(restores):
-            restore()
-
-    return undo
+        if compiled.outermost and not isinstance(compiled.compiled_call(), _CompiledCall)
+    )
 
 
 class _CheckpointedForward:

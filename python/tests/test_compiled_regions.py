@@ -309,6 +309,23 @@ def test_checkpoint_layers_follows_compiled_calls_until_removed():
     assert [layer.gate.forward for layer in model.layers] == calls
 
 
+def test_a_submodule_followed_by_two_checkpointed_modules_is_restored_in_any_undo_order():
+    """A layer and the model that holds it both checkpointed: the layer's compiled router stays
+    with its first follower, and undoing the two in either order leaves its compiled call."""
+    for first, second in (("model", "layer"), ("layer", "model")):
+        model = compiled(CausalLM(MOE), "gate", "wrap")
+        layer = model.layers[0]
+        call = layer.gate.forward
+        modules = {"model": model, "layer": layer}
+        sac.checkpoint_module(modules[first])
+        followed = layer.gate.forward
+        sac.checkpoint_module(modules[second])
+        assert isinstance(followed, sac._CompiledCall) and layer.gate.forward is followed
+        sac.uncheckpoint_module(modules["model"])
+        sac.uncheckpoint_module(modules["layer"])
+        assert layer.gate.forward is call, (first, second)
+
+
 @pytest.mark.parametrize("form", ["wrap", "method"])
 def test_a_compiled_model_is_refused_with_its_cause_and_fix(form):
     model = compile_module(CausalLM(MOE), form)
