@@ -123,6 +123,8 @@ pub enum ValidationError {
     UnknownOutput { node: String, value: String },
     #[error("node `{}` lists `{}` among the values Python releases after it, which is not a declared value", display::name(.node), display::name(.value))]
     UnknownPythonRelease { node: String, value: String },
+    #[error("node `{}` lists `{}` among the values Python releases after it, but Python releases after a forward node only what forward made by then", display::name(.node), display::name(.value))]
+    PythonReleaseOutsideForward { node: String, value: String },
     #[error("value `{}` is produced twice: by `{}` and by `{}`", display::name(.value), display::name(.first), display::name(.second))]
     ProducedTwice {
         value: String,

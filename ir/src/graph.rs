@@ -248,6 +248,13 @@ impl Node {
         self.effects.random && !self.is_dropout_off()
     }
 
+    /// The op without its overload: `aten.bernoulli` for `aten.bernoulli.p`.
+    pub fn packet(&self) -> &str {
+        self.op
+            .rsplit_once('.')
+            .map_or(self.op.as_str(), |(p, _)| p)
+    }
+
     /// Whether re-running the node may give another result than forward did, one that fixes
     /// shapes or indices downstream (a `topk` breaking ties, routing counts): what the op
     /// knowledge base says, unless the call asks for a stable sort, which breaks ties by

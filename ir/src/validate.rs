@@ -434,6 +434,7 @@ impl Structure {
             });
         }
         check_phases(nodes, values, &producers)?;
+        check_python_releases(nodes, values, &producers)?;
         let (consumers, storage) = rayon::join(
             || Consumers::build(values.len(), nodes),
             || storage(nodes, values.len()),
@@ -1050,6 +1051,28 @@ fn check_phases(
                     node: node.name.to_string(),
                     value: values[v].name.to_string(),
                     producer: nodes[producer].name.to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Python releases in forward what forward made: only a forward node lists `python_releases`,
+/// and a value it lists was made by a forward node at or before it (or is a graph input).
+fn check_python_releases(
+    nodes: &IdVec<NodeId, Node>,
+    values: &IdVec<ValueId, Value>,
+    producers: &IdVec<ValueId, Option<NodeId>>,
+) -> Result<(), E> {
+    for (id, node) in nodes.iter() {
+        for &v in node.python_releases() {
+            let made_later =
+                producers[v].is_some_and(|p| p > id || nodes[p].phase != Phase::Forward);
+            if node.phase != Phase::Forward || made_later {
+                return Err(E::PythonReleaseOutsideForward {
+                    node: node.name.to_string(),
+                    value: values[v].name.to_string(),
                 });
             }
         }

@@ -192,6 +192,45 @@ fn duplicate_value_names_are_rejected() {
 }
 
 #[test]
+fn python_releases_of_forward_values_after_a_forward_node_are_accepted() {
+    let mut g = base();
+    node_mut(&mut g, "sum").python_releases = vec!["y".to_owned(), "x".to_owned()];
+    let graph = Graph::from_wire(g).expect("forward releases what forward made, or an input");
+    let (_, sum) = graph
+        .nodes()
+        .iter()
+        .find(|(_, n)| n.name.as_str() == "sum")
+        .expect("node sum");
+    assert_eq!(sum.python_releases().len(), 2);
+}
+
+#[test]
+fn a_python_release_naming_no_value_is_rejected() {
+    check_rejected(
+        |g| node_mut(g, "sum").python_releases = vec!["nope".to_owned()],
+        ValidationError::UnknownPythonRelease {
+            node: "sum".into(),
+            value: "nope".into(),
+        },
+        &["`sum`", "`nope`"],
+    );
+}
+
+#[test]
+fn a_python_release_before_its_value_is_made_or_outside_forward_is_rejected() {
+    for (node, value) in [("mm", "loss"), ("sum", "grad_y"), ("t", "y")] {
+        check_rejected(
+            |g| node_mut(g, node).python_releases = vec![value.to_owned()],
+            ValidationError::PythonReleaseOutsideForward {
+                node: node.into(),
+                value: value.into(),
+            },
+            &[&format!("`{node}`"), &format!("`{value}`")],
+        );
+    }
+}
+
+#[test]
 fn an_input_naming_no_value_is_rejected() {
     check_rejected(
         |g| node_mut(g, "sum").inputs = vec!["nope".to_owned()],

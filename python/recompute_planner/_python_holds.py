@@ -121,9 +121,9 @@ def probe_releases(module: torch.nn.Module, args: tuple[Any, ...], seed: int) ->
     return probe.ops
 
 
-def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
+def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
     """Lists, on the graph's forward nodes, the values Python released after them later than
-    their last forward read (``Node.python_releases``); returns how many were listed."""
+    their last forward read (``Node.python_releases``)."""
     forward = [i for i, n in enumerate(graph.nodes) if n.phase == graph_pb2.PHASE_FORWARD]
     graph_ops = [graph.nodes[i].op for i in forward]
     matcher = difflib.SequenceMatcher(None, [p.op for p in ops], graph_ops, autojunk=False)
@@ -131,7 +131,7 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
     for block in matcher.get_matching_blocks():
         aligned.extend((block.a + k, block.b + k) for k in range(block.size))
     if not aligned:
-        return 0
+        return
     probe_indices = [a for a, _ in aligned]
     by_collectives = _held_by_collectives(graph)
     last_read: dict[str, int] = {}
@@ -156,7 +156,6 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> int:
                 releases.setdefault(at, []).append(value)
     for at, values in releases.items():
         graph.nodes[forward[at]].python_releases.extend(values)
-    return sum(len(v) for v in releases.values())
 
 
 def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:

@@ -317,6 +317,7 @@ fn recompute_python_holds(
     let replay_of: BTreeMap<LayerRef, &Replay> = replays.iter().map(|r| (r.layer, r)).collect();
     let mut holds = Vec::new();
     for (id, node) in graph.nodes().iter() {
+        // Only forward nodes list releases (the graph's validation checks it).
         for &value in node.python_releases() {
             let Some(producer) = graph.producer(value) else {
                 continue;
@@ -384,10 +385,7 @@ pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
         })
         .collect();
     for (_, node) in graph.nodes().iter() {
-        let packet = node
-            .op
-            .rsplit_once('.')
-            .map_or(node.op.as_str(), |(p, _)| p);
+        let packet = node.packet();
         let packet = packet.strip_suffix('_').unwrap_or(packet);
         for &(op, saved, with) in EAGER_ONLY_SAVES {
             let (Some(&value), Some(partner)) = (node.inputs.get(saved), node.inputs.get(with))

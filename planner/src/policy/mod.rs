@@ -486,11 +486,7 @@ impl Rules<'_> {
         if !node.draws_random() || node.effects.is_mutable() {
             return None;
         }
-        let packet = node
-            .op
-            .rsplit_once('.')
-            .map_or(node.op.as_str(), |(p, _)| p);
-        let uncached = self.eager_on_host && EAGER_HOST_UNCACHED_RANDOM.contains(&packet);
+        let uncached = self.eager_on_host && EAGER_HOST_UNCACHED_RANDOM.contains(&node.packet());
         if node.compiled_region.is_some() || self.config.random_ops == RandomOps::Replay || uncached
         {
             return Some(recompute(Reason::RandomReplayed, unit));
