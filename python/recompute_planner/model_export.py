@@ -546,7 +546,20 @@ def _models(
         return annotate(model, layers or "model.layers", units).models
     if existing is not None:
         return existing.models
+    warnings.warn(
+        NoLayersWarning(
+            "the model is exported without declared layers (no rp.annotate, no `layers=` or "
+            "`models=`): every plan of its graph checkpoints nothing (no-layers-annotated; "
+            "`planner plan --deny-warnings` exits 3 on it). Fix: rp.annotate(model, "
+            'layers="model.layers", units={...}) before exporting, or pass `layers=`'
+        ),
+        stacklevel=4,
+    )
     return [ModelDecl("main", 0, {})]
+
+
+class NoLayersWarning(UserWarning):
+    """The export declares no decoder layers: a plan of it can only be no checkpointing."""
 
 
 def _world() -> tuple[int, int | None]:

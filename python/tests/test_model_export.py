@@ -20,7 +20,7 @@ import recompute_planner as rp
 from export_support import fake_process_group, planner_run, run_planner
 from recompute_planner import sac
 from recompute_planner._exporter import write_graph, write_reference
-from recompute_planner.model_export import OwnCheckpointingWarning, causal_mask
+from recompute_planner.model_export import NoLayersWarning, OwnCheckpointingWarning, causal_mask
 from recompute_planner.proto import graph_pb2
 
 transformers = pytest.importorskip("transformers")
@@ -355,11 +355,12 @@ def test_annotation_errors_name_what_exists():
         rp.annotate(model, units={"SAVE_MOE": ["moe"]})
 
 
-def test_a_model_exported_without_annotate_plans_with_a_no_layers_warning(tmp_path):
+def test_a_model_exported_without_annotate_warns_and_plans_with_a_no_layers_warning(tmp_path):
     # Forgetting `rp.annotate` declares no layer: the plan can only be "no checkpointing",
     # and it says so instead of a silent "keep nothing (whole-layer recompute)".
     model, inputs = llama(), tokens()
-    graph = rp.export(model, inputs).graph
+    with pytest.warns(NoLayersWarning, match="without declared layers.*Fix: rp.annotate"):
+        graph = rp.export(model, inputs).graph
     with pytest.warns(rp.PlannerWarning, match="no-layers-annotated.*declares no decoder layers"):
         plan = rp.plan(graph, ["none"])
     assert plan.nodes and all(n.decision == "no-checkpoint" for n in plan.nodes)
