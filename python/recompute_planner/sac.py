@@ -213,6 +213,10 @@ class _Matcher:
         self.names = [layer.names[i] for i in self.ops]
         self.compiled = [bool(layer.compiled) and layer.compiled[i] for i in self.ops]
         self.next = 0  # the next graph op to match
+        # A compiled call passed over a run of compiled ops and eager has matched nothing since:
+        # a compiled call now is the next region of that run (regions called back to back are
+        # one run in the graph, which has nothing between them either).
+        self.in_compiled_run = False
         # Compiled regions eager entered where the graph has no compiled ops, in order.
         self.unplanned_regions: list[str] = []
         self.matched: list[str] = []  # graph node names matched, in order
@@ -229,6 +233,7 @@ class _Matcher:
         packet = op_packet(eager_op)
         if packet == MARKER_PACKET:
             return False
+        self.in_compiled_run = False
         if self.eager_tail and self.eager_tail[0] == packet:
             self.eager_tail.pop(0)
             return False
@@ -260,7 +265,11 @@ class _Matcher:
         dispatches other ops than the graph has (inductor: ``mm.out`` and no pointwise op), so
         the graph's run of compiled ops that comes next (at most ``LOOKAHEAD`` ops on) is
         passed over, never kept; the ops before it must not be kept either. A graph without
-        compiled ops there passes over nothing (the ops eager runs inside are recomputed)."""
+        compiled ops there passes over nothing (the ops eager runs inside are recomputed). A
+        region entered right after another, with no eager op between, was passed over with it
+        (one run in the graph)."""
+        if self.in_compiled_run:
+            return
         end = min(self.next + LOOKAHEAD, len(self.packets))
         start = next((i for i in range(self.next, end) if self.compiled[i]), None)
         if start is None:
@@ -273,6 +282,7 @@ class _Matcher:
         while stop < len(self.compiled) and self.compiled[stop]:
             stop += 1
         self.next = stop
+        self.in_compiled_run = True
 
     def _match_composite(self, composite: Composite, eager_op: str) -> bool:
         """Consumes the composite's graph ops as a group, if they come next (other ops among

@@ -309,6 +309,28 @@ def test_checkpoint_layers_follows_compiled_calls_until_removed():
     assert [layer.gate.forward for layer in model.layers] == calls
 
 
+def test_regions_called_back_to_back_pass_over_their_one_run_and_not_the_next():
+    """Two compiled submodules called back to back are one run of compiled ops in the graph:
+    the first call passes over it, the second passes over nothing, and a later region a few
+    ops on is left to its own call (a kept op before it is matched and saved)."""
+    layer = sac.LayerOps(
+        "main", 0,
+        names=("q", "k", "add", "mul", "o", "sum"),
+        ops=("aten.mm.default", "aten.mm.default", "aten.add.Tensor", "aten.mul.Tensor",
+             "aten.mm.default", "aten.sum.default"),
+        keep=(False, False, False, True, False, False),
+        compiled=(True, True, False, False, True, False),
+    )
+    matcher = sac._Matcher(layer)
+    matcher.enter_compiled("q_proj")
+    matcher.enter_compiled("k_proj")
+    assert not matcher.decide("aten.add.Tensor")
+    assert matcher.decide("aten.mul.Tensor")
+    matcher.enter_compiled("o_proj")
+    assert not matcher.decide("aten.sum.default")
+    assert matcher.matched == ["add", "mul", "sum"] and not matcher.unplanned_regions
+
+
 def test_a_submodule_followed_by_two_checkpointed_modules_is_restored_in_any_undo_order():
     """A layer and the model that holds it both checkpointed: the layer's compiled router stays
     with its first follower, and undoing the two in either order leaves its compiled call."""
