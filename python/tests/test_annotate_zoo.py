@@ -140,8 +140,11 @@ def canonical_names(graph: graph_pb2.Graph) -> dict[str, str]:
 
 
 def canonical(graph: graph_pb2.Graph) -> graph_pb2.Graph:
-    """The graph with markers named by order and role, module paths of markers cleared, and
-    the models' unit declarations left out (they name the markers)."""
+    """The graph with markers named by order and role, module paths of markers cleared, the
+    models' unit declarations left out (they name the markers), and what the export saw Python
+    hold (`python_releases`): the annotation's hooks and op-interval mode are Python code of
+    their own, which holds references the hand-marked model does not (the graph executor's
+    plans, compared below, do not read it)."""
     names, roles = canonical_names(graph), marker_roles(graph)
     copy = graph_pb2.Graph()
     copy.CopyFrom(graph)
@@ -155,6 +158,7 @@ def canonical(graph: graph_pb2.Graph) -> graph_pb2.Graph:
                     attribute.str = roles.get(attribute.str, attribute.str)
             node.module_path = ""
         node.name = names.get(node.name, node.name)
+        del node.python_releases[:]
         node.inputs[:] = rename(node.inputs)
         node.outputs[:] = rename(node.outputs)
     for value in copy.values:

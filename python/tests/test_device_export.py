@@ -51,12 +51,17 @@ def copies_to(graph, device: str) -> list:
 def test_the_replayed_engine_traces_every_cpu_golden_byte_for_byte(gold):
     """Traced on the CPU through the device export (backward on the replayed engine), every
     joint golden equals its committed graph, traced with torch's engine: the same backward
-    ops, in the same order, with the same names, annotations and stack traces."""
+    ops, in the same order, with the same names, annotations and stack traces. The golden also
+    lists what its eager probe saw Python hold (`python_releases`), which a fake-tensor export
+    runs no eager step to observe: left out of the comparison."""
     with traced_group(gold.world_size):
         graph = device_graph(gold, "cpu")
-    assert graph.SerializeToString(deterministic=True) == (
-        GOLDEN_DIR / f"{gold.name}.pb"
-    ).read_bytes()
+    golden = graph_pb2.Graph.FromString((GOLDEN_DIR / f"{gold.name}.pb").read_bytes())
+    for node in golden.nodes:
+        del node.python_releases[:]
+    assert graph.SerializeToString(deterministic=True) == golden.SerializeToString(
+        deterministic=True
+    )
 
 
 def test_the_replay_computes_torchs_gradients_bit_for_bit():
