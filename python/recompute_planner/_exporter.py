@@ -70,7 +70,7 @@ import contextlib
 import functools
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -433,17 +433,26 @@ def _traced_as_compiled() -> Iterator[None]:
 def traced_as_exported() -> Iterator[None]:
     """What the exporter traces a step under, and the torch.compile planning stage too (its
     ``tracing()``), so both trace one program: markers enter the traced graph
-    (``markers_in_compiled_graphs``) and a dropout that draws nothing returns its input
-    (``_DropoutOffIsIdentity``) instead of the ``clone`` torch's decomposition makes."""
-    with markers.markers_in_compiled_graphs(), _DropoutOffIsIdentity():
+    (``markers_in_compiled_graphs``), a dropout that draws nothing returns its input instead
+    of the ``clone`` torch's decomposition makes, and the ops of every in-place call are
+    annotated with it (``_TracedAsEager``)."""
+    with markers.markers_in_compiled_graphs(), _TracedAsEager():
         yield
 
 
-class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
-    """A dropout that draws nothing (``p=0`` or not training) returns its input, as eager ATen
-    does (no op runs, nothing is allocated); traced as it is, it would decompose into a
-    ``clone`` eager never makes (an attention-probabilities copy in HuggingFace eager
-    attention) and that selective checkpointing could not match."""
+class _TracedAsEager(torch.overrides.TorchFunctionMode):
+    """Keeps in a trace what eager PyTorch runs.
+
+    - A dropout that draws nothing (``p=0`` or not training) returns its input, as eager ATen
+      does (no op runs, nothing is allocated); traced as it is, it would decompose into a
+      ``clone`` eager never makes (an attention-probabilities copy in HuggingFace eager
+      attention) and that selective checkpointing could not match.
+    - The ops a call of an in-place tensor method (``div_``, ``copy_``, item assignment)
+      traces carry the method's name (``IN_PLACE_CALL_KEY``): functionalization, as
+      ``torch.compile`` traces, rewrites the write into an out-of-place op and the write into
+      a view into a scatter back into its base, and the annotation is what lets the IR give
+      those ops back the storage eager writes (``_written_op_facts``).
+    """
 
     def __torch_function__(
         self,
@@ -457,6 +466,9 @@ class _DropoutOffIsIdentity(torch.overrides.TorchFunctionMode):
             bound = _DROPOUTS[func](*args, **kwargs)
             if bound is not None:
                 return bound
+        if func in _IN_PLACE_METHODS:
+            with markers.annotate({IN_PLACE_CALL_KEY: _IN_PLACE_METHODS[func]}):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -469,6 +481,20 @@ def _functional_dropout_off(
 def _aten_dropout_off(input: torch.Tensor, p: float, train: bool) -> torch.Tensor | None:
     return input if (p == 0 or not train) else None
 
+
+# The annotation on the ops an in-place tensor method call traces: the method's name.
+IN_PLACE_CALL_KEY = "recompute.in_place_call"
+
+# Tensor methods that write their tensor (``div_``, ``copy_``, ``index_put_``, ...) and item
+# assignment (``x[i] = v``), by the function a torch-function mode is handed -> name.
+_IN_PLACE_METHODS: dict[Callable[..., Any], str] = {
+    **{
+        getattr(torch.Tensor, name): name
+        for name in dir(torch.Tensor)
+        if name.endswith("_") and not name.startswith("_")
+    },
+    torch.Tensor.__setitem__: "__setitem__",
+}
 
 # Dropout entry points -> their input when the call draws nothing, else None.
 _DROPOUTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {
@@ -1057,7 +1083,7 @@ def _node_proto(
     *,
     default_model: str,
 ) -> graph_pb2.Node:
-    facts = _op_facts(_op_overload(node))
+    facts = _node_op_facts(node, is_forward)
     inputs, positions, attributes = _inputs_and_attributes(node, facts, names)
     proto = graph_pb2.Node(
         name=node.name,
@@ -1080,6 +1106,77 @@ def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
             "(higher-order ops and Python callables have no IR form)"
         )
     return node.target
+
+
+def _node_op_facts(node: fx.Node, is_forward: bool) -> _OpFacts:
+    """The facts of the op ``node`` calls; for a forward op an in-place call traced
+    (``IN_PLACE_CALL_KEY``), the facts of what eager runs (``_written_op_facts``)."""
+    op = _op_overload(node)
+    custom = node.meta.get("custom")
+    if is_forward and custom and IN_PLACE_CALL_KEY in custom:
+        return _written_op_facts(node, op)
+    return _op_facts(op)
+
+
+def _written_op_facts(node: fx.Node, op: torch._ops.OpOverload) -> _OpFacts:
+    """What eager runs for an op of an in-place call that functionalization rewrote:
+
+    - an out-of-place op whose in-place form writes its first argument (``div`` for ``div_``,
+      ``copy`` for ``copy_``, ``index_put`` for ``index_put_``) and whose result has that
+      argument's shape and dtype: the in-place form, which writes the argument's storage;
+    - a scatter of a view back into its base (``slice_scatter``, ``select_scatter``, ...): a
+      view of the base, which eager wrote through the view and never copied.
+
+    Anything else the call traced (the views it takes, the copy autograd keeps of what it
+    overwrites) is what it is. Without this, a plan of the functionalized step would count a
+    new tensor for every write and could save a kept tensor that eager writes in place.
+    """
+    if op.overloadpacket.__name__ in _WRITE_BACKS:
+        return _write_back_facts(op)
+    in_place = _in_place_form(op)
+    if in_place is not None and _result_is_first_argument_sized(node):
+        return _op_facts(in_place)
+    return _op_facts(op)
+
+
+# Functionalization's write of an updated view back into its base.
+_WRITE_BACKS = frozenset(
+    {"slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter"}
+)
+
+
+@functools.cache
+def _write_back_facts(op: torch._ops.OpOverload) -> _OpFacts:
+    """A write-back's facts as a view of its base (``self``)."""
+    return replace(_op_facts(op), view_of="self")
+
+
+@functools.cache
+def _in_place_form(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``op``'s in-place overload (``aten.div_.Tensor`` for ``aten.div.Tensor``) when it
+    writes the first argument; None for an op that writes already or has no such form."""
+    if _op_facts(op).written:
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), f"{op.overloadpacket.__name__}_", None)
+    in_place = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(in_place, torch._ops.OpOverload):
+        return None
+    first = in_place._schema.arguments[0].name if in_place._schema.arguments else None
+    return in_place if first is not None and _op_facts(in_place).written == (first,) else None
+
+
+def _result_is_first_argument_sized(node: fx.Node) -> bool:
+    """Whether the node's result has its first argument's shape and dtype, as the result of
+    writing that argument in place has."""
+    first = node.args[0] if node.args else None
+    result = node.meta.get("val")
+    argument = first.meta.get("val") if isinstance(first, fx.Node) else None
+    return (
+        isinstance(result, torch.Tensor)
+        and isinstance(argument, torch.Tensor)
+        and result.shape == argument.shape
+        and result.dtype == argument.dtype
+    )
 
 
 @dataclass(frozen=True)

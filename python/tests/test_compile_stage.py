@@ -16,8 +16,9 @@ the CLI's plan of the exported graph:
 
 Steps whose in-place writes torch functionalizes into other ops (`FUNCTIONALIZED`) are
 compared by saved set, saved bytes, peak and each layer's replayed ops in functional form,
-whatever their names and order; where a kept unit's output is written in place
-the two programs save different tensors (`KEPT_OUTPUT_WRITTEN_IN_PLACE`, expected failures).
+whatever their names and order. The stage's IR gives a functionalized write back the storage
+eager writes (the exporter annotates the ops of each in-place call as it traces), so where a
+kept unit makes a tensor the step later writes in place, both plans replay it with its writers.
 
 And the compiled step itself: the forward graph returns exactly the plan's saved set, the
 backward graph re-runs exactly its replay (`partition_from_plan`, no min-cut).
@@ -67,26 +68,6 @@ FUNCTIONALIZED = {"moe_ep2_inplace", "moe_hf_router", "dsv3_kv_expand", "mixtral
 # What functionalization adds for a write into a view: `copy_` into a slice becomes `copy` of
 # the slice and this op, which writes the copy back into the base.
 WRITE_BACK = "aten.slice_scatter.default"
-# Where a kept unit makes a tensor that a later op writes in place, the exported step's plan
-# may not save it (`kept-output-written-in-place`: it replays with its writers and saves their
-# inputs); the functionalized step's writes make new tensors, which the kept unit saves. Two
-# programs, two saved sets: the stage plans the one torch.compile runs, the CLI the one eager
-# runs. The stage cannot undo functionalization (the joint graph keeps no trace of which
-# functional op was an in-place one), and the exporter must trace the in-place program that
-# eager SAC and `planner run` execute.
-_WRITTEN = "functionalization: the kept unit's {what} written in place in the exported step " \
-    "(replayed with its writers there) is a new tensor the stage's plan saves"
-KEPT_OUTPUT_WRITTEN_IN_PLACE = {
-    **{("dsv3_kv_expand", keep): _WRITTEN.format(what="`new_empty` key/query buffer")
-       for keep in ("all", "SAVE_ATTN")},
-    **{("moe_hf_router", keep): _WRITTEN.format(what="top-k weights (`div_`)")
-       for keep in ("all", "SAVE_MOE_GATE")},
-    ("moe_hf_router", "SAVE_MOE_DISPATCH"): _WRITTEN.format(
-        what="`empty_like` dispatch buffer (`index_put_`)"
-    ),
-    **{("mixtral", keep): _WRITTEN.format(what="top-k weights (`div_`)")
-       for keep in ("all", "SAVE_MOE_GATE")},
-}
 
 
 class Recording(stage_mod.PlanningStage):
@@ -370,11 +351,7 @@ def golden_keep_cases():
     for name in JOINT:
         for backend in RUNS:
             for keep in keeps(golden_keep_units(name)):
-                label = keep_label(keep)
-                reason = KEPT_OUTPUT_WRITTEN_IN_PLACE.get((name, label))
-                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-                param = golden_param(name, backend, keep, id=f"{backend}-{name}-{label}")
-                yield pytest.param(*param.values, marks=[*param.marks, *marks], id=param.id)
+                yield golden_param(name, backend, keep, id=f"{backend}-{name}-{keep_label(keep)}")
 
 
 def golden_keep_units(name: str) -> list[str]:
@@ -387,11 +364,7 @@ def family_keep_cases():
         for backend in RUNS:
             for keep in keeps(fam.units):
                 label = keep_label(keep)
-                reason = KEPT_OUTPUT_WRITTEN_IN_PLACE.get((fam.name, label))
-                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
-                yield pytest.param(
-                    fam.name, backend, keep, marks=marks, id=f"{backend}-{fam.name}-{label}"
-                )
+                yield pytest.param(fam.name, backend, keep, id=f"{backend}-{fam.name}-{label}")
 
 
 @pytest.mark.parametrize(("name", "backend", "keep"), list(golden_keep_cases()))
@@ -424,6 +397,35 @@ def test_dropout_that_draws_nothing_is_traced_as_its_input(backend):
     staged = staged_step("family", "llama_eager_attn", backend)
     exported = exported_graph("family", "llama_eager_attn")
     assert [n.op for n in staged.irs[-1].nodes] == [n.op for n in exported.nodes]
+
+
+def forward_writes(ir: graph_pb2.Graph) -> Counter:
+    """The forward's in-place writes and views, counted by op (in-place ops by their
+    functional form, write-backs aside)."""
+    return Counter(
+        (functional_op(n.op), "writes") if n.schema.mutates else (n.op, "view")
+        for n in ir.nodes
+        if n.phase == graph_pb2.PHASE_FORWARD
+        and (n.schema.mutates or n.schema.HasField("view_of"))
+        and n.op != WRITE_BACK
+    )
+
+
+@pytest.mark.parametrize("backend", list(RUNS))
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("golden", name) for name in sorted(FUNCTIONALIZED & set(JOINT))]
+    + [("family", f.name) for f in FAMILIES if f.name in FUNCTIONALIZED],
+)
+def test_stage_ir_writes_in_place_what_the_exported_step_writes_in_place(kind, name, backend):
+    """Functionalization turns a step's in-place writes into new tensors (``div_`` into
+    ``div``, ``copy_`` into a slice into ``copy`` and ``slice_scatter``); the stage's IR gives
+    each write back the storage eager writes, so its forward writes and views are the
+    exported step's, op for op, and its write-backs are views of their bases."""
+    stage_ir = staged_step(kind, name, backend).irs[-1]
+    assert forward_writes(stage_ir) == forward_writes(exported_graph(kind, name))
+    write_backs = [n for n in stage_ir.nodes if n.op == WRITE_BACK]
+    assert all(n.schema.view_of == 0 for n in write_backs)
 
 
 def test_whole_layer_recompute_follows_the_plan():
