@@ -451,7 +451,7 @@ class _TracedAsEager(torch.overrides.TorchFunctionMode):
       traces carry the method's name (``IN_PLACE_CALL_KEY``): functionalization, as
       ``torch.compile`` traces, rewrites the write into an out-of-place op and the write into
       a view into a scatter back into its base, and the annotation is what lets the IR give
-      those ops back the storage eager writes (``_written_op_facts``).
+      those ops back the storage eager writes (``mark_functionalized_writes``).
     """
 
     def __torch_function__(
@@ -1083,7 +1083,7 @@ def _node_proto(
     *,
     default_model: str,
 ) -> graph_pb2.Node:
-    facts = _node_op_facts(node, is_forward)
+    facts = _node_op_facts(node)
     inputs, positions, attributes = _inputs_and_attributes(node, facts, names)
     proto = graph_pb2.Node(
         name=node.name,
@@ -1108,41 +1108,90 @@ def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
     return node.target
 
 
-def _node_op_facts(node: fx.Node, is_forward: bool) -> _OpFacts:
-    """The facts of the op ``node`` calls; for a forward op an in-place call traced
-    (``IN_PLACE_CALL_KEY``), the facts of what eager runs (``_written_op_facts``)."""
+def _node_op_facts(node: fx.Node) -> _OpFacts:
+    """The facts of the op ``node`` calls, or of the write eager runs in its place where
+    ``mark_functionalized_writes`` found one (``WRITTEN_AS_KEY``)."""
     op = _op_overload(node)
-    custom = node.meta.get("custom")
-    if is_forward and custom and IN_PLACE_CALL_KEY in custom:
-        return _written_op_facts(node, op)
-    return _op_facts(op)
-
-
-def _written_op_facts(node: fx.Node, op: torch._ops.OpOverload) -> _OpFacts:
-    """What eager runs for an op of an in-place call that functionalization rewrote:
-
-    - an out-of-place op whose in-place form writes its first argument (``div`` for ``div_``,
-      ``copy`` for ``copy_``, ``index_put`` for ``index_put_``) and whose result has that
-      argument's shape and dtype: the in-place form, which writes the argument's storage;
-    - a scatter of a view back into its base (``slice_scatter``, ``select_scatter``, ...): a
-      view of the base, which eager wrote through the view and never copied.
-
-    Anything else the call traced (the views it takes, the copy autograd keeps of what it
-    overwrites) is what it is. Without this, a plan of the functionalized step would count a
-    new tensor for every write and could save a kept tensor that eager writes in place.
-    """
-    if op.overloadpacket.__name__ in _WRITE_BACKS:
+    written_as = node.meta.get(WRITTEN_AS_KEY)
+    if written_as is None:
+        return _op_facts(op)
+    if written_as == WRITE_BACK_VIEW:
         return _write_back_facts(op)
-    in_place = _in_place_form(op)
-    if in_place is not None and _result_is_first_argument_sized(node):
-        return _op_facts(in_place)
-    return _op_facts(op)
+    return _op_facts(written_as)
+
+
+# Where ``mark_functionalized_writes`` puts what eager runs for an op functionalization
+# rewrote: the in-place overload, or ``WRITE_BACK_VIEW`` for a write-back scatter.
+WRITTEN_AS_KEY = "recompute.written_as"
+WRITE_BACK_VIEW = "view of its base"
+
+
+def mark_functionalized_writes(graph: fx.Graph, forward: set[fx.Node]) -> None:
+    """Marks the ops of a functionalized joint graph (``torch.compile``'s) that eager runs as
+    writes, so its IR is the in-place program eager runs and the exporter exports:
+
+    - in forward, the ops an in-place call traced (``IN_PLACE_CALL_KEY``): an out-of-place op
+      whose in-place form writes its first argument (``div`` for ``div_``, ``copy`` for
+      ``copy_``, ``index_put`` for ``index_put_``) and whose result has that argument's shape
+      and dtype is that in-place form; a scatter of a view back into its base
+      (``slice_scatter``, ...) is a view of the base, which eager wrote through the view. The
+      call's other ops (the views it takes, the copy autograd keeps of what it overwrites)
+      are what they are;
+    - in backward, where autograd's own formulas write in place (a write into a view makes an
+      empty buffer and copies into it): such an out-of-place op whose first argument is a
+      buffer of undefined contents nothing else reads.
+
+    Without this, a plan of the functionalized graph counts a new tensor for every write, and
+    may save a kept tensor that eager writes in place where the exported step's plan replays it
+    with its writers.
+    """
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        written_as = (
+            _written_by_in_place_call(node) if node in forward else _written_into_new_buffer(node)
+        )
+        if written_as is not None:
+            node.meta[WRITTEN_AS_KEY] = written_as
+
+
+def _written_by_in_place_call(node: fx.Node) -> torch._ops.OpOverload | str | None:
+    custom = node.meta.get("custom")
+    if not custom or IN_PLACE_CALL_KEY not in custom:
+        return None
+    if _op_overload(node).overloadpacket.__name__ in _WRITE_BACKS:
+        return WRITE_BACK_VIEW
+    return _in_place_write(node)
+
+
+def _written_into_new_buffer(node: fx.Node) -> torch._ops.OpOverload | None:
+    first = node.args[0] if node.args else None
+    if not (
+        isinstance(first, fx.Node)
+        and isinstance(first.target, torch._ops.OpOverload)
+        and first.target.overloadpacket.__name__ in _NEW_BUFFERS
+        and len(first.users) == 1
+    ):
+        return None
+    return _in_place_write(node)
+
+
+def _in_place_write(node: fx.Node) -> torch._ops.OpOverload | None:
+    """The in-place form of the node's op, if the node can be it: its result has its first
+    argument's shape and dtype, as the result of writing that argument in place has."""
+    in_place = _in_place_form(_op_overload(node))
+    return in_place if in_place is not None and _result_is_first_argument_sized(node) else None
 
 
 # Functionalization's write of an updated view back into its base.
 _WRITE_BACKS = frozenset(
     {"slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter"}
 )
+# Ops that make a buffer whose contents are undefined: an op reading one that nothing else
+# reads can only be what overwrites it, in place in eager (autograd's write into a view copies
+# the gradient into a `new_empty_strided` buffer). A zeroed buffer proves nothing: autograd
+# formulas also add into one out of place (`new_zeros(...).index_add(...)`).
+_NEW_BUFFERS = frozenset({"new_empty_strided", "new_empty", "empty_like", "empty_strided"})
 
 
 @functools.cache

@@ -85,6 +85,7 @@ from ._exporter import (
     build_graph,
     forward_nodes,
     graph_metadata,
+    mark_functionalized_writes,
     require_tracing_torch,
     traced_as_exported,
 )
@@ -131,9 +132,11 @@ def joint_graph_to_ir(
     tag_untraced_nodes(graph_module.graph)
     if markers.resolve_tentative_markers(graph_module.graph):
         graph_module.recompile()
+    forward = forward_nodes(graph_module, num_fwd_outputs)
+    mark_functionalized_writes(graph_module.graph, forward)
     built = build_graph(
         graph_module,
-        forward_nodes(graph_module, num_fwd_outputs),
+        forward,
         _flat_inputs(graph_module, output_descs),
         name=name,
         models=models,

@@ -46,10 +46,11 @@ import recompute_planner as rp
 from graph_walk import golden_param
 from hf_families import FAMILIES, family
 from recompute_planner import compile as stage_mod
+from recompute_planner._exporter import ModelDecl
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.goldens import GOLDENS, golden, traced_group
 from recompute_planner._zoo.model import CausalLM
-from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD
+from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, checkpoint_record, layer_scope
 from recompute_planner.model_export import _Step
 from recompute_planner.proto import graph_pb2
 
@@ -426,6 +427,55 @@ def test_stage_ir_writes_in_place_what_the_exported_step_writes_in_place(kind, n
     assert forward_writes(stage_ir) == forward_writes(exported_graph(kind, name))
     write_backs = [n for n in stage_ir.nodes if n.op == WRITE_BACK]
     assert all(n.schema.view_of == 0 for n in write_backs)
+
+
+class WritingLayer(torch.nn.Module):
+    """A layer that writes in place as user code does: its gate's kept output with
+    ``masked_fill_`` and ``mul_`` (outside the unit), a slice of a fresh buffer by item
+    assignment (whose backward autograd computes by writing into a new buffer)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+        self.gate, self.proj = torch.nn.Linear(16, 8), torch.nn.Linear(8, 16)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        with layer_scope("main", self.index):
+            gate_in = checkpoint_record("gate.begin", x)
+            weights = checkpoint_record("gate.end", self.gate(gate_in).softmax(-1))
+            weights.masked_fill_(weights < 0.1, 0.0)
+            weights.mul_(2.0)
+            x = x + self.proj(weights)
+            up = self.up(checkpoint_record("mlp.begin", x)).relu()
+            buffer = torch.zeros_like(up)
+            buffer[:, :, :16] = up[:, :, :16]
+            return x + checkpoint_record("mlp.end", self.down(buffer))
+
+
+class WritingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([WritingLayer(i) for i in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("backend", list(RUNS))
+def test_stage_plans_in_place_writes_of_a_model_outside_the_zoo_as_the_cli(backend):
+    torch.manual_seed(0)
+    units = {"SAVE_GATE": [("gate.begin", "gate.end")], "SAVE_MLP": [("mlp.begin", "mlp.end")]}
+    subject = Subject(WritingModel(), (torch.randn(4, 8, 16),), [ModelDecl("main", 2, units)])
+    staged = subject.staged("all", RUNS[backend])
+    stage_ir, exported_ir = staged.irs[-1], subject.exported_graph()
+    assert forward_writes(stage_ir) == forward_writes(exported_ir)
+    for keep in keeps(units):
+        planned = staged.plan if keep == "all" else quiet_plan(stage_ir, keep)
+        assert_same_functional_plan(stage_ir, planned, exported_ir, quiet_plan(exported_ir, keep))
+    assert_saves_and_replays_the_plan(staged)
 
 
 def test_whole_layer_recompute_follows_the_plan():
