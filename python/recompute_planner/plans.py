@@ -5,7 +5,8 @@ A ``Plan`` holds, per forward node, the decision (``save``, ``recompute``,
 per-unit summaries; memory; cost; diagnostics. It is parsed from the plan's JSON (the proto3
 JSON of ``proto/plan.proto``, which the CLI writes too); ``.json`` and ``.pb`` plan files are
 read by the Rust reader (``ir::plan``) and converted to that JSON, so there is one reader and
-one dialect. Strings spell enumerations exactly as the JSON and the text output do.
+one dialect. A plan made in-process is written to JSON by the planner only when first read.
+Strings spell enumerations exactly as the JSON and the text output do.
 """
 
 from __future__ import annotations
@@ -176,10 +177,21 @@ class Plan:
 
     A handle on the plan's JSON: nothing is parsed until a field is read, and each field is
     decoded once, on first access (a million-node plan's per-node decisions cost nothing to a
-    caller that reads only ``memory``)."""
+    caller that reads only ``memory``). Made from the planner's in-process result
+    (``_native.PlannedGraph``), it writes nothing until read: the JSON text is written on
+    first access, and the graph the result holds is released then."""
 
-    def __init__(self, json_text: str):
-        self._json = json_text
+    def __init__(self, source: str | _native.PlannedGraph):
+        """``source``: the plan's JSON text, or the planner's in-process result."""
+        self._source = source
+
+    @functools.cached_property
+    def _json(self) -> str:
+        if isinstance(self._source, str):
+            return self._source
+        text = self._source.json()
+        self._source = text  # the planned graph is no longer needed
+        return text
 
     @functools.cached_property
     def _doc(self) -> dict[str, Any]:
@@ -275,6 +287,8 @@ class Plan:
 
     def to_bytes(self) -> bytes:
         """The binary ``plan.proto`` encoding, as ``planner plan --format pb`` writes it."""
+        if isinstance(self._source, _native.PlannedGraph):
+            return self._source.pb()
         return _native.convert_plan(self._json.encode(), "json", "pb")
 
     def to_proto(self) -> Any:

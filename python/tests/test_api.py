@@ -266,6 +266,10 @@ def test_cli_plans_load_through_the_api_from_json_and_pb(tmp_path):
     for path in files.values():
         assert rp.load_plan(path).to_json() == planned.to_json()
     assert planned.to_bytes() == files["pb"].read_bytes()
+    # Unread, the plan is written to protobuf by the planner directly, not through its JSON.
+    unread = rp.plan(GLM, keep="all", check=False)
+    assert unread.to_bytes() == files["pb"].read_bytes()
+    assert "_json" not in vars(unread)
 
 
 def test_the_proto_module_parses_the_cli_json(tmp_path):
@@ -361,10 +365,10 @@ def test_the_package_exports_the_user_api_and_keeps_its_helpers_private():
 
 
 def test_a_plan_decodes_each_field_on_first_access():
-    """`rp.plan` returns a handle: nothing is parsed until read, and reading `memory` decodes
-    neither the per-node decisions nor the saved set."""
+    """`rp.plan` returns a handle: nothing is written or parsed until read, and reading
+    `memory` decodes neither the per-node decisions nor the saved set."""
     plan = rp.plan(GLM, "all", check=False)
-    assert not {"_doc", "nodes", "saved", "memory"} & vars(plan).keys()
+    assert not {"_json", "_doc", "nodes", "saved", "memory"} & vars(plan).keys()
     assert plan.memory.peak_bytes > 0
     assert "memory" in vars(plan) and not {"nodes", "saved"} & vars(plan).keys()
     assert plan.nodes is plan.nodes  # decoded once
