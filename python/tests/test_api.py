@@ -371,5 +371,25 @@ def test_a_plan_decodes_each_field_on_first_access():
     assert not {"_json", "_doc", "nodes", "saved", "memory"} & vars(plan).keys()
     assert plan.memory.peak_bytes > 0
     assert "memory" in vars(plan) and not {"nodes", "saved"} & vars(plan).keys()
+    # Neither memory nor the diagnostics a check reads need the whole plan written.
+    assert plan.diagnostics is not None and not {"_json", "_doc"} & vars(plan).keys()
     assert plan.nodes is plan.nodes  # decoded once
     assert plan.decision(plan.nodes[0].name) == plan.nodes[0]
+
+
+def test_the_sections_read_before_the_lists_equal_those_of_the_whole_plan():
+    """Memory, cost, diagnostics and the other small sections of an unread plan are written
+    without its lists; they equal the same sections of the whole plan's JSON."""
+    diagnosed = 0
+    for options in ({"keep": "all"}, {}, {"keep": "all", "executor": "eager"}, {"budget": "90KB"}):
+        unread = rp.plan(GLM, check=False, **options)
+        small = {
+            field: getattr(unread, field)
+            for field in ("planner_version", "graph", "config", "joint", "memory", "cost")
+        }
+        small["diagnostics"] = unread.diagnostics
+        assert "_json" not in vars(unread)
+        whole = rp.load_plan(rp.plan(GLM, check=False, **options).to_json().encode(), "json")
+        assert small == {field: getattr(whole, field) for field in small}
+        diagnosed += len(unread.diagnostics)
+    assert diagnosed  # some plan has diagnostics: not only empty lists compared

@@ -300,10 +300,32 @@ impl PlannedGraph {
         PlannedGraph(Some(Planned { plan, graph }))
     }
 
+    fn planned(&self) -> &Planned {
+        self.0.as_ref().expect("only drop takes the plan")
+    }
+
     /// The plan in `format`, written with the caller's GIL released.
     fn encode(&self, py: Python<'_>, format: PlanFormat) -> Vec<u8> {
-        let Planned { plan, graph } = self.0.as_ref().expect("only drop takes the plan");
+        let Planned { plan, graph } = self.planned();
         py.detach(|| plan.encode(graph, format))
+    }
+}
+
+/// `plan` without its lists of nodes, saved values, replays and units: the sections whose
+/// size does not grow with the graph's.
+fn summary(plan: &Plan) -> Plan {
+    Plan {
+        planner_version: plan.planner_version.clone(),
+        graph: plan.graph.clone(),
+        config: plan.config.clone(),
+        joint: plan.joint,
+        nodes: Vec::new(),
+        saved: Vec::new(),
+        replay: Vec::new(),
+        units: Vec::new(),
+        memory: plan.memory,
+        cost: plan.cost.clone(),
+        diagnostics: plan.diagnostics.clone(),
     }
 }
 
@@ -312,6 +334,14 @@ impl PlannedGraph {
     /// The plan's JSON text, as `planner plan --format json` writes it.
     fn json(&self, py: Python<'_>) -> String {
         json_text(self.encode(py, PlanFormat::Json))
+    }
+
+    /// The plan's JSON text with its lists of nodes, saved values, replays and units empty:
+    /// every other section as [`PlannedGraph::json`] writes it, for a fraction of the work
+    /// (what checking a plan's diagnostics, or reading its memory figures, needs).
+    fn summary_json(&self) -> String {
+        let Planned { plan, graph } = self.planned();
+        json_text(summary(plan).encode(graph, PlanFormat::Json))
     }
 
     /// The binary `plan.proto` encoding, as `planner plan --format pb` writes it.
