@@ -279,7 +279,7 @@ impl Planning {
                     .answer(activations, budget.granularity)?
             }
         };
-        Ok(PlannedGraph::new(plan, graph))
+        Ok(PlannedGraph { plan, graph })
     }
 }
 
@@ -288,26 +288,15 @@ impl Planning {
 /// for writing (and Python for parsing) every node's decision. It holds the graph until it is
 /// dropped; `recompute_planner.plans.Plan` drops it once the JSON text is written.
 #[pyclass(frozen, module = "recompute_planner._native")]
-struct PlannedGraph(Option<Planned>);
-
-struct Planned {
+struct PlannedGraph {
     plan: Plan,
     graph: Graph,
 }
 
 impl PlannedGraph {
-    fn new(plan: Plan, graph: Graph) -> PlannedGraph {
-        PlannedGraph(Some(Planned { plan, graph }))
-    }
-
-    fn planned(&self) -> &Planned {
-        self.0.as_ref().expect("only drop takes the plan")
-    }
-
     /// The plan in `format`, written with the caller's GIL released.
     fn encode(&self, py: Python<'_>, format: PlanFormat) -> Vec<u8> {
-        let Planned { plan, graph } = self.planned();
-        py.detach(|| plan.encode(graph, format))
+        py.detach(|| self.plan.encode(&self.graph, format))
     }
 }
 
@@ -340,26 +329,12 @@ impl PlannedGraph {
     /// every other section as [`PlannedGraph::json`] writes it, for a fraction of the work
     /// (what checking a plan's diagnostics, or reading its memory figures, needs).
     fn summary_json(&self) -> String {
-        let Planned { plan, graph } = self.planned();
-        json_text(summary(plan).encode(graph, PlanFormat::Json))
+        json_text(summary(&self.plan).encode(&self.graph, PlanFormat::Json))
     }
 
     /// The binary `plan.proto` encoding, as `planner plan --format pb` writes it.
     fn pb<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.encode(py, PlanFormat::Protobuf))
-    }
-}
-
-impl Drop for PlannedGraph {
-    /// Frees the graph and the plan on a thread of their own: a large graph's nodes take
-    /// about a millisecond to free at 120 layers, which the caller (holding the GIL) need not
-    /// wait for. If no thread can start, the closure is dropped here, and they with it.
-    fn drop(&mut self) {
-        if let Some(planned) = self.0.take() {
-            let _ = std::thread::Builder::new()
-                .name("planner-free".to_owned())
-                .spawn(move || drop(planned));
-        }
     }
 }
 
