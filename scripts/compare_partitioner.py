@@ -28,7 +28,8 @@ partitioner median divided by each planner median. What each timing includes:
   simulation of the plan and both baselines, cost), the text output. The most conservative
   figure, and the one a user reproduces with ``time planner plan``;
 - in-process ``rp.plan``: the ``.pb`` bytes in memory are decoded and planned, the plan comes
-  back as JSON and is parsed into Python objects;
+  back as a handle (written to JSON and parsed into Python objects only when read, which
+  this row does not);
 - compile stage: ``PlanningStage.apply`` on a fresh copy: CSE, FX -> IR conversion in Python,
   ``rp.plan``, tagging every node, removing the markers (what the stage adds to a compile
   before torch's partitioner);

@@ -1,8 +1,11 @@
 """Types of the native extension ``recompute_planner._native`` (PyO3, python/native/src/lib.rs).
 ``stubtest`` in scripts/test.sh checks them against the built module."""
 
+from typing import final
+
 __all__ = [
     "plan",
+    "PlannedGraph",
     "convert_plan",
     "read_plan_file",
     "collective_kind",
@@ -42,7 +45,16 @@ def plan(
     hw_name: str | None = None,
     hw_json: str | None = None,
     hw_path: str | None = None,
-) -> str: ...
+) -> PlannedGraph: ...
+
+@final
+class PlannedGraph:
+    """A plan made in-process with the graph it names; encoded only when asked."""
+
+    def json(self) -> str: ...
+    def summary_json(self) -> str: ...
+    def pb(self) -> bytes: ...
+
 def read_plan_file(path: str, from_format: str, to_format: str) -> bytes: ...
 def hw_profile(
     *, name: str | None = None, json: str | None = None, path: str | None = None

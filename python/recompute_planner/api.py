@@ -78,7 +78,7 @@ def plan(
             "invalid-option",
         )
     hw_source = _hw_source(hw)
-    text = _native.plan(
+    planned = _native.plan(
         **_graph_source(graph, format),
         keep=_keep_list(keep),
         recompute_ratio=float(recompute_ratio),
@@ -94,7 +94,7 @@ def plan(
         master_weights=bool(master_weights),
         **hw_source,
     )
-    result = Plan(text)
+    result = Plan(planned)
     if check:
         check_plan(result)
     return result

@@ -5,7 +5,8 @@ A ``Plan`` holds, per forward node, the decision (``save``, ``recompute``,
 per-unit summaries; memory; cost; diagnostics. It is parsed from the plan's JSON (the proto3
 JSON of ``proto/plan.proto``, which the CLI writes too); ``.json`` and ``.pb`` plan files are
 read by the Rust reader (``ir::plan``) and converted to that JSON, so there is one reader and
-one dialect. Strings spell enumerations exactly as the JSON and the text output do.
+one dialect. A plan made in-process is written to JSON by the planner only when first read.
+Strings spell enumerations exactly as the JSON and the text output do.
 """
 
 from __future__ import annotations
@@ -176,10 +177,23 @@ class Plan:
 
     A handle on the plan's JSON: nothing is parsed until a field is read, and each field is
     decoded once, on first access (a million-node plan's per-node decisions cost nothing to a
-    caller that reads only ``memory``)."""
+    caller that reads only ``memory``). Made from the planner's in-process result
+    (``_native.PlannedGraph``), it writes nothing until read: the sections of a size
+    independent of the graph's (memory, cost, diagnostics, ...) are written alone when first
+    read, the whole JSON text when a list or an encoding is, and the graph the result holds
+    is released then."""
 
-    def __init__(self, json_text: str):
-        self._json = json_text
+    def __init__(self, source: str | _native.PlannedGraph):
+        """``source``: the plan's JSON text, or the planner's in-process result."""
+        self._source = source
+
+    @functools.cached_property
+    def _json(self) -> str:
+        if isinstance(self._source, str):
+            return self._source
+        text = self._source.json()
+        self._source = text  # the planned graph is no longer needed
+        return text
 
     @functools.cached_property
     def _doc(self) -> dict[str, Any]:
@@ -187,20 +201,30 @@ class Plan:
         return doc
 
     @functools.cached_property
+    def _summary(self) -> dict[str, Any]:
+        """The sections other than the per-node, per-value, per-replay and per-unit lists: for
+        an in-process plan not yet written, written alone by the planner (checking a plan's
+        diagnostics then costs neither writing nor parsing the lists)."""
+        if isinstance(self._source, str):
+            return self._doc
+        summary: dict[str, Any] = json.loads(self._source.summary_json())
+        return summary
+
+    @functools.cached_property
     def planner_version(self) -> str:
-        return str(self._doc["planner_version"])
+        return str(self._summary["planner_version"])
 
     @functools.cached_property
     def graph(self) -> GraphRef:
-        return _make(GraphRef, self._doc["graph"])
+        return _make(GraphRef, self._summary["graph"])
 
     @functools.cached_property
     def config(self) -> Config:
-        return _config(self._doc["config"])
+        return _config(self._summary["config"])
 
     @functools.cached_property
     def joint(self) -> bool:
-        return bool(self._doc["joint"])
+        return bool(self._summary["joint"])
 
     @functools.cached_property
     def nodes(self) -> tuple[NodeDecision, ...]:
@@ -222,15 +246,15 @@ class Plan:
 
     @functools.cached_property
     def memory(self) -> Memory:
-        return _make(Memory, self._doc["memory"])
+        return _make(Memory, self._summary["memory"])
 
     @functools.cached_property
     def cost(self) -> Cost:
-        return _make(Cost, self._doc["cost"])
+        return _make(Cost, self._summary["cost"])
 
     @functools.cached_property
     def diagnostics(self) -> tuple[Diagnostic, ...]:
-        return tuple(_make(Diagnostic, d) for d in self._doc["diagnostics"])
+        return tuple(_make(Diagnostic, d) for d in self._summary["diagnostics"])
 
     @functools.cached_property
     def _by_name(self) -> dict[str, NodeDecision]:
@@ -275,6 +299,8 @@ class Plan:
 
     def to_bytes(self) -> bytes:
         """The binary ``plan.proto`` encoding, as ``planner plan --format pb`` writes it."""
+        if isinstance(self._source, _native.PlannedGraph):
+            return self._source.pb()
         return _native.convert_plan(self._json.encode(), "json", "pb")
 
     def to_proto(self) -> Any:

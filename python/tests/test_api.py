@@ -266,6 +266,10 @@ def test_cli_plans_load_through_the_api_from_json_and_pb(tmp_path):
     for path in files.values():
         assert rp.load_plan(path).to_json() == planned.to_json()
     assert planned.to_bytes() == files["pb"].read_bytes()
+    # Unread, the plan is written to protobuf by the planner directly, not through its JSON.
+    unread = rp.plan(GLM, keep="all", check=False)
+    assert unread.to_bytes() == files["pb"].read_bytes()
+    assert "_json" not in vars(unread)
 
 
 def test_the_proto_module_parses_the_cli_json(tmp_path):
@@ -361,11 +365,31 @@ def test_the_package_exports_the_user_api_and_keeps_its_helpers_private():
 
 
 def test_a_plan_decodes_each_field_on_first_access():
-    """`rp.plan` returns a handle: nothing is parsed until read, and reading `memory` decodes
-    neither the per-node decisions nor the saved set."""
+    """`rp.plan` returns a handle: nothing is written or parsed until read, and reading
+    `memory` decodes neither the per-node decisions nor the saved set."""
     plan = rp.plan(GLM, "all", check=False)
-    assert not {"_doc", "nodes", "saved", "memory"} & vars(plan).keys()
+    assert not {"_json", "_doc", "nodes", "saved", "memory"} & vars(plan).keys()
     assert plan.memory.peak_bytes > 0
     assert "memory" in vars(plan) and not {"nodes", "saved"} & vars(plan).keys()
+    # Neither memory nor the diagnostics a check reads need the whole plan written.
+    assert plan.diagnostics is not None and not {"_json", "_doc"} & vars(plan).keys()
     assert plan.nodes is plan.nodes  # decoded once
     assert plan.decision(plan.nodes[0].name) == plan.nodes[0]
+
+
+def test_the_sections_read_before_the_lists_equal_those_of_the_whole_plan():
+    """Memory, cost, diagnostics and the other small sections of an unread plan are written
+    without its lists; they equal the same sections of the whole plan's JSON."""
+    diagnosed = 0
+    for options in ({"keep": "all"}, {}, {"keep": "all", "executor": "eager"}, {"budget": "90KB"}):
+        unread = rp.plan(GLM, check=False, **options)
+        small = {
+            field: getattr(unread, field)
+            for field in ("planner_version", "graph", "config", "joint", "memory", "cost")
+        }
+        small["diagnostics"] = unread.diagnostics
+        assert "_json" not in vars(unread)
+        whole = rp.load_plan(rp.plan(GLM, check=False, **options).to_json().encode(), "json")
+        assert small == {field: getattr(whole, field) for field in small}
+        diagnosed += len(unread.diagnostics)
+    assert diagnosed  # some plan has diagnostics: not only empty lists compared

@@ -1,8 +1,9 @@
 //! `recompute_planner._native`: the planner in-process for Python.
 //!
 //! A thin layer over the Rust crates. A graph (a file path, or bytes with their format) and
-//! the options of `planner plan` go in; the plan comes out as its JSON text, the one dialect
-//! `recompute_planner.plans` parses into typed objects. Plan files and `--hw` profiles are read
+//! the options of `planner plan` go in; the plan comes out as a [`PlannedGraph`], which writes
+//! its JSON text (the one dialect `recompute_planner.plans` parses into typed objects) or its
+//! protobuf bytes only when Python asks for them. Plan files and `--hw` profiles are read
 //! through the CLI's reader of input files, and plans converted through `ir::plan`. Planning
 //! runs on a thread of its own while the caller waits with the GIL released, checking Python's
 //! signals (Ctrl-C raises at once). Every error raises
@@ -267,7 +268,7 @@ struct Planning {
 impl Planning {
     /// Plans the graph as `planner plan` does: the unit choice of `--budget` when given, its
     /// search stopping when `progress` is interrupted.
-    fn run(&self, progress: &dyn Progress) -> Result<String, Failure> {
+    fn run(&self, progress: &dyn Progress) -> Result<PlannedGraph, Failure> {
         let graph = self.source.load()?;
         let plan = match &self.budget {
             None => planner::plan::plan(&graph, &self.config, &self.hw)?,
@@ -278,7 +279,62 @@ impl Planning {
                     .answer(activations, budget.granularity)?
             }
         };
-        Ok(json_text(plan.encode(&graph, PlanFormat::Json)))
+        Ok(PlannedGraph { plan, graph })
+    }
+}
+
+/// A plan made in-process, with the graph whose names its ids stand for. Nothing is encoded
+/// until asked: a caller that reads only a plan's memory figures, or none of it, never pays
+/// for writing (and Python for parsing) every node's decision. It holds the graph until it is
+/// dropped; `recompute_planner.plans.Plan` drops it once the JSON text is written.
+#[pyclass(frozen, module = "recompute_planner._native")]
+struct PlannedGraph {
+    plan: Plan,
+    graph: Graph,
+}
+
+impl PlannedGraph {
+    /// The plan in `format`, written with the caller's GIL released.
+    fn encode(&self, py: Python<'_>, format: PlanFormat) -> Vec<u8> {
+        py.detach(|| self.plan.encode(&self.graph, format))
+    }
+}
+
+/// `plan` without its lists of nodes, saved values, replays and units: the sections whose
+/// size does not grow with the graph's.
+fn summary(plan: &Plan) -> Plan {
+    Plan {
+        planner_version: plan.planner_version.clone(),
+        graph: plan.graph.clone(),
+        config: plan.config.clone(),
+        joint: plan.joint,
+        nodes: Vec::new(),
+        saved: Vec::new(),
+        replay: Vec::new(),
+        units: Vec::new(),
+        memory: plan.memory,
+        cost: plan.cost.clone(),
+        diagnostics: plan.diagnostics.clone(),
+    }
+}
+
+#[pymethods]
+impl PlannedGraph {
+    /// The plan's JSON text, as `planner plan --format json` writes it.
+    fn json(&self, py: Python<'_>) -> String {
+        json_text(self.encode(py, PlanFormat::Json))
+    }
+
+    /// The plan's JSON text with its lists of nodes, saved values, replays and units empty:
+    /// every other section as [`PlannedGraph::json`] writes it, for a fraction of the work
+    /// (what checking a plan's diagnostics, or reading its memory figures, needs).
+    fn summary_json(&self) -> String {
+        json_text(summary(&self.plan).encode(&self.graph, PlanFormat::Json))
+    }
+
+    /// The binary `plan.proto` encoding, as `planner plan --format pb` writes it.
+    fn pb<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.encode(py, PlanFormat::Protobuf))
     }
 }
 
@@ -348,8 +404,8 @@ fn json_text(bytes: Vec<u8>) -> String {
     String::from_utf8(bytes).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
-/// Plans a graph; returns the plan's JSON text (diagnostics included: Python raises the
-/// error-level ones). `path` is the graph file, or with `data` only what names the bytes.
+/// Plans a graph; returns the plan as a [`PlannedGraph`] (diagnostics included: Python raises
+/// the error-level ones). `path` is the graph file, or with `data` only what names the bytes.
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
@@ -378,7 +434,7 @@ fn plan(
     hw_name: Option<&str>,
     hw_json: Option<&str>,
     hw_path: Option<&str>,
-) -> PyResult<String> {
+) -> PyResult<PlannedGraph> {
     let planning = (|| -> Result<Planning, Failure> {
         // Configuration errors come before any other work, as in the CLI.
         let keep = config::parse_keep(&keep)?;
@@ -576,6 +632,7 @@ type IntervalRow = (String, u32, u32, String, String, Vec<String>);
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_class::<PlannedGraph>()?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_function(wrap_pyfunction!(read_plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
