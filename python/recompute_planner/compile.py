@@ -15,9 +15,10 @@ partitioner (or, as an option, runs just before torch's):
    backward use; nothing is solved again. The graph is planned as AOTAutograd traced it
    (inside ``tracing()``), with no common-subexpression elimination first, so its plan is the
    plan of the same step exported with ``recompute_planner.export`` (test_compile_stage.py
-   checks both), but where torch.compile functionalizes an in-place write of a tensor a kept
-   unit made: the write makes a new tensor, which the plan saves, where the exported
-   (in-place) step's plan replays the tensor with its writers;
+   checks both). That holds where the step writes in place too: torch.compile functionalizes
+   each write into a new tensor, and the IR gives the ops of those writes back the in-place
+   form eager runs (``mark_functionalized_writes``), so a kept tensor the step later writes is
+   replayed with its writers in both plans;
 4. with ``partitioner="min-cut"``, runs torch's common-subexpression elimination first (the
    partitioner runs it, so the plan must be made for its result), tags every forward node
    (``node.meta["recompute"]`` is ``PREFER_RECOMPUTE`` for the ops the plan replays and
