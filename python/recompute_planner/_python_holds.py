@@ -15,10 +15,13 @@ as CPU dropout, and eager dispatches ops the trace lacks); ops that do not align
 value Python releases after a later forward node than its last forward read is listed in that
 node's ``python_releases`` (docs/ir.md), which the planner's eager memory model holds.
 
-The tensors a collective reads or writes, and the bases they are views of, are left out:
-functional collectives keep them in a work registry until they are waited on or cleaned up by
-a later call, so when they are released depends on what ran before, not on the model's code
-(two exports would differ).
+The tensors a collective returns or writes in place, and the bases they are views of, are left
+out: functional collectives keep them in a work registry until they are waited on or cleaned up
+by a later call, so when they are released depends on what ran before, not on the model's code
+(two exports would differ). A collective's inputs are not registered: Python releases them (on
+the process group the export traces with, the work keeps no reference; a real group's work may
+hold them until it completes, which the model does not show), so their releases are listed like
+any other (a caller's local that holds the base of an all-to-all's input view, say).
 """
 
 from __future__ import annotations
@@ -159,9 +162,10 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
 
 
 def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
-    """The tensors a collective's work may keep referenced: its inputs and outputs, and the
-    base each of them is a view of (a view references its base tensor; views are followed
-    to their root, as torch keeps the root). Other views of that memory are Python's alone."""
+    """The tensors a collective's work keeps registered: its outputs and the inputs it writes
+    in place, and the base each of them is a view of (a view references its base tensor;
+    views are followed to their root, as torch keeps the root). Other views of that memory,
+    and the inputs it only reads, are Python's alone."""
     base: dict[str, str] = {}
     for node in graph.nodes:
         schema = node.schema
@@ -174,7 +178,8 @@ def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
     held: set[str] = set()
     for node in graph.nodes:
         if node.schema.collective:
-            for value in (*node.inputs, *node.outputs):
+            written = [node.inputs[p] for p in node.schema.mutates]
+            for value in (*written, *node.outputs):
                 held.update((value, base.get(value, value)))
     return held
 
