@@ -15,15 +15,10 @@ as CPU dropout, and eager dispatches ops the trace lacks); ops that do not align
 value Python releases after a later forward node than its last forward read is listed in that
 node's ``python_releases`` (docs/ir.md), which the planner's eager memory model holds.
 
-The tensors a collective returns or writes in place, and the bases they are views of, are left
-out: functional collectives keep them in a work registry until they are waited on or cleaned up
-by a later call, so when they are released depends on what ran before, not on the model's code
-(two exports would differ). So are the tensors a collective reads: a real group's work keeps
-them for as long as the group decides (gloo's, past the wait), the fake group the export
-traces with keeps none. The base such an input is a view of is Python's once the collective is
-waited on: a release after the wait is listed like any other (a caller's local that holds the
-base of an all-to-all's input view, say), one before it is not (the work may hold the view,
-and with it the base, until then).
+The tensors a collective reads or writes, and the bases they are views of, are left out:
+functional collectives keep them in a work registry until they are waited on or cleaned up by
+a later call, so when they are released depends on what ran before, not on the model's code
+(two exports would differ).
 """
 
 from __future__ import annotations
@@ -139,7 +134,6 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
         return
     probe_indices = [a for a, _ in aligned]
     by_collectives = _held_by_collectives(graph)
-    waited = _waited_inputs(graph, forward)
     last_read: dict[str, int] = {}
     for position, i in enumerate(forward):
         for value in graph.nodes[i].inputs:
@@ -158,8 +152,6 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
             if k is None:
                 continue
             at = aligned[k][1]
-            if at <= waited.get(value, -1):
-                continue  # the collective's work may hold it until then
             if at > max(b, last_read.get(value, b)):
                 releases.setdefault(at, []).append(value)
     for at, values in releases.items():
@@ -167,45 +159,9 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
 
 
 def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
-    """The tensors a collective's work keeps: its outputs and the inputs it writes in place,
-    with the base each of them is a view of (a view references its base tensor; views are
-    followed to their root, as torch keeps the root), and the inputs it reads. Other views of
-    that memory, and the bases of the inputs it reads (``_waited_inputs``), are Python's."""
-    base = _bases(graph)
-    held: set[str] = set()
-    for node in graph.nodes:
-        if node.schema.collective:
-            written = [node.inputs[p] for p in node.schema.mutates]
-            for value in (*written, *node.outputs):
-                held.update((value, base.get(value, value)))
-            held.update(node.inputs)
-    return held
-
-
-def _waited_inputs(graph: graph_pb2.Graph, forward: list[int]) -> dict[str, int]:
-    """Per base of a tensor a forward collective reads: the position in ``forward`` of the
-    collective's wait (the first ``wait_tensor`` of its output; the end of forward if none),
-    until which a real group's work may hold the view, and with it the base."""
-    base = _bases(graph)
-    waits: dict[str, int] = {}
-    for position, i in enumerate(forward):
-        node = graph.nodes[i]
-        if node.op.startswith("_c10d_functional.wait_tensor"):
-            waits.setdefault(node.inputs[0], position)
-    waited: dict[str, int] = {}
-    for position, i in enumerate(forward):
-        node = graph.nodes[i]
-        if not node.schema.collective or node.op.startswith("_c10d_functional.wait_tensor"):
-            continue
-        until = min((waits.get(v, len(forward)) for v in node.outputs), default=position)
-        for value in node.inputs:
-            root = base.get(value, value)
-            waited[root] = max(waited.get(root, -1), until)
-    return waited
-
-
-def _bases(graph: graph_pb2.Graph) -> dict[str, str]:
-    """Per view (or in-place result): the root tensor whose memory it shares."""
+    """The tensors a collective's work may keep referenced: its inputs and outputs, and the
+    base each of them is a view of (a view references its base tensor; views are followed
+    to their root, as torch keeps the root). Other views of that memory are Python's alone."""
     base: dict[str, str] = {}
     for node in graph.nodes:
         schema = node.schema
@@ -215,7 +171,12 @@ def _bases(graph: graph_pb2.Graph) -> dict[str, str]:
         elif schema.mutates and node.outputs:
             written = node.inputs[schema.mutates[0]]
             base[node.outputs[0]] = base.get(written, written)
-    return base
+    held: set[str] = set()
+    for node in graph.nodes:
+        if node.schema.collective:
+            for value in (*node.inputs, *node.outputs):
+                held.update((value, base.get(value, value)))
+    return held
 
 
 def _last_at_or_before(sorted_indices: list[int], index: int) -> int | None:
