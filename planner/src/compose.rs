@@ -412,7 +412,10 @@ fn extra_lives(
         return Vec::new();
     }
     let mut forward_slot = vec![0u32; graph.nodes().len()];
-    let forward = graph.nodes().iter().filter(|(_, n)| n.phase == Phase::Forward);
+    let forward = graph
+        .nodes()
+        .iter()
+        .filter(|(_, n)| n.phase == Phase::Forward);
     for (k, (id, _)) in forward.enumerate() {
         forward_slot[id.index()] = k as u32;
     }
@@ -489,7 +492,11 @@ fn record(
     let mut made: Vec<Vec<Life>> = vec![Vec::new(); reads.len()];
     let mut fixed = Vec::new();
     let extras = extra_lives(graph, layers_of, run, timeline);
-    let owned = owner.iter().zip(&made_by).zip(&life).map(|((&o, &by), &l)| (o, by, l));
+    let owned = owner
+        .iter()
+        .zip(&made_by)
+        .zip(&life)
+        .map(|((&o, &by), &l)| (o, by, l));
     for (owner, by, life) in owned.chain(extras) {
         match owner {
             FIXED if with_fixed => fixed.push((by, life)),

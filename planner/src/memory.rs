@@ -158,7 +158,9 @@ pub fn simulate_executed(
     replays: &[Replay],
     executed: Executed<'_>,
 ) -> Simulation {
-    forward(graph, (), executed).backward(order, replays, executed).0
+    forward(graph, (), executed)
+        .backward(order, replays, executed)
+        .0
 }
 
 /// [`simulate`], and the peak with the gradients FSDP-sharded `shards` ways as FSDP2 holds them
@@ -247,7 +249,11 @@ pub(crate) fn forward<'g, O: Observer>(
         observer,
         gradient_shards: 1,
         layer_ends: Default::default(),
-        resized: executed.resized.iter().map(|r| (r.value, r.bytes)).collect(),
+        resized: executed
+            .resized
+            .iter()
+            .map(|r| (r.value, r.bytes))
+            .collect(),
         extras: Vec::new(),
     };
     sim.place_graph_inputs();

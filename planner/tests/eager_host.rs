@@ -76,7 +76,8 @@ fn graph(device: &str, dropout: bool) -> Graph {
         n.attributes.push(attr("train", AttrValue::Bool(true)));
     }
     let n = wire.nodes.iter_mut().find(|n| n.name == zeros).unwrap();
-    n.attributes.push(attr("device", AttrValue::Str(device.to_owned())));
+    n.attributes
+        .push(attr("device", AttrValue::Str(device.to_owned())));
     Graph::from_wire(wire).expect("a valid graph")
 }
 
@@ -109,11 +110,17 @@ fn eager_cpu_dropout_stores_its_mask_in_the_inputs_dtype() {
     let graph = graph("cpu", true);
     let masks: Vec<Resized> = (0..2)
         .map(|k| Resized {
-            value: graph.node(node(&graph, "aten.native_dropout.default", k)).outputs[1],
+            value: graph
+                .node(node(&graph, "aten.native_dropout.default", k))
+                .outputs[1],
             bytes: VALUE,
         })
         .collect();
-    assert_eq!(graph.value(masks[0].value).bytes, VALUE / 4, "a bool mask in the graph");
+    assert_eq!(
+        graph.value(masks[0].value).bytes,
+        VALUE / 4,
+        "a bool mask in the graph"
+    );
     assert_eq!(partition::resized(&graph, Executor::Eager), masks);
     assert_eq!(eager_partition(&graph).resized, masks);
     assert_eq!(partition::resized(&graph, Executor::Graph), vec![]);
@@ -127,18 +134,23 @@ fn eager_dropout_of_a_gpu_graph_keeps_the_traced_mask() {
 }
 
 #[test]
-fn a_cpu_checkpoint_of_a_layer_with_dropout_stashes_the_generator_state_until_its_frame_is_freed(
-) {
+fn a_cpu_checkpoint_of_a_layer_with_dropout_stashes_the_generator_state_until_its_frame_is_freed() {
     let graph = graph("cpu", true);
     let p = eager_partition(&graph);
     assert_eq!(p.replays.len(), 2);
     let mut expected = Vec::new();
     for layer in 0..2 {
         let first = node(&graph, "aten.sin.default", 2 * layer);
-        let replay = p.replays.iter().find(|r| r.layer.layer == layer as u32).unwrap();
+        let replay = p
+            .replays
+            .iter()
+            .find(|r| r.layer.layer == layer as u32)
+            .unwrap();
         // The frame is freed after the layer's last backward read: backward reads a layer's
         // first `sin`, then its mask.
-        let mask = graph.node(node(&graph, "aten.native_dropout.default", layer)).outputs[1];
+        let mask = graph
+            .node(node(&graph, "aten.native_dropout.default", layer))
+            .outputs[1];
         let last_read = p
             .order
             .iter()
@@ -169,7 +181,9 @@ fn extras_and_resized_values_count_in_the_simulated_peak() {
     let graph = graph("cuda:0", true);
     let order = graph.backward_order();
     let plain = simulate(&graph, order, &[], &[]).peak_bytes;
-    let mask = graph.node(node(&graph, "aten.native_dropout.default", 0)).outputs[1];
+    let mask = graph
+        .node(node(&graph, "aten.native_dropout.default", 0))
+        .outputs[1];
     let resized = [Resized {
         value: mask,
         bytes: VALUE,

@@ -129,7 +129,8 @@ fn rng_stashes(
             until: Until::Backward(freed),
         });
         let replay = replays.iter().find(|r| r.layer == *at);
-        if let Some((&start, &end)) = replay.and_then(|r| Some((r.nodes.first()?, r.nodes.last()?))) {
+        if let Some((&start, &end)) = replay.and_then(|r| Some((r.nodes.first()?, r.nodes.last()?)))
+        {
             stashes.push(Extra {
                 bytes: CPU_GENERATOR_STATE_BYTES,
                 from: Until::Replay(start),
