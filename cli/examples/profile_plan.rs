@@ -44,7 +44,7 @@ fn main() {
     clock.lap("partition");
     partition::verify(&graph, &policy, &part).unwrap_or_else(|e| panic!("{e}"));
     clock.lap("verify");
-    let sim = memory::simulate(&graph, &part.order, &part.replays, &part.holds);
+    let sim = memory::simulate_executed(&graph, &part.order, &part.replays, part.executed());
     clock.lap("simulate");
     let diags = diagnostics::diagnose(&graph, &config, &resolved, &policy, Some(&part));
     clock.lap(&format!("diagnose ({})", diags.len()));

@@ -34,7 +34,7 @@ use ir::{
 use crate::{
     cost::ForwardWork,
     memory::{self, Instance, Observer, Step},
-    partition::{Hold, Partition, Replay, Saved, Until},
+    partition::{Extra, Hold, Partition, Replay, Resized, Saved, Until},
     policy::Policy,
 };
 
@@ -207,6 +207,12 @@ pub struct Run {
     replays: Vec<Replay>,
     /// What its executor holds past the last reads (eager checkpointing's cache and inputs).
     holds: Vec<Hold>,
+    /// The values its executor stores in other bytes (the same in every run: the graph's and
+    /// the executor's).
+    resized: Vec<Resized>,
+    /// The memory its executor allocates of its own ([`Partition::extras`]): each owed to the
+    /// layer whose forward or replay allocates it.
+    extras: Vec<Extra>,
     /// Per layer of `varied`: its contribution, memory aside.
     contributions: Vec<(usize, Contribution)>,
     /// Saved values no option changes.
@@ -242,6 +248,8 @@ impl Run {
             option,
             replays: partition.replays,
             holds: partition.holds,
+            resized: partition.resized,
+            extras: partition.extras,
             contributions,
             fixed_saved,
         }
@@ -336,7 +344,7 @@ impl Observer for Recorder<'_> {
         };
     }
 
-    fn made(&mut self, storage: u32, value: ValueId) {
+    fn made(&mut self, storage: u32, value: ValueId, bytes: u64) {
         let owner = match self.stage {
             Stage::Replay => {
                 self.replayed_group[value.index()] = self.group;
@@ -357,7 +365,7 @@ impl Observer for Recorder<'_> {
             value.index() as u32
         });
         self.life.push(Life {
-            bytes: self.graph.value(value).bytes,
+            bytes,
             alloc: self.slot,
             last: self.slot,
         });
@@ -391,6 +399,52 @@ impl Observer for Recorder<'_> {
     }
 }
 
+/// The lives of `run`'s extras on `timeline`, each with the group of the layer that allocates it
+/// (made by no value): a stash the layer's forward takes lives from its slot to the backward
+/// slot its option frees it at, one its replay takes within the replay's slots.
+fn extra_lives(
+    graph: &Graph,
+    layers: &Layers,
+    run: &Run,
+    timeline: &Timeline,
+) -> Vec<(u32, u32, Life)> {
+    if run.extras.is_empty() {
+        return Vec::new();
+    }
+    let mut forward_slot = vec![0u32; graph.nodes().len()];
+    let forward = graph
+        .nodes()
+        .iter()
+        .filter(|(_, n)| n.phase == Phase::Forward);
+    for (k, (id, _)) in forward.enumerate() {
+        forward_slot[id.index()] = k as u32;
+    }
+    let replay_of = |node: NodeId| run.replays.iter().find(|r| r.nodes.contains(&node));
+    let slot = |at: Until| match at {
+        Until::Forward(node) => Some(forward_slot[node.index()]),
+        Until::Replay(node) => {
+            replay_of(node).map(|r| timeline.replay_slot(r.position, r.layer, node))
+        }
+        Until::Backward(position) => Some(timeline.backward_slot(position)),
+    };
+    run.extras
+        .iter()
+        .filter_map(|e| {
+            let node = match e.from {
+                Until::Forward(node) | Until::Replay(node) => node,
+                Until::Backward(_) => return None,
+            };
+            let (alloc, last) = (slot(e.from)?, slot(e.until)?);
+            let life = Life {
+                alloc,
+                last: last.max(alloc),
+                bytes: e.bytes,
+            };
+            Some((layers.group(node, run.varied), NONE, life))
+        })
+        .collect()
+}
+
 /// The recorder of a simulation on `timeline`, before any step.
 fn recorder<'a>(graph: &'a Graph, layers: &'a Layers, timeline: &'a Timeline) -> Recorder<'a> {
     let n = graph.values().len();
@@ -420,10 +474,13 @@ fn record(
     forward: &memory::AfterForward<'_, Recorder<'_>>,
     run: &Run,
     with_fixed: bool,
+    timeline: &Timeline,
 ) -> Recording {
     let mut sim = forward.clone();
     sim.observer_mut().varied = run.varied;
-    let (simulation, recorder) = sim.backward(graph.backward_order(), &run.replays, &run.holds);
+    let executed = memory::Executed::holding(&run.holds);
+    let (simulation, recorder) = sim.backward(graph.backward_order(), &run.replays, executed);
+    let layers_of = recorder.layers;
     let Recorder {
         owner,
         made_by,
@@ -434,7 +491,13 @@ fn record(
     } = recorder;
     let mut made: Vec<Vec<Life>> = vec![Vec::new(); reads.len()];
     let mut fixed = Vec::new();
-    for ((&owner, &by), &life) in owner.iter().zip(&made_by).zip(&life) {
+    let extras = extra_lives(graph, layers_of, run, timeline);
+    let owned = owner
+        .iter()
+        .zip(&made_by)
+        .zip(&life)
+        .map(|((&o, &by), &l)| (o, by, l));
+    for (owner, by, life) in owned.chain(extras) {
         match owner {
             FIXED if with_fixed => fixed.push((by, life)),
             FIXED => {}
@@ -442,6 +505,17 @@ fn record(
             l => made[l as usize].push(life),
         }
     }
+    // The recorded simulation runs without the extras: the run's own peak counts them.
+    let peak = if run.extras.is_empty() {
+        simulation.peak_bytes
+    } else {
+        let executed = memory::Executed {
+            holds: &run.holds,
+            resized: &run.resized,
+            extras: &run.extras,
+        };
+        memory::simulate_executed(graph, graph.backward_order(), &run.replays, executed).peak_bytes
+    };
     for lives in &mut made {
         lives.sort_unstable();
     }
@@ -467,7 +541,7 @@ fn record(
     Recording {
         layers,
         fixed,
-        peak: simulation.peak_bytes,
+        peak,
         exact,
     }
 }
@@ -622,11 +696,16 @@ impl Model {
                 .copied()
                 .collect()
         });
-        let forward = memory::forward(graph, recorder(graph, layers, &timeline), &forward_holds);
+        let executed = memory::Executed {
+            holds: &forward_holds,
+            resized: runs.first().map_or(&[], |run| &run.resized),
+            extras: &[],
+        };
+        let forward = memory::forward(graph, recorder(graph, layers, &timeline), executed);
         let recordings: Vec<Recording> = runs
             .par_iter()
             .enumerate()
-            .map(|(k, run)| record(graph, &forward, run, k == 0))
+            .map(|(k, run)| record(graph, &forward, run, k == 0, &timeline))
             .collect();
         let mut options: Vec<Vec<Contribution>> = vec![Vec::new(); layers.at.len()];
         let mut exact = true;

@@ -10,7 +10,9 @@
 //! everything else dies after its last forward use. An executor may hold a value past its last
 //! read by an op (eager checkpointing's cache and inputs, eager autograd's saved tensors, the
 //! model's Python references): a partition's *holds* are reads at a forward, replay or
-//! backward step that no op makes.
+//! backward step that no op makes. It may also store a value in other bytes than the graph
+//! says (*resized*: eager CPU dropout's mask is a float noise tensor) and allocate memory of its
+//! own that no value stands for (*extras*: a checkpoint's stash of the CPU generator state).
 //!
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.
@@ -20,7 +22,27 @@ use ir::{
     EntityId, Graph, ModelId, NodeId, Phase, ValueId,
 };
 
-use crate::partition::{Hold, Replay, Until};
+use crate::partition::{Extra, Hold, Replay, Resized, Until};
+
+/// What an executor does to memory beyond running the graph's ops ([`crate::partition`]): the
+/// values it holds past their last read, the values it stores in other bytes, the storages of
+/// its own it allocates. The default is a graph executor's: nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Executed<'a> {
+    pub holds: &'a [Hold],
+    pub resized: &'a [Resized],
+    pub extras: &'a [Extra],
+}
+
+impl<'a> Executed<'a> {
+    /// Only `holds`.
+    pub fn holding(holds: &'a [Hold]) -> Executed<'a> {
+        Executed {
+            holds,
+            ..Executed::default()
+        }
+    }
+}
 
 /// What the simulation found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,8 +106,8 @@ pub(crate) struct Step<'r> {
 pub(crate) trait Observer {
     /// `step` is about to run (graph inputs are placed before the first).
     fn step(&mut self, _step: &Step) {}
-    /// A fresh storage was made for `value`.
-    fn made(&mut self, _storage: u32, _value: ValueId) {}
+    /// A fresh storage of `bytes` was made for `value`.
+    fn made(&mut self, _storage: u32, _value: ValueId, _bytes: u64) {}
     /// A read of `value` at `stage` found `storage`, the copy `copy` (graph outputs are read
     /// once more at the end, in backward).
     fn read(&mut self, _stage: Stage, _value: ValueId, _storage: u32, _copy: Instance) {}
@@ -116,12 +138,29 @@ struct Simulator<'g, O> {
     /// Under FSDP, the last backward step of each layer: where its gradients are
     /// reduce-scattered.
     layer_ends: rustc_hash::FxHashMap<(ModelId, u32), usize>,
+    /// The bytes the executor stores a value in where they differ from the graph's.
+    resized: rustc_hash::FxHashMap<ValueId, u64>,
+    /// The executor's own storages ([`Extra`]), apart from the values' (whose index is the
+    /// storage id observers see), each with the step it ends at.
+    extras: Vec<(Storage, Until)>,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
 /// the given replays (none: no checkpointing at all) and executor holds.
 pub fn simulate(graph: &Graph, order: &[NodeId], replays: &[Replay], holds: &[Hold]) -> Simulation {
-    simulate_with(graph, order, replays, holds, ()).0
+    simulate_executed(graph, order, replays, Executed::holding(holds))
+}
+
+/// [`simulate`] under everything the executor does ([`Executed`]).
+pub fn simulate_executed(
+    graph: &Graph,
+    order: &[NodeId],
+    replays: &[Replay],
+    executed: Executed<'_>,
+) -> Simulation {
+    forward(graph, (), executed)
+        .backward(order, replays, executed)
+        .0
 }
 
 /// [`simulate`], and the peak with the gradients FSDP-sharded `shards` ways as FSDP2 holds them
@@ -133,24 +172,12 @@ pub fn simulate_sharded(
     graph: &Graph,
     order: &[NodeId],
     replays: &[Replay],
-    holds: &[Hold],
+    executed: Executed<'_>,
     shards: u32,
 ) -> Simulation {
-    let mut after = forward(graph, (), holds);
+    let mut after = forward(graph, (), executed);
     after.0.gradient_shards = shards.max(1);
-    after.backward(order, replays, holds).0
-}
-
-/// [`simulate`], reporting every step, storage and read to `observer`; returns it after the
-/// simulation.
-pub(crate) fn simulate_with<O: Observer>(
-    graph: &Graph,
-    order: &[NodeId],
-    replays: &[Replay],
-    holds: &[Hold],
-    observer: O,
-) -> (Simulation, O) {
-    forward(graph, observer, holds).backward(order, replays, holds)
+    after.backward(order, replays, executed).0
 }
 
 /// The values an executor holds until each step, as reads at that step: by the forward node
@@ -202,11 +229,12 @@ impl HeldUntil {
 pub(crate) struct AfterForward<'g, O>(Simulator<'g, O>);
 
 /// Runs forward (graph inputs placed, every forward node), reporting to `observer`, under the
-/// holds that end in forward (the others are for [`AfterForward::backward`]).
+/// holds that end in forward (the others are for [`AfterForward::backward`]), with the values
+/// `executed` resizes in their bytes and its extras allocated (they end in backward).
 pub(crate) fn forward<'g, O: Observer>(
     graph: &'g Graph,
     observer: O,
-    holds: &[Hold],
+    executed: Executed<'_>,
 ) -> AfterForward<'g, O> {
     let n = graph.values().len();
     let mut sim = Simulator {
@@ -221,12 +249,20 @@ pub(crate) fn forward<'g, O: Observer>(
         observer,
         gradient_shards: 1,
         layer_ends: Default::default(),
+        resized: executed
+            .resized
+            .iter()
+            .map(|r| (r.value, r.bytes))
+            .collect(),
+        extras: Vec::new(),
     };
     sim.place_graph_inputs();
-    let held = HeldUntil::new(graph, &[], holds);
+    let held = HeldUntil::new(graph, &[], executed.holds);
     for step in forward_steps(graph) {
+        sim.allocate_extras(executed.extras, &step);
         sim.run(&step);
         sim.touch(step.stage, held.at(&step));
+        sim.touch_extras(&step);
     }
     AfterForward(sim)
 }
@@ -237,19 +273,22 @@ impl<O: Observer> AfterForward<'_, O> {
         &mut self.0.observer
     }
 
-    /// Runs backward in `order` under `replays` and `holds`, and finds the peak.
+    /// Runs backward in `order` under `replays` and what `executed` holds (its resized
+    /// values and extras were forward's), and finds the peak.
     pub(crate) fn backward(
         self,
         order: &[NodeId],
         replays: &[Replay],
-        holds: &[Hold],
+        executed: Executed<'_>,
     ) -> (Simulation, O) {
         let mut sim = self.0;
         let graph = sim.graph;
-        let held = HeldUntil::new(graph, order, holds);
+        let held = HeldUntil::new(graph, order, executed.holds);
         for step in backward_steps(order, replays) {
+            sim.allocate_extras(executed.extras, &step);
             sim.run(&step);
             sim.touch(step.stage, held.at(&step));
+            sim.touch_extras(&step);
         }
         let Finish {
             peak_bytes,
@@ -329,7 +368,7 @@ impl<O: Observer> Simulator<'_, O> {
         for (id, value) in self.graph.values().iter() {
             if self.graph.producer(id).is_none() && value.role != ir::Role::Parameter {
                 let storage = self.new_storage(value.bytes, 0);
-                self.observer.made(storage, id);
+                self.observer.made(storage, id, value.bytes);
                 self.inst.forward[id.index()] = storage;
             }
         }
@@ -390,8 +429,9 @@ impl<O: Observer> Simulator<'_, O> {
                     found.map(|(s, _)| s)
                 }
                 None => {
-                    let s = self.new_storage(self.graph.value(v).bytes, at);
-                    self.observer.made(s, v);
+                    let bytes = self.bytes(v);
+                    let s = self.new_storage(bytes, at);
+                    self.observer.made(s, v, bytes);
                     Some(s)
                 }
             };
@@ -401,6 +441,37 @@ impl<O: Observer> Simulator<'_, O> {
                 Stage::Backward => &mut self.inst.backward,
             };
             slot[v.index()] = storage.unwrap_or(NO_STORAGE);
+        }
+    }
+
+    /// The bytes the executor stores `value` in.
+    fn bytes(&self, value: ValueId) -> u64 {
+        self.resized
+            .get(&value)
+            .copied()
+            .unwrap_or_else(|| self.graph.value(value).bytes)
+    }
+
+    /// Allocates the `extras` that begin at `step`, the step about to run.
+    fn allocate_extras(&mut self, extras: &[Extra], step: &Step) {
+        let at = self.steps;
+        for extra in extras.iter().filter(|e| names(e.from, step)) {
+            let storage = Storage {
+                bytes: extra.bytes,
+                alloc: at,
+                last: at,
+            };
+            self.extras.push((storage, extra.until));
+        }
+    }
+
+    /// Keeps the extras that end at `step`, the step just run, alive through it.
+    fn touch_extras(&mut self, step: &Step) {
+        let at = self.steps.saturating_sub(1);
+        for (storage, until) in &mut self.extras {
+            if names(*until, step) {
+                storage.last = storage.last.max(at);
+            }
         }
     }
 
@@ -432,7 +503,8 @@ impl<O: Observer> Simulator<'_, O> {
                 gradients.extend(found.map(|(s, _)| (s, v)));
             }
         }
-        let (peak_bytes, peak_step) = peak(&self.storages, self.steps);
+        let extras = self.extras.iter().map(|(s, _)| s);
+        let (peak_bytes, peak_step) = peak(self.storages.iter().chain(extras), self.steps);
         let peak_sharded_gradients = if self.gradient_shards > 1 {
             self.sharded_peak(gradients, end)
         } else {
@@ -500,8 +572,18 @@ impl<O: Observer> Simulator<'_, O> {
             .iter()
             .zip(&sharded)
             .filter(|(_, &sharded)| !sharded)
-            .map(|(s, _)| s);
+            .map(|(s, _)| s)
+            .chain(self.extras.iter().map(|(s, _)| s));
         peak(whole.chain(&pieces), self.steps).0
+    }
+}
+
+/// Whether `at` names `step`.
+fn names(at: Until, step: &Step) -> bool {
+    match at {
+        Until::Forward(node) => step.stage == Stage::Forward && step.node == node,
+        Until::Replay(node) => step.stage == Stage::Replay && step.node == node,
+        Until::Backward(position) => step.stage == Stage::Backward && step.position == position,
     }
 }
 

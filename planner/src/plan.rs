@@ -99,7 +99,7 @@ fn analyse(
         graph,
         &partition.order,
         &partition.replays,
-        &partition.holds,
+        partition.executed(),
         config.training.fsdp,
     );
     Ok(Analysis {
@@ -199,17 +199,23 @@ impl Baselines {
                 let resolved = config::resolve(graph, &config)?;
                 let policy = policy::apply(graph, &config, &resolved);
                 let partition = checked_partition(graph, &policy, executor)?;
-                let memory = memory::simulate(
+                let memory = memory::simulate_executed(
                     graph,
                     &partition.order,
                     &partition.replays,
-                    &partition.holds,
+                    partition.executed(),
                 );
                 Ok((partition, memory))
             },
             || {
                 let holds = partition::no_checkpoint_holds(graph, executor);
-                memory::simulate(graph, graph.backward_order(), &[], &holds)
+                let resized = partition::resized(graph, executor);
+                let executed = memory::Executed {
+                    holds: &holds,
+                    resized: &resized,
+                    extras: &[],
+                };
+                memory::simulate_executed(graph, graph.backward_order(), &[], executed)
             },
         );
         let (full_recompute, full_recompute_memory) = whole_layer?;

@@ -11,7 +11,7 @@ use planner::{
     budget::{Granularity, Search},
     config::PlanConfig,
     cost::HwProfile,
-    memory::simulate_sharded,
+    memory::{simulate_sharded, Executed},
     plan::plan,
     state::{BudgetBasis, State},
 };
@@ -166,13 +166,13 @@ fn m4_a_layers_gradients_are_whole_until_its_backward_ends_then_sharded() {
     let order = graph.backward_order();
     // Unsharded (64 B a tensor), steps: e, a, c | g_w1, g_a (layer 1), g_w0, g_e (layer 0),
     // g_we. Five tensors are live from `c` on: 320 B.
-    let whole = simulate_sharded(&graph, order, &[], &[], 1);
+    let whole = simulate_sharded(&graph, order, &[], Executed::default(), 1);
     assert_eq!(whole.peak_bytes, 320);
     assert_eq!(whole.peak_sharded_gradients, 320);
     // Four ways: at g_a, layer 1's backward ends: x, t, e, g_w1, g_a and the 64 B copy of
     // layer 1's gradients reduce-scattered, 384 B; at g_e, layer 0's end, g_w1 is a 16 B
     // shard: x, g_w1 / 4, g_a, g_w0, g_e, layer 1's copy (until now) and layer 0's, 400 B.
-    let sharded = simulate_sharded(&graph, order, &[], &[], 4);
+    let sharded = simulate_sharded(&graph, order, &[], Executed::default(), 4);
     assert_eq!(sharded.peak_bytes, 320);
     assert_eq!(sharded.peak_sharded_gradients, 400);
 }

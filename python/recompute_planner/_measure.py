@@ -31,10 +31,11 @@ Three of the plan's numbers have an eager counterpart (``measure_golden``):
   ``recompute_planner.sac``; saving every op the plan keeps would also hold outputs nothing
   after forward reads).
 
-Checkpoints run with ``preserve_rng_state=False``: the CPU generator state torch would stash
-per layer (5056 bytes, host memory on a GPU) is not an activation. In the one zoo model with
-random ops (dropout), recomputation then draws other masks than the forward did, which changes
-values, not the bytes measured.
+Checkpoints stash the CPU generator state (``preserve_rng_state``, 5056 bytes a layer on the
+CPU allocator) where eager selective checkpointing does: in the layers with random ops, as each
+layer's policy asks (``recompute_planner.sac``); a whole-layer checkpoint of the zoo's layers
+has random ops exactly when the model has dropout. The planner counts the stash on a graph
+traced on the CPU (docs/cost-and-memory.md, "Generator state").
 
 Measurement details that keep the numbers those of the step's tensors: oneDNN off while
 measuring (``no_onednn``: its bfloat16 matmul allocates a scratchpad through the CPU allocator
@@ -420,6 +421,7 @@ def measure_golden(
             context_fns = plan_contexts(plan, graph)
         model = gold.entry.build()
         if baseline != NO_CHECKPOINT:
-            # The RNG state a checkpoint stashes is host memory, not an activation.
-            checkpoint_zoo_layers(model, context_fns, preserve_rng_state=False)
+            # The generator state is stashed where eager SAC stashes it (the module docstring).
+            preserve = None if context_fns else gold.entry.config.dropout > 0
+            checkpoint_zoo_layers(model, context_fns, preserve_rng_state=preserve)
         return measure_training_step(model, inputs)

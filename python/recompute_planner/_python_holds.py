@@ -15,10 +15,14 @@ as CPU dropout, and eager dispatches ops the trace lacks); ops that do not align
 value Python releases after a later forward node than its last forward read is listed in that
 node's ``python_releases`` (docs/ir.md), which the planner's eager memory model holds.
 
-The tensors a collective reads or writes, and the bases they are views of, are left out:
-functional collectives keep them in a work registry until they are waited on or cleaned up by
-a later call, so when they are released depends on what ran before, not on the model's code
-(two exports would differ).
+The tensors a collective returns or writes in place, and the bases they are views of, are left
+out: functional collectives keep them in a work registry until they are waited on or cleaned up
+by a later call, so when they are released depends on what ran before, not on the model's code
+(two exports would differ). The tensors a functional collective reads are Python's: the probe
+hands the collective a copy of each (as it hands autograd copies), so what the group's work
+keeps (a real group's, as long as the group decides: gloo's past the wait; the fake group's,
+nothing) never delays an original, and a caller's local that holds the base of an all-to-all's
+input view, say, is listed like any other.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .proto import graph_pb2
 
@@ -72,6 +76,9 @@ class _ReleaseProbe(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
+        if not self._paused and _reads_into_work(func):
+            with self.paused():
+                args = tree_map_only(torch.Tensor, torch.Tensor.clone, tuple(args))
         out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
@@ -86,6 +93,16 @@ class _ReleaseProbe(TorchDispatchMode):
     def _released(self, probed: ProbeOp, k: int, made: int) -> None:
         # Released before the next op dispatched: held through the last one dispatched.
         probed.released_after[k] = max(made, len(self.ops) - 1)
+
+
+def _reads_into_work(func: torch._ops.OpOverload) -> bool:
+    """A functional collective that hands its inputs to a group's work: it names the group
+    (``wait_tensor`` and ``_wrap_tensor_autograd``, which find the work of a tensor, do not)."""
+    return (
+        func.namespace == "_c10d_functional"
+        and not func._schema.is_mutable
+        and any(a.name == "group_name" for a in func._schema.arguments)
+    )
 
 
 def probe_releases(module: torch.nn.Module, args: tuple[Any, ...], seed: int) -> list[ProbeOp]:
@@ -159,9 +176,22 @@ def add_python_releases(graph: graph_pb2.Graph, ops: list[ProbeOp]) -> None:
 
 
 def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
-    """The tensors a collective's work may keep referenced: its inputs and outputs, and the
-    base each of them is a view of (a view references its base tensor; views are followed
-    to their root, as torch keeps the root). Other views of that memory are Python's alone."""
+    """The tensors a collective's work keeps registered: its outputs and the inputs it writes
+    in place, and the base each of them is a view of (a view references its base tensor;
+    views are followed to their root, as torch keeps the root). Other views of that memory,
+    and the inputs it only reads (the probe gives the work copies of those), are Python's."""
+    base = _bases(graph)
+    held: set[str] = set()
+    for node in graph.nodes:
+        if node.schema.collective:
+            written = [node.inputs[p] for p in node.schema.mutates]
+            for value in (*written, *node.outputs):
+                held.update((value, base.get(value, value)))
+    return held
+
+
+def _bases(graph: graph_pb2.Graph) -> dict[str, str]:
+    """Per view (or in-place result): the root tensor whose memory it shares."""
     base: dict[str, str] = {}
     for node in graph.nodes:
         schema = node.schema
@@ -171,12 +201,7 @@ def _held_by_collectives(graph: graph_pb2.Graph) -> set[str]:
         elif schema.mutates and node.outputs:
             written = node.inputs[schema.mutates[0]]
             base[node.outputs[0]] = base.get(written, written)
-    held: set[str] = set()
-    for node in graph.nodes:
-        if node.schema.collective:
-            for value in (*node.inputs, *node.outputs):
-                held.update((value, base.get(value, value)))
-    return held
+    return base
 
 
 def _last_at_or_before(sorted_indices: list[int], index: int) -> int | None:

@@ -20,9 +20,8 @@ all-to-all buffers past `wait`), so real ranks would make the test nondeterminis
 slow (~20 s of process spawning). `dense_forward` is skipped: a forward-only graph has no
 training step, and the planner reports no peak for it.
 
-Tolerance: 6% of the measured peak for the baselines (measured -5.8% .. +3.2%: the largest,
-`dense_dropout` without checkpointing, is eager's `bernoulli_` dropout and its mask, which the
-traced `native_dropout` does not make), 8% for the plans (-6.3% .. +2.6% run alone;
+Tolerance: 6% of the measured peak for the baselines (measured -0.7% .. +3.2%, the largest
+`moe_domino` whole-layer), 8% for the plans (-0.2% .. +2.6% run alone;
 `glm_dsa_ep2_compiled` measured 2 KiB more, -7.6%, in the whole suite: the GLM/DSA goldens'
 kept indexer outputs, whose cached tuples eager releases later than modelled, and a measurement
 that depends on what ran before it in the process). The eager model's itemised causes:

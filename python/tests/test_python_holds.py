@@ -138,3 +138,52 @@ def test_without_observed_releases_the_forward_peak_is_missed(graph, inputs):
     unaware = plan_of(bare, None).memory.peak_bytes
     measured = measured_peak(plan, inputs)
     assert (measured - unaware) / measured > EAGER_TOLERANCE, (unaware, measured)
+
+
+class ExchangingLayer(nn.Module):
+    """A projection whose output stays a local while a view of it is sent through an
+    all-to-all and the received rows are projected again: Python holds the projection's
+    output until forward returns, whatever the collective does with its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.down = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from recompute_planner._zoo.distributed import all_to_all
+
+        with layer_scope("main", 0):
+            h = checkpoint_record("mlp.begin", x)
+            projected = self.up(h)
+            received = all_to_all(projected.view(2, -1, WIDTH).reshape(-1, WIDTH), 2)
+            out = checkpoint_record("mlp.end", self.down(received.relu()) + x)
+        return out.square().mean()
+
+
+def test_a_collectives_input_base_held_by_a_local_is_released_by_python(inputs):
+    """The base of an all-to-all's input view is listed as released after the all-to-all has
+    been read and the layer's last projection has run (the probe hands the collective copies,
+    so its inputs are Python's whatever the group's work keeps), while the all-to-all's
+    outputs, which the registry keeps until they are waited on, are not listed."""
+    from recompute_planner._zoo.goldens import traced_group
+
+    models = [ModelDecl("main", 1, {"SAVE_MLP": [("mlp.begin", "mlp.end")]})]
+    with traced_group(2):
+        graph = export_joint(
+            ExchangingLayer(), inputs, name="exchanging", models=models, world_size=2, rank=0
+        ).graph
+    released = released_after(graph)
+    forward = [n for n in graph.nodes if n.phase == 1]
+    position = {n.name: i for i, n in enumerate(forward)}
+    exchange = next(n for n in forward if n.op.startswith("_c10d_functional.all_to_all_single"))
+    projected = next(n.outputs[0] for n in forward if n.op == "aten.mm.default")
+    assert projected in released, released
+    down = [n for n in forward if n.op == "aten.mm.default"][-1]
+    assert position[released[projected]] >= position[down.name], released[projected]
+    collective_outputs = {
+        v for n in forward if n.op.startswith("_c10d_functional.") for v in n.outputs
+    }
+    assert not collective_outputs & set(released), released
+    assert exchange.outputs[0] in collective_outputs

@@ -11,17 +11,21 @@
 //! What torch holds beyond the reads of ops becomes the partition's holds ([`holds`],
 //! [`autograd_holds`]), and so does what the model's Python code keeps referenced, in forward
 //! and in the recompute ([`python_holds`], [`recompute_python_holds`]; docs/cost-and-memory.md,
-//! "Eager checkpointing").
+//! "Eager checkpointing"). On a graph traced on the CPU, eager dropout's mask is a float noise
+//! tensor ([`resized`]) and a checkpoint of a layer with random ops stashes the CPU generator
+//! state ([`rng_stashes`]).
 
 use std::collections::{BTreeMap, HashSet};
 
 use ir::{
-    plan::{Decision, LayerRef, SavedKind},
+    plan::{Decision, LayerRef, Reason, SavedKind},
     EntityId, Graph, NodeId, Phase, ValueId,
 };
 
-use super::{Builder, Hazard, HazardKind, Hold, Partition, Replay, Saved, Source, Until};
-use crate::policy::Policy;
+use super::{
+    Builder, Extra, Hazard, HazardKind, Hold, Partition, Replay, Resized, Saved, Source, Until,
+};
+use crate::policy::{traced_on_host, Policy, EAGER_HOST_UNCACHED_RANDOM};
 
 /// The eager executor's partition of a joint graph under `policy`.
 pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
@@ -47,13 +51,94 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
     }
     let saved = resident(graph, policy, &layers, &replays, &in_replay, &order);
     let hazards = replays.iter().flat_map(|r| hazards(graph, r)).collect();
+    let extras = if traced_on_host(graph) {
+        rng_stashes(policy, &layers, &recomputes, &replays, order.len())
+    } else {
+        Vec::new()
+    };
     Partition {
         order,
         saved,
         replays,
         hazards,
         holds,
+        resized: resized(graph),
+        extras,
     }
+}
+
+/// The bytes of the CPU generator's state, as `torch.get_rng_state()` returns it (a uint8
+/// tensor on the CPU allocator; python/tests/test_eager_dropout.py checks the figure against
+/// torch).
+pub(crate) const CPU_GENERATOR_STATE_BYTES: u64 = 5056;
+
+/// What eager PyTorch stores in other bytes than a graph traced on the CPU says: CPU dropout
+/// ([`EAGER_HOST_UNCACHED_RANDOM`]) draws its mask into a noise tensor of the input's dtype
+/// (`bernoulli_` into `empty_like(input)`, scaled in place) and multiplies the input by it, so
+/// autograd saves that noise where the trace's `native_dropout` returns a bool mask. A graph
+/// traced for another device runs the fused `native_dropout` in eager too: nothing differs.
+pub(super) fn resized(graph: &Graph) -> Vec<Resized> {
+    if !traced_on_host(graph) {
+        return Vec::new();
+    }
+    graph
+        .nodes()
+        .values()
+        .filter(|n| n.draws_random() && EAGER_HOST_UNCACHED_RANDOM.contains(&n.packet()))
+        .filter_map(|n| {
+            let (&input, &mask) = (n.inputs.first()?, n.outputs.get(1)?);
+            let (input, mask) = (graph.value(input), graph.value(mask));
+            let elements = mask.bytes / mask.dtype.size_bytes().max(1);
+            Some(Resized {
+                value: n.outputs[1],
+                bytes: elements * input.dtype.size_bytes(),
+            })
+        })
+        .collect()
+}
+
+/// The CPU generator state torch's checkpoint stashes for a layer with random ops (the
+/// selective checkpoint asks for `preserve_rng_state` only there, `recompute_planner.sac`):
+/// one copy taken before the layer's first op and kept by the checkpoint's frame until the
+/// layer's last backward read frees it (the end of the step for a layer never recomputed), and
+/// one more while the recompute runs (`torch.random.fork_rng` saves the state it restores
+/// after). Host memory: on a graph traced for a GPU the stash is not device memory (the GPU
+/// generator's state is returned as a CPU tensor too), so only a graph traced on the CPU
+/// counts it.
+fn rng_stashes(
+    policy: &Policy,
+    layers: &BTreeMap<LayerRef, Vec<NodeId>>,
+    recomputes: &BTreeMap<LayerRef, Recompute>,
+    replays: &[Replay],
+    steps: usize,
+) -> Vec<Extra> {
+    let random = |n: NodeId| {
+        policy.nodes[n].is_some_and(|p| matches!(p.reason, Reason::Random | Reason::RandomReplayed))
+    };
+    let mut stashes = Vec::new();
+    for (at, nodes) in layers {
+        let Some(&first) = nodes.first().filter(|_| nodes.iter().any(|&n| random(n))) else {
+            continue;
+        };
+        let freed = recomputes
+            .get(at)
+            .map_or(steps.saturating_sub(1), |r| r.last_read);
+        stashes.push(Extra {
+            bytes: CPU_GENERATOR_STATE_BYTES,
+            from: Until::Forward(first),
+            until: Until::Backward(freed),
+        });
+        let replay = replays.iter().find(|r| r.layer == *at);
+        if let Some((&start, &end)) = replay.and_then(|r| Some((r.nodes.first()?, r.nodes.last()?)))
+        {
+            stashes.push(Extra {
+                bytes: CPU_GENERATOR_STATE_BYTES,
+                from: Until::Replay(start),
+                until: Until::Replay(end),
+            });
+        }
+    }
+    stashes
 }
 
 /// Where the replayed prefix `replay` would not reproduce forward: a replayed op that writes a

@@ -53,6 +53,40 @@ pub struct Partition {
     /// Forward values the executor itself holds past their last read by an op (always empty
     /// for the graph executor, whose executor holds only what ops read).
     pub holds: Vec<Hold>,
+    /// Values the executor stores in other bytes than the graph says (always empty for the
+    /// graph executor, which makes what the graph says).
+    pub resized: Vec<Resized>,
+    /// Memory the executor allocates that no value of the graph stands for (always empty for
+    /// the graph executor).
+    pub extras: Vec<Extra>,
+}
+
+impl Partition {
+    /// What the executor does to memory beyond the graph's ops, for the simulation.
+    pub fn executed(&self) -> crate::memory::Executed<'_> {
+        crate::memory::Executed {
+            holds: &self.holds,
+            resized: &self.resized,
+            extras: &self.extras,
+        }
+    }
+}
+
+/// A value the executor stores in `bytes`, where the graph's value has other bytes: the eager
+/// counterpart of a traced op holds another tensor (eager CPU dropout's mask).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resized {
+    pub value: ValueId,
+    pub bytes: u64,
+}
+
+/// Memory the executor allocates just before the step `from` runs and keeps through the step
+/// `until` (eager checkpointing's stash of the CPU generator state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extra {
+    pub bytes: u64,
+    pub from: Until,
+    pub until: Until,
 }
 
 /// A forward value the executor holds until a step: eager checkpointing's cache of a kept op's
@@ -64,7 +98,8 @@ pub struct Hold {
     pub until: Until,
 }
 
-/// The last step at which a [`Hold`] keeps its value.
+/// A step of the schedule: the last step at which a [`Hold`] keeps its value, or where an
+/// [`Extra`] begins or ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Until {
     /// The forward step of this node.
@@ -160,6 +195,15 @@ pub fn no_checkpoint_holds(graph: &Graph, executor: Executor) -> Vec<Hold> {
             holds.extend(eager::python_holds(graph));
             holds
         }
+        Executor::Graph => Vec::new(),
+    }
+}
+
+/// The values the executor stores in other bytes than the graph says, checkpointed or not
+/// (eager CPU dropout's mask; nothing for a graph executor).
+pub fn resized(graph: &Graph, executor: Executor) -> Vec<Resized> {
+    match executor {
+        Executor::Eager => eager::resized(graph),
         Executor::Graph => Vec::new(),
     }
 }
@@ -467,6 +511,8 @@ impl<'a> Builder<'a> {
             replays,
             hazards: Vec::new(),
             holds: Vec::new(),
+            resized: Vec::new(),
+            extras: Vec::new(),
         }
     }
 }

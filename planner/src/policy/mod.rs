@@ -412,11 +412,11 @@ struct Rules<'a> {
 /// checkpoint cannot cache: CPU dropout fills a mask with `bernoulli_` where the trace has
 /// `native_dropout` (on a GPU, eager dispatches the fused `native_dropout` itself). Under eager
 /// checkpointing they re-run in the recompute, with the generator state forward saw restored.
-const EAGER_HOST_UNCACHED_RANDOM: &[&str] = &["aten.native_dropout"];
+pub(crate) const EAGER_HOST_UNCACHED_RANDOM: &[&str] = &["aten.native_dropout"];
 
 /// Whether the graph was traced on the CPU, as its factory ops say (`device` attributes: only
 /// the CPU named). A graph naming another device, or none, is not.
-fn traced_on_host(graph: &Graph) -> bool {
+pub(crate) fn traced_on_host(graph: &Graph) -> bool {
     let mut devices = graph
         .nodes()
         .values()
