@@ -213,6 +213,8 @@ pub struct Run {
     /// The memory its executor allocates of its own ([`Partition::extras`]): each owed to the
     /// layer whose forward or replay allocates it.
     extras: Vec<Extra>,
+    /// Its executor runs no marker op ([`Partition::markers_alias`]; the same in every run).
+    markers_alias: bool,
     /// Per layer of `varied`: its contribution, memory aside.
     contributions: Vec<(usize, Contribution)>,
     /// Saved values no option changes.
@@ -250,6 +252,7 @@ impl Run {
             holds: partition.holds,
             resized: partition.resized,
             extras: partition.extras,
+            markers_alias: partition.markers_alias,
             contributions,
             fixed_saved,
         }
@@ -513,6 +516,7 @@ fn record(
             holds: &run.holds,
             resized: &run.resized,
             extras: &run.extras,
+            markers_alias: run.markers_alias,
         };
         memory::simulate_executed(graph, graph.backward_order(), &run.replays, executed).peak_bytes
     };
@@ -700,6 +704,7 @@ impl Model {
             holds: &forward_holds,
             resized: runs.first().map_or(&[], |run| &run.resized),
             extras: &[],
+            markers_alias: runs.first().is_some_and(|run| run.markers_alias),
         };
         let forward = memory::forward(graph, recorder(graph, layers, &timeline), executed);
         let recordings: Vec<Recording> = runs

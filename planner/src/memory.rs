@@ -12,26 +12,31 @@
 //! model's Python references): a partition's *holds* are reads at a forward, replay or
 //! backward step that no op makes. It may also store a value in other bytes than the graph
 //! says (*resized*: eager CPU dropout's mask is a float noise tensor) and allocate memory of its
-//! own that no value stands for (*extras*: a checkpoint's stash of the CPU generator state).
+//! own that no value stands for (*extras*: a checkpoint's stash of the CPU generator state),
+//! and it may run no marker op at all (eager PyTorch: a marker's output is its input).
 //!
 //! Parameters are resident throughout and reported apart; so are the gradients among the graph
 //! outputs. Collective buffers are ordinary op outputs and count like any other.
 
 use ir::{
     plan::{Peak, Stage},
-    EntityId, Graph, ModelId, NodeId, Phase, ValueId,
+    EntityId, Graph, ModelId, Node, NodeId, Phase, ValueId, MARKER_OP,
 };
 
 use crate::partition::{Extra, Hold, Replay, Resized, Until};
 
 /// What an executor does to memory beyond running the graph's ops ([`crate::partition`]): the
 /// values it holds past their last read, the values it stores in other bytes, the storages of
-/// its own it allocates. The default is a graph executor's: nothing.
+/// its own it allocates, whether it runs the markers. The default is a graph executor's:
+/// nothing beyond the graph.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Executed<'a> {
     pub holds: &'a [Hold],
     pub resized: &'a [Resized],
     pub extras: &'a [Extra],
+    /// The executor runs no marker op: a marker's output is its input's storage, not a copy
+    /// (eager PyTorch, where `checkpoint_record` returns its tensor).
+    pub markers_alias: bool,
 }
 
 impl<'a> Executed<'a> {
@@ -143,6 +148,8 @@ struct Simulator<'g, O> {
     /// The executor's own storages ([`Extra`]), apart from the values' (whose index is the
     /// storage id observers see), each with the step it ends at.
     extras: Vec<(Storage, Until)>,
+    /// A marker's output shares its input's storage ([`Executed::markers_alias`]).
+    markers_alias: bool,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
@@ -255,6 +262,7 @@ pub(crate) fn forward<'g, O: Observer>(
             .map(|r| (r.value, r.bytes))
             .collect(),
         extras: Vec::new(),
+        markers_alias: executed.markers_alias,
     };
     sim.place_graph_inputs();
     let held = HeldUntil::new(graph, &[], executed.holds);
@@ -274,7 +282,7 @@ impl<O: Observer> AfterForward<'_, O> {
     }
 
     /// Runs backward in `order` under `replays` and what `executed` holds (its resized
-    /// values and extras were forward's), and finds the peak.
+    /// values, extras and markers were forward's), and finds the peak.
     pub(crate) fn backward(
         self,
         order: &[NodeId],
@@ -418,7 +426,7 @@ impl<O: Observer> Simulator<'_, O> {
             }
         }
         for (k, &v) in node.outputs.iter().enumerate() {
-            let storage = match node.aliased_input(k) {
+            let storage = match self.aliased_input(node, k) {
                 // None when the base is a parameter (no storage): the view is resident memory
                 // too, counted in `parameter_bytes`.
                 Some(p) => {
@@ -442,6 +450,14 @@ impl<O: Observer> Simulator<'_, O> {
             };
             slot[v.index()] = storage.unwrap_or(NO_STORAGE);
         }
+    }
+
+    /// The input whose storage output `k` of `node` shares: the node's own aliasing (views,
+    /// in-place writes) or, where the executor runs no markers, a marker's input.
+    fn aliased_input(&self, node: &Node, k: usize) -> Option<usize> {
+        let skipped_marker =
+            self.markers_alias && k == 0 && !node.inputs.is_empty() && node.op == MARKER_OP;
+        node.aliased_input(k).or(skipped_marker.then_some(0))
     }
 
     /// The bytes the executor stores `value` in.

@@ -214,6 +214,7 @@ impl Baselines {
                     holds: &holds,
                     resized: &resized,
                     extras: &[],
+                    markers_alias: partition::markers_alias(executor),
                 };
                 memory::simulate_executed(graph, graph.backward_order(), &[], executed)
             },

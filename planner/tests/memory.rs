@@ -274,3 +274,51 @@ fn m1_eager_checkpointing_worse_than_none_is_a_warning() {
         d.message
     );
 }
+
+/// x -> a -> [marker] -> h -> o in layer 0 (`marked`: with the marker, else `h` reads `a`);
+/// backward reads `o`, the marker's output (or `a`) and `a`.
+fn marked_chain(marked: bool) -> Graph {
+    let mut b = Builder::new(1, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let a = b.op(&x);
+    let m = if marked { b.marker("attn.end", &a) } else { a.clone() };
+    let h = b.op(&m);
+    let o = b.op(&h);
+    b.layer(None);
+    b.backward_through("t", &[o, m, a]);
+    b.build()
+}
+
+#[test]
+fn eager_runs_no_marker_op_so_a_markers_output_is_its_input() {
+    use planner::memory::{simulate_executed, Executed};
+    let eager = Executed {
+        markers_alias: true,
+        ..Executed::default()
+    };
+    let peak = |graph: &Graph, executed: Executed<'_>| {
+        simulate_executed(graph, graph.backward_order(), &[], executed).peak_bytes
+    };
+    let marked = marked_chain(true);
+    let unmarked = marked_chain(false);
+    // Eager: the step as if the marker were not there.
+    assert_eq!(peak(&marked, eager), peak(&unmarked, eager));
+    // A graph executor runs the marker as the copy the graph says it makes: the copy and its
+    // input are both saved for backward.
+    assert_eq!(
+        peak(&marked, Executed::default()),
+        peak(&unmarked, Executed::default()) + 64
+    );
+    let partition = |executor| {
+        let config = PlanConfig {
+            executor,
+            ..PlanConfig::default()
+        };
+        let resolved = planner::config::resolve(&marked, &config).unwrap();
+        let policy = planner::policy::apply(&marked, &config, &resolved);
+        planner::partition::partition(&marked, &policy, executor)
+    };
+    assert!(partition(Executor::Eager).executed().markers_alias);
+    assert!(!partition(Executor::Graph).executed().markers_alias);
+}

@@ -3,7 +3,8 @@
 - ``checkpoint_record(name, x)``: a point marker. An identity custom op
   (``recompute::checkpoint_record``, exported as ``recompute.checkpoint_record.default`` with the
   marker name in attribute ``name``) that survives AOTAutograd tracing as a node; the gradient
-  passes straight through; under ``torch.compile`` it returns ``x`` untouched (Dynamo
+  passes straight through; run eagerly it returns ``x`` itself (the op runs only in traces,
+  where it records the point); under ``torch.compile`` it returns ``x`` untouched (Dynamo
   constant-folds the check, so it never enters a compiled graph), as selective-checkpointing
   markers in MoE training frameworks do, except inside ``markers_in_compiled_graphs()``: the
   torch.compile planning stage
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import _native
 
@@ -81,10 +83,22 @@ _in_compiled_graphs = False
 
 
 def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
-    """Records the point marker ``name`` on the data path of ``x``; returns ``x``'s identity."""
+    """Records the point marker ``name`` on the data path of ``x``; returns ``x``'s identity.
+
+    The marker op runs only where a graph is recorded: a trace (the exporter's, AOTAutograd's:
+    a proxy mode is on) or, inside ``markers_in_compiled_graphs()``, a Dynamo compile. Run
+    eagerly, on real or fake tensors (training, eager selective checkpointing, the exporter's
+    eager probe, a memory measurement under ``FakeTensorMode``), it returns ``x`` itself: the
+    op would copy ``x``, a tensor no model code asked for, which a caller holding the result
+    (a discarded attention-weights output kept until the layer returns) keeps alive beside
+    ``x``.
+    """
     if not name:
         raise ValueError("a checkpoint_record marker needs a non-empty name")
-    if torch.compiler.is_compiling() and not _in_compiled_graphs:
+    if torch.compiler.is_compiling():
+        if not _in_compiled_graphs:
+            return x
+    elif get_proxy_mode() is None:
         return x
     marked: torch.Tensor = _checkpoint_record(x, name)
     return marked

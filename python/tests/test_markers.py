@@ -6,6 +6,8 @@ import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from export_support import MAIN, PHASE_BACKWARD, PHASE_FORWARD, Lambda, consumers, only_node
 from recompute_planner._exporter import ModelDecl, export_joint
@@ -78,6 +80,20 @@ def test_marker_compiles_without_graph_break_and_leaves_no_node():
     assert len(graphs) == 2  # one forward and one backward graph, nothing else
     targets = [str(n.target) for g in graphs for n in g.graph.nodes]
     assert not [t for t in targets if "checkpoint_record" in t], targets
+
+
+def test_eager_marker_returns_its_tensor_and_only_a_trace_records_the_op():
+    x = torch.randn(3, requires_grad=True)
+    # Eagerly, on real or fake tensors, the marker is no op: no copy for a caller to hold.
+    assert checkpoint_record("e.end", x) is x
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert checkpoint_record("e.end", fake) is fake
+    traced = make_fx(lambda t: checkpoint_record("e.end", t) * 2)(torch.randn(3))
+    assert [str(n.target) for n in traced.graph.nodes if n.op == "call_function"] == [
+        MARKER_OP,
+        "aten.mul.Tensor",
+    ]
 
 
 def test_marker_needs_a_name():

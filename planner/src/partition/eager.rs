@@ -64,6 +64,7 @@ pub(super) fn partition(graph: &Graph, policy: &Policy) -> Partition {
         holds,
         resized: resized(graph),
         extras,
+        markers_alias: true,
     }
 }
 

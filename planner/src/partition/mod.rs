@@ -58,7 +58,9 @@ pub struct Partition {
     pub resized: Vec<Resized>,
     /// Memory the executor allocates that no value of the graph stands for (always empty for
     /// the graph executor).
-    pub extras: Vec<Extra>,
+    pub extras: Vec<Extra>,    /// The executor runs no marker op, so a marker's output is its input (eager; the graph
+    /// executor runs the graph's markers as the copies they are).
+    pub markers_alias: bool,
 }
 
 impl Partition {
@@ -68,6 +70,7 @@ impl Partition {
             holds: &self.holds,
             resized: &self.resized,
             extras: &self.extras,
+            markers_alias: self.markers_alias,
         }
     }
 }
@@ -197,6 +200,12 @@ pub fn no_checkpoint_holds(graph: &Graph, executor: Executor) -> Vec<Hold> {
         }
         Executor::Graph => Vec::new(),
     }
+}
+
+/// Whether the executor runs no marker op, checkpointed or not: eager PyTorch's markers
+/// return their tensor.
+pub fn markers_alias(executor: Executor) -> bool {
+    executor == Executor::Eager
 }
 
 /// The values the executor stores in other bytes than the graph says, checkpointed or not
@@ -513,6 +522,7 @@ impl<'a> Builder<'a> {
             holds: Vec::new(),
             resized: Vec::new(),
             extras: Vec::new(),
+            markers_alias: false,
         }
     }
 }
