@@ -434,8 +434,8 @@ def traced_as_exported() -> Iterator[None]:
     """What the exporter traces a step under, and the torch.compile planning stage too (its
     ``tracing()``), so both trace one program: markers enter the traced graph
     (``markers_in_compiled_graphs``), a dropout that draws nothing returns its input instead
-    of the ``clone`` torch's decomposition makes, and the ops of every in-place call are
-    annotated with it (``_TracedAsEager``)."""
+    of the ``clone`` torch's decomposition makes, ``one_hot`` is traced as eager runs it, and
+    the ops of every in-place call are annotated with it (``_TracedAsEager``)."""
     with markers.markers_in_compiled_graphs(), _TracedAsEager():
         yield
 
@@ -452,6 +452,11 @@ class _TracedAsEager(torch.overrides.TorchFunctionMode):
       ``torch.compile`` traces, rewrites the write into an out-of-place op and the write into
       a view into a scatter back into its base, and the annotation is what lets the IR give
       those ops back the storage eager writes (``mark_functionalized_writes``).
+    - ``one_hot`` with a class count is ``zeros`` filled in place by ``scatter_``, as ATen runs
+      it on every device; on fake tensors ATen takes another path (``arange``, ``eq``, a copy
+      to int64) whose tensors eager never makes, and a plan that keeps them would count bytes
+      eager selective checkpointing never holds. Eager's range check reads the data (it
+      cannot be traced, and its result is a pair of scalars).
     """
 
     def __torch_function__(
@@ -466,6 +471,10 @@ class _TracedAsEager(torch.overrides.TorchFunctionMode):
             bound = _DROPOUTS[func](*args, **kwargs)
             if bound is not None:
                 return bound
+        if func is torch.nn.functional.one_hot and args:
+            made = _one_hot_as_eager(*args, **kwargs)
+            if made is not None:
+                return made
         if func in _IN_PLACE_METHODS:
             with markers.annotate({IN_PLACE_CALL_KEY: _IN_PLACE_METHODS[func]}):
                 return func(*args, **kwargs)
@@ -480,6 +489,16 @@ def _functional_dropout_off(
 
 def _aten_dropout_off(input: torch.Tensor, p: float, train: bool) -> torch.Tensor | None:
     return input if (p == 0 or not train) else None
+
+
+def _one_hot_as_eager(input: torch.Tensor, num_classes: int = -1) -> torch.Tensor | None:
+    """ATen's ``one_hot`` on real tensors; None where the trace keeps torch's own (a class
+    count read from the data, an empty or non-int64 input: ATen's checks then decide)."""
+    if num_classes < 0 or input.dtype != torch.int64 or input.numel() == 0:
+        return None
+    out = torch.zeros((*input.shape, num_classes), dtype=input.dtype, device=input.device)
+    with markers.annotate({IN_PLACE_CALL_KEY: "scatter_"}):
+        return out.scatter_(-1, input.unsqueeze(-1), 1)
 
 
 # The annotation on the ops an in-place tensor method call traces: the method's name.

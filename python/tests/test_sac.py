@@ -324,7 +324,8 @@ def test_a_plan_for_another_graph_raises_naming_the_kept_op():
 
 class OneHotLayer(nn.Module):
     """A layer whose kept unit holds `F.one_hot`: eager dispatches `aminmax`,
-    `_local_scalar_dense`, `zeros`, `scatter_` where the trace has `arange`/`eq`/`_to_copy`."""
+    `_local_scalar_dense`, `zeros`, `scatter_`; traced on fake tensors, ATen's `one_hot` is
+    `arange`, `eq` and `_to_copy` instead."""
 
     def __init__(self, index: int, dim: int = 8):
         super().__init__()
@@ -353,11 +354,18 @@ class OneHotModel(nn.Module):
 
 
 @needs_tracing_torch
-def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
+def test_one_hot_exports_as_eager_runs_it_and_sac_holds_what_the_eager_plan_keeps():
+    """Eager `one_hot` fills `zeros` in place with `scatter_`; on fake tensors ATen builds the
+    mask another way (`arange`, `eq`, a copy to int64), tensors eager never makes and a plan
+    keeping them would count bytes SAC never holds. Exported as eager runs it, the step under
+    the plan's policies computes what the plain model does, and the kept routing holds under
+    SAC byte for byte what the eager plan says."""
     inputs = (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
     models = [ModelDecl("main", 2, {"SAVE_ROUTE": [("route.begin", "route.end")]})]
     graph = export_joint(OneHotModel(), inputs, name="one_hot", models=models).graph
-    assert any(n.op == "aten.eq.Tensor" for n in graph.nodes)  # the traced one_hot
+    forward_ops = [n.op for n in graph.nodes if n.phase == graph.nodes[0].phase]
+    assert forward_ops.count("aten.scatter_.value") == 2
+    assert not {"aten.eq.Tensor", "aten.arange.default"} & set(forward_ops)
     plan = rp.plan(graph, "all")
 
     model = OneHotModel()
@@ -371,12 +379,21 @@ def test_one_hot_eager_ops_are_tolerated_and_kept_ops_still_saved():
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
     kept = {n.op for n in plan.nodes if n.decision == "save"}
-    assert {"aten.arange.default", "aten.eq.Tensor", "aten.mm.default"} <= kept
+    assert {"aten._to_copy.default", "aten.mm.default"} <= kept
     for policy in policies.values():
-        # proj (before the interval) re-runs, the kept mix does not; sigmoid is kept.
+        # proj (before the interval) re-runs, the kept mix does not; sigmoid is kept; the
+        # mask's buffer, written in place, re-runs with its write.
         assert policy.recomputed.count("aten.mm") == 1
         assert policy.recomputed.count("aten.sigmoid") == 0
-        assert policy.recomputed.count("aten.scatter_") == 1  # one_hot re-runs in eager
+        assert policy.recomputed.count("aten.scatter_") == 1
+
+    eager_plan = planned_graph(graph, "all", executor="eager")
+    model = OneHotModel()
+    policies = sac.checkpoint_layers(model.layers, eager_plan)
+    torch.autograd.grad(model(*inputs), list(model.parameters()))
+    for layer, policy in policies.items():
+        kept_values = [s for s in eager_plan.saved if s.kind == "kept" and s.layer == layer]
+        assert policy.held_bytes() == sum(s.bytes for s in kept_values) > 0
 
 
 def test_checkpoint_layers_of_a_model_the_plan_does_not_have_is_an_error():
