@@ -117,11 +117,15 @@ def buffer_fill_step(self: Lambda, x: torch.Tensor) -> torch.Tensor:
 
 
 def one_hot_step(self: Lambda, x: torch.Tensor) -> torch.Tensor:
-    """Routing through `F.one_hot`, whose range checks (`ge`, `lt`, `all`, `_assert_async`)
-    have no path to the loss."""
+    """Routing through `F.one_hot` after range checks of the indices (`ge`, `lt`, `all`,
+    `_assert_async`, as ATen's `one_hot` traces them on fake tensors), which have no path to
+    the loss."""
     with layer_scope("main", 0):
         h = torch.tanh(self.lin(x))
-        route = F.one_hot(h.argmax(dim=-1), h.shape[-1]).to(h.dtype)
+        choice = h.argmax(dim=-1)
+        torch._assert_async((choice >= 0).all(), "class values must be non-negative")
+        torch._assert_async((choice < h.shape[-1]).all(), "class values must be in range")
+        route = F.one_hot(choice, h.shape[-1]).to(h.dtype)
         out = h * route
     with layer_scope("main", None):
         return out.sum()
