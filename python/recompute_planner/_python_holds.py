@@ -23,6 +23,12 @@ hands the collective a copy of each (as it hands autograd copies), so what the g
 keeps (a real group's, as long as the group decides: gloo's past the wait; the fake group's,
 nothing) never delays an original, and a caller's local that holds the base of an all-to-all's
 input view, say, is listed like any other.
+
+What the probe sees is this process's CPython: after a ``torch.compile`` whose compilation
+raised, Dynamo leaves frame evaluation to its own hook for the rest of the process, and every
+call then keeps its arguments alive until it returns (a callee that rebinds an argument no
+longer frees it). The probe checks for that and warns (``ArgumentsHeldWarning``): the releases
+it records there are later than in a fresh process, where the model trains.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import bisect
 import contextlib
 import difflib
 import gc
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -105,9 +112,43 @@ def _reads_into_work(func: torch._ops.OpOverload) -> bool:
     )
 
 
+class ArgumentsHeldWarning(UserWarning):
+    """This process keeps every call's arguments alive until the call returns (after a
+    ``torch.compile`` that raised): the export's eager releases are later than in training."""
+
+
+class _Token:
+    """An object only a weak reference watches."""
+
+
+def _dropped_argument_lives(token: _Token) -> bool:
+    watch = weakref.ref(token)
+    del token
+    return watch() is not None
+
+
+def arguments_outlive_calls() -> bool:
+    """Whether a call's argument outlives the callee dropping it: CPython moves a Python
+    call's arguments into the callee's frame, unless a frame-evaluation hook is installed
+    (Dynamo's, left behind by a compile that raised), where the caller holds them to the end
+    of the call."""
+    return _dropped_argument_lives(_Token())
+
+
 def probe_releases(module: torch.nn.Module, args: tuple[Any, ...], seed: int) -> list[ProbeOp]:
     """Runs ``module(*args)`` once under the probe (RNG forked and seeded with ``seed``) and
     returns its ops in dispatch order. The caller restores the module's tensors."""
+    if arguments_outlive_calls():
+        warnings.warn(
+            ArgumentsHeldWarning(
+                "this process keeps every call's arguments alive until the call returns (a "
+                "torch.compile whose compilation raised leaves Dynamo's frame hook installed), "
+                "so the export records tensors Python frees later than in a fresh process; the "
+                "eager plan's holds follow it. Export in a process without a failed compile "
+                "for the eager memory model to match training"
+            ),
+            stacklevel=4,
+        )
     probe = _ReleaseProbe()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

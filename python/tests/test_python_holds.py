@@ -4,6 +4,8 @@ forward and in the recompute, and measured under eager selective checkpointing."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -187,3 +189,50 @@ def test_a_collectives_input_base_held_by_a_local_is_released_by_python(inputs):
     }
     assert not collective_outputs & set(released), released
     assert exchange.outputs[0] in collective_outputs
+
+
+EXPORT_AFTER_A_FAILED_COMPILE = """
+import warnings
+import torch
+from torch import nn
+from recompute_planner._exporter import ModelDecl, export_joint
+from recompute_planner._python_holds import ArgumentsHeldWarning
+
+class Loss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).square().mean()
+
+def export():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_joint(
+            Loss(), (torch.randn(2, 4),), name="s", models=[ModelDecl("main", 0, {})]
+        )
+    return any(isinstance(w.message, ArgumentsHeldWarning) for w in caught)
+
+def failing_backend(graph_module, inputs):
+    raise RuntimeError("stop")
+
+before = export()
+try:
+    torch.compile(lambda x: x.cos() + 1, backend=failing_backend)(torch.randn(3))
+except Exception:
+    pass
+print(before, export())
+"""
+
+
+def test_export_after_a_failed_compile_warns_that_arguments_outlive_calls():
+    """A compile that raised leaves Dynamo's frame hook in the process, where every call keeps
+    its arguments to its end: the export's observed releases would be later than in training.
+    Run in a child process: the state lasts as long as the process."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXPORT_AFTER_A_FAILED_COMPILE],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
