@@ -88,7 +88,7 @@ HF_SHAPE = dict(
 )
 MOE_SHAPE = dict(moe_intermediate_size=64)
 # MoE families run in bfloat16: their default grouped-matmul experts take nothing else.
-BF16 = {"qwen3-moe", "qwen2-moe", "mixtral"}
+BF16 = {"qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3"}
 
 
 EXECUTORS = ("eager", "compile", "graph")
@@ -160,7 +160,7 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
     def build(model_cls, config_cls, **extra):
         def make():
             torch.manual_seed(0)
-            return model_cls(config_cls(**HF_SHAPE, **extra))
+            return model_cls(config_cls(**{**HF_SHAPE, **extra}))
 
         return make
 
@@ -189,6 +189,18 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
         "mixtral": (
             build(
                 T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2
+            ),
+            MOE_UNITS,
+        ),
+        # Multi-head latent attention (as many key-value heads as heads); its first layer
+        # dense, the second MoE.
+        "deepseek-v3": (
+            build(
+                T.DeepseekV3ForCausalLM, T.DeepseekV3Config, num_key_value_heads=4,
+                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                v_head_dim=16, **MOE_SHAPE,
             ),
             MOE_UNITS,
         ),
