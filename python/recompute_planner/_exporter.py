@@ -801,13 +801,14 @@ BACKWARD_PASS = "is_backward"
 def forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
     """The op nodes of a joint graph that the forward pass ran (the module docstring's phase
     rule), after checking the pass tags against eager execution; errors name the node."""
-    forward = _forward_prefix(op_nodes(graph_module))
+    ops = op_nodes(graph_module)
+    forward = _forward_prefix(ops)
     for node in (user for tangent in _tangents(graph_module) for user in tangent.users):
         if node in forward:
             raise RuntimeError(f"forward node `{node.name}` ({node.target}) reads a tangent")
     outputs = [a for a in _output_args(graph_module)[:num_forward_outputs] if a is not None]
     needed = _ancestors(outputs)
-    for node in op_nodes(graph_module):
+    for node in ops:
         if node in needed and node not in forward:
             raise RuntimeError(
                 f"backward node `{node.name}` ({node.target}) computes a forward output"
