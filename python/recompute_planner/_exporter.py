@@ -72,7 +72,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.fx as fx
@@ -801,13 +801,14 @@ BACKWARD_PASS = "is_backward"
 def forward_nodes(graph_module: fx.GraphModule, num_forward_outputs: int) -> set[fx.Node]:
     """The op nodes of a joint graph that the forward pass ran (the module docstring's phase
     rule), after checking the pass tags against eager execution; errors name the node."""
-    forward = _forward_prefix(op_nodes(graph_module))
+    ops = op_nodes(graph_module)
+    forward = _forward_prefix(ops)
     for node in (user for tangent in _tangents(graph_module) for user in tangent.users):
         if node in forward:
             raise RuntimeError(f"forward node `{node.name}` ({node.target}) reads a tangent")
     outputs = [a for a in _output_args(graph_module)[:num_forward_outputs] if a is not None]
     needed = _ancestors(outputs)
-    for node in op_nodes(graph_module):
+    for node in ops:
         if node in needed and node not in forward:
             raise RuntimeError(
                 f"backward node `{node.name}` ({node.target}) computes a forward output"
@@ -935,15 +936,18 @@ def build_graph(
     names = _ValueNames({**inputs, **{node: node.name for node in constants}})
     models_by_name = {m.name: m for m in models}
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
-    # mutating ops), so every op node is emitted, in the graph's (execution) order.
+    # mutating ops), so every op node is emitted, in the graph's (execution) order. Each
+    # message is made in place (``add``) from its fields: building it apart and appending it
+    # would copy it.
     for node in op_nodes(graph_module):
         is_forward = node in forward
         produced = names.add_op(node)
-        graph.nodes.append(
-            _node_proto(node, names, is_forward, models_by_name, default_model=models[0].name)
+        graph.nodes.add(
+            **_node_fields(node, names, is_forward, models_by_name, default_model=models[0].name)
         )
         role = graph_pb2.ROLE_ACTIVATION if is_forward else graph_pb2.ROLE_GRADIENT
-        graph.values.extend(_value_proto(value, val, role, node) for value, val in produced)
+        for value, val in produced:
+            graph.values.add(**_value_fields(value, val, role, node))
     _mark_loss(graph, names.of(_loss_node(graph_module)))
     outputs = _graph_outputs(graph_module, names)
     graph.outputs.extend(value for value, _ in outputs)
@@ -1008,7 +1012,7 @@ def _declare_inputs(
             entry = flat[_plain_input_index(desc)]
             name, role = entry.name, entry.role
         inputs[node] = name
-        graph.values.append(_value_proto(name, node.meta.get("val"), role, node))
+        graph.values.add(**_value_fields(name, node.meta.get("val"), role, node))
     return inputs
 
 
@@ -1025,7 +1029,7 @@ def _declare_constants(
         tensor = getattr(graph_module, node.target)
         if isinstance(tensor, torch.Tensor):
             constants[node] = tensor
-            graph.values.append(_value_proto(node.name, tensor, graph_pb2.ROLE_BUFFER, node))
+            graph.values.add(**_value_fields(node.name, tensor, graph_pb2.ROLE_BUFFER, node))
     return constants
 
 
@@ -1068,8 +1072,9 @@ def _check_unique_value_names(graph: graph_pb2.Graph) -> None:
         seen.add(value.name)
 
 
-def _value_proto(name: str, val: object, role: int, node: fx.Node) -> graph_pb2.Value:
-    """A value with dtype and static shape from the fake tensor ``val`` of ``node``."""
+def _value_fields(name: str, val: object, role: int, node: fx.Node) -> dict[str, Any]:
+    """The fields of a value with dtype and static shape from the fake tensor ``val`` of
+    ``node``."""
     if not isinstance(val, torch.Tensor):
         raise TypeError(
             f"node `{node.name}` ({node.target}): value `{name}` is not a tensor "
@@ -1079,43 +1084,47 @@ def _value_proto(name: str, val: object, role: int, node: fx.Node) -> graph_pb2.
         raise ValueError(
             f"node `{node.name}` ({node.target}): dtype {val.dtype} of `{name}` has no IR dtype"
         )
-    shape = []
-    for size in val.shape:
-        if not isinstance(size, int):
-            raise ValueError(
-                f"node `{node.name}` ({node.target}): `{name}` has symbolic shape "
-                f"{tuple(val.shape)}; export with static shapes"
-            )
-        shape.append(size)
-    return graph_pb2.Value(name=name, dtype=_DTYPES[val.dtype], shape=shape, role=role)
+    shape = val.shape
+    if not {*map(type, shape)} <= {int}:  # a SymInt is symbolic
+        raise ValueError(
+            f"node `{node.name}` ({node.target}): `{name}` has symbolic shape "
+            f"{tuple(shape)}; export with static shapes"
+        )
+    return {"name": name, "dtype": _DTYPES[val.dtype], "shape": shape, "role": role}
 
 
 # --------------------------------------------------------------------------------------------
 # Nodes
 
 
-def _node_proto(
+def _node_fields(
     node: fx.Node,
     names: _ValueNames,
     is_forward: bool,
     models: dict[str, ModelDecl],
     *,
     default_model: str,
-) -> graph_pb2.Node:
+) -> dict[str, Any]:
+    """The fields of the IR node of ``node`` (its attributes and schema facts as field
+    dicts, which the message constructor reads as it reads messages)."""
     facts = _node_op_facts(node)
     inputs, positions, attributes = _inputs_and_attributes(node, facts, names)
-    proto = graph_pb2.Node(
-        name=node.name,
-        op=facts.name,
-        inputs=inputs,
-        outputs=names.of(node),
-        attributes=attributes,
-        phase=graph_pb2.PHASE_FORWARD if is_forward else graph_pb2.PHASE_BACKWARD,
-        schema=facts.schema(positions),
-        stack_trace=_stack_trace(node),
-    )
-    _annotate(proto, node, models, default_model)
-    return proto
+    fields = {
+        "name": node.name,
+        "op": facts.name,
+        "inputs": inputs,
+        "outputs": names.of(node),
+        "attributes": attributes,
+        "phase": graph_pb2.PHASE_FORWARD if is_forward else graph_pb2.PHASE_BACKWARD,
+        "schema": facts.schema_fields(positions),
+        **_annotation_fields(node, models, default_model),
+    }
+    # Only Dynamo-traced graphs (torch.compile's) carry stack traces; ``aot_module`` in torch
+    # 2.13 (the exporter's) records none.
+    trace = node.meta.get("stack_trace")
+    if trace:
+        fields["stack_trace"] = trim_stack_trace(trace)
+    return fields
 
 
 def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
@@ -1257,11 +1266,12 @@ class _ArgumentFacts:
     has_default: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _OpFacts:
     """An operator's name, arguments and schema facts, computed once per operator overload:
     a graph calls the same few dozen overloads thousands of times, and reading a schema from
-    Python costs more than building the node's IR."""
+    Python costs more than building the node's IR. Compared and hashed by identity (each is
+    made once and cached), so it is a cheap key."""
 
     name: str  # namespace.name.overload
     arguments: tuple[_ArgumentFacts, ...]
@@ -1270,17 +1280,25 @@ class _OpFacts:
     random: bool
     collective: int
 
-    def schema(self, positions: dict[str, list[int]]) -> graph_pb2.SchemaFacts:
-        """The node's schema facts; ``positions`` maps each tensor argument name to its
-        positions in the node's IR inputs."""
-        facts = graph_pb2.SchemaFacts(
-            mutates=sorted(p for name in self.written for p in positions.get(name, [])),
-            random=self.random,
-            collective=self.collective,
-        )
+    @functools.cached_property
+    def positioned(self) -> frozenset[str]:
+        """The tensor arguments whose input positions the schema facts read."""
+        names = set(self.written)
+        if self.view_of is not None:
+            names.add(self.view_of)
+        return frozenset(names)
+
+    def schema_fields(self, positions: dict[str, list[int]]) -> dict[str, Any]:
+        """The fields of the node's schema facts; ``positions`` maps each tensor argument
+        name in ``positioned`` to its positions in the node's IR inputs."""
+        fields: dict[str, Any] = {"random": self.random, "collective": self.collective}
+        if self.written:
+            fields["mutates"] = sorted(
+                p for name in self.written for p in positions.get(name, ())
+            )
         if self.view_of is not None and positions.get(self.view_of):
-            facts.view_of = positions[self.view_of][0]
-        return facts
+            fields["view_of"] = positions[self.view_of][0]
+        return fields
 
 
 @functools.cache
@@ -1306,22 +1324,53 @@ def _op_facts(op: torch._ops.OpOverload) -> _OpFacts:
     )
 
 
-def _bound_arguments(node: fx.Node, facts: _OpFacts) -> Iterator[tuple[_ArgumentFacts, Any]]:
-    """(schema argument, value) for every schema argument the node passes, in schema order.
+# Where a bound argument's value is (``_binding``): its index in ``node.args`` when >= 0.
+_KEYWORD = -1  # node.kwargs[name]
+_ABSENT_TENSOR = -2  # a tensor argument left out: None
+
+
+class _BoundArgument(NamedTuple):
+    """A schema argument a call passes, and where its value is."""
+
+    name: str
+    source: int  # its index in ``node.args``, ``_KEYWORD`` or ``_ABSENT_TENSOR``
+    is_tensor: bool
+    positioned: bool  # the schema facts read its input positions (``_OpFacts.positioned``)
+
+
+# Bindings by (op facts, positional count, keyword names): a graph makes the same few calls
+# thousands of times.
+_BINDINGS: dict[tuple[_OpFacts, int, tuple[str, ...]], tuple[_BoundArgument, ...]] = {}
+
+
+def _binding(node: fx.Node, facts: _OpFacts) -> tuple[_BoundArgument, ...]:
+    """The schema arguments the node passes, in schema order; the same for every call of the
+    op with as many positional arguments and the same keywords.
 
     Arguments left at their default are skipped (None for tensors): FX records only what the
     caller passed, and Python sees enum defaults (``ScalarType dtype=long``) as bare ints.
     """
-    args, kwargs = node.args, node.kwargs
+    key = (facts, len(node.args), tuple(node.kwargs))
+    binding = _BINDINGS.get(key)
+    if binding is None:
+        binding = _BINDINGS[key] = tuple(_bind(node, facts))
+    return binding
+
+
+def _bind(node: fx.Node, facts: _OpFacts) -> Iterator[_BoundArgument]:
+    positional, kwargs = len(node.args), node.kwargs
     for index, arg in enumerate(facts.arguments):
-        if index < len(args) and not arg.kwarg_only:
-            yield arg, args[index]
+        if index < positional and not arg.kwarg_only:
+            source = index
         elif arg.name in kwargs:
-            yield arg, kwargs[arg.name]
+            source = _KEYWORD
         elif arg.is_tensor:
-            yield arg, None
+            source = _ABSENT_TENSOR
         elif not arg.has_default:
             raise ValueError(f"node `{node.name}` ({facts.name}): argument `{arg.name}` is missing")
+        else:  # left at its default
+            continue
+        yield _BoundArgument(arg.name, source, arg.is_tensor, arg.name in facts.positioned)
 
 
 def _is_tensor_type(schema_type: Any) -> bool:
@@ -1335,32 +1384,41 @@ def _is_tensor_type(schema_type: Any) -> bool:
 
 def _inputs_and_attributes(
     node: fx.Node, facts: _OpFacts, names: _ValueNames
-) -> tuple[list[str], dict[str, list[int]], list[graph_pb2.Attribute]]:
-    """Splits the arguments into IR inputs (tensors) and attributes (the rest).
+) -> tuple[list[str], dict[str, list[int]], list[dict[str, Any]]]:
+    """Splits the arguments into IR inputs (tensors) and attributes (the rest, as
+    ``Attribute`` fields).
 
     A Python number passed for a tensor argument (``add.Tensor(x, 1)``: a wrapped scalar) is
-    an attribute. Also returns each tensor argument's positions in the input list, for the
-    schema facts.
+    an attribute. Also returns the positions in the input list of the tensor arguments the
+    schema facts read (``_OpFacts.positioned``).
     """
     inputs: list[str] = []
     positions: dict[str, list[int]] = {}
-    attributes: list[graph_pb2.Attribute] = []
+    attributes: list[dict[str, Any]] = []
     absent: list[str] = []
-    for arg, value in _bound_arguments(node, facts):
-        if arg.is_tensor and not isinstance(value, (bool, int, float)):
-            start = len(inputs)
-            for slot, item in _tensor_argument_items(node, arg.name, value):
+    args, kwargs = node.args, node.kwargs
+    for name, source, is_tensor, positioned in _binding(node, facts):
+        if source >= 0:
+            value = args[source]
+        else:
+            value = kwargs[name] if source == _KEYWORD else None
+        if not is_tensor or isinstance(value, (bool, int, float)):
+            if value is not None:
+                attributes.append(_attribute(node, name, value))
+            continue
+        start = len(inputs)
+        if isinstance(value, fx.Node):  # one tensor (most arguments)
+            inputs.extend(names.of(value))
+        else:
+            for slot, item in _tensor_argument_items(node, name, value):
                 if item is None:
-                    absent.append(arg.name if slot is None else f"{arg.name}.{slot}")
+                    absent.append(name if slot is None else f"{name}.{slot}")
                 else:
                     inputs.extend(names.of(item))
-            positions[arg.name] = list(range(start, len(inputs)))
-        elif value is not None:
-            attributes.append(_attribute(node, arg.name, value))
+        if positioned:
+            positions[name] = list(range(start, len(inputs)))
     if absent:
-        attributes.append(
-            graph_pb2.Attribute(name=ABSENT_TENSOR_ARGS, strs=graph_pb2.StringList(values=absent))
-        )
+        attributes.append({"name": ABSENT_TENSOR_ARGS, "strs": {"values": absent}})
     return inputs, positions, attributes
 
 
@@ -1378,48 +1436,45 @@ def _tensor_argument_items(
         yield slot, item
 
 
-def _attribute(node: fx.Node, name: str, value: Any) -> graph_pb2.Attribute:
-    """A non-tensor argument as an IR attribute; unsupported kinds are errors naming the node."""
-    attribute = graph_pb2.Attribute(name=name)
+def _attribute(node: fx.Node, name: str, value: Any) -> dict[str, Any]:
+    """A non-tensor argument as the fields of an IR attribute; unsupported kinds are errors
+    naming the node."""
     if isinstance(value, bool):
-        attribute.bool = value
-    elif isinstance(value, int):
-        attribute.int = value
-    elif isinstance(value, float):
-        attribute.float = value
-    elif isinstance(value, str):
-        attribute.str = value
-    elif isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        attribute.str = str(value)
-    elif isinstance(value, fx.Node) and value.op == "get_attr":
-        attribute.str = _script_object_type(node, value)
-    elif isinstance(value, (list, tuple)):
-        _set_list_attribute(attribute, node, name, value)
-    else:
-        raise TypeError(
-            f"node `{node.name}` ({node.target}): argument `{name}` = {value!r} "
-            f"({type(value).__name__}) has no IR attribute form"
-        )
-    return attribute
+        return {"name": name, "bool": value}
+    if isinstance(value, int):
+        return {"name": name, "int": value}
+    if isinstance(value, float):
+        return {"name": name, "float": value}
+    if isinstance(value, str):
+        return {"name": name, "str": value}
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return {"name": name, "str": str(value)}
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        return {"name": name, "str": _script_object_type(node, value)}
+    if isinstance(value, (list, tuple)):
+        return {"name": name, **_list_attribute(node, name, value)}
+    raise TypeError(
+        f"node `{node.name}` ({node.target}): argument `{name}` = {value!r} "
+        f"({type(value).__name__}) has no IR attribute form"
+    )
 
 
-def _set_list_attribute(
-    attribute: graph_pb2.Attribute, node: fx.Node, name: str, values: list[Any] | tuple[Any, ...]
-) -> None:
-    """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints."""
+def _list_attribute(
+    node: fx.Node, name: str, values: list[Any] | tuple[Any, ...]
+) -> dict[str, Any]:
+    """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints
+    (set even when empty: the field dict makes the list present)."""
     kinds = {type(v) for v in values}
     if kinds <= {bool, int}:
-        attribute.ints.values.extend(int(v) for v in values)
-        attribute.ints.SetInParent()
-    elif kinds <= {int, float}:
-        attribute.floats.values.extend(float(v) for v in values)
-    elif kinds == {str}:
-        attribute.strs.values.extend(values)
-    else:
-        raise TypeError(
-            f"node `{node.name}` ({node.target}): list argument `{name}` = {list(values)!r} "
-            "has no IR attribute form (symbolic sizes are not supported)"
-        )
+        return {"ints": {"values": [int(v) for v in values]}}
+    if kinds <= {int, float}:
+        return {"floats": {"values": [float(v) for v in values]}}
+    if kinds == {str}:
+        return {"strs": {"values": list(values)}}
+    raise TypeError(
+        f"node `{node.name}` ({node.target}): list argument `{name}` = {list(values)!r} "
+        "has no IR attribute form (symbolic sizes are not supported)"
+    )
 
 
 def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
@@ -1444,7 +1499,7 @@ def schema_facts(
 
     ``positions`` maps each tensor argument name to its positions in the node's IR inputs.
     """
-    return _op_facts(op).schema(positions)
+    return graph_pb2.SchemaFacts(**_op_facts(op).schema_fields(positions))
 
 
 def _view_base(op: torch._ops.OpOverload) -> str | None:
@@ -1487,17 +1542,23 @@ def collective_kind(op: str) -> int:
 # Annotations
 
 
-def _annotate(
-    proto: graph_pb2.Node, node: fx.Node, models: dict[str, ModelDecl], default_model: str
-) -> None:
-    """Model, layer, micro-batch, compiled region and module path from ``meta["custom"]``."""
+def _annotation_fields(
+    node: fx.Node, models: dict[str, ModelDecl], default_model: str
+) -> dict[str, Any]:
+    """Model, layer, micro-batch, compiled region and module path from ``meta["custom"]``, as
+    node fields."""
     custom = node.meta.get("custom") or {}
     model = custom.get(markers.MODEL_KEY, default_model)
     if model not in models:
         raise ValueError(
             f"node `{node.name}` ({node.target}) belongs to undeclared model `{model}`"
         )
-    proto.model = model
+    fields = {
+        "model": model,
+        "micro_batch": custom.get(markers.MICRO_BATCH_KEY, 0),
+        "compiled_region": custom.get(markers.COMPILED_REGION_KEY, ""),
+        "module_path": custom.get(markers.MODULE_PATH_KEY, ""),
+    }
     layer = custom.get(markers.LAYER_KEY)
     if layer is not None:
         if not 0 <= layer < models[model].num_layers:
@@ -1505,19 +1566,8 @@ def _annotate(
                 f"node `{node.name}` ({node.target}) is in layer {layer} of model `{model}`, "
                 f"which declares {models[model].num_layers} layers"
             )
-        proto.layer = layer
-    proto.micro_batch = custom.get(markers.MICRO_BATCH_KEY, 0)
-    proto.compiled_region = custom.get(markers.COMPILED_REGION_KEY, "")
-    proto.module_path = custom.get(markers.MODULE_PATH_KEY, "")
-
-
-def _stack_trace(node: fx.Node) -> list[str]:
-    """The lines of the last ``STACK_TRACE_FRAMES`` frames of the node's stack trace.
-
-    ``aot_module`` in torch 2.13 records none (only Dynamo-traced graphs carry them), so this
-    is usually empty.
-    """
-    return trim_stack_trace(node.meta.get("stack_trace") or "")
+        fields["layer"] = layer
+    return fields
 
 
 def trim_stack_trace(trace: str, frames: int = STACK_TRACE_FRAMES) -> list[str]:

@@ -429,6 +429,72 @@ def test_stack_traces_keep_the_innermost_three_frames():
     assert trim_stack_trace("") == []
 
 
+def mapped_nodes(calls):
+    """The IR node fields of ``calls`` ((target, args, kwargs, written_as) each) on two float
+    inputs ``x`` (4 x 6) and ``src`` (2 x 6), mapped in order by the exporter's node mapping."""
+    graph = torch.fx.Graph()
+    inputs = {name: graph.placeholder(name) for name in ("x", "src")}
+    inputs["x"].meta["val"], inputs["src"].meta["val"] = torch.zeros(4, 6), torch.zeros(2, 6)
+    names = _exporter._ValueNames({node: node.name for node in inputs.values()})
+    model = _exporter.ModelDecl("m", num_layers=1, units={})
+    mapped = []
+
+    def input_node(arg):
+        return inputs[arg] if isinstance(arg, str) else arg
+
+    for target, args, kwargs, written_as in calls:
+        node = graph.call_function(target, tuple(map(input_node, args)), kwargs)
+        node.meta["val"] = target(*(torch.fx.map_arg(a, lambda n: n.meta["val"])
+                                    for a in map(input_node, args)), **kwargs)
+        if written_as is not None:
+            node.meta[_exporter.WRITTEN_AS_KEY] = written_as
+        names.add_op(node)
+        mapped.append(
+            _exporter._node_fields(node, names, True, {"m": model}, default_model="m")
+        )
+    return mapped
+
+
+@pytest.mark.parametrize("write_back_first", [True, False])
+def test_a_write_back_is_a_view_of_its_base_whichever_call_of_its_op_comes_first(
+    write_back_first, monkeypatch
+):
+    """Calls of one op map with their own schema facts: a scatter that writes a view back
+    into its base is a view of the base, a plain call of the same op is not, in either
+    order (argument bindings are cached across calls, from an empty cache here, and the
+    facts they read differ)."""
+    monkeypatch.setattr(_exporter, "_BINDINGS", {})
+    scatter = torch.ops.aten.slice_scatter.default
+    write_back = (scatter, ("x", "src", 0, 0, 2), {}, _exporter.WRITE_BACK_VIEW)
+    plain = (scatter, ("x", "src", 0, 0, 2), {}, None)
+    calls = [write_back, plain] if write_back_first else [plain, write_back]
+    by_kind = dict(zip(["write back", "plain"] if write_back_first else ["plain", "write back"],
+                       mapped_nodes(calls), strict=True))
+    assert by_kind["write back"]["schema"].get("view_of") == 0
+    assert "view_of" not in by_kind["plain"]["schema"]
+
+
+def test_calls_of_an_op_with_other_argument_layouts_bind_their_own_arguments():
+    """Positional, keyword and defaulted arguments of one op map by schema name whatever
+    mix of them a call passes."""
+    total = torch.ops.aten.sum.dim_IntList
+    mapped = mapped_nodes([
+        (total, ("x", [0]), {}, None),
+        (total, ("x", [0], True), {}, None),
+        (total, ("x", [1]), {"keepdim": True, "dtype": torch.float64}, None),
+    ])
+    assert [node["inputs"] for node in mapped] == [["x"]] * 3
+    assert [node["attributes"] for node in mapped] == [
+        [{"name": "dim", "ints": {"values": [0]}}],
+        [{"name": "dim", "ints": {"values": [0]}}, {"name": "keepdim", "bool": True}],
+        [
+            {"name": "dim", "ints": {"values": [1]}},
+            {"name": "keepdim", "bool": True},
+            {"name": "dtype", "str": "torch.float64"},
+        ],
+    ]
+
+
 def test_exporting_on_a_torch_older_than_the_tracers_need_is_an_export_error(monkeypatch):
     """Torch before `TRACING_TORCH` fails deep inside AOTAutograd (or traces without the
     layer scopes); the exporter says so first, naming both versions."""
