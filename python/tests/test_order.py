@@ -12,6 +12,8 @@ AccumulateGrad stores ``.grad``, which the joint graph has no counterpart of.
 
 Mappings and known divergences, real ones kept out of these models on purpose:
 
+- markers: eagerly ``checkpoint_record`` returns its tensor and dispatches nothing; the graph's
+  marker nodes are left out of the comparison;
 - functional collectives: eager returns an AsyncCollectiveTensor and dispatches
   ``_c10d_functional._wrap_tensor_autograd`` right after the collective, waiting later inside
   the subclass where no dispatch mode sees it; the trace waits explicitly with
@@ -20,11 +22,12 @@ Mappings and known divergences, real ones kept out of these models on purpose:
   has ``slice`` (the buffer-filling model is compared in forward only);
 - CPU eager ``F.dropout`` runs ``empty_like/bernoulli_/div_/mul`` where the trace has
   ``native_dropout`` (the Python dispatcher's decomposition); eager ``F.one_hot`` checks its
-  input with ``aminmax`` and ``_local_scalar_dense`` where the trace has
-  ``ge/lt/all/_assert_async``; eager ``BatchNorm`` dispatches ``native_batch_norm`` where the
-  trace has ``_native_batch_norm_legit``; an op eager runs whose result nobody reads (in the zoo
-  MoE, a backward ``slice`` of the dispatch buffer) is absent, AOTAutograd having removed it as
-  dead code; and eager ``all_gather_into_tensor`` dispatches an extra ``view`` the trace lacks.
+  input with ``aminmax`` and ``_local_scalar_dense``, which the trace leaves out (it traces the
+  ``zeros`` and ``scatter_`` that follow); eager ``BatchNorm`` dispatches
+  ``native_batch_norm`` where the trace has ``_native_batch_norm_legit``; an op eager runs
+  whose result nobody reads (in the zoo MoE, a backward ``slice`` of the dispatch buffer) is
+  absent, AOTAutograd having removed it as dead code; and eager ``all_gather_into_tensor``
+  dispatches an extra ``view`` the trace lacks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from export_support import (
     tiny_decoder,
 )
 from recompute_planner._exporter import export_joint
+from recompute_planner.markers import MARKER_OP
 
 EAGER_TO_TRACED = {
     "_c10d_functional._wrap_tensor_autograd.default": "_c10d_functional.wait_tensor.default"
@@ -73,8 +77,13 @@ def eager_step(module: torch.nn.Module, args: tuple) -> tuple[list[str], list[st
     return recorder.ops[:forward], recorder.ops[forward:]
 
 
-def phases_of(graph) -> list[int]:
-    return [n.phase for n in graph.nodes]
+def unmarked(graph) -> list:
+    """The graph's nodes but its markers, which eager does not dispatch."""
+    return [n for n in graph.nodes if n.op != MARKER_OP]
+
+
+def phases_of(nodes) -> list[int]:
+    return [n.phase for n in nodes]
 
 
 def split(forward: int, total: int) -> list[int]:
@@ -83,10 +92,10 @@ def split(forward: int, total: int) -> list[int]:
 
 def test_exported_order_and_phases_are_eager_dispatch_order_and_passes():
     model, args, models = tiny_decoder()
-    graph = export_joint(model, args, name="order", models=models).graph
+    nodes = unmarked(export_joint(model, args, name="order", models=models).graph)
     forward, backward = eager_step(model, args)
-    assert [n.op for n in graph.nodes] == forward + backward
-    assert phases_of(graph) == split(len(forward), len(graph.nodes))
+    assert [n.op for n in nodes] == forward + backward
+    assert phases_of(nodes) == split(len(forward), len(nodes))
     assert "aten.detach.default" in forward
 
 
@@ -94,11 +103,11 @@ def test_ops_filling_a_buffer_in_place_run_where_eager_runs_them():
     """The `new_empty` + slice `copy_` pattern: same forward ops, all forward-phase."""
     torch.manual_seed(0)
     module, args = Lambda(buffer_fill_step), (torch.randn(4, 4),)
-    graph = export_joint(module, args, name="fill", models=ONE_LAYER).graph
+    nodes = unmarked(export_joint(module, args, name="fill", models=ONE_LAYER).graph)
     forward, _ = eager_step(module, args)
-    assert [n.op for n in graph.nodes][: len(forward)] == forward
+    assert [n.op for n in nodes][: len(forward)] == forward
     assert forward.count("aten.copy_.default") == 2
-    assert phases_of(graph) == split(len(forward), len(graph.nodes))
+    assert phases_of(nodes) == split(len(forward), len(nodes))
 
 
 def test_functional_collectives_run_where_eager_runs_them():
@@ -112,7 +121,8 @@ def test_functional_collectives_run_where_eager_runs_them():
         graph = export_joint(module, (x,), name="a2a", models=MAIN).graph
         forward, backward = eager_step(module, (x,))
 
-    exported = [n.op for n in graph.nodes]
+    nodes = unmarked(graph)
+    exported = [n.op for n in nodes]
     assert exported == forward + backward
-    assert phases_of(graph) == split(len(forward), len(graph.nodes))
+    assert phases_of(nodes) == split(len(forward), len(nodes))
     assert exported.count("_c10d_functional.all_to_all_single.default") == 2  # fwd and bwd
