@@ -282,7 +282,11 @@ fn marked_chain(marked: bool) -> Graph {
     let x = b.input("x");
     b.layer(Some(0));
     let a = b.op(&x);
-    let m = if marked { b.marker("attn.end", &a) } else { a.clone() };
+    let m = if marked {
+        b.marker("attn.end", &a)
+    } else {
+        a.clone()
+    };
     let h = b.op(&m);
     let o = b.op(&h);
     b.layer(None);

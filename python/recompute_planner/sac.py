@@ -13,10 +13,10 @@ Matching. The plan lists the layer's forward ops in execution order, which is ea
 order (the exporter guarantees it). The policy sees the eager ops as they dispatch and matches
 each to the next graph op of the same op (the overload ignored: ``mm.out`` is ``mm``).
 Markers take no part on either side: the plan never keeps one (they are identities, always
-recomputed), and eager may run markers the graph lacks or lack
-markers the graph has (an op interval's tentative ends, ``recompute_planner.annotate``), so
-an eager marker is recomputed unmatched and the graph's are left out of the matching. Other
-ops that appear in one stream only are tolerated:
+recomputed), and eagerly ``checkpoint_record`` returns its tensor without dispatching the
+marker op (a marker op that does dispatch, under a mode that traces, is recomputed unmatched),
+so the graph's markers are left out of the matching. Other ops that appear in one stream only
+are tolerated:
 
 - eager-only ops (functional collectives' ``wait_tensor`` after ``_wrap_tensor_autograd``,
   views eager adds, ...) are recomputed; an eager ``_unsafe_view`` (what eager ``matmul``

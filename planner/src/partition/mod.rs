@@ -58,7 +58,8 @@ pub struct Partition {
     pub resized: Vec<Resized>,
     /// Memory the executor allocates that no value of the graph stands for (always empty for
     /// the graph executor).
-    pub extras: Vec<Extra>,    /// The executor runs no marker op, so a marker's output is its input (eager; the graph
+    pub extras: Vec<Extra>,
+    /// The executor runs no marker op, so a marker's output is its input (eager; the graph
     /// executor runs the graph's markers as the copies they are).
     pub markers_alias: bool,
 }
