@@ -353,6 +353,18 @@ class OneHotModel(nn.Module):
         return x.square().mean()
 
 
+def assert_sac_holds_what_the_eager_plan_keeps(make_model, graph, inputs) -> None:
+    """A training step of a fresh `make_model()` under the eager `--keep all` plan's policies:
+    each checkpointed layer's cache holds exactly the bytes the plan keeps in it."""
+    plan = planned_graph(graph, "all", executor="eager")
+    model = make_model()
+    policies = sac.checkpoint_layers(model.layers, plan)
+    torch.autograd.grad(model(*inputs), list(model.parameters()))
+    for layer, policy in policies.items():
+        kept = [s for s in plan.saved if s.kind == "kept" and s.layer == layer]
+        assert policy.held_bytes() == sum(s.bytes for s in kept) > 0
+
+
 @needs_tracing_torch
 def test_one_hot_exports_as_eager_runs_it_and_sac_holds_what_the_eager_plan_keeps():
     """Eager `one_hot` fills `zeros` in place with `scatter_`; on fake tensors ATen builds the
@@ -387,13 +399,7 @@ def test_one_hot_exports_as_eager_runs_it_and_sac_holds_what_the_eager_plan_keep
         assert policy.recomputed.count("aten.sigmoid") == 0
         assert policy.recomputed.count("aten.scatter_") == 1
 
-    eager_plan = planned_graph(graph, "all", executor="eager")
-    model = OneHotModel()
-    policies = sac.checkpoint_layers(model.layers, eager_plan)
-    torch.autograd.grad(model(*inputs), list(model.parameters()))
-    for layer, policy in policies.items():
-        kept_values = [s for s in eager_plan.saved if s.kind == "kept" and s.layer == layer]
-        assert policy.held_bytes() == sum(s.bytes for s in kept_values) > 0
+    assert_sac_holds_what_the_eager_plan_keeps(OneHotModel, graph, inputs)
 
 
 def test_checkpoint_layers_of_a_model_the_plan_does_not_have_is_an_error():
@@ -449,10 +455,4 @@ def test_a_dropout_that_draws_nothing_exports_as_eager_runs_it():
     forward_ops = [n.op for n in graph.nodes if n.phase == graph.nodes[0].phase]
     assert "aten.clone.default" not in forward_ops
     assert not [op for op in forward_ops if "dropout" in op]
-    plan = planned_graph(graph, "all", executor="eager")
-    model = AttentionModel()
-    policies = sac.checkpoint_layers(model.layers, plan)
-    torch.autograd.grad(model(*inputs), list(model.parameters()))
-    for layer, policy in policies.items():
-        kept = [s for s in plan.saved if s.kind == "kept" and s.layer == layer]
-        assert policy.held_bytes() == sum(s.bytes for s in kept) > 0
+    assert_sac_holds_what_the_eager_plan_keeps(AttentionModel, graph, inputs)
