@@ -327,9 +327,10 @@ impl PlannedGraph {
 
     /// The plan's JSON text with its lists of nodes, saved values, replays and units empty:
     /// every other section as [`PlannedGraph::json`] writes it, for a fraction of the work
-    /// (what checking a plan's diagnostics, or reading its memory figures, needs).
-    fn summary_json(&self) -> String {
-        json_text(summary(&self.plan).encode(&self.graph, PlanFormat::Json))
+    /// (what checking a plan's diagnostics, or reading its memory figures, needs), written with
+    /// the caller's GIL released.
+    fn summary_json(&self, py: Python<'_>) -> String {
+        json_text(py.detach(|| summary(&self.plan).encode(&self.graph, PlanFormat::Json)))
     }
 
     /// The binary `plan.proto` encoding, as `planner plan --format pb` writes it.
