@@ -498,9 +498,9 @@ def _live_nodes(
             continue
         if node.op not in ("call_function", "get_attr"):
             return None
-        if stays_out(node):
-            continue
-        if all(source in available for source in node.all_input_nodes):
+        # The inputs first: one set test (fx keeps a node's inputs as the keys of
+        # `_input_nodes`), where `stays_out` reads the node's tags and schema.
+        if available.issuperset(node._input_nodes) and not stays_out(node):
             available.add(node)
             computable.append(node)
     live = {node for node in outputs if isinstance(node, fx.Node)}
@@ -509,7 +509,7 @@ def _live_nodes(
     kept: list[fx.Node] = []
     for node in reversed(computable):
         if node in live or node.is_impure(impure_random):
-            live.update(node.all_input_nodes)
+            live.update(node._input_nodes)
             kept.append(node)
     kept.reverse()
     return kept
