@@ -770,7 +770,7 @@ def saved_outputs(forward: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node
 
 def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
     """Names of the forward ops a backward graph re-runs (``getitem`` excluded)."""
-    forward_ops = {node.name for node in plan.nodes}
+    forward_ops = plan.node_ops
     return {
         node.name
         for node in backward.graph.nodes
@@ -779,7 +779,7 @@ def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
 
 
 def _marker_names(plan: Plan) -> list[str]:
-    return [node.name for node in plan.nodes if node.op == markers.MARKER_OP]
+    return [name for name, op in plan.node_ops.items() if op == markers.MARKER_OP]
 
 
 # --------------------------------------------------------------------------------------------
