@@ -530,22 +530,24 @@ def _live_nodes(
 def _unread_saved(saved: list[fx.Node], backward_nodes: list[fx.Node], outputs: list[Any]) -> bool:
     """Whether backward leaves a saved value unread (or reads it only into a dead
     ``wait_tensor``): torch drops such values from the saved set."""
-    readers: dict[fx.Node, list[fx.Node]] = {}
-    for node in backward_nodes:
-        for source in node.all_input_nodes:
-            readers.setdefault(source, []).append(node)
+    backward = set(backward_nodes)
     returned = {node for node in outputs if isinstance(node, fx.Node)}
+
+    def readers(node: fx.Node) -> list[fx.Node]:
+        # A node's users in the joint graph, less those outside backward: from the few saved
+        # values and their readers, where indexing every backward node's inputs visits all.
+        return [user for user in node.users if user in backward]
 
     def dead_wait(node: fx.Node) -> bool:
         return (
             torch.distributed.is_available()
             and node.target is torch.ops._c10d_functional.wait_tensor.default
-            and node not in readers
+            and not readers(node)
             and node not in returned
         )
 
     return any(
-        node not in returned and all(dead_wait(reader) for reader in readers.get(node, []))
+        node not in returned and all(dead_wait(reader) for reader in readers(node))
         for node in saved
     )
 
@@ -559,8 +561,7 @@ def _at_first_use(
     first, ops nothing needs are dropped."""
     tangent_set = set(tangents)
     first = next(
-        (k for k, node in enumerate(nodes)
-         if any(source in tangent_set for source in node.all_input_nodes)),
+        (k for k, node in enumerate(nodes) if not tangent_set.isdisjoint(node._input_nodes)),
         None,
     )
     if first is None:
@@ -572,13 +573,15 @@ def _at_first_use(
     ordered: list[fx.Node] = []
 
     def place(*roots: fx.Node) -> None:
+        # The roots and the unplaced ops they need (set operations on fx's input dicts: the
+        # order they are found in does not matter, they are sorted).
         pending: set[fx.Node] = set()
         stack = list(roots)
         while stack:
             current = stack.pop()
             if current not in pending:
                 pending.add(current)
-                stack.extend(source for source in current.all_input_nodes if source in unplaced)
+                stack.extend(unplaced.intersection(current._input_nodes))
         unplaced.difference_update(pending)
         ordered.extend(sorted(pending, key=position.__getitem__))
 
@@ -595,14 +598,14 @@ def _getitems_after_producers(nodes: list[fx.Node]) -> list[fx.Node]:
     """``nodes`` with each ``getitem`` of one of them just after its producer (their relative
     order kept), so a multi-output result's parts are unpacked, and can be freed, at once."""
     present = set(nodes)
+    producers = [_unpacked(node) for node in nodes]  # read once: both passes need them
     parts: dict[fx.Node, list[fx.Node]] = {}
-    for node in nodes:
-        producer = _unpacked(node)
+    for node, producer in zip(nodes, producers, strict=True):
         if producer in present:
             parts.setdefault(producer, []).append(node)
     ordered: list[fx.Node] = []
-    for node in nodes:
-        if _unpacked(node) not in present:
+    for node, producer in zip(nodes, producers, strict=True):
+        if producer not in present:
             ordered.append(node)
             ordered.extend(parts.get(node, ()))
     return ordered
