@@ -589,7 +589,10 @@ def _at_first_use(
         if node.target is torch.ops.aten.copy_.default and node in unplaced:
             place(node)
     for node in nodes[first:]:
-        place(node)
+        if unplaced.isdisjoint(node._input_nodes):
+            ordered.append(node)  # what `place` does for an op reading no unplaced op (most)
+        else:
+            place(node)
     place(*(node for node in outputs if isinstance(node, fx.Node) and node in unplaced))
     return ordered
 
