@@ -938,16 +938,18 @@ def build_graph(
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
     # mutating ops), so every op node is emitted, in the graph's (execution) order. Each
     # message is made in place (``add``) from its fields: building it apart and appending it
-    # would copy it.
+    # would copy it. The loop runs once per op: what it reads each time is read before it.
+    add_node, add_value = graph.nodes.add, graph.values.add
+    default_model = models[0].name
     for node in op_nodes(graph_module):
         is_forward = node in forward
         produced = names.add_op(node)
-        graph.nodes.add(
-            **_node_fields(node, names, is_forward, models_by_name, default_model=models[0].name)
+        add_node(
+            **_node_fields(node, names, is_forward, models_by_name, default_model=default_model)
         )
-        role = graph_pb2.ROLE_ACTIVATION if is_forward else graph_pb2.ROLE_GRADIENT
+        role = _ROLE_ACTIVATION if is_forward else _ROLE_GRADIENT
         for value, val in produced:
-            graph.values.add(**_value_fields(value, val, role, node))
+            add_value(**_value_fields(value, val, role, node))
     _mark_loss(graph, names.of(_loss_node(graph_module)))
     outputs = _graph_outputs(graph_module, names)
     graph.outputs.extend(value for value, _ in outputs)
@@ -957,6 +959,10 @@ def build_graph(
         grad_sources={value: index for value, index in outputs if index is not None},
         constants=constants,
     )
+
+
+_ROLE_ACTIVATION = graph_pb2.ROLE_ACTIVATION
+_ROLE_GRADIENT = graph_pb2.ROLE_GRADIENT
 
 
 @dataclass
@@ -1080,7 +1086,8 @@ def _value_fields(name: str, val: object, role: int, node: fx.Node) -> dict[str,
             f"node `{node.name}` ({node.target}): value `{name}` is not a tensor "
             f"({type(val).__name__})"
         )
-    if val.dtype not in _DTYPES:
+    dtype = _DTYPES.get(val.dtype)  # read once: a fake tensor's attributes cost a call each
+    if dtype is None:
         raise ValueError(
             f"node `{node.name}` ({node.target}): dtype {val.dtype} of `{name}` has no IR dtype"
         )
@@ -1090,7 +1097,7 @@ def _value_fields(name: str, val: object, role: int, node: fx.Node) -> dict[str,
             f"node `{node.name}` ({node.target}): `{name}` has symbolic shape "
             f"{tuple(shape)}; export with static shapes"
         )
-    return {"name": name, "dtype": _DTYPES[val.dtype], "shape": shape, "role": role}
+    return {"name": name, "dtype": dtype, "shape": shape, "role": role}
 
 
 # --------------------------------------------------------------------------------------------

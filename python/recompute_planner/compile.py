@@ -456,8 +456,20 @@ def _one_pass_handles(graph: fx.Graph, inputs: list[fx.Node]) -> bool:
     if any(isinstance(node.meta.get("val"), _SYMBOLIC) for node in graph.nodes):
         return False
     return not any(
-        isinstance(node.meta.get("val"), FakeScriptObject) or free_symbols(node.meta.get("val"))
+        isinstance(node.meta.get("val"), FakeScriptObject)
+        or not _static_tensor(node.meta.get("val")) and free_symbols(node.meta.get("val"))
         for node in inputs
+    )
+
+
+def _static_tensor(value: Any) -> bool:
+    """Whether ``value`` is a strided tensor whose sizes, strides and offset are all plain
+    ints, so it has no free symbols: three reads, where ``free_symbols`` dispatches on the type
+    of every size and stride (half the cost of the check, over a graph's saved values)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and all(type(n) is int for n in (*value.shape, *value.stride(), value.storage_offset()))
     )
 
 
@@ -498,9 +510,9 @@ def _live_nodes(
             continue
         if node.op not in ("call_function", "get_attr"):
             return None
-        if stays_out(node):
-            continue
-        if all(source in available for source in node.all_input_nodes):
+        # The inputs first: one set test (fx keeps a node's inputs as the keys of
+        # `_input_nodes`), where `stays_out` reads the node's tags and schema.
+        if available.issuperset(node._input_nodes) and not stays_out(node):
             available.add(node)
             computable.append(node)
     live = {node for node in outputs if isinstance(node, fx.Node)}
@@ -509,7 +521,7 @@ def _live_nodes(
     kept: list[fx.Node] = []
     for node in reversed(computable):
         if node in live or node.is_impure(impure_random):
-            live.update(node.all_input_nodes)
+            live.update(node._input_nodes)
             kept.append(node)
     kept.reverse()
     return kept
@@ -518,22 +530,24 @@ def _live_nodes(
 def _unread_saved(saved: list[fx.Node], backward_nodes: list[fx.Node], outputs: list[Any]) -> bool:
     """Whether backward leaves a saved value unread (or reads it only into a dead
     ``wait_tensor``): torch drops such values from the saved set."""
-    readers: dict[fx.Node, list[fx.Node]] = {}
-    for node in backward_nodes:
-        for source in node.all_input_nodes:
-            readers.setdefault(source, []).append(node)
+    backward = set(backward_nodes)
     returned = {node for node in outputs if isinstance(node, fx.Node)}
+
+    def readers(node: fx.Node) -> list[fx.Node]:
+        # A node's users in the joint graph, less those outside backward: from the few saved
+        # values and their readers, where indexing every backward node's inputs visits all.
+        return [user for user in node.users if user in backward]
 
     def dead_wait(node: fx.Node) -> bool:
         return (
             torch.distributed.is_available()
             and node.target is torch.ops._c10d_functional.wait_tensor.default
-            and node not in readers
+            and not readers(node)
             and node not in returned
         )
 
     return any(
-        node not in returned and all(dead_wait(reader) for reader in readers.get(node, []))
+        node not in returned and all(dead_wait(reader) for reader in readers(node))
         for node in saved
     )
 
@@ -547,8 +561,7 @@ def _at_first_use(
     first, ops nothing needs are dropped."""
     tangent_set = set(tangents)
     first = next(
-        (k for k, node in enumerate(nodes)
-         if any(source in tangent_set for source in node.all_input_nodes)),
+        (k for k, node in enumerate(nodes) if not tangent_set.isdisjoint(node._input_nodes)),
         None,
     )
     if first is None:
@@ -560,13 +573,15 @@ def _at_first_use(
     ordered: list[fx.Node] = []
 
     def place(*roots: fx.Node) -> None:
+        # The roots and the unplaced ops they need (set operations on fx's input dicts: the
+        # order they are found in does not matter, they are sorted).
         pending: set[fx.Node] = set()
         stack = list(roots)
         while stack:
             current = stack.pop()
             if current not in pending:
                 pending.add(current)
-                stack.extend(source for source in current.all_input_nodes if source in unplaced)
+                stack.extend(unplaced.intersection(current._input_nodes))
         unplaced.difference_update(pending)
         ordered.extend(sorted(pending, key=position.__getitem__))
 
@@ -574,7 +589,10 @@ def _at_first_use(
         if node.target is torch.ops.aten.copy_.default and node in unplaced:
             place(node)
     for node in nodes[first:]:
-        place(node)
+        if unplaced.isdisjoint(node._input_nodes):
+            ordered.append(node)  # what `place` does for an op reading no unplaced op (most)
+        else:
+            place(node)
     place(*(node for node in outputs if isinstance(node, fx.Node) and node in unplaced))
     return ordered
 
@@ -583,14 +601,14 @@ def _getitems_after_producers(nodes: list[fx.Node]) -> list[fx.Node]:
     """``nodes`` with each ``getitem`` of one of them just after its producer (their relative
     order kept), so a multi-output result's parts are unpacked, and can be freed, at once."""
     present = set(nodes)
+    producers = [_unpacked(node) for node in nodes]  # read once: both passes need them
     parts: dict[fx.Node, list[fx.Node]] = {}
-    for node in nodes:
-        producer = _unpacked(node)
+    for node, producer in zip(nodes, producers, strict=True):
         if producer in present:
             parts.setdefault(producer, []).append(node)
     ordered: list[fx.Node] = []
-    for node in nodes:
-        if _unpacked(node) not in present:
+    for node, producer in zip(nodes, producers, strict=True):
+        if producer not in present:
             ordered.append(node)
             ordered.extend(parts.get(node, ()))
     return ordered
@@ -615,10 +633,24 @@ def _emit_graph(
         env[node] = graph.placeholder(node.name)
         env[node].meta = node.meta
     for node in nodes:
-        env[node] = graph.node_copy(node, env.__getitem__)
+        env[node] = _copy_node(graph, node, env.__getitem__)
     values = [env[node] if isinstance(node, fx.Node) else node for node in outputs]
     _set_output_meta(graph.output(tuple(values)), output_descs)
     return graph
+
+
+def _copy_node(graph: fx.Graph, node: fx.Node, transform: Callable[[fx.Node], fx.Node]) -> fx.Node:
+    """What ``graph.node_copy(node, transform)`` makes, at about half its cost: the node is
+    created without arguments, so ``create_node`` skips its walk through every argument (a
+    warning for raw symbolic scalars, which the one-pass split never sees: it declines graphs
+    with symbols), then given them; its metadata is copied into its own (empty) dict, where
+    assigning a node attribute would also re-index the node in its graph."""
+    copy = graph.create_node(node.op, node.target, name=node.name, type_expr=node.type)
+    copy.args = fx.map_arg(node.args, transform)
+    if node.kwargs:
+        copy.kwargs = fx.map_arg(node.kwargs, transform)
+    copy.meta.update(node.meta)
+    return copy
 
 
 def _cut_to(
@@ -756,7 +788,7 @@ def saved_outputs(forward: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node
 
 def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
     """Names of the forward ops a backward graph re-runs (``getitem`` excluded)."""
-    forward_ops = {node.name for node in plan.nodes}
+    forward_ops = plan.node_ops
     return {
         node.name
         for node in backward.graph.nodes
@@ -765,7 +797,7 @@ def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
 
 
 def _marker_names(plan: Plan) -> list[str]:
-    return [node.name for node in plan.nodes if node.op == markers.MARKER_OP]
+    return [name for name, op in plan.node_ops.items() if op == markers.MARKER_OP]
 
 
 # --------------------------------------------------------------------------------------------

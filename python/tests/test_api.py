@@ -377,6 +377,13 @@ def test_a_plan_decodes_each_field_on_first_access():
     assert plan.decision(plan.nodes[0].name) == plan.nodes[0]
 
 
+def test_node_ops_are_each_nodes_name_and_op_read_without_decoding_the_nodes():
+    plan = rp.plan(GLM, "all", check=False)
+    node_ops = plan.node_ops
+    assert "nodes" not in vars(plan)
+    assert list(node_ops.items()) == [(n.name, n.op) for n in plan.nodes]
+
+
 def test_the_sections_read_before_the_lists_equal_those_of_the_whole_plan():
     """Memory, cost, diagnostics and the other small sections of an unread plan are written
     without its lists; they equal the same sections of the whole plan's JSON."""
