@@ -44,14 +44,14 @@ impl Graph {
     /// Validates a decoded wire graph and converts it into the core model.
     pub fn from_wire(wire: pb::Graph) -> Result<Graph, E> {
         let fingerprint = fingerprint(&wire.encode_to_vec());
-        Graph::from_wire_encoded(wire, fingerprint)
+        Graph::from_wire_encoded(&wire, fingerprint)
     }
 
     /// [`Graph::from_wire`] for a graph whose canonical encoding was already hashed with
     /// [`fingerprint`] (a `.pb` file as written by prost or by Python's deterministic
     /// serialiser, which are canonical).
-    pub fn from_wire_encoded(wire: pb::Graph, fingerprint: String) -> Result<Graph, E> {
-        build(&Decoded(&wire), fingerprint)
+    pub fn from_wire_encoded(wire: &pb::Graph, fingerprint: String) -> Result<Graph, E> {
+        build(&Decoded(wire), fingerprint)
     }
 
     /// [`Graph::from_wire_encoded`] for the bytes of a graph, already walked into `layout`:

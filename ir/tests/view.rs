@@ -26,7 +26,7 @@ fn agree(bytes: &[u8]) -> Result<Graph, LoadError> {
     let streamed = io::load_bytes(bytes, Format::Protobuf, path);
     let reference = pb::Graph::decode(bytes)
         .map_err(|e| e.to_string())
-        .map(|wire| Graph::from_wire_encoded(wire, fingerprint(bytes)));
+        .map(|wire| Graph::from_wire_encoded(&wire, fingerprint(bytes)));
     match (&streamed, reference) {
         (Ok(graph), Ok(Ok(expected))) => {
             assert_eq!(format!("{graph:?}"), format!("{expected:?}"));
