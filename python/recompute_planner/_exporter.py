@@ -19,6 +19,17 @@ value (the mutated tensor after the write), but later readers may read the tenso
 name (a slice assignment writes a view, and readers read its base), so what a reader sees
 depends on the writes before it in execution order.
 
+Two builders apply the mapping below. The native one (``_native.build_fx_graph``, in
+``python/native/src/fx.rs``) reads each op node through the C API and builds the IR graph in
+Rust, which the planner plans as it is (``BuiltGraph.plannable``): no per-node Python and no
+protobuf between them. What it knows of an operator (name, binding of a call shape, written
+and viewed arguments, randomness, collective kind) it asks of this module once per call shape,
+so torch's schemas are read in one place. The Python builder (``build_graph_in_python``) is its
+reference: on any graph the native one accepts, both give the same bytes (tests
+test_native_export.py and the ``builders_agree`` fixture); anything the native one does not
+convert itself (an argument or dtype of no IR form, a symbolic shape, an undeclared model or
+layer) it declines, and the Python builder builds the graph or reports what is wrong.
+
 IR mapping (the contract the Rust loader and planner rely on):
 
 - one IR node per ``call_function`` node except ``operator.getitem``: a multi-output op's IR
@@ -72,6 +83,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -677,7 +689,7 @@ def _restore(flat: list[FlatInput], snapshot: list[torch.Tensor]) -> None:
 
 
 def _params(
-    flat: list[FlatInput], snapshot: list[torch.Tensor], built: _Built
+    flat: list[FlatInput], snapshot: list[torch.Tensor], built: BuiltGraph
 ) -> dict[str, torch.Tensor]:
     """Parameters, buffers and the graph's tensor constants, by IR value name."""
     params = _tensors_by_role(flat, snapshot, graph_pb2.ROLE_PARAMETER, graph_pb2.ROLE_BUFFER)
@@ -926,14 +938,144 @@ def build_graph(
     name: str,
     models: list[ModelDecl],
     metadata: graph_pb2.Metadata,
-) -> _Built:
-    """Maps the captured FX graph to a ``graph_pb2.Graph`` (see the module docstring)."""
+) -> BuiltGraph:
+    """Maps the captured FX graph to the IR (see the module docstring).
+
+    The native builder converts the op nodes (``_native.build_fx_graph``: the per-node work
+    without Python's cost per node). A graph it declines (something it does not convert
+    itself: an argument of no IR form, a symbolic shape, an undeclared model, ...) is built
+    by ``build_graph_in_python``, the reference both give the same bytes as, which reports
+    what is wrong in its own words.
+    """
     _check_models(models)
+    try:
+        return _build_natively(
+            graph_module, forward, flat, name=name, models=models, metadata=metadata
+        )
+    except _native.NativeDeclined:
+        return build_graph_in_python(
+            graph_module, forward, flat, name=name, models=models, metadata=metadata
+        )
+
+
+def _header(
+    graph_module: fx.GraphModule,
+    flat: list[FlatInput],
+    *,
+    name: str,
+    models: list[ModelDecl],
+    metadata: graph_pb2.Metadata,
+) -> tuple[graph_pb2.Graph, dict[fx.Node, str], dict[fx.Node, torch.Tensor]]:
+    """The graph before its op nodes: name, metadata, models, inputs and constants; returns
+    it with the value name of each input and the constants."""
     graph = graph_pb2.Graph(name=name, metadata=metadata)
     graph.models.extend(_model_proto(m) for m in models)
     inputs = _declare_inputs(graph, graph_module, flat)
     constants = _declare_constants(graph, graph_module)
-    names = _ValueNames({**inputs, **{node: node.name for node in constants}})
+    return graph, {**inputs, **{node: node.name for node in constants}}, constants
+
+
+def _build_natively(
+    graph_module: fx.GraphModule,
+    forward: set[fx.Node],
+    flat: list[FlatInput],
+    *,
+    name: str,
+    models: list[ModelDecl],
+    metadata: graph_pb2.Metadata,
+) -> BuiltGraph:
+    header, inputs, constants = _header(
+        graph_module, flat, name=name, models=models, metadata=metadata
+    )
+    try:  # the Python builder reads these after the nodes: its errors come first
+        loss, outputs = _loss_node(graph_module), _output_nodes(graph_module)
+    except ValueError as e:
+        raise _native.NativeDeclined(str(e)) from e
+    wire, listed = _native.build_fx_graph(
+        header=header.SerializeToString(deterministic=True),
+        inputs=inputs,
+        ops=op_nodes(graph_module),
+        forward=forward if isinstance(forward, set) else set(forward),
+        loss=loss,
+        outputs=outputs,
+        context=_native_context(models),
+    )
+    return BuiltGraph(
+        wire,
+        grad_sources={value: index for value, index in listed if index is not None},
+        constants=constants,
+    )
+
+
+def _native_context(models: list[ModelDecl]) -> Any:
+    """What ``_native.build_fx_graph`` reads of the exporter: its callbacks, keys and types."""
+    return SimpleNamespace(
+        dtypes=_DTYPES,
+        tensor_type=torch.Tensor,
+        node_type=fx.Node,
+        named_types=(torch.dtype, torch.device, torch.layout, torch.memory_format),
+        getitem=operator.getitem,
+        binding_of=_call_binding,
+        script_object_type=_script_object_type,
+        trim_stack_trace=trim_stack_trace,
+        stack_trace_frames=STACK_TRACE_FRAMES,
+        written_as_key=WRITTEN_AS_KEY,
+        model_key=markers.MODEL_KEY,
+        micro_batch_key=markers.MICRO_BATCH_KEY,
+        compiled_region_key=markers.COMPILED_REGION_KEY,
+        module_path_key=markers.MODULE_PATH_KEY,
+        layer_key=markers.LAYER_KEY,
+        absent_tensor_args=ABSENT_TENSOR_ARGS,
+        models={m.name: m.num_layers for m in models},
+        default_model=models[0].name,
+    )
+
+
+def _call_binding(
+    node: fx.Node,
+) -> tuple[str, bool, int, tuple[str, ...], str | None, tuple[_BoundArgument, ...]]:
+    """What the native builder reads of the op ``node`` calls and of its call shape: op name,
+    randomness, collective kind, written arguments, viewed argument and binding."""
+    facts = _node_op_facts(node)
+    binding = _binding(node, facts)
+    return facts.name, facts.random, facts.collective, facts.written, facts.view_of, binding
+
+
+def build_graph_in_python(
+    graph_module: fx.GraphModule,
+    forward: set[fx.Node],
+    flat: list[FlatInput],
+    *,
+    name: str,
+    models: list[ModelDecl],
+    metadata: graph_pb2.Metadata,
+) -> BuiltGraph:
+    """``build_graph`` in Python, node by node: the reference of the native builder."""
+    _check_models(models)
+    graph, inputs, constants = _header(
+        graph_module, flat, name=name, models=models, metadata=metadata
+    )
+    names = _ValueNames(inputs)
+    add_ops_in_python(graph, op_nodes(graph_module), forward, names, models)
+    _mark_loss(graph, names.of(_loss_node(graph_module)))
+    outputs = _graph_outputs(graph_module, names)
+    graph.outputs.extend(value for value, _ in outputs)
+    _check_unique_value_names(graph)
+    return BuiltGraph(
+        graph,
+        grad_sources={value: index for value, index in outputs if index is not None},
+        constants=constants,
+    )
+
+
+def add_ops_in_python(
+    graph: graph_pb2.Graph,
+    ops: list[fx.Node],
+    forward: set[fx.Node],
+    names: _ValueNames,
+    models: list[ModelDecl],
+) -> None:
+    """Adds the IR node of each op in ``ops`` and the values it produces to ``graph``."""
     models_by_name = {m.name: m for m in models}
     # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
     # mutating ops), so every op node is emitted, in the graph's (execution) order. Each
@@ -941,7 +1083,7 @@ def build_graph(
     # would copy it. The loop runs once per op: what it reads each time is read before it.
     add_node, add_value = graph.nodes.add, graph.values.add
     default_model = models[0].name
-    for node in op_nodes(graph_module):
+    for node in ops:
         is_forward = node in forward
         produced = names.add_op(node)
         add_node(
@@ -950,28 +1092,35 @@ def build_graph(
         role = _ROLE_ACTIVATION if is_forward else _ROLE_GRADIENT
         for value, val in produced:
             add_value(**_value_fields(value, val, role, node))
-    _mark_loss(graph, names.of(_loss_node(graph_module)))
-    outputs = _graph_outputs(graph_module, names)
-    graph.outputs.extend(value for value, _ in outputs)
-    _check_unique_value_names(graph)
-    return _Built(
-        graph=graph,
-        grad_sources={value: index for value, index in outputs if index is not None},
-        constants=constants,
-    )
 
 
 _ROLE_ACTIVATION = graph_pb2.ROLE_ACTIVATION
 _ROLE_GRADIENT = graph_pb2.ROLE_GRADIENT
 
 
-@dataclass
-class _Built:
-    """A built graph and what the export result needs besides it."""
+class BuiltGraph:
+    """A built graph and what the export result needs besides it.
 
-    graph: graph_pb2.Graph
-    grad_sources: dict[str, int]  # gradient output value -> index of its flat input
-    constants: dict[fx.Node, torch.Tensor]  # tensor constants, declared as buffers
+    The native builder's graph is planned as it is (``plannable``); ``graph``, its
+    ``graph_pb2`` message, is parsed from its bytes once, when first read.
+    """
+
+    def __init__(
+        self,
+        graph: graph_pb2.Graph | _native.WireGraph,
+        *,
+        grad_sources: dict[str, int],
+        constants: dict[fx.Node, torch.Tensor],
+    ):
+        self.plannable = graph
+        self.grad_sources = grad_sources  # gradient output value -> index of its flat input
+        self.constants = constants  # tensor constants, declared as buffers
+
+    @functools.cached_property
+    def graph(self) -> graph_pb2.Graph:
+        if isinstance(self.plannable, graph_pb2.Graph):
+            return self.plannable
+        return graph_pb2.Graph.FromString(self.plannable.pb())
 
 
 def _check_models(models: list[ModelDecl]) -> None:
@@ -1049,6 +1198,11 @@ def _mark_loss(graph: graph_pb2.Graph, loss_names: list[str]) -> None:
 def _graph_outputs(
     graph_module: fx.GraphModule, names: _ValueNames
 ) -> list[tuple[str, int | None]]:
+    """The value names of ``_output_nodes``, each with its flat input index."""
+    return [(n, index) for out, index in _output_nodes(graph_module) for n in names.of(out)]
+
+
+def _output_nodes(graph_module: fx.GraphModule) -> list[tuple[fx.Node, int | None]]:
     """The loss, the step's other outputs (a model output's logits: the caller holds them
     through backward), then every gradient in the joint graph's output order (absent ones
     skipped).
@@ -1057,13 +1211,10 @@ def _graph_outputs(
     """
     loss = _loss_node(graph_module)
     others = [out for out in _user_outputs(graph_module) if out is not loss]
-    outputs: list[tuple[str, int | None]] = [
-        (n, None) for out in (loss, *others) for n in names.of(out)
-    ]
+    outputs: list[tuple[fx.Node, int | None]] = [(out, None) for out in (loss, *others)]
     for out, desc in zip(_output_args(graph_module), _output_descs(graph_module), strict=True):
         if out is not None and isinstance(desc, GradAOTOutput):
-            index = _plain_input_index(desc.grad_of)
-            outputs.extend((n, index) for n in names.of(out))
+            outputs.append((out, _plain_input_index(desc.grad_of)))
     return outputs
 
 

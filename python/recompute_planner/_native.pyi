@@ -1,11 +1,14 @@
 """Types of the native extension ``recompute_planner._native`` (PyO3, python/native/src/lib.rs).
 ``stubtest`` in scripts/test.sh checks them against the built module."""
 
-from typing import final
+from typing import Any, final
 
 __all__ = [
     "plan",
     "PlannedGraph",
+    "WireGraph",
+    "NativeDeclined",
+    "build_fx_graph",
     "convert_plan",
     "read_plan_file",
     "collective_kind",
@@ -30,6 +33,7 @@ def plan(
     path: str,
     data: bytes | None = None,
     format: str | None = None,
+    graph: WireGraph | None = None,
     keep: list[str],
     recompute_ratio: float,
     collectives_name: str,
@@ -55,6 +59,27 @@ class PlannedGraph:
     def summary_json(self) -> str: ...
     def pb(self) -> bytes: ...
 
+@final
+class WireGraph:
+    """An exported graph the FX builder made, held decoded; planned without decoding."""
+
+    @property
+    def name(self) -> str: ...
+    def pb(self) -> bytes: ...
+
+class NativeDeclined(Exception):
+    """The native FX -> IR builder met something it leaves to the Python builder."""
+
+def build_fx_graph(
+    *,
+    header: bytes,
+    inputs: dict[Any, str],
+    ops: list[Any],
+    forward: set[Any],
+    loss: Any,
+    outputs: list[tuple[Any, int | None]],
+    context: Any,
+) -> tuple[WireGraph, list[tuple[str, int | None]]]: ...
 def read_plan_file(path: str, from_format: str, to_format: str) -> bytes: ...
 def hw_profile(
     *, name: str | None = None, json: str | None = None, path: str | None = None

@@ -165,6 +165,10 @@ def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
         return {"path": os.fspath(graph)}
     if isinstance(graph, (bytes, bytearray, memoryview)):
         return {"path": "<graph bytes>", "data": bytes(graph), "format": format or "pb"}
+    if isinstance(graph, _native.WireGraph):  # the exporter's native build, planned as is
+        if format is not None:
+            raise ValueError("`format` is for graph bytes; a built graph has none")
+        return {"path": f"<graph {graph.name}>", "graph": graph}
     message: Any = getattr(graph, "graph", graph)  # an ExportResult holds the message
     serialize = getattr(message, "SerializeToString", None)
     if serialize is None:

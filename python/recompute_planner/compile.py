@@ -81,6 +81,7 @@ from ._exporter import (
     BACKWARD_PASS,
     EXPORTER_VERSION,
     FORWARD_PASS,
+    BuiltGraph,
     FlatInput,
     ModelDecl,
     build_graph,
@@ -124,6 +125,20 @@ def joint_graph_to_ir(
     whole: an HF ``ModelOutput``'s loss and logits, a tuple, a dict), its first scalar
     floating-point output; the others are outputs the caller holds through backward.
     """
+    return build_joint_graph(
+        graph_module, models, name=name, num_fwd_outputs=num_fwd_outputs
+    ).graph
+
+
+def build_joint_graph(
+    graph_module: fx.GraphModule,
+    models: list[ModelDecl],
+    *,
+    name: str = "compiled",
+    num_fwd_outputs: int | None = None,
+) -> BuiltGraph:
+    """``joint_graph_to_ir`` as built: what the planner plans without the message being
+    written or parsed in Python."""
     output_descs = _output_descs(graph_module)
     if num_fwd_outputs is None:
         num_fwd_outputs = sum(
@@ -135,7 +150,7 @@ def joint_graph_to_ir(
         graph_module.recompile()
     forward = forward_nodes(graph_module, num_fwd_outputs)
     mark_functionalized_writes(graph_module.graph, forward)
-    built = build_graph(
+    return build_graph(
         graph_module,
         forward,
         _flat_inputs(graph_module, output_descs),
@@ -143,7 +158,6 @@ def joint_graph_to_ir(
         models=models,
         metadata=graph_metadata(EXPORTER_VERSION, world_size, rank),
     )
-    return built.graph
 
 
 def tag_untraced_nodes(graph: fx.Graph) -> None:
@@ -859,13 +873,13 @@ class PlanningStage(CustomGraphPass):
 
     def plan_joint(
         self, graph_module: fx.GraphModule, num_fwd_outputs: int | None = None
-    ) -> tuple[graph_pb2.Graph, Plan]:
-        """Converts and plans ``graph_module``'s joint graph as it is; returns its IR and plan
-        (issuing the plan's diagnostics)."""
-        ir = joint_graph_to_ir(
+    ) -> tuple[BuiltGraph, Plan]:
+        """Converts and plans ``graph_module``'s joint graph as it is; returns its IR as built
+        (``.graph`` parses the message) and its plan (issuing the plan's diagnostics)."""
+        ir = build_joint_graph(
             graph_module, self.models, name=self.name, num_fwd_outputs=num_fwd_outputs
         )
-        planned = self.plan_graph(ir, check=False)
+        planned = self.plan_graph(ir.plannable, check=False)
         self.plans.append(planned)
         check_plan(planned, stacklevel=3)
         return ir, planned
@@ -875,7 +889,7 @@ class PlanningStage(CustomGraphPass):
         converts, plans and tags ``graph_module``'s joint graph, and drops its markers."""
         eliminate_common_subexpressions(graph_module)
         ir, planned = self.plan_joint(graph_module, num_fwd_outputs)
-        tag_joint_graph(graph_module.graph, ir, planned)
+        tag_joint_graph(graph_module.graph, ir.graph, planned)
         if remove_markers(graph_module.graph):
             graph_module.recompile()
         return planned

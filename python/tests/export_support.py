@@ -196,3 +196,30 @@ def planner_run(*args: str) -> subprocess.CompletedProcess:
         pytest.skip("this planner has no `run` (build it with --features run)")
     return done
 
+
+
+def check_builders_agree(monkeypatch: pytest.MonkeyPatch) -> list:
+    """From now on, every graph the exporter builds goes through the native builder, which
+    must not decline it, and is built again by the Python builder, its reference: both must
+    give the same bytes (and the native graph's own encoding, which its fingerprint hashes,
+    too). Returns the list of graphs built, which grows as they are."""
+    from recompute_planner import _exporter, _native
+
+    native, built = _exporter._build_natively, []
+
+    def checked(graph_module, forward, flat, **kwargs):
+        try:
+            result = native(graph_module, forward, flat, **kwargs)
+        except _native.NativeDeclined as declined:
+            pytest.fail(f"the native builder declined the graph: {declined}")
+        reference = _exporter.build_graph_in_python(graph_module, forward, flat, **kwargs)
+        expected = reference.graph.SerializeToString(deterministic=True)
+        assert result.plannable.pb() == expected
+        assert result.graph.SerializeToString(deterministic=True) == expected
+        assert result.grad_sources == reference.grad_sources
+        assert list(result.constants) == list(reference.constants)
+        built.append(result)
+        return result
+
+    monkeypatch.setattr(_exporter, "_build_natively", checked)
+    return built

@@ -44,6 +44,7 @@ from functorch.compile import aot_module, make_boxed_func
 from torch._inductor.output_code import MockFXGraphCacheOutput
 
 import recompute_planner as rp
+from export_support import check_builders_agree
 from graph_walk import golden_param
 from hf_families import FAMILIES, family
 from recompute_planner import compile as stage_mod
@@ -81,7 +82,7 @@ class Recording(stage_mod.PlanningStage):
 
     def plan_joint(self, graph_module, num_fwd_outputs=None):
         ir, planned = super().plan_joint(graph_module, num_fwd_outputs)
-        self.irs.append(ir)
+        self.irs.append(ir.graph)
         return ir, planned
 
     def partition_fn(self, joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
@@ -323,8 +324,13 @@ def exported_graph(kind: str, name: str) -> graph_pb2.Graph:
 def staged_step(kind: str, name: str, backend: str) -> Recording:
     """A golden or family compiled once per backend with the stage (``--keep all``); the
     traced joint graph's IR does not depend on the keep, so each keep's stage plan is the plan
-    of ``irs[-1]``."""
-    return SUBJECTS[kind](name).staged("all", RUNS[backend])
+    of ``irs[-1]``. The graph the stage plans is built by the native builder and the Python
+    one alike (``check_builders_agree``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        built = check_builders_agree(patch)
+        staged = SUBJECTS[kind](name).staged("all", RUNS[backend])
+    assert built, "the stage built no graph"
+    return staged
 
 
 def assert_stage_plans_the_exported_step(kind: str, name: str, backend: str, keep) -> None:

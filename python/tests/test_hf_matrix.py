@@ -63,7 +63,9 @@ def assert_bit_identical(got: tuple, want: tuple) -> None:
 
 
 @pytest.mark.parametrize("family", STOCK_FAMILIES, ids=lambda f: f.name)
-def test_stock_family_exports_plans_checkpoints_compiles_and_runs(family, deterministic, tmp_path):
+def test_stock_family_exports_plans_checkpoints_compiles_and_runs(
+    family, deterministic, tmp_path, builders_agree
+):
     model = family.model()
     annotation = rp.annotate(model, layers="model.layers", units=family.units)
     batch = family.batch()

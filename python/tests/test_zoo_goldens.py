@@ -74,8 +74,9 @@ def test_golden_files_exist_and_are_small(name):
 
 
 @by_name(ALL)
-def test_golden_graph_is_up_to_date(name):
-    """A fresh trace of rank 0 gives the committed bytes (and proves export is deterministic)."""
+def test_golden_graph_is_up_to_date(name, builders_agree):
+    """A fresh trace of rank 0 gives the committed bytes (and proves export is deterministic),
+    built by the native builder and the Python one alike."""
     fresh = trace_graph_bytes(golden(name))
     assert fresh == (GOLDEN_DIR / f"{name}.pb").read_bytes(), (
         f"{name}.pb is stale: run python python/export_goldens.py {name}"

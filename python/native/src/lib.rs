@@ -42,6 +42,10 @@ use planner::{
 };
 use pyo3::{prelude::*, pybacked::PyBackedBytes, types::PyBytes};
 
+mod fx;
+
+use fx::WireGraph;
+
 /// A failure on the Rust side: the CLI's `error:` text and a stable code for Python.
 #[derive(Debug)]
 struct Failure {
@@ -128,13 +132,17 @@ impl From<PlanReadError> for Failure {
     }
 }
 
-/// Where the graph comes from: a file, or bytes `D` in a known format (`origin` names them in
-/// errors, as a path would).
+/// Where the graph comes from: a file, bytes `D` in a known format, or a graph the FX builder
+/// made (`origin` names them in errors, as a path would).
 enum Source<D> {
     File(PathBuf),
     Bytes {
         data: D,
         format: GraphFormat,
+        origin: PathBuf,
+    },
+    Built {
+        graph: Py<WireGraph>,
         origin: PathBuf,
     },
 }
@@ -148,6 +156,12 @@ impl<D: Deref<Target = [u8]>> Source<D> {
                 format,
                 origin,
             } => ir::io::load_bytes(data, *format, origin)?,
+            Source::Built { graph, origin } => {
+                graph.get().load().map_err(|error| LoadError::Invalid {
+                    path: origin.clone(),
+                    error,
+                })?
+            }
         })
     }
 }
@@ -409,7 +423,7 @@ fn json_text(bytes: Vec<u8>) -> String {
 /// the error-level ones). `path` is the graph file, or with `data` only what names the bytes.
 #[pyfunction]
 #[pyo3(signature = (
-    *, path, data=None, format=None, keep, recompute_ratio, collectives_name, random_ops_name,
+    *, path, data=None, format=None, graph=None, keep, recompute_ratio, collectives_name, random_ops_name,
     executor_name, budget_size=None, budget_includes="activations", granularity, fsdp=1,
     optimizer_name="adamw", optimizer_state_dtype_name="fp32", master_weights=false,
     hw_name=None, hw_json=None, hw_path=None
@@ -420,6 +434,7 @@ fn plan(
     path: &str,
     data: Option<PyBackedBytes>,
     format: Option<&str>,
+    graph: Option<Py<WireGraph>>,
     keep: Vec<String>,
     recompute_ratio: f64,
     collectives_name: &str,
@@ -473,19 +488,29 @@ fn plan(
             ..PlanConfig::default()
         };
         let hw = resolve_hw(py, hw_name, hw_json, hw_path)?;
-        let source = match (data, format) {
-            (Some(data), Some(format)) => Source::Bytes {
+        let source = match (graph, data, format) {
+            (Some(graph), None, None) => Source::Built {
+                graph,
+                origin: PathBuf::from(path),
+            },
+            (Some(_), _, _) => {
+                return Err(Failure::new(
+                    "invalid-option",
+                    "give a graph as bytes or as a built graph, not both",
+                ))
+            }
+            (None, Some(data), Some(format)) => Source::Bytes {
                 data,
                 format: graph_format(format)?,
                 origin: PathBuf::from(path),
             },
-            (Some(_), None) => {
+            (None, Some(_), None) => {
                 return Err(Failure::new(
                     "invalid-option",
                     "graph bytes need their format (`pb` or `json`)",
                 ))
             }
-            (None, _) => Source::File(PathBuf::from(path)),
+            (None, None, _) => Source::File(PathBuf::from(path)),
         };
         Ok(Planning {
             source,
@@ -634,6 +659,9 @@ type IntervalRow = (String, u32, u32, String, String, Vec<String>);
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_class::<PlannedGraph>()?;
+    m.add_class::<WireGraph>()?;
+    m.add_function(wrap_pyfunction!(fx::build_fx_graph, m)?)?;
+    m.add("NativeDeclined", m.py().get_type::<fx::NativeDeclined>())?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_function(wrap_pyfunction!(read_plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;

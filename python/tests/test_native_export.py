@@ -1,0 +1,198 @@
+"""The native FX -> IR builder (``_native.build_fx_graph``) against the exporter's Python
+builder, which is its reference: the same graph built both ways gives the same bytes.
+
+Whole exports are compared in the golden, compile-stage and HF tests that use the
+``builders_agree`` fixture (conftest.py); here, call shapes and node metadata one graph at a
+time, what the native builder leaves to the Python one, and planning a built graph.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+import recompute_planner as rp
+from export_support import MAIN, Lambda
+from recompute_planner import _exporter, _native, markers
+from recompute_planner.proto import graph_pb2
+
+aten = torch.ops.aten
+MODELS = [
+    _exporter.ModelDecl("m", num_layers=2, units={}),
+    _exporter.ModelDecl("draft", num_layers=1, units={}),
+]
+
+
+class Calls:
+    """A hand-made FX graph of op calls on float inputs ``x`` (4 x 6) and ``src`` (2 x 6),
+    and a long ``idx`` (2), each call's ``meta["val"]`` computed by running it."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+        self.inputs = {}
+        for name, tensor in [("x", torch.zeros(4, 6)), ("src", torch.zeros(2, 6)),
+                             ("idx", torch.tensor([0, 1]))]:
+            node = self.graph.placeholder(name)
+            node.meta["val"] = tensor
+            self.inputs[name] = node
+        self.ops: list[fx.Node] = []
+
+    def call(self, target, *args, meta=None, **kwargs) -> fx.Node:
+        args = tuple(self._node_of(a) for a in args)
+        node = self.graph.call_function(target, args, kwargs)
+        node.meta["val"] = target(*map(_value_of, args), **{
+            k: _value_of(v) for k, v in kwargs.items()})
+        node.meta.update(meta or {})
+        if target is not operator.getitem:
+            self.ops.append(node)
+        return node
+
+    def _node_of(self, arg):
+        """An input's node for its name, in lists too."""
+        if isinstance(arg, list):
+            return [self._node_of(a) for a in arg]
+        return self.inputs[arg] if isinstance(arg, str) and arg in self.inputs else arg
+
+    def header(self) -> graph_pb2.Graph:
+        graph = graph_pb2.Graph(name="calls")
+        graph.models.extend(_exporter._model_proto(m) for m in MODELS)
+        for name, node in self.inputs.items():
+            graph.values.add(**_exporter._value_fields(name, node.meta["val"],
+                                                        graph_pb2.ROLE_INPUT, node))
+        return graph
+
+    def both_ways(self, forward: set[fx.Node] | None = None) -> tuple[bytes, bytes]:
+        """The graph's bytes from the native builder and from the Python builder."""
+        forward = set(self.ops) if forward is None else forward
+        loss = self.ops[-1]
+        inputs = {node: name for name, node in self.inputs.items()}
+        wire, _ = _native.build_fx_graph(
+            header=self.header().SerializeToString(deterministic=True),
+            inputs=inputs, ops=self.ops, forward=forward, loss=loss,
+            outputs=[(loss, None)], context=_exporter._native_context(MODELS),
+        )
+        graph = self.header()
+        names = _exporter._ValueNames(inputs)
+        _exporter.add_ops_in_python(graph, self.ops, forward, names, MODELS)
+        _exporter._mark_loss(graph, names.of(loss))
+        graph.outputs.extend(names.of(loss))
+        return wire.pb(), graph.SerializeToString(deterministic=True)
+
+
+def _value_of(arg):
+    """What a call runs on: each node's value, in plain lists."""
+    if isinstance(arg, (list, tuple)):
+        return [_value_of(a) for a in arg]
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+
+def assert_same_bytes(calls: Calls, forward: set[fx.Node] | None = None) -> None:
+    native, python = calls.both_ways(forward)
+    assert graph_pb2.Graph.FromString(native) == graph_pb2.Graph.FromString(python)
+    assert native == python
+
+
+def test_argument_layouts_attributes_and_tensor_lists_map_alike():
+    calls = Calls()
+    total = aten.sum.dim_IntList
+    calls.call(total, "x", [0])
+    calls.call(total, "x", [0], True)
+    calls.call(total, "x", [1], keepdim=True, dtype=torch.float64)
+    calls.call(total, "x", [])  # an empty list is ints
+    calls.call(aten.add.Tensor, "x", 1)  # a wrapped scalar is an attribute
+    calls.call(aten.add.Tensor, "x", 0.5, alpha=2)
+    calls.call(aten.div.Tensor_mode, "x", "x", rounding_mode="floor")
+    calls.call(aten.cat.default, ["x", "src"])
+    calls.call(aten.index.Tensor, "x", [None, "idx"])  # an absent tensor in a list
+    calls.call(aten.full.default, [2, 3], 1.5, dtype=torch.float32, layout=torch.strided,
+               device=torch.device("cpu"), pin_memory=False)
+    image = calls.call(aten.view.default, "x", [1, 1, 4, 6])
+    calls.call(aten.upsample_bilinear2d.vec, image, None, False, [2, 1.5])  # ints and floats
+    calls.call(aten.mul.Tensor, "x", "x")
+    assert_same_bytes(calls)
+
+
+@pytest.mark.parametrize("write_back_first", [True, False])
+def test_a_write_back_and_a_plain_call_of_one_op_keep_their_own_facts(write_back_first):
+    """The native builder asks for an op's facts once per call shape, and what the exporter
+    marked a call as written as is part of the shape."""
+    calls = Calls()
+    write_back = {_exporter.WRITTEN_AS_KEY: _exporter.WRITE_BACK_VIEW}
+    for meta in [write_back, None] if write_back_first else [None, write_back]:
+        calls.call(aten.slice_scatter.default, "x", "src", 0, 0, 2, meta=meta)
+    calls.call(aten.add_.Tensor, "x", "x")  # a write: its schema facts name what it mutates
+    assert_same_bytes(calls)
+
+
+def test_multiple_outputs_are_named_by_their_getitems_or_numbered():
+    calls = Calls()
+    parts = calls.call(aten.split.Tensor, "x", 2)
+    second = calls.call(operator.getitem, parts, 1)  # slot 0 is read by nothing
+    stats = calls.call(aten.var_mean.correction, "x", [1])
+    calls.call(operator.getitem, stats, 0)
+    calls.call(aten.add.Tensor, second, second)
+    assert_same_bytes(calls)
+
+
+def test_annotations_and_phases_map_alike():
+    calls = Calls()
+    first = calls.call(aten.relu.default, "x", meta={"custom": {
+        markers.MODEL_KEY: "m", markers.LAYER_KEY: 1, markers.MICRO_BATCH_KEY: 2,
+        markers.COMPILED_REGION_KEY: "attn", markers.MODULE_PATH_KEY: "layers.1.attn"}})
+    calls.call(aten.relu.default, first, meta={"custom": {markers.MODEL_KEY: "draft"}})
+    calls.call(aten.relu.default, first, meta={"custom": {}})
+    last = calls.call(aten.sum.default, first)
+    assert_same_bytes(calls, forward={first, last})
+
+
+@pytest.mark.parametrize("trace", [
+    "\n".join(f'  File "m.py", line {i}, in f{i}\n    call_{i}()' for i in range(5)),
+    '  File "a.py", line 1\r\n\tx()\x0b  File "b.py", line 2\x1c y() \x1f\x0cz()\n',
+    'no frames\r at all \x1d\x1e',
+    '  File "é.py", line 1\n    x = "naïve"\u2028  File "b.py", line 2\n    y()\x85z()',
+])
+def test_stack_traces_are_trimmed_alike(trace):
+    calls = Calls()
+    calls.call(aten.relu.default, "x", meta={"stack_trace": trace})
+    assert_same_bytes(calls)
+
+
+def test_a_graph_the_native_builder_declines_is_reported_by_the_python_builder(monkeypatch):
+    built_in_python = []
+    in_python = _exporter.build_graph_in_python
+
+    def recorded(*args, **kwargs):
+        built_in_python.append(True)
+        return in_python(*args, **kwargs)
+
+    monkeypatch.setattr(_exporter, "build_graph_in_python", recorded)
+    to_complex = Lambda(lambda self, x: self.lin(x).to(torch.complex128).abs().sum())
+    with pytest.raises(ValueError, match=r"node `_to_copy` .*complex128 of `_to_copy` has no"):
+        _exporter.export_forward(to_complex, (torch.randn(2, 4),), name="e", models=MAIN)
+    assert built_in_python == [True]
+    calls = Calls()
+    calls.call(aten.relu.default, "x", meta={"custom": {markers.MODEL_KEY: "undeclared"}})
+    with pytest.raises(_native.NativeDeclined, match="undeclared model"):
+        calls.both_ways()
+
+
+def test_a_built_graph_is_planned_as_its_bytes_are():
+    module = Lambda(lambda self, x: torch.tanh(self.lin(x)).square().sum())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    graph_module, num_forward_outputs = _exporter.capture(module, (x,), joint=True)
+    built = _exporter.build_graph(
+        graph_module, _exporter.forward_nodes(graph_module, num_forward_outputs),
+        _exporter.flat_inputs(module, (x,)), name="e", models=MAIN,
+        metadata=_exporter.graph_metadata("test", 1, 0),
+    )
+    assert isinstance(built.plannable, _native.WireGraph)
+    data = built.graph.SerializeToString(deterministic=True)
+    assert built.plannable.pb() == data
+    from_wire = rp.plan(built.plannable, "all", check=False)
+    from_bytes = rp.plan(data, "all", check=False)
+    assert from_wire.to_json() == from_bytes.to_json()  # the graph's fingerprint included
+    with pytest.raises(ValueError, match="a built graph has none"):
+        rp.plan(built.plannable, format="pb")
