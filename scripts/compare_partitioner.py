@@ -30,6 +30,8 @@ partitioner median divided by each planner median. What each timing includes:
 - in-process ``rp.plan``: the ``.pb`` bytes in memory are decoded and planned, the plan comes
   back as a handle (written to JSON and parsed into Python objects only when read, which
   this row does not);
+- in-process ``rp.plan`` of the graph as built: the graph the exporter's native builder made
+  from the joint FX graph, planned as the compile stage plans it, with nothing to decode;
 - compile stage: ``PlanningStage.apply`` on a fresh copy: CSE, FX -> IR conversion in Python,
   ``rp.plan``, tagging every node, removing the markers (what the stage adds to a compile
   before torch's partitioner);
@@ -79,7 +81,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 import recompute_planner as rp
 from recompute_planner import _native
 from recompute_planner import compile as stage_mod
-from recompute_planner._exporter import write_graph
+from recompute_planner._exporter import BuiltGraph, write_graph
 from recompute_planner._zoo.catalog import ENTRIES, entry, make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.goldens import traced_group
@@ -212,6 +214,7 @@ class Subject:
 
     joint: JointGraph  # CSE applied, markers in: what the min-cut planning stage converts
     traced: fx.GraphModule  # the joint graph as traced: what the plan partitioner converts
+    built: BuiltGraph  # the IR as the stage builds it, for rp.plan with nothing to decode
     ir: graph_pb2.Graph
     graph_path: Path  # the IR as a `.pb`, for the planner process
     graph_bytes: bytes  # the same bytes, for rp.plan
@@ -265,9 +268,10 @@ def prepare(joint: JointGraph, models: list, name: str, graph_path: Path) -> Sub
     traced for the plan partitioner."""
     traced = copy.deepcopy(joint.module)
     stage_mod.eliminate_common_subexpressions(joint.module)
-    ir = stage_mod.joint_graph_to_ir(
+    built = stage_mod.build_joint_graph(
         copy.deepcopy(joint.module), models, name=name, num_fwd_outputs=joint.num_fwd_outputs
     )
+    ir = built.graph
     write_graph(ir, graph_path)
     tagged = copy.deepcopy(joint.module)
     stage = stage_mod.PlanningStage(models, KEEP, name=name, partitioner="min-cut")
@@ -278,6 +282,7 @@ def prepare(joint: JointGraph, models: list, name: str, graph_path: Path) -> Sub
     return Subject(
         joint=joint,
         traced=traced,
+        built=built,
         ir=ir,
         graph_path=graph_path,
         graph_bytes=graph_path.read_bytes(),
@@ -304,7 +309,8 @@ def partitioner_timing(subject: Subject, runs: int, tagged: bool, fraction: floa
 def planner_timings(
     subject: Subject, runs: int, planner: Path, options: list[str], **plan_kwargs: Any
 ) -> list[Timing]:
-    """``planner plan GRAPH OPTIONS`` as one process, then ``rp.plan(**plan_kwargs)``."""
+    """``planner plan GRAPH OPTIONS`` as one process, then ``rp.plan(**plan_kwargs)`` of the
+    graph's bytes and of the graph as built."""
     in_process = ", ".join(f"{k}={v!r}" for k, v in plan_kwargs.items())
     return [
         Timing(
@@ -316,6 +322,11 @@ def planner_timings(
             f"rp.plan({in_process}), in-process",
             time_runs(runs, no_setup, lambda _: rp.plan(
                 subject.graph_bytes, check=False, **plan_kwargs)),
+        ),
+        Timing(
+            f"rp.plan({in_process}) of the graph as built, in-process",
+            time_runs(runs, no_setup, lambda _: rp.plan(
+                subject.built.plannable, check=False, **plan_kwargs)),
         ),
     ]
 
