@@ -20,9 +20,11 @@ name (a slice assignment writes a view, and readers read its base), so what a re
 depends on the writes before it in execution order.
 
 Two builders apply the mapping below. The native one (``_native.build_fx_graph``, in
-``python/native/src/fx.rs``) reads each op node through the C API and builds the IR graph in
-Rust, which the planner plans as it is (``BuiltGraph.plannable``): no per-node Python and no
-protobuf between them. What it knows of an operator (name, binding of a call shape, written
+``python/native/src/fx.rs``) reads each op node through the C API and builds its IR node and
+values in Rust, which the planner plans as they are (``BuiltGraph.plannable``): no Python code
+of this package runs per node (fx's own ``args``/``kwargs`` getters and a fake tensor's
+``shape``/``dtype`` do) and nothing is encoded or decoded between the builder and the
+planner (the few values declared before the nodes, one per input, come as a message). What it knows of an operator (name, binding of a call shape, written
 and viewed arguments, randomness, collective kind) it asks of this module once per call shape,
 so torch's schemas are read in one place. The Python builder (``build_graph_in_python``) is its
 reference: on any graph the native one accepts, both give the same bytes (tests
@@ -989,8 +991,8 @@ def _build_natively(
     )
     try:  # the Python builder reads these after the nodes: its errors come first
         loss, outputs = _loss_node(graph_module), _output_nodes(graph_module)
-    except ValueError as e:
-        raise _native.NativeDeclined(str(e)) from e
+    except Exception as e:
+        raise _native.NativeDeclined(f"the graph's outputs: {e}") from e
     wire, listed = _native.build_fx_graph(
         header=header.SerializeToString(deterministic=True),
         inputs=inputs,
@@ -1102,7 +1104,8 @@ class BuiltGraph:
     """A built graph and what the export result needs besides it.
 
     The native builder's graph is planned as it is (``plannable``); ``graph``, its
-    ``graph_pb2`` message, is parsed from its bytes once, when first read.
+    ``graph_pb2`` message, is parsed from its bytes once, when first read. What is added to
+    ``graph`` afterwards (the forward nodes' ``python_releases``) is in ``graph`` alone.
     """
 
     def __init__(

@@ -18,7 +18,8 @@ from .errors import PlannerError, PlannerWarning, PlanRejected
 from .plans import Plan
 
 # What `plan` accepts as a graph: an exported graph message (`graph_pb2.Graph`), an
-# `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), or a file path.
+# `ExportResult`, the bytes of a `.pb` (or `.json`, with format="json"), a file path, or a graph
+# the exporter's native builder made (`_native.WireGraph`: planned as it is, nothing decoded).
 GraphLike = Any | bytes | str | os.PathLike[str]
 # `hw`: a shipped profile's name ("h100", "h200", "b200", "mi300x"), a profile's fields
 # (dict), or a JSON file of them.
@@ -158,7 +159,8 @@ def hw_profile(hw: HwLike) -> str:
 
 
 def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
-    """The ``_native.plan`` arguments naming the graph: a path, or bytes and their format."""
+    """The ``_native.plan`` arguments naming the graph: a path, bytes and their format, or a
+    built graph."""
     if isinstance(graph, (str, os.PathLike)):
         if format is not None:
             raise ValueError("`format` is for graph bytes; a path's extension gives its format")

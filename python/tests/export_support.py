@@ -197,7 +197,6 @@ def planner_run(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
-
 def check_builders_agree(monkeypatch: pytest.MonkeyPatch) -> list:
     """From now on, every graph the exporter builds goes through the native builder, which
     must not decline it, and is built again by the Python builder, its reference: both must

@@ -42,6 +42,7 @@ class Calls:
 
     def call(self, target, *args, meta=None, **kwargs) -> fx.Node:
         args = tuple(self._node_of(a) for a in args)
+        kwargs = {name: self._node_of(a) for name, a in kwargs.items()}
         node = self.graph.call_function(target, args, kwargs)
         node.meta["val"] = target(*map(_value_of, args), **{
             k: _value_of(v) for k, v in kwargs.items()})
@@ -111,6 +112,8 @@ def test_argument_layouts_attributes_and_tensor_lists_map_alike():
                device=torch.device("cpu"), pin_memory=False)
     image = calls.call(aten.view.default, "x", [1, 1, 4, 6])
     calls.call(aten.upsample_bilinear2d.vec, image, None, False, [2, 1.5])  # ints and floats
+    calls.call(aten.clamp.Tensor, "x", max="x")  # a tensor argument left out: `min`
+    calls.call(aten._foreach_add_.Scalar, ["x", "src"], 1.0)  # writes two inputs, no result
     calls.call(aten.mul.Tensor, "x", "x")
     assert_same_bytes(calls)
 
@@ -150,6 +153,7 @@ def test_annotations_and_phases_map_alike():
 
 @pytest.mark.parametrize("trace", [
     "\n".join(f'  File "m.py", line {i}, in f{i}\n    call_{i}()' for i in range(5)),
+    "before\n" + "\n".join(f'  File "m.py", line {i}\n    f{i}()' for i in range(3)),
     '  File "a.py", line 1\r\n\tx()\x0b  File "b.py", line 2\x1c y() \x1f\x0cz()\n',
     'no frames\r at all \x1d\x1e',
     '  File "é.py", line 1\n    x = "naïve"\u2028  File "b.py", line 2\n    y()\x85z()',
@@ -179,15 +183,44 @@ def test_a_graph_the_native_builder_declines_is_reported_by_the_python_builder(m
         calls.both_ways()
 
 
-def test_a_built_graph_is_planned_as_its_bytes_are():
+def test_the_python_builder_errors_come_in_its_own_order(monkeypatch):
+    """A step whose output is no scalar loss and whose op belongs to an undeclared model: the
+    Python builder reads the nodes before the outputs, and says so whichever builder tried."""
+    def step(self, x):
+        with markers.layer_scope(model="undeclared", layer=0):
+            return self.lin(x)
+
+    with pytest.raises(ValueError, match="undeclared model `undeclared`"):
+        _exporter.export_forward(Lambda(step), (torch.randn(2, 4),), name="e", models=MAIN)
+
+
+def captured_step():
+    """A captured joint step of a linear layer, with its forward nodes and flat inputs."""
     module = Lambda(lambda self, x: torch.tanh(self.lin(x)).square().sum())
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
     graph_module, num_forward_outputs = _exporter.capture(module, (x,), joint=True)
-    built = _exporter.build_graph(
-        graph_module, _exporter.forward_nodes(graph_module, num_forward_outputs),
-        _exporter.flat_inputs(module, (x,)), name="e", models=MAIN,
-        metadata=_exporter.graph_metadata("test", 1, 0),
-    )
+    forward = _exporter.forward_nodes(graph_module, num_forward_outputs)
+    return graph_module, forward, _exporter.flat_inputs(module, (x,))
+
+
+def build(graph_module, forward, flat) -> _exporter.BuiltGraph:
+    return _exporter.build_graph(graph_module, forward, flat, name="e", models=MAIN,
+                                 metadata=_exporter.graph_metadata("test", 1, 0))
+
+
+def test_a_graph_the_native_builder_declines_but_the_python_one_maps_is_built_in_python():
+    """A micro-batch of None is no index to the native builder; protobuf leaves the field at
+    its default."""
+    graph_module, forward, flat = captured_step()
+    tanh = next(n for n in _exporter.op_nodes(graph_module) if "tanh" in str(n.target))
+    tanh.meta["custom"] = {markers.MICRO_BATCH_KEY: None}
+    built = build(graph_module, forward, flat)
+    assert isinstance(built.plannable, graph_pb2.Graph)
+    assert {n.micro_batch for n in built.graph.nodes} == {0}
+
+
+def test_a_built_graph_is_planned_as_its_bytes_are():
+    built = build(*captured_step())
     assert isinstance(built.plannable, _native.WireGraph)
     data = built.graph.SerializeToString(deterministic=True)
     assert built.plannable.pb() == data

@@ -90,7 +90,7 @@ def test_functional_all_to_all_and_wait_are_functional_collectives_in_both_phase
     assert attributes["group_name"].str == group_name
 
 
-def test_mutating_c10d_all_reduce_traces_as_a_mutating_collective():
+def test_mutating_c10d_all_reduce_traces_as_a_mutating_collective(builders_agree):
     def step(self, x):
         h = self.lin(x)
         with torch.no_grad():  # c10d ops have no autograd formula: keep them off the tape

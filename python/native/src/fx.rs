@@ -1,6 +1,7 @@
-//! FX -> IR without Python's per-node cost: the nodes of a traced joint graph become the IR
-//! graph's nodes and values here, read through the C API, with no protobuf message built in
-//! Python and none decoded by the planner.
+//! FX -> IR without the exporter's Python per node: the op nodes of a captured graph become the
+//! IR graph's nodes and values here, read through the C API (fx's `args`/`kwargs` getters and
+//! a fake tensor's `shape`/`dtype` are the Python that still runs per node), and the planner
+//! plans the message as it is, with nothing encoded or decoded between them.
 //!
 //! `recompute_planner._exporter.build_graph` declares the graph's inputs, constants and models
 //! (a few per parameter) and hands the op nodes over; this module does what its Python builder
@@ -34,7 +35,7 @@ use pyo3::{
 use rustc_hash::FxHashMap;
 
 create_exception!(
-    _native,
+    recompute_planner._native,
     NativeDeclined,
     PyException,
     "The native FX -> IR builder met something it leaves to the Python builder."
@@ -95,7 +96,7 @@ impl WireGraph {
 /// Where a bound argument's value is: its index in `node.args`, a keyword, or a tensor
 /// argument left out (the exporter's `_KEYWORD` and `_ABSENT_TENSOR`).
 #[derive(Clone, Copy)]
-enum Source {
+enum ArgSource {
     Positional(usize),
     Keyword,
     AbsentTensor,
@@ -105,7 +106,7 @@ enum Source {
 struct BoundArgument {
     name: Py<PyString>,
     name_text: String,
-    source: Source,
+    source: ArgSource,
     is_tensor: bool,
     positioned: bool,
 }
@@ -141,9 +142,9 @@ impl Binding {
             .into_iter()
             .map(|(name, source, is_tensor, positioned)| {
                 let source = match source {
-                    -1 => Source::Keyword,
-                    -2 => Source::AbsentTensor,
-                    index => Source::Positional(
+                    -1 => ArgSource::Keyword,
+                    -2 => ArgSource::AbsentTensor,
+                    index => ArgSource::Positional(
                         usize::try_from(index).map_err(|_| declined("a bad argument source"))?,
                     ),
                 };
@@ -240,6 +241,17 @@ impl<'py> Context<'py> {
 struct Names(FxHashMap<usize, Vec<String>>);
 
 impl Names {
+    /// The names of the graph's inputs and constants, by node.
+    fn of_inputs(inputs: &Bound<'_, PyDict>) -> PyResult<Names> {
+        let mut names = Names::default();
+        for (node, name) in inputs.iter() {
+            names
+                .0
+                .insert(node.as_ptr() as usize, vec![name.extract()?]);
+        }
+        Ok(names)
+    }
+
     fn of(&self, node: &Bound<'_, PyAny>) -> PyResult<&[String]> {
         self.0
             .get(&(node.as_ptr() as usize))
@@ -258,6 +270,33 @@ struct Builder<'py> {
 }
 
 impl<'py> Builder<'py> {
+    /// The graph with its loss marked and its outputs listed (each output node's value names,
+    /// with the flat input index its gradient belongs to); two values of one name decline.
+    fn finish(
+        self,
+        loss: &Bound<'py, PyAny>,
+        outputs: Vec<(Bound<'py, PyAny>, Option<i64>)>,
+    ) -> PyResult<(pb::Graph, ListedOutputs)> {
+        let loss_names = self.names.of(loss)?;
+        let mut listed = Vec::new();
+        for (node, index) in outputs {
+            let names = self.names.of(&node)?;
+            listed.extend(names.iter().map(|n| (n.clone(), index)));
+        }
+        let mut graph = self.graph;
+        for value in &mut graph.values {
+            if loss_names.contains(&value.name) {
+                value.role = pb::Role::Loss as i32;
+            }
+        }
+        graph.outputs = listed.iter().map(|(n, _)| n.clone()).collect();
+        let mut seen = rustc_hash::FxHashSet::default();
+        if !graph.values.iter().all(|v| seen.insert(v.name.as_str())) {
+            return Err(declined("two values share a name"));
+        }
+        Ok((graph, listed))
+    }
+
     /// Converts one op node: names its outputs, then adds its IR node and the values it
     /// produces (activations in forward, gradients in backward).
     fn add_op(&mut self, node: &Bound<'py, PyAny>) -> PyResult<()> {
@@ -291,7 +330,11 @@ impl<'py> Builder<'py> {
         val: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<(String, Bound<'py, PyAny>)>> {
         let key = node.as_ptr() as usize;
-        if let Some(val) = val.filter(|v| v.is_instance(&self.cx.tensor_type).unwrap_or(false)) {
+        let tensor = match val {
+            Some(v) if v.is_instance(&self.cx.tensor_type)? => Some(v),
+            _ => None,
+        };
+        if let Some(val) = tensor {
             self.names.0.insert(key, vec![name.to_owned()]);
             return Ok(vec![(name.to_owned(), val.clone())]);
         }
@@ -399,9 +442,9 @@ impl<'py> Builder<'py> {
         for argument in &b.arguments {
             let arg_text = &argument.name_text;
             let value = match argument.source {
-                Source::Positional(i) => Some(args.get_item(i)?),
-                Source::Keyword => kwargs.get_item(argument.name.bind(py))?,
-                Source::AbsentTensor => None,
+                ArgSource::Positional(i) => Some(args.get_item(i)?),
+                ArgSource::Keyword => kwargs.get_item(argument.name.bind(py))?,
+                ArgSource::AbsentTensor => None,
             };
             let value = value.filter(|v| !v.is_none());
             let scalar = value.as_ref().is_some_and(|v| {
@@ -483,7 +526,9 @@ impl<'py> Builder<'py> {
     fn annotate(&self, ir_node: &mut pb::Node, meta: &Bound<'py, PyDict>) -> PyResult<()> {
         let custom = meta
             .get_item(intern!(self.py, "custom"))?
-            .filter(|c| c.is_truthy().unwrap_or(false));
+            .map(|c| c.is_truthy().map(|truthy| truthy.then_some(c)))
+            .transpose()?
+            .flatten();
         let Some(custom) = custom else {
             ir_node.model = self.cx.default_model.clone();
             return Ok(());
@@ -506,13 +551,13 @@ impl<'py> Builder<'py> {
             return Err(declined("an undeclared model"));
         };
         ir_node.micro_batch = match field(&self.cx.micro_batch_key)? {
-            Some(m) => m.extract().map_err(|_| declined("a bad micro-batch"))?,
+            Some(m) => index(&m).ok_or_else(|| declined("a bad micro-batch"))?,
             None => 0,
         };
         ir_node.compiled_region = text(&self.cx.compiled_region_key)?;
         ir_node.module_path = text(&self.cx.module_path_key)?;
         if let Some(layer) = field(&self.cx.layer_key)?.filter(|l| !l.is_none()) {
-            let layer: u32 = layer.extract().map_err(|_| declined("a bad layer"))?;
+            let layer = index(&layer).ok_or_else(|| declined("a bad layer"))?;
             if layer >= layers {
                 return Err(declined("a layer past the model's layers"));
             }
@@ -525,7 +570,8 @@ impl<'py> Builder<'py> {
     /// The innermost frames of the node's stack trace (Dynamo-traced graphs carry one).
     fn stack_trace(&self, meta: &Bound<'py, PyDict>) -> PyResult<Vec<String>> {
         let trace = meta.get_item(intern!(self.py, "stack_trace"))?;
-        let Some(trace) = trace.filter(|t| t.is_truthy().unwrap_or(false)) else {
+        let trace = trace.map(|t| t.is_truthy().map(|truthy| truthy.then_some(t)));
+        let Some(trace) = trace.transpose()?.flatten() else {
             return Ok(Vec::new());
         };
         let text: Bound<'py, PyString> = trace
@@ -573,7 +619,7 @@ impl<'py> Builder<'py> {
         })
     }
 
-    /// A produced value, with dtype and static shape from its fake tensor.
+    /// A produced value, with dtype and static shape from its fake tensor (a tensor leaf).
     fn value(
         &self,
         name: String,
@@ -581,9 +627,6 @@ impl<'py> Builder<'py> {
         role: pb::Role,
     ) -> PyResult<pb::Value> {
         let py = self.py;
-        if !tensor.is_instance(&self.cx.tensor_type)? {
-            return Err(declined("a value that is not a tensor"));
-        }
         let dtype = tensor.getattr(intern!(py, "dtype"))?;
         let dtype: i32 = match self.cx.dtypes.get_item(dtype)? {
             Some(d) => d.extract()?,
@@ -634,6 +677,14 @@ fn binding<'py>(
             Rc::clone(new.insert(Rc::new(Binding::read(&answer)?)))
         }
     })
+}
+
+/// A micro-batch or layer index: an int (not a bool) that fits a `u32`.
+fn index(value: &Bound<'_, PyAny>) -> Option<u32> {
+    if value.is_instance_of::<PyBool>() {
+        return None;
+    }
+    value.extract().ok()
 }
 
 /// Ints (bools as 0/1), floats (ints widened when mixed) or strings by the exact types of the
@@ -689,7 +740,7 @@ fn trim_ascii_stack_trace(trace: &str, frames: usize) -> Vec<String> {
         .collect();
     let from = match starts.len() {
         0 => 0,
-        n if n <= frames => starts[0],
+        n if n <= frames || frames == 0 => starts[0],
         n => starts[n - frames],
     };
     lines[from..].iter().map(|&l| l.to_owned()).collect()
@@ -698,14 +749,17 @@ fn trim_ascii_stack_trace(trace: &str, frames: usize) -> Vec<String> {
 /// Each output's value name, with the flat input index its gradient belongs to.
 type ListedOutputs = Vec<(String, Option<i64>)>;
 
-/// Converts the op nodes of a joint graph into the IR graph `header` (its name, metadata,
-/// models, inputs and constants, encoded), then marks the loss and lists the outputs.
+/// Converts the op nodes of a captured graph (joint or forward) into the IR graph `header`
+/// (its name, metadata, models, inputs and constants, encoded), then marks the loss and lists
+/// the outputs.
 ///
 /// `inputs` maps each placeholder and constant node to its value name; `forward` holds the
 /// forward op nodes; `loss` is the loss node; `outputs` lists the output nodes, each with the
 /// flat input index its gradient belongs to (None for the loss and the other outputs).
 /// Returns the graph and its outputs' value names with those indices. Raises
-/// `NativeDeclined` for what it leaves to the Python builder.
+/// `NativeDeclined` for what it leaves to the Python builder: whatever it does not convert
+/// itself, and any error a node raises on the way (the Python builder raises it again, after
+/// the errors its own order meets first).
 #[pyfunction]
 #[pyo3(signature = (*, header, inputs, ops, forward, loss, outputs, context))]
 #[allow(clippy::too_many_arguments)] // one keyword each, from one caller
@@ -720,38 +774,19 @@ pub fn build_fx_graph<'py>(
     context: Bound<'py, PyAny>,
 ) -> PyResult<(WireGraph, ListedOutputs)> {
     let graph = pb::Graph::decode(header).map_err(|e| declined(format!("header: {e}")))?;
-    let mut names = Names::default();
-    for (node, name) in inputs.iter() {
-        names
-            .0
-            .insert(node.as_ptr() as usize, vec![name.extract()?]);
-    }
-    let mut builder = Builder {
-        py,
-        cx: Context::read(&context, forward)?,
-        names,
-        bindings: FxHashMap::default(),
-        graph,
-    };
-    for node in ops.iter() {
-        builder.add_op(&node)?;
-    }
-    let loss_names = builder.names.of(&loss)?.to_vec();
-    let mut listed = Vec::new();
-    for (node, index) in outputs {
-        let names = builder.names.of(&node)?;
-        listed.extend(names.iter().map(|n| (n.clone(), index)));
-    }
-    let mut graph = builder.graph;
-    for value in &mut graph.values {
-        if loss_names.contains(&value.name) {
-            value.role = pb::Role::Loss as i32;
+    let built = (|| {
+        let mut builder = Builder {
+            py,
+            cx: Context::read(&context, forward)?,
+            names: Names::of_inputs(&inputs)?,
+            bindings: FxHashMap::default(),
+            graph,
+        };
+        for node in ops.iter() {
+            builder.add_op(&node)?;
         }
-    }
-    graph.outputs = listed.iter().map(|(n, _)| n.clone()).collect();
-    let mut seen = rustc_hash::FxHashSet::default();
-    if !graph.values.iter().all(|v| seen.insert(v.name.as_str())) {
-        return Err(declined("two values share a name"));
-    }
+        builder.finish(&loss, outputs)
+    })();
+    let (graph, listed) = declined_on(py, built)?;
     Ok((py.detach(|| WireGraph::new(graph)), listed))
 }

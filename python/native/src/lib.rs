@@ -496,7 +496,7 @@ fn plan(
             (Some(_), _, _) => {
                 return Err(Failure::new(
                     "invalid-option",
-                    "give a graph as bytes or as a built graph, not both",
+                    "a built graph comes alone: no bytes and no format with it",
                 ))
             }
             (None, Some(data), Some(format)) => Source::Bytes {
