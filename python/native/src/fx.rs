@@ -13,7 +13,7 @@
 //! stays in Python.
 //!
 //! Whatever this module does not convert itself (an argument of no IR form, a symbolic shape,
-//! an undeclared model, a TorchBind argument, ...) raises `NativeDeclined`, and the exporter
+//! an undeclared model, a bad layer, ...) raises `NativeDeclined`, and the exporter
 //! builds the graph with its Python builder, which reports the problem in its own words: the
 //! two builders give the same bytes for every graph this one accepts (python/tests
 //! test_native_export.py).
@@ -45,8 +45,8 @@ fn declined(why: impl Into<String>) -> PyErr {
     NativeDeclined::new_err(why.into())
 }
 
-/// A callback's error as a decline (the Python builder raises it again, in its own order);
-/// anything but an `Exception` (Ctrl-C) goes through.
+/// An error met while building (a node's, or a callback's) as a decline: the Python builder
+/// raises it again, in its own order. Anything but an `Exception` (Ctrl-C) goes through.
 fn declined_on<T>(py: Python<'_>, result: PyResult<T>) -> PyResult<T> {
     result.map_err(|e| {
         if e.is_instance_of::<PyException>(py) {
