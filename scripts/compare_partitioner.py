@@ -33,8 +33,8 @@ partitioner median divided by each planner median. What each timing includes:
 - in-process ``rp.plan`` of the graph as built: the graph the exporter's native builder made
   from the joint FX graph, planned as the compile stage plans it, with nothing to decode;
 - compile stage: ``PlanningStage.apply`` on a fresh copy: CSE, FX -> IR conversion (the
-  exporter's native builder), ``rp.plan``, tagging every node, removing the markers (what the stage adds to a compile
-  before torch's partitioner);
+  exporter's native builder), ``rp.plan``, tagging every node, removing the markers (what the
+  stage adds to a compile before torch's partitioner);
 - compile stage with the plan partitioner: ``PlanningStage.partition_fn`` on a fresh copy of
   the graph as traced: FX -> IR, ``rp.plan``, the forward and backward graphs built from the
   plan. This is the whole partition step of a compile with the stage, against the

@@ -24,9 +24,10 @@ Two builders apply the mapping below. The native one (``_native.build_fx_graph``
 values in Rust, which the planner plans as they are (``BuiltGraph.plannable``): no Python code
 of this package runs per node (fx's own ``args``/``kwargs`` getters and a fake tensor's
 ``shape``/``dtype`` do) and nothing is encoded or decoded between the builder and the
-planner (the few values declared before the nodes, one per input, come as a message). What it knows of an operator (name, binding of a call shape, written
-and viewed arguments, randomness, collective kind) it asks of this module once per call shape,
-so torch's schemas are read in one place. The Python builder (``build_graph_in_python``) is its
+planner (the few values declared before the nodes, one per input, come as a message). What it
+knows of an operator (name, binding of a call shape, written and viewed arguments, randomness,
+collective kind) it asks of this module once per call shape, so torch's schemas are read in
+one place. The Python builder (``build_graph_in_python``) is its
 reference: on any graph the native one accepts, both give the same bytes (tests
 test_native_export.py and the ``builders_agree`` fixture); anything the native one does not
 convert itself (an argument or dtype of no IR form, a symbolic shape, an undeclared model or
