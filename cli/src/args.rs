@@ -45,6 +45,16 @@ pub enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         _args: Vec<String>,
     },
+    /// Measure this device's op rates and overheads with the runtime: a profile for `--hw`
+    #[cfg(feature = "run")]
+    Calibrate(Box<crate::CalibrateCommandArgs>),
+    /// Not in this build: `calibrate` needs the runtime (the `run` feature)
+    #[cfg(not(feature = "run"))]
+    #[command(hide = true)]
+    Calibrate {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        _args: Vec<String>,
+    },
 }
 
 /// The options that shape a plan besides `--keep`, shared by `plan` and `pareto`.

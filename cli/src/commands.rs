@@ -64,8 +64,10 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Convert(args) => run_convert(args),
         #[cfg(feature = "run")]
         Command::Run(args) => crate::run_command(*args),
+        #[cfg(feature = "run")]
+        Command::Calibrate(args) => crate::calibrate_command(*args),
         #[cfg(not(feature = "run"))]
-        Command::Run { .. } => Err(Failure::Error(
+        Command::Run { .. } | Command::Calibrate { .. } => Err(Failure::Error(
             "this `planner` was built without the runtime: after `source scripts/env.sh`, \
              build it with `cargo build --release -p planner-cli --features run`"
                 .to_owned(),

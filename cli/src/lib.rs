@@ -1,9 +1,10 @@
 //! The runtime library (`libplanner_run.so`, built with the `run` feature): the `planner`
-//! command line with `planner run` in process and libtorch linked in. The binary loads it only
+//! command line with `planner run` and `planner calibrate` in process and libtorch linked in. The binary loads it only
 //! to run a plan, so no other command loads libtorch, and the binary itself never links it.
 #![cfg(feature = "run")]
 
 mod args;
+mod calibrate;
 mod commands;
 mod output;
 mod progress;
@@ -14,6 +15,7 @@ use std::{
     os::unix::ffi::OsStringExt,
 };
 
+use calibrate::{run_calibrate as calibrate_command, CalibrateArgs as CalibrateCommandArgs};
 use run::{run_run as run_command, RunArgs as RunCommandArgs};
 
 /// The library's entry, which the binary calls for `planner run`: runs the command line

@@ -563,7 +563,7 @@ fn the_output_format_follows_the_extension_unless_given() {
 
 #[test]
 fn a_pareto_point_is_reproduced_by_plan_choices() {
-    let graph = golden_graph("moe_ep2");
+    let graph = golden_graph("glm_dsa_ep2");
     let front = planner(&[&"pareto", &graph, &"--format", &"json"]);
     assert!(front.status.success(), "{}", stderr(&front));
     let doc: serde_json::Value = serde_json::from_slice(&front.stdout).unwrap();

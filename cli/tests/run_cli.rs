@@ -82,6 +82,17 @@ fn the_json_report_carries_peaks_op_counts_and_parity() {
     assert!(runs[0]["ops"]["replay"].as_u64().unwrap() > 0);
     assert_eq!(runs[1]["ops"]["replay"], 0);
     assert!(runs[0]["measured_peak_bytes"].as_u64().unwrap() > 0);
+    // Times: measured per stage, predicted from the plan's cost; no replay without checkpoints.
+    let time = |run: &serde_json::Value, key: &str| run[key].as_f64().unwrap();
+    let measured = &runs[0]["measured"];
+    assert!(time(measured, "replay_time_s") > 0.0);
+    assert!(time(measured, "step_time_s") >= time(measured, "forward_time_s"));
+    assert!(time(&runs[0]["predicted"], "replay_time_s") > 0.0);
+    assert!(
+        time(&runs[0]["predicted"], "step_time_s") > time(&runs[1]["predicted"], "step_time_s")
+    );
+    assert_eq!(runs[1]["measured"]["replay_time_s"], 0.0);
+    assert_eq!(runs[1]["predicted"]["replay_time_s"], 0.0);
     let tensors = report["ranks"][0]["tensors"].as_array().unwrap();
     assert!(tensors.iter().all(|t| t["reference"]["within"] == true));
 }

@@ -127,6 +127,7 @@ fn run_config(seed: Option<u64>) -> RunConfig {
         timeout: Duration::from_secs(120),
         max_input_bytes: u64::MAX,
         fault: None,
+        repeat: 1,
     }
 }
 

@@ -219,6 +219,7 @@ pub fn run_inputs(data: &[u8]) {
         timeout: Duration::from_secs(10),
         max_input_bytes: 64 << 20,
         fault: None,
+        repeat: 1,
     };
     if let Err(e) = run::run_loopback(vec![job; ranks as usize], &config) {
         for line in e.to_string().lines() {

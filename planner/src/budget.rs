@@ -45,7 +45,7 @@ use rayon::prelude::*;
 use crate::{
     compose::{Figures, Layers, Model, Run},
     config::{self, PlanConfig, Resolved},
-    cost::{ForwardWork, HwProfile},
+    cost::{HwProfile, NodeWork},
     explore::{self, Candidate, Explorer, Knapsack},
     partition,
     plan::{self, Baselines, PlanError},
@@ -112,7 +112,7 @@ pub struct Search<'g> {
     baselines: Baselines,
     layers: Layers,
     model: Model,
-    work: ForwardWork,
+    work: NodeWork,
     progress: &'g dyn Progress,
     /// The frontier `--budget` answers from ([`DEFAULT_STEPS`]), once found.
     default_frontier: OnceLock<Vec<Point>>,
@@ -146,7 +146,7 @@ impl<'g> Search<'g> {
         let layers = Layers::new(graph, searched_layers(graph, &resolved));
         let jobs = runs_of(graph, &layers)?;
         progress.stage("option tables", Some(jobs.len() as u64 + 1));
-        let work = ForwardWork::of(graph, hw);
+        let work = NodeWork::of(graph, hw, config.executor);
         let (baselines, runs) = rayon::join(
             || {
                 let baselines = Baselines::of(graph, config.executor);
@@ -517,7 +517,7 @@ fn run(
     resolved: &Resolved,
     layers: &Layers,
     (model, option): (ModelId, usize),
-    work: &ForwardWork,
+    work: &NodeWork,
 ) -> Run {
     let layer_units = layers
         .at

@@ -32,7 +32,7 @@ use ir::{
 };
 
 use crate::{
-    cost::ForwardWork,
+    cost::NodeWork,
     memory::{self, Instance, Observer, Step},
     partition::{Extra, Hold, Partition, Replay, Resized, Saved, Until},
     policy::Policy,
@@ -229,7 +229,7 @@ impl Run {
         (varied, option): (ModelId, usize),
         policy: &Policy,
         partition: Partition,
-        work: &ForwardWork,
+        work: &NodeWork,
         executor: Executor,
     ) -> Run {
         let mut contributions = contributions(graph, layers, varied, policy, &partition, work);
@@ -557,7 +557,7 @@ fn contributions(
     varied: ModelId,
     policy: &Policy,
     partition: &Partition,
-    work: &ForwardWork,
+    work: &NodeWork,
 ) -> Vec<(usize, Contribution)> {
     let mut out: Vec<(usize, Contribution)> = layers
         .at
@@ -688,7 +688,7 @@ impl Model {
     /// The model from the runs: the runs of each model come in option order from 0, the
     /// first run's fixed part stands for all. The runs are recorded in parallel, and the model
     /// is exact only if it composes each run's own simulated peak.
-    pub fn new(graph: &Graph, layers: &Layers, runs: Vec<Run>, work: &ForwardWork) -> Model {
+    pub fn new(graph: &Graph, layers: &Layers, runs: Vec<Run>, work: &NodeWork) -> Model {
         use rayon::prelude::*;
         let timeline = Timeline::new(graph, runs.iter().flat_map(|r| &r.replays));
         // What the executor holds in forward (the model's Python references) is the same in
@@ -761,7 +761,7 @@ impl Model {
         options: Vec<Vec<Contribution>>,
         fixed: Vec<(u32, Life)>,
         fixed_replays: Vec<Replay>,
-        work: &ForwardWork,
+        work: &NodeWork,
     ) -> Model {
         let mut fixed_of = vec![NONE; graph.values().len()];
         let mut lives = Vec::with_capacity(fixed.len());
@@ -881,7 +881,7 @@ impl Model {
 
     /// The figures a full plan of `choice` reports: the replay time summed replay by replay
     /// in schedule order, and the saved activation bytes, each storage once.
-    pub fn figures(&self, graph: &Graph, work: &ForwardWork, choice: &[u8], peak: u64) -> Figures {
+    pub fn figures(&self, graph: &Graph, work: &NodeWork, choice: &[u8], peak: u64) -> Figures {
         let chosen = || {
             self.options
                 .iter()

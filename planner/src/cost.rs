@@ -1,18 +1,22 @@
-//! Recompute cost (docs/cost-and-memory.md): FLOPs, bytes and bytes re-communicated by replay, and an estimated time
-//! from a hardware profile.
+//! Time (docs/cost-and-memory.md): FLOPs, bytes and bytes communicated per op, and an
+//! estimated time from a hardware profile, for replay and for the whole step.
 //!
-//! Each op is timed with a roofline, `max(flops / rate, bytes / hbm)`, where the rate is the
-//! matmul rate of the operands' dtype for compute-intensive ops (matmuls, attention) and the
-//! vector rate otherwise; its communication adds `comm_bytes / link`. Ops are summed: replay
-//! runs them in sequence. The shipped profiles (`--hw h100`, ...) hold vendor datasheet
-//! figures.
+//! Each op run costs a fixed overhead (dispatch and launch) plus a roofline,
+//! `max(flops / rate, bytes / hbm)`, where the rate is the matmul rate of the operands' dtype
+//! for compute-intensive ops (matmuls, attention; attention at the profile's attention share of
+//! it) and the vector rate otherwise. A collective adds its latency and `comm_bytes / link`; a
+//! copy to the host moves its bytes over the host link and synchronises (`host_sync_s`), as
+//! does reading a scalar on the host (`.item()`). Ops are summed: an executor runs them in
+//! sequence. The shipped profiles (`--hw h100`, ...) hold vendor datasheet figures;
+//! `planner calibrate` measures a profile on the device at hand.
 
 use std::path::Path;
 
 use ir::{
     display,
     io::{read_input_file, InputKind},
-    ops::Cost,
+    ops::{Cost, CostModel},
+    plan::Executor,
     DType, EntityId, Graph, NodeId, Phase,
 };
 use rayon::prelude::*;
@@ -43,6 +47,57 @@ pub struct HwProfile {
     pub compute_capability: [u32; 2],
     /// Streaming multiprocessors (compute units).
     pub multiprocessors: u32,
+    /// Fixed seconds every op run costs beyond its roofline: dispatch and kernel launch.
+    pub op_overhead_s: f64,
+    /// The share of its dtype's matmul rate an attention kernel reaches (fused attention runs
+    /// softmax and masking between its two matmuls).
+    pub attention_efficiency: f64,
+    /// Host <-> device copy bandwidth per direction (PCIe, C2C), bytes/s.
+    pub host_bytes_per_s: f64,
+    /// Seconds a host synchronisation costs beyond the op that asks for it (a copy to the
+    /// host, a scalar read on the host): the device queue drains and the host waits.
+    pub host_sync_s: f64,
+    /// Fixed seconds of one collective call, whatever its size.
+    pub collective_latency_s: f64,
+    /// What `planner calibrate` measured to make this profile; absent in datasheet profiles.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
+}
+
+/// How a calibrated profile was measured: the device, and every timing its rates were fitted
+/// to, so a reader can check a rate against the runs behind it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    /// The device measured (`cpu`, `cuda:0`) and what it is.
+    pub device: String,
+    pub description: String,
+    /// Threads the CPU kernels ran on.
+    pub threads: u32,
+    /// Each benchmark: median seconds of one run at one size.
+    pub timings: Vec<Timing>,
+    /// The profile's fields no benchmark measured: they keep the base profile's figures.
+    #[serde(default)]
+    pub not_measured: Vec<String>,
+}
+
+/// One benchmark of one op class at one size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timing {
+    /// The op class (`overhead`, `matmul_f32`, `memory`, ...: `calibration::CLASSES`).
+    pub class: String,
+    /// The op as the knowledge base names it, and its operands.
+    pub op: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// The op's work by the knowledge base's formulas.
+    pub flops: u64,
+    pub bytes: u64,
+    pub comm_bytes: u64,
+    /// Median seconds of one run, and how many runs it is the median of.
+    pub median_s: f64,
+    pub runs: u32,
 }
 
 /// Vendors state HBM capacities in binary units: an "80 GB" H100 has five 16 GiB stacks.
@@ -69,6 +124,12 @@ impl Default for HwProfile {
 impl HwProfile {
     /// NVIDIA H100 SXM5: 989.5 TFLOP/s bf16, 67 TFLOP/s fp32 and fp64 (tensor core), 1,979
     /// TFLOP/s fp8, 3.35 TB/s HBM3 (80 GiB), NVLink 4 at 900 GB/s (450 per direction).
+    ///
+    /// What no datasheet states is set at typical values for a current GPU on PCIe Gen5 x16,
+    /// and every shipped profile shares them: 5 us per op (PyTorch's dispatch and a kernel
+    /// launch), attention at 60% of the matmul rate (FlashAttention-2's share on H100), 64 GB/s
+    /// host <-> device per direction, 20 us per host synchronisation, 15 us per collective call
+    /// (NCCL within a node). `planner calibrate` measures all of them.
     fn h100() -> Self {
         HwProfile {
             name: "H100".to_owned(),
@@ -82,6 +143,12 @@ impl HwProfile {
             memory_bytes: GIB * 80.0,
             compute_capability: [9, 0],
             multiprocessors: 132,
+            op_overhead_s: 5e-6,
+            attention_efficiency: 0.6,
+            host_bytes_per_s: 64e9,
+            host_sync_s: 20e-6,
+            collective_latency_s: 15e-6,
+            calibration: None,
         }
     }
 
@@ -111,6 +178,7 @@ impl HwProfile {
             memory_bytes: GIB * 180.0,
             compute_capability: [10, 0],
             multiprocessors: 148,
+            ..HwProfile::h100()
         }
     }
 
@@ -130,6 +198,7 @@ impl HwProfile {
             memory_bytes: GIB * 192.0,
             compute_capability: [9, 4],
             multiprocessors: 304,
+            ..HwProfile::h100()
         }
     }
 
@@ -183,10 +252,23 @@ impl HwProfile {
             ("hbm_bytes_per_s", profile.hbm_bytes_per_s),
             ("link_bytes_per_s", profile.link_bytes_per_s),
             ("memory_bytes", profile.memory_bytes),
+            ("host_bytes_per_s", profile.host_bytes_per_s),
+            ("attention_efficiency", profile.attention_efficiency),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!(
                     "{origin}: `{field}` must be a positive number, got {value}"
+                ));
+            }
+        }
+        for (field, value) in [
+            ("op_overhead_s", profile.op_overhead_s),
+            ("host_sync_s", profile.host_sync_s),
+            ("collective_latency_s", profile.collective_latency_s),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!(
+                    "{origin}: `{field}` must be a number of seconds, 0 or more, got {value}"
                 ));
             }
         }
@@ -214,26 +296,64 @@ impl HwProfile {
     }
 
     /// The compute rate of `node`: a compute-intensive op (matmul, attention) runs at the
-    /// matmul rate of its first operand's dtype, anything else at the vector rate.
+    /// matmul rate of its first operand's dtype (attention at the profile's share of it),
+    /// anything else at the vector rate.
     fn rate_of(&self, graph: &Graph, node: NodeId) -> f64 {
         let node = graph.node(node);
         if !node.info.compute_intensive {
             return self.vector_flops_per_s;
         }
-        node.inputs
+        let matmul = node
+            .inputs
             .first()
             .map_or(self.matmul_flops_per_s, |&operand| {
                 self.matmul_rate(graph.value(operand).dtype)
-            })
+            });
+        if is_attention(&node.op) {
+            matmul * self.attention_efficiency
+        } else {
+            matmul
+        }
     }
 
-    /// Roofline seconds of `cost` at compute `rate`: compute or memory, whichever is slower,
-    /// plus communication.
-    fn seconds(&self, cost: &Cost, rate: f64) -> f64 {
-        let compute = cost.flops as f64 / rate;
+    /// Seconds of one run of `node`: the op's overhead, then compute or memory, whichever is
+    /// slower; a collective adds its latency and its bytes over the link; a copy to the host
+    /// moves its output over the host link and waits for the device, as a scalar read does.
+    fn seconds(&self, graph: &Graph, node: NodeId, cost: &Cost) -> f64 {
+        let n = graph.node(node);
+        if n.info.cost_model == CostModel::Free {
+            return self.op_overhead_s;
+        }
+        let compute = cost.flops as f64 / self.rate_of(graph, node);
         let memory = cost.bytes as f64 / self.hbm_bytes_per_s;
-        compute.max(memory) + cost.comm_bytes as f64 / self.link_bytes_per_s
+        let mut seconds = self.op_overhead_s + compute.max(memory);
+        if n.effects.collective.is_some() {
+            seconds += self.collective_latency_s + cost.comm_bytes as f64 / self.link_bytes_per_s;
+        }
+        if n.is_device_to_host_copy() {
+            let moved: u64 = n.outputs.iter().map(|&v| graph.value(v).bytes).sum();
+            seconds += self.host_sync_s + moved as f64 / self.host_bytes_per_s;
+        } else if is_host_scalar_read(&n.op) {
+            seconds += self.host_sync_s;
+        }
+        seconds
     }
+}
+
+/// Whether `op` is a fused attention kernel (SDPA's flash, memory-efficient or cuDNN forms,
+/// and their backward), which runs below the matmul rate.
+fn is_attention(op: &str) -> bool {
+    op.contains("attention")
+}
+
+/// `.item()` and every other read of a tensor's value on the host.
+fn is_host_scalar_read(op: &str) -> bool {
+    op == "aten._local_scalar_dense.default"
+}
+
+/// Whether `node` synchronises the host with the device: a copy to the host, a scalar read.
+pub fn is_host_sync(node: &ir::Node) -> bool {
+    node.is_device_to_host_copy() || is_host_scalar_read(&node.op)
 }
 
 /// What re-executing some nodes costs.
@@ -253,7 +373,7 @@ impl Work {
             flops: cost.flops,
             bytes: cost.bytes,
             comm_bytes: cost.comm_bytes,
-            seconds: hw.seconds(&cost, hw.rate_of(graph, node)),
+            seconds: hw.seconds(graph, node, &cost),
         }
     }
 
@@ -267,20 +387,25 @@ impl Work {
     }
 }
 
-/// The work of every forward node (what replay can re-run), computed once and in parallel for
-/// a plan document that sums it several ways; backward nodes count as nothing.
-pub struct ForwardWork(Vec<Work>);
+/// The work of every node as an executor runs it, computed once and in parallel for a plan
+/// document that sums it several ways (replay, each pass of the step).
+pub struct NodeWork(Vec<Work>);
 
-impl ForwardWork {
-    pub fn of(graph: &Graph, hw: &HwProfile) -> ForwardWork {
+impl NodeWork {
+    /// An eager executor runs no marker op (the marker returns its input, dispatching
+    /// nothing): its markers cost nothing. A graph executor runs each as a copy.
+    pub fn of(graph: &Graph, hw: &HwProfile, executor: Executor) -> NodeWork {
         let nodes = graph.nodes().values().as_slice();
-        ForwardWork(
+        NodeWork(
             nodes
                 .par_iter()
                 .enumerate()
-                .map(|(i, node)| match node.phase {
-                    Phase::Forward => Work::of_node(graph, hw, NodeId::from_index(i)),
-                    Phase::Backward => Work::default(),
+                .map(|(i, node)| {
+                    if executor == Executor::Eager && node.marker().is_some() {
+                        Work::default()
+                    } else {
+                        Work::of_node(graph, hw, NodeId::from_index(i))
+                    }
                 })
                 .collect(),
         )
@@ -295,6 +420,17 @@ impl ForwardWork {
         nodes
             .into_iter()
             .fold(Work::default(), |acc, id| acc.plus(self.node(id)))
+    }
+
+    /// The summed work of every node of `phase`: one pass of the step, replay aside.
+    pub fn pass(&self, graph: &Graph, phase: Phase) -> Work {
+        self.sum(
+            graph
+                .nodes()
+                .iter()
+                .filter(|(_, node)| node.phase == phase)
+                .map(|(id, _)| id),
+        )
     }
 }
 
@@ -326,14 +462,75 @@ mod tests {
         let flops = 2.0 * 8192f64.powi(3);
         assert_eq!(f32.flops as f64, flops);
         assert!(
-            (f32.seconds - flops / 67e12).abs() < 1e-9,
+            (f32.seconds - hw.op_overhead_s - flops / 67e12).abs() < 1e-9,
             "{}",
             f32.seconds
         );
         assert!(
-            (bf16.seconds - flops / 989.5e12).abs() < 1e-9,
+            (bf16.seconds - hw.op_overhead_s - flops / 989.5e12).abs() < 1e-9,
             "{}",
             bf16.seconds
+        );
+    }
+
+    /// A graph of `x -> view -> op(attributes)`, float32 `[1024, 1024]` (4 MiB).
+    fn one_op(op: &str, attributes: Vec<pb::Attribute>) -> Graph {
+        let mut b = Builder::new(1, &[]);
+        let x = b.input("x");
+        let (_, v) = b.node("aten.view.default", &[&x]);
+        let (_, y) = b.node(op, &[&v]);
+        b.output(&y);
+        let mut wire = b.wire();
+        wire.nodes[1].attributes = attributes;
+        for value in &mut wire.values {
+            value.shape = vec![1024, 1024];
+        }
+        Graph::from_wire(wire).unwrap()
+    }
+
+    fn seconds(graph: &Graph, hw: &HwProfile, node: usize) -> f64 {
+        Work::of_node(graph, hw, NodeId::from_index(node)).seconds
+    }
+
+    #[test]
+    fn every_op_pays_the_overhead_and_a_view_only_that() {
+        let hw = HwProfile::shipped("h100").unwrap();
+        let graph = one_op("aten.exp.default", Vec::new());
+        assert_eq!(seconds(&graph, &hw, 0), hw.op_overhead_s);
+        let roofline = (8u64 << 20) as f64 / hw.hbm_bytes_per_s;
+        assert!((seconds(&graph, &hw, 1) - hw.op_overhead_s - roofline).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_copy_to_the_host_waits_for_the_device_and_crosses_the_host_link() {
+        let hw = HwProfile::shipped("h100").unwrap();
+        let to_host = pb::Attribute {
+            name: "device".to_owned(),
+            value: Some(pb::attribute::Value::Str("cpu".to_owned())),
+        };
+        let copy = one_op("aten._to_copy.default", vec![to_host]);
+        let same_device = one_op("aten._to_copy.default", Vec::new());
+        let extra = seconds(&copy, &hw, 1) - seconds(&same_device, &hw, 1);
+        let expected = hw.host_sync_s + (4u64 << 20) as f64 / hw.host_bytes_per_s;
+        assert!(
+            (extra - expected).abs() < 1e-12,
+            "{extra} against {expected}"
+        );
+        assert!(is_host_sync(copy.node(NodeId::from_index(1))));
+        assert!(!is_host_sync(same_device.node(NodeId::from_index(1))));
+    }
+
+    #[test]
+    fn a_collective_pays_its_latency_and_its_bytes_over_the_link() {
+        let hw = HwProfile::shipped("h100").unwrap();
+        let all_reduce = one_op("_c10d_functional.all_reduce.default", Vec::new());
+        let add = one_op("aten.neg.default", Vec::new());
+        let extra = seconds(&all_reduce, &hw, 1) - seconds(&add, &hw, 1);
+        // A ring all-reduce sends its input twice (reduce-scatter, then all-gather).
+        let expected = hw.collective_latency_s + (8u64 << 20) as f64 / hw.link_bytes_per_s;
+        assert!(
+            (extra - expected).abs() < 1e-9,
+            "{extra} against {expected}"
         );
     }
 

@@ -4,6 +4,7 @@
 //! **Architecture invariant:** nothing here links libtorch; planning is pure graph work.
 
 pub mod budget;
+pub mod calibration;
 pub mod compose;
 pub mod config;
 pub mod convert;

@@ -8,14 +8,14 @@ use ir::{
         Config, Cost, Decision, Executor, GraphRef, Keep, LayerKeep, Memory, NodeDecision, Plan,
         Replay, SavedValue, UnitLayer, UnitSummary, PLANNER_VERSION,
     },
-    EntityId, Graph, NodeId, Role,
+    EntityId, Graph, NodeId, Phase, Role,
 };
 use rayon::prelude::*;
 use thiserror::Error;
 
 use crate::{
     config::{self, ConfigError, PlanConfig, Resolved},
-    cost::{ForwardWork, HwProfile},
+    cost::{self, HwProfile, NodeWork},
     diagnostics,
     memory::{self, Simulation},
     partition::{self, Partition, PartitionError},
@@ -142,7 +142,7 @@ fn finish(
         diagnostics.extend(worse);
         diagnostics.sort();
     }
-    let work = ForwardWork::of(graph, hw);
+    let work = NodeWork::of(graph, hw, config.executor);
     let partition = joint.as_ref().map(|j| &j.partition);
     Plan {
         planner_version: PLANNER_VERSION.to_owned(),
@@ -166,7 +166,7 @@ fn finish(
         replay: partition.map_or_else(Vec::new, |p| replays(p, &work)),
         units: unit_summaries(graph, &policy, joint.as_ref(), &work),
         memory: memory_figures(graph, config, joint.as_ref(), hw),
-        cost: cost_figures(joint.as_ref(), hw, &work),
+        cost: cost_figures(joint.as_ref(), graph, hw, &work),
         diagnostics,
     }
 }
@@ -271,20 +271,29 @@ fn memory_figures(
     }
 }
 
-fn cost_figures(joint: Option<&Joint>, hw: &HwProfile, work: &ForwardWork) -> Cost {
-    let (replay, baseline) = match joint {
+fn cost_figures(joint: Option<&Joint>, graph: &Graph, hw: &HwProfile, work: &NodeWork) -> Cost {
+    let (replay, baseline, replay_host_syncs) = match joint {
         Some(j) => (
             work.sum(replayed(&j.partition)),
             work.sum(replayed(&j.baselines.full_recompute)),
+            replayed(&j.partition)
+                .filter(|&id| cost::is_host_sync(graph.node(id)))
+                .count() as u64,
         ),
         None => Default::default(),
     };
+    let forward = work.pass(graph, Phase::Forward);
+    let backward = work.pass(graph, Phase::Backward);
     Cost {
         replay_flops: replay.flops,
         replay_bytes: replay.bytes,
         replay_comm_bytes: replay.comm_bytes,
         replay_time_s: replay.seconds,
         full_recompute_replay_time_s: baseline.seconds,
+        forward_time_s: forward.seconds,
+        backward_time_s: backward.seconds,
+        step_time_s: forward.seconds + replay.seconds + backward.seconds,
+        replay_host_syncs,
         hw: hw.name.clone(),
     }
 }
@@ -361,7 +370,7 @@ fn saved_values(graph: &Graph, partition: &Partition) -> Vec<SavedValue> {
         .collect()
 }
 
-fn replays(partition: &Partition, work: &ForwardWork) -> Vec<Replay> {
+fn replays(partition: &Partition, work: &NodeWork) -> Vec<Replay> {
     partition
         .replays
         .par_iter()
@@ -391,7 +400,7 @@ fn unit_summaries(
     graph: &Graph,
     policy: &Policy,
     joint: Option<&Joint>,
-    work: &ForwardWork,
+    work: &NodeWork,
 ) -> Vec<UnitSummary> {
     let mut saved = vec![false; graph.values().len()];
     for s in joint

@@ -249,6 +249,19 @@ fn text_memory(w: &mut String, plan: &Plan, graph: &Graph) {
         format_seconds(c.replay_time_s),
         format_seconds(c.full_recompute_replay_time_s)
     );
+    let syncs = match c.replay_host_syncs {
+        0 => String::new(),
+        n => format!("; replay re-runs {n} host synchronisation(s)"),
+    };
+    let _ = writeln!(
+        w,
+        "step time ({}): {} = forward {} + replay {} + backward {}{syncs}",
+        c.hw,
+        format_seconds(c.step_time_s),
+        format_seconds(c.forward_time_s),
+        format_seconds(c.replay_time_s),
+        format_seconds(c.backward_time_s)
+    );
 }
 
 /// The whole training state on one device, its parts, and whether it fits.

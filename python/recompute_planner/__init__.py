@@ -7,6 +7,7 @@
   places its layer scopes and unit markers (an ``Annotation``; units by submodule, method or
   ``OpInterval``), or ``markers`` in the source with ``models=[ModelDecl(...)]``;
   ``TensorSpec`` is an input by shape and dtype;
+- ``calibrate(device)``: a hardware profile measured in eager PyTorch, for ``plan(hw=...)``;
 - ``compile``: the torch.compile planning stage (joint-graph pass, ``partition_fn``);
 - ``sac``: eager selective-checkpointing policies from a plan (``sac.checkpoint_layers``);
 - ``errors``: ``PlannerError``, ``PlanRejected``, ``PlannerWarning``, ``ExportError``,
@@ -23,6 +24,7 @@ from ._exporter import ExportResult, ModelDecl
 from ._native import PLANNER_VERSION as __version__  # the workspace's Cargo version
 from .annotate import Annotation, OpInterval, annotate
 from .api import check_plan, plan
+from .calibration import calibrate
 from .errors import (
     ExportError,
     PlannerError,
@@ -65,6 +67,7 @@ __all__ = [
     "TensorSpec",
     "__version__",
     "annotate",
+    "calibrate",
     "check_plan",
     "errors",
     "export",

@@ -14,6 +14,8 @@ __all__ = [
     "collective_kind",
     "interval_contents",
     "hw_profile",
+    "calibration_benchmarks",
+    "fit_calibration",
     "MARKER_OP",
     "MARKER_NAME_ATTR",
     "PLANNER_VERSION",
@@ -83,6 +85,19 @@ def build_fx_graph(
 def read_plan_file(path: str, from_format: str, to_format: str) -> bytes: ...
 def hw_profile(
     *, name: str | None = None, json: str | None = None, path: str | None = None
+) -> str: ...
+def calibration_benchmarks(cuda: bool) -> str: ...
+def fit_calibration(
+    *,
+    cuda: bool,
+    medians: list[float | None],
+    runs: int,
+    device: str,
+    description: str,
+    threads: int,
+    memory_bytes: float | None,
+    base_json: str,
+    name: str,
 ) -> str: ...
 def convert_plan(data: bytes, from_format: str, to_format: str) -> bytes: ...
 def collective_kind(op: str) -> str | None: ...

@@ -127,6 +127,10 @@ class Cost:
     replay_comm_bytes: int
     replay_time_s: float
     full_recompute_replay_time_s: float
+    forward_time_s: float
+    backward_time_s: float
+    step_time_s: float  # forward + replay + backward
+    replay_host_syncs: int
     hw: str
 
 

@@ -348,7 +348,7 @@ def test_the_extension_is_part_of_the_package():
 PUBLIC_NAMES = {
     "Annotation", "ExportError", "ExportResult", "ModelDecl", "OpInterval", "Plan", "PlanRejected",
     "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
-    "annotate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
+    "annotate", "calibrate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
 }
 
 

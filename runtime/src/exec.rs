@@ -121,6 +121,30 @@ pub struct StepResult {
     pub counts: OpCounts,
     /// Wall time of the step (on CUDA, until the device finished).
     pub seconds: f64,
+    /// Wall time spent in each stage's steps (forward, replay, backward), each step's kernel
+    /// and the runtime's work around it. On CUDA, without a synchronisation per op, a stage
+    /// counts the host's time to launch its kernels; the step's time counts the device's.
+    pub stage_seconds: StageSeconds,
+}
+
+/// Seconds per stage of a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageSeconds([f64; 3]);
+
+impl StageSeconds {
+    /// Forward, replay and backward seconds.
+    pub fn new(seconds: [f64; 3]) -> StageSeconds {
+        StageSeconds(seconds)
+    }
+
+    fn add(&mut self, stage: Stage, seconds: f64) {
+        self.0[OpCounts::slot(stage)] += seconds;
+    }
+
+    /// Seconds spent in `stage`.
+    pub fn of(&self, stage: Stage) -> f64 {
+        self.0[OpCounts::slot(stage)]
+    }
 }
 
 /// Runs one step on this rank.
@@ -161,10 +185,12 @@ pub fn run_step(
     let mut saved_bytes = None;
     let mut counts = OpCounts::new(graph.nodes().len());
     let mut collectives = 0u64;
+    let mut stage_seconds = StageSeconds::default();
     for (step, &(stage, id)) in schedule.steps().iter().enumerate() {
         if stage != Stage::Forward && saved_bytes.is_none() {
             saved_bytes = Some(held_activation_bytes(graph, &env, &input_storages));
         }
+        let step_started = Instant::now();
         let node = graph.node(id);
         let inputs: Vec<&Tensor> = node
             .inputs
@@ -237,6 +263,7 @@ pub fn run_step(
         for slot in schedule.frees(step) {
             env.take(Slot(slot.copy, slot.value));
         }
+        stage_seconds.add(stage, step_started.elapsed().as_secs_f64());
     }
     if allocator {
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
@@ -265,6 +292,7 @@ pub fn run_step(
         allocator_peak_bytes,
         counts,
         seconds,
+        stage_seconds,
     })
 }
 

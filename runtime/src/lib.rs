@@ -24,3 +24,8 @@ pub use tch::Device;
 pub fn cuda_available() -> bool {
     tch::Cuda::is_available()
 }
+
+/// Threads libtorch's CPU kernels run on.
+pub fn cpu_threads() -> usize {
+    usize::try_from(tch::get_num_threads()).unwrap_or(0)
+}

@@ -32,7 +32,7 @@ use crate::{
         loopback::LoopbackGroup,
         nccl, CommError, Communicator, Identity,
     },
-    exec::{self, Fault, OpCounts, StepError},
+    exec::{self, Fault, OpCounts, StageSeconds, StepError, StepResult},
     fingerprint,
     inputs::{self, InputError, RankInputs},
     program::{PrepareError, Program},
@@ -114,6 +114,9 @@ pub struct RunConfig {
     /// before anything is read or filled; also the largest safetensors file read.
     pub max_input_bytes: u64,
     pub fault: Option<Fault>,
+    /// Steps each variant runs (at least 1): outputs and memory are the first step's, times
+    /// the median of all of them.
+    pub repeat: u32,
 }
 
 /// One variant's run on one rank.
@@ -129,7 +132,14 @@ pub struct VariantRun {
     pub predicted_saved_bytes: Option<u64>,
     /// CUDA only: the caching allocator's peak, parameters excluded.
     pub allocator_peak_bytes: Option<u64>,
+    /// Median wall time of the step, and of each stage's steps, over `repeat` steps.
     pub seconds: f64,
+    pub stage_seconds: StageSeconds,
+    pub repeat: u32,
+    /// The planner's prediction of the step's and replay's time, where this variant has a
+    /// plan.
+    pub predicted_step_time_s: Option<f64>,
+    pub predicted_replay_time_s: Option<f64>,
     pub counts: OpCounts,
 }
 
@@ -710,18 +720,18 @@ fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Predic
     let mut out = vec![(
         Variant::Plan,
         schedule_of(graph, &job.plan)?,
-        Predicted {
-            peak: memory.peak_bytes,
-            saved: job.plan.joint.then_some(memory.saved_bytes),
-        },
+        Predicted::of(&job.plan),
     )];
     if check {
+        let cost = &job.plan.cost;
         out.push((
             Variant::NoCheckpoint,
             Schedule::no_checkpoint(graph),
             Predicted {
                 peak: memory.no_checkpoint_peak_bytes,
                 saved: None,
+                step_time_s: Some(cost.forward_time_s + cost.backward_time_s),
+                replay_time_s: Some(0.0),
             },
         ));
         if let Some(whole) = &job.whole_layer {
@@ -730,7 +740,7 @@ fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Predic
                 schedule_of(graph, whole)?,
                 Predicted {
                     peak: memory.full_recompute_peak_bytes,
-                    saved: Some(whole.memory.saved_bytes),
+                    ..Predicted::of(whole)
                 },
             ));
         }
@@ -743,6 +753,39 @@ struct Predicted {
     peak: Option<u64>,
     /// The activation bytes forward leaves for backward (a joint graph's plans only).
     saved: Option<u64>,
+    step_time_s: Option<f64>,
+    replay_time_s: Option<f64>,
+}
+
+impl Predicted {
+    /// What `plan` predicts of the step that executes it.
+    fn of(plan: &Plan) -> Predicted {
+        Predicted {
+            peak: plan.memory.peak_bytes,
+            saved: plan.joint.then_some(plan.memory.saved_bytes),
+            step_time_s: Some(plan.cost.step_time_s),
+            replay_time_s: Some(plan.cost.replay_time_s),
+        }
+    }
+}
+
+/// The median step time of `steps`, and the median of each stage's time (each median on its
+/// own, so the stages need not add up to the step).
+fn median_times(steps: &[StepResult]) -> (f64, StageSeconds) {
+    let median = |time: &dyn Fn(&StepResult) -> f64| {
+        let mut times: Vec<f64> = steps.iter().map(time).collect();
+        times.sort_by(f64::total_cmp);
+        match times.len() {
+            0 => 0.0,
+            n if n % 2 == 1 => times[n / 2],
+            n => (times[n / 2 - 1] + times[n / 2]) / 2.0,
+        }
+    };
+    let stages = StageSeconds::new(
+        [Stage::Forward, Stage::Replay, Stage::Backward]
+            .map(|stage| median(&|s: &StepResult| s.stage_seconds.of(stage))),
+    );
+    (median(&|s: &StepResult| s.seconds), stages)
 }
 
 fn rank_main(
@@ -777,8 +820,20 @@ fn rank_main(
     let mut runs = Vec::new();
     let mut outputs = Vec::new();
     for (variant, schedule, predicted) in &variants {
-        let mut rng = initial_rng(&inputs, device, config.seed, rank)?;
-        let step = exec::run_step(&program, schedule, &inputs, comm, &mut rng, config.fault)?;
+        let mut steps = Vec::new();
+        for _ in 0..config.repeat.max(1) {
+            let mut rng = initial_rng(&inputs, device, config.seed, rank)?;
+            steps.push(exec::run_step(
+                &program,
+                schedule,
+                &inputs,
+                comm,
+                &mut rng,
+                config.fault,
+            )?);
+        }
+        let (seconds, stage_seconds) = median_times(&steps);
+        let step = steps.swap_remove(0);
         runs.push(VariantRun {
             variant: *variant,
             predicted_peak_bytes: predicted.peak,
@@ -786,7 +841,11 @@ fn rank_main(
             predicted_saved_bytes: predicted.saved,
             measured_saved_bytes: step.saved_bytes,
             allocator_peak_bytes: step.allocator_peak_bytes,
-            seconds: step.seconds,
+            seconds,
+            stage_seconds,
+            repeat: config.repeat.max(1),
+            predicted_step_time_s: predicted.step_time_s,
+            predicted_replay_time_s: predicted.replay_time_s,
             counts: step.counts,
         });
         outputs.push((*variant, step.outputs));

@@ -238,6 +238,10 @@ fn write_cost(j: &mut Pretty, c: &Cost) {
         j.key("replay_time_s").f64(c.replay_time_s);
         j.key("full_recompute_replay_time_s")
             .f64(c.full_recompute_replay_time_s);
+        j.key("forward_time_s").f64(c.forward_time_s);
+        j.key("backward_time_s").f64(c.backward_time_s);
+        j.key("step_time_s").f64(c.step_time_s);
+        j.key("replay_host_syncs").u64(c.replay_host_syncs);
         j.key("hw").str(&c.hw);
     });
 }

@@ -269,6 +269,13 @@ pub struct Cost {
     pub replay_time_s: f64,
     /// Replay time of whole-layer recompute, for comparison.
     pub full_recompute_replay_time_s: f64,
+    /// The forward and backward passes of the step, replay aside.
+    pub forward_time_s: f64,
+    pub backward_time_s: f64,
+    /// The whole step: forward, replay and backward.
+    pub step_time_s: f64,
+    /// Host synchronisations replay re-runs (copies to the host, scalar reads).
+    pub replay_host_syncs: u64,
     /// The hardware profile the times assume.
     pub hw: String,
 }

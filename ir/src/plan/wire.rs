@@ -45,6 +45,10 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
             replay_bytes: plan.cost.replay_bytes,
             full_recompute_replay_time_s: plan.cost.full_recompute_replay_time_s,
             hw: plan.cost.hw.clone(),
+            forward_time_s: plan.cost.forward_time_s,
+            backward_time_s: plan.cost.backward_time_s,
+            step_time_s: plan.cost.step_time_s,
+            replay_host_syncs: plan.cost.replay_host_syncs,
         }),
         diagnostics: plan
             .diagnostics
@@ -246,6 +250,10 @@ pub fn from_wire(wire: pb::Plan) -> Result<(Plan, NameTable), PlanReadError> {
             replay_time_s: cost.replay_time_s,
             full_recompute_replay_time_s: cost.full_recompute_replay_time_s,
             hw: cost.hw,
+            forward_time_s: cost.forward_time_s,
+            backward_time_s: cost.backward_time_s,
+            step_time_s: cost.step_time_s,
+            replay_host_syncs: cost.replay_host_syncs,
         },
         diagnostics,
     };

@@ -585,6 +585,50 @@ fn hw_profile(
         .map_err(|f| f.into_py_err(py))
 }
 
+/// The benchmarks `planner calibrate` times, as JSON, for an executor that runs them itself
+/// (`recompute_planner.calibrate`, in eager PyTorch).
+#[pyfunction]
+fn calibration_benchmarks(cuda: bool) -> String {
+    let all: Vec<_> = planner::calibration::benchmarks(cuda)
+        .iter()
+        .map(|b| b.describe())
+        .collect();
+    serde_json::Value::from(all).to_string()
+}
+
+/// The profile fitted to the medians of `calibration_benchmarks(cuda)` (`None` for one not
+/// run), with the device's memory where known, over the base profile `base_json`, as JSON.
+#[pyfunction]
+#[pyo3(signature = (*, cuda, medians, runs, device, description, threads, memory_bytes, base_json, name))]
+#[allow(clippy::too_many_arguments)]
+fn fit_calibration(
+    py: Python<'_>,
+    cuda: bool,
+    medians: Vec<Option<f64>>,
+    runs: u32,
+    device: &str,
+    description: &str,
+    threads: u32,
+    memory_bytes: Option<f64>,
+    base_json: &str,
+    name: &str,
+) -> PyResult<String> {
+    let fitted = (|| -> Result<String, String> {
+        let base = HwProfile::from_json(base_json.as_bytes(), "base profile")?;
+        let calibration = planner::cost::Calibration {
+            device: device.to_owned(),
+            description: description.to_owned(),
+            threads,
+            timings: planner::calibration::timings_of(cuda, &medians, runs)?,
+            not_measured: Vec::new(),
+        };
+        let profile = planner::calibration::fit(&base, name, memory_bytes, calibration)
+            .map_err(|e| e.to_string())?;
+        Ok(profile.to_json())
+    })();
+    fitted.map_err(|e| Failure::new("invalid-option", e).into_py_err(py))
+}
+
 /// Reads a plan (`from_format`: `json` or `pb`) through `ir::plan` and writes it in
 /// `to_format`: the one reader of plan files, the CLI's.
 #[pyfunction]
@@ -667,6 +711,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
     m.add_function(wrap_pyfunction!(interval_contents, m)?)?;
     m.add_function(wrap_pyfunction!(hw_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(calibration_benchmarks, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_calibration, m)?)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;

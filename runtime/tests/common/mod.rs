@@ -85,6 +85,7 @@ pub fn config(timeout: Duration) -> RunConfig {
         timeout,
         max_input_bytes: u64::MAX,
         fault: None,
+        repeat: 1,
     }
 }
 

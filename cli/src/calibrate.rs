@@ -1,0 +1,143 @@
+//! `planner calibrate`: times the op classes the cost model uses on this device, each as a
+//! small graph of one op repeated, executed by the same runtime as `planner run` (so an op's
+//! overhead is what this executor pays per op), and writes the hardware profile fitted to
+//! the timings (`planner::calibration`), with the timings inside it.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use clap::Args;
+use ir::{plan::Stage, Graph};
+use planner::{
+    calibration::{self, benchmarks, Benchmark},
+    config::PlanConfig,
+    cost::{Calibration, HwProfile, Timing},
+    plan,
+};
+use runtime::{
+    program,
+    run::{RankJob, RunConfig},
+};
+
+use crate::{commands::Failure, output::Output, run};
+
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Where to write the profile (JSON, as `--hw FILE` and `hw=` read it; default: stdout)
+    #[arg(short, long, value_name = "FILE")]
+    output: Option<PathBuf>,
+    /// `cpu`, `cuda` or `cuda:N`
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Steps each benchmark runs; its time is their median
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(3..=1000))]
+    repeat: u32,
+    /// The profile's name (default: `calibrated <device>`)
+    #[arg(long)]
+    name: Option<String>,
+    /// The profile whose figures stand for what is not measured (fp64 and fp8 matmuls, device
+    /// memory on a GPU): a shipped name or a file
+    #[arg(long, value_name = "PROFILE", default_value = "h200")]
+    base: PathBuf,
+}
+
+pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
+    let device = run::parse_device(&args.device)?;
+    let cuda = matches!(device, runtime::Device::Cuda(_));
+    let base = crate::commands::load_hw(Some(&args.base))?;
+    let output = Output::new(args.output.as_deref(), &[&args.base])?;
+    let config = RunConfig {
+        device,
+        seed: Some(0),
+        check: false,
+        timeout: Duration::from_secs(600),
+        max_input_bytes: 4 << 30,
+        fault: None,
+        repeat: args.repeat,
+    };
+    let mut timings = Vec::new();
+    let mut overhead = 0.0;
+    for bench in benchmarks(cuda) {
+        let timing = time(&bench, &config, &base, overhead)?;
+        if bench.class == "overhead" {
+            overhead = timing.median_s;
+        }
+        let shape: Vec<String> = timing.shape.iter().map(u64::to_string).collect();
+        eprintln!(
+            "calibrate: {:<14} {:<56} {:>12} {:>12.3} us",
+            bench.class,
+            bench.op,
+            shape.join("x"),
+            timing.median_s * 1e6
+        );
+        timings.push(timing);
+    }
+    let device_name = program::device_name(device);
+    let threads = u32::try_from(runtime::cpu_threads()).unwrap_or(0);
+    let calibration = Calibration {
+        device: device_name.clone(),
+        description: describe(cuda),
+        threads,
+        timings,
+        not_measured: Vec::new(),
+    };
+    let name = args
+        .name
+        .unwrap_or_else(|| format!("calibrated {device_name}"));
+    // The machine's memory on the CPU; a GPU's keeps the base profile's.
+    let memory = (!cuda)
+        .then(runtime::inputs::machine_memory)
+        .flatten()
+        .map(|bytes| bytes as f64);
+    let profile = calibration::fit(&base, &name, memory, calibration).map_err(|e| e.to_string())?;
+    let mut json = serde_json::to_string_pretty(&profile).map_err(|e| e.to_string())?;
+    json.push('\n');
+    output.write(json.as_bytes())?;
+    Ok(())
+}
+
+/// Median seconds of one op of `bench`: its graph's forward time over its repeats, less the
+/// overhead of the `wait_tensor` each collective is followed by.
+fn time(
+    bench: &Benchmark,
+    config: &RunConfig,
+    hw: &HwProfile,
+    overhead: f64,
+) -> Result<Timing, Failure> {
+    let graph = Graph::from_wire(bench.graph())
+        .map_err(|e| format!("calibration graph `{}`: {e}", bench.op))?;
+    let graph = Arc::new(graph);
+    let plan = Arc::new(plan::plan(&graph, &PlanConfig::default(), hw).map_err(|e| e.to_string())?);
+    let jobs = (0..bench.world)
+        .map(|_| RankJob {
+            graph: Arc::clone(&graph),
+            plan: Arc::clone(&plan),
+            whole_layer: None,
+            inputs: PathBuf::from("/nonexistent/calibrate.safetensors"),
+        })
+        .collect();
+    let report = run::execute(jobs, config)?;
+    let forward = report
+        .ranks
+        .iter()
+        .flat_map(|rank| rank.runs.first())
+        .map(|run| run.stage_seconds.of(Stage::Forward))
+        .fold(0.0, f64::max);
+    let waits = if bench.world > 1 { overhead } else { 0.0 };
+    let median = (forward / bench.repeats as f64 - waits).max(f64::MIN_POSITIVE);
+    Ok(bench.timing(median, config.repeat)?)
+}
+
+fn describe(cuda: bool) -> String {
+    if cuda {
+        return "CUDA device".to_owned();
+    }
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, name)| name.trim().to_owned())
+        })
+        .unwrap_or_else(|| "CPU".to_owned())
+}

@@ -1,0 +1,697 @@
+//! A hardware profile fitted to measured timings (`planner calibrate`): each rate of the cost
+//! model (docs/cost-and-memory.md, M2) from the benchmarks of its op class, so the profile
+//! times ops the way the device at hand runs them.
+//!
+//! Every timing is one op's median seconds at one size, with the op's FLOPs and bytes by the
+//! knowledge base's formulas, the same ones the cost model applies to a graph. The fixed
+//! overhead of an op comes from the `overhead` benchmark (the smallest op there is); each
+//! rate is the median over its class's sizes of `work / (seconds - overhead)`, so one noisy
+//! size moves nothing. A class the calibration did not measure keeps the base profile's
+//! figure, and the profile lists it in `calibration.not_measured`.
+
+use ir::{
+    wire::graph::{self as pb, attribute::Value as AttrValue},
+    EntityId, Graph, NodeId,
+};
+
+use crate::cost::{Calibration, HwProfile, Timing};
+
+/// The classes of benchmark a calibration may hold, and the profile field each one sets.
+pub const CLASSES: [(&str, &str); 10] = [
+    ("overhead", "op_overhead_s"),
+    ("matmul_f32", "matmul_f32_flops_per_s"),
+    ("matmul_bf16", "matmul_flops_per_s"),
+    ("attention", "attention_efficiency"),
+    ("memory", "hbm_bytes_per_s"),
+    ("transcendental", "vector_flops_per_s"),
+    (
+        "reduction",
+        "(checked against hbm_bytes_per_s, sets nothing)",
+    ),
+    ("host_copy", "host_bytes_per_s"),
+    ("host_sync", "host_sync_s"),
+    ("collective", "collective_latency_s, link_bytes_per_s"),
+];
+
+/// One benchmark: `repeats` copies of one op on the same inputs, timed together.
+pub struct Benchmark {
+    pub class: &'static str,
+    pub op: &'static str,
+    pub dtype: pb::Dtype,
+    pub inputs: Vec<Vec<i64>>,
+    pub outputs: Vec<(pb::Dtype, Vec<i64>)>,
+    pub attributes: Vec<pb::Attribute>,
+    pub repeats: usize,
+    /// Ranks the graph runs on (a collective's group).
+    pub world: u32,
+}
+
+impl Benchmark {
+    fn new(class: &'static str, op: &'static str, dtype: pb::Dtype, inputs: &[&[i64]]) -> Self {
+        let first = inputs.first().map_or_else(Vec::new, |s| s.to_vec());
+        Benchmark {
+            class,
+            op,
+            dtype,
+            inputs: inputs.iter().map(|s| s.to_vec()).collect(),
+            outputs: vec![(dtype, first)],
+            attributes: Vec::new(),
+            repeats: 1,
+            world: 1,
+        }
+    }
+
+    fn output(mut self, outputs: Vec<(pb::Dtype, Vec<i64>)>) -> Self {
+        self.outputs = outputs;
+        self
+    }
+
+    fn attribute(mut self, name: &str, value: AttrValue) -> Self {
+        self.attributes.push(pb::Attribute {
+            name: name.to_owned(),
+            value: Some(value),
+        });
+        self
+    }
+
+    /// Repeats the op until the graph holds about `work` FLOPs or bytes (at most 400 ops, at
+    /// least 3), so each benchmark runs for milliseconds whatever its size.
+    fn repeated_for(mut self, per_op: f64, work: f64) -> Self {
+        self.repeats = ((work / per_op.max(1.0)) as usize).clamp(3, 400);
+        self
+    }
+
+    /// The graph: the inputs, then `repeats` nodes of the op reading them (a collective's each
+    /// followed by its wait); the last node's outputs are the graph's.
+    pub fn graph(&self) -> pb::Graph {
+        let value = |name: String, dtype: pb::Dtype, shape: &[i64], role: pb::Role| pb::Value {
+            name,
+            dtype: dtype as i32,
+            shape: shape.to_vec(),
+            role: role as i32,
+        };
+        let mut values: Vec<pb::Value> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| value(format!("x{i}"), self.dtype, shape, pb::Role::Input))
+            .collect();
+        let inputs: Vec<String> = values.iter().map(|v| v.name.clone()).collect();
+        let mut nodes = Vec::new();
+        let collective = self.op.starts_with("_c10d_functional.");
+        for r in 0..self.repeats {
+            let outputs: Vec<String> = (0..self.outputs.len())
+                .map(|o| format!("y{r}_{o}"))
+                .collect();
+            for (name, (dtype, shape)) in outputs.iter().zip(&self.outputs) {
+                values.push(value(name.clone(), *dtype, shape, pb::Role::Activation));
+            }
+            nodes.push(node(
+                format!("n{r}"),
+                self.op,
+                inputs.clone(),
+                outputs.clone(),
+                &self.attributes,
+                collective,
+            ));
+            if collective {
+                let waited = format!("w{r}");
+                let (dtype, shape) = &self.outputs[0];
+                values.push(value(waited.clone(), *dtype, shape, pb::Role::Activation));
+                nodes.push(node(
+                    format!("wait{r}"),
+                    "_c10d_functional.wait_tensor.default",
+                    outputs[..1].to_vec(),
+                    vec![waited],
+                    &[],
+                    true,
+                ));
+            }
+        }
+        let outputs = nodes
+            .last()
+            .map_or_else(Vec::new, |n: &pb::Node| n.outputs.clone());
+        pb::Graph {
+            name: format!("calibrate {}", self.op),
+            values,
+            nodes,
+            outputs,
+            models: vec![pb::Model {
+                name: "main".to_owned(),
+                ..Default::default()
+            }],
+            metadata: Some(pb::Metadata {
+                world_size: self.world,
+                ..Default::default()
+            }),
+        }
+    }
+    /// The timing of one op of this benchmark, `median_s` seconds over `runs` runs, with the
+    /// op's work by the knowledge base.
+    pub fn timing(&self, median_s: f64, runs: u32) -> Result<Timing, String> {
+        let graph = Graph::from_wire(self.graph())
+            .map_err(|e| format!("calibration graph `{}`: {e}", self.op))?;
+        let cost = graph.node_cost(NodeId::from_index(0));
+        Ok(Timing {
+            class: self.class.to_owned(),
+            op: self.op.to_owned(),
+            dtype: dtype_name(self.dtype),
+            shape: self.inputs.first().map_or_else(Vec::new, |s| {
+                s.iter().map(|&d| u64::try_from(d).unwrap_or(0)).collect()
+            }),
+            flops: cost.flops,
+            bytes: cost.bytes,
+            comm_bytes: cost.comm_bytes,
+            median_s,
+            runs,
+        })
+    }
+
+    /// The benchmark for an executor other than the runtime (eager PyTorch): the op, its
+    /// tensors' dtypes and shapes, its attributes as plain JSON values, the repeats.
+    pub fn describe(&self) -> serde_json::Value {
+        let attributes: serde_json::Map<String, serde_json::Value> = self
+            .attributes
+            .iter()
+            .filter_map(|a| Some((a.name.clone(), attribute_json(a.value.as_ref()?))))
+            .collect();
+        serde_json::json!({
+            "class": self.class,
+            "op": self.op,
+            "dtype": dtype_name(self.dtype),
+            "inputs": self.inputs,
+            "outputs": self.outputs.iter().map(|(d, s)| serde_json::json!([dtype_name(*d), s])).collect::<Vec<_>>(),
+            "attributes": attributes,
+            "repeats": self.repeats,
+            "world": self.world,
+        })
+    }
+}
+
+/// torch's name of a dtype (`float32`, `bfloat16`), as the IR's enumeration spells it.
+fn dtype_name(dtype: pb::Dtype) -> String {
+    dtype
+        .as_str_name()
+        .trim_start_matches("DTYPE_")
+        .to_ascii_lowercase()
+}
+
+fn attribute_json(value: &AttrValue) -> serde_json::Value {
+    match value {
+        AttrValue::Int(i) => (*i).into(),
+        AttrValue::Float(f) => (*f).into(),
+        AttrValue::Str(s) => s.clone().into(),
+        AttrValue::Bool(b) => (*b).into(),
+        AttrValue::Ints(l) => l.values.clone().into(),
+        AttrValue::Floats(l) => l.values.clone().into(),
+        AttrValue::Strs(l) => l.values.clone().into(),
+    }
+}
+
+fn node(
+    name: String,
+    op: &str,
+    inputs: Vec<String>,
+    outputs: Vec<String>,
+    attributes: &[pb::Attribute],
+    collective: bool,
+) -> pb::Node {
+    pb::Node {
+        name,
+        op: op.to_owned(),
+        inputs,
+        outputs,
+        attributes: attributes.to_vec(),
+        phase: pb::Phase::Forward as i32,
+        model: "main".to_owned(),
+        schema: collective.then(|| pb::SchemaFacts {
+            collective: pb::CollectiveKind::Functional as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Sizes for this device: a GPU needs larger ops than a CPU to leave its overhead behind. On
+/// a GPU, attention (its kernels take arguments a one-op graph does not express yet) and
+/// collectives (two ranks need two GPUs) keep the base profile's figures.
+struct Sizes {
+    matmul: &'static [i64],
+    matmul_bf16: &'static [i64],
+    elements: &'static [i64],
+    transcendental: &'static [i64],
+    attention_seq: &'static [i64],
+    collective_rows: &'static [i64],
+    /// FLOPs or bytes each benchmark graph holds.
+    work: f64,
+}
+
+const CPU: Sizes = Sizes {
+    matmul: &[128, 256, 512, 768],
+    matmul_bf16: &[64, 128, 256],
+    elements: &[1 << 16, 1 << 20, 1 << 22],
+    transcendental: &[1 << 14, 1 << 16, 1 << 18],
+    attention_seq: &[128, 256, 512],
+    collective_rows: &[16, 1024, 16384],
+    work: 1.5e9,
+};
+
+const CUDA: Sizes = Sizes {
+    matmul: &[1024, 2048, 4096],
+    matmul_bf16: &[2048, 4096, 8192],
+    elements: &[1 << 22, 1 << 24, 1 << 26],
+    transcendental: &[1 << 22, 1 << 24],
+    attention_seq: &[],
+    collective_rows: &[],
+    work: 2e12,
+};
+
+/// The benchmarks for a device (`cuda` or not), in the order they run: `overhead` first, since
+/// a collective's timing is taken less the overhead of the wait that follows it.
+pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
+    use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
+    let sizes = if cuda { &CUDA } else { &CPU };
+    let work = sizes.work;
+    let mut all = vec![
+        Benchmark::new("overhead", "aten.add.Tensor", F32, &[&[1], &[1]]).repeated_for(1.0, 200.0),
+    ];
+    for (class, dtype, ns) in [
+        ("matmul_f32", F32, sizes.matmul),
+        ("matmul_bf16", BF16, sizes.matmul_bf16),
+    ] {
+        for &n in ns {
+            let flops = 2.0 * (n as f64).powi(3);
+            all.push(
+                Benchmark::new(class, "aten.mm.default", dtype, &[&[n, n], &[n, n]])
+                    .repeated_for(flops, work),
+            );
+        }
+    }
+    // Fused attention on the CPU (a GPU's kernels take arguments a one-op graph does not
+    // express yet: attention stays at the base profile's share there).
+    for &s in sizes.attention_seq {
+        let (b, h, d) = (1, 8, 64);
+        let flops = 4.0 * (b * h) as f64 * (s * s * d) as f64;
+        let qkv: [&[i64]; 3] = [&[b, h, s, d], &[b, h, s, d], &[b, h, s, d]];
+        all.push(
+            Benchmark::new(
+                "attention",
+                "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                F32,
+                &qkv,
+            )
+            .output(vec![(F32, vec![b, h, s, d]), (F32, vec![b, h, s])])
+            .attribute("is_causal", AttrValue::Bool(false))
+            .attribute(
+                "absent_tensor_args",
+                AttrValue::Strs(pb::StringList {
+                    values: vec!["attn_mask".to_owned()],
+                }),
+            )
+            .repeated_for(flops, work),
+        );
+    }
+    for &n in sizes.elements {
+        let bytes = 12.0 * n as f64;
+        all.push(
+            Benchmark::new("memory", "aten.add.Tensor", F32, &[&[n], &[n]])
+                .repeated_for(bytes, work / 10.0),
+        );
+        all.push(
+            Benchmark::new("memory", "aten.clone.default", F32, &[&[n]])
+                .repeated_for(bytes, work / 10.0),
+        );
+        all.push(
+            Benchmark::new("reduction", "aten.sum.default", F32, &[&[n]])
+                .output(vec![(F32, vec![])])
+                .repeated_for(bytes, work / 10.0),
+        );
+        all.push(
+            Benchmark::new("host_copy", "aten._to_copy.default", F32, &[&[n]])
+                .attribute("device", AttrValue::Str("cpu".to_owned()))
+                .repeated_for(bytes, work / 10.0),
+        );
+    }
+    for &n in sizes.transcendental {
+        all.push(
+            Benchmark::new("transcendental", "aten.exp.default", F32, &[&[n]])
+                .repeated_for(8.0 * n as f64, work / 20.0),
+        );
+    }
+    all.push(
+        Benchmark::new("host_sync", "aten._to_copy.default", F32, &[&[1]])
+            .attribute("device", AttrValue::Str("cpu".to_owned()))
+            .repeated_for(1.0, 200.0),
+    );
+    for &rows in sizes.collective_rows {
+        let half = rows / 2;
+        all.push(
+            Benchmark {
+                world: 2,
+                ..Benchmark::new(
+                    "collective",
+                    "_c10d_functional.all_to_all_single.default",
+                    F32,
+                    &[&[rows, 64]],
+                )
+            }
+            .attribute(
+                "output_split_sizes",
+                AttrValue::Ints(pb::IntList {
+                    values: vec![half, rows - half],
+                }),
+            )
+            .attribute(
+                "input_split_sizes",
+                AttrValue::Ints(pb::IntList {
+                    values: vec![half, rows - half],
+                }),
+            )
+            .attribute("group_name", AttrValue::Str("0".to_owned()))
+            .repeated_for((rows * 64 * 4) as f64, work / 10.0),
+        );
+    }
+    all
+}
+
+/// The timings of an executor that ran [`benchmarks`]`(cuda)` elsewhere (eager PyTorch):
+/// `medians[i]` is the median seconds of one op of benchmark `i`, `None` where it did not run
+/// (a collective without a process group).
+pub fn timings_of(cuda: bool, medians: &[Option<f64>], runs: u32) -> Result<Vec<Timing>, String> {
+    let all = benchmarks(cuda);
+    if medians.len() != all.len() {
+        return Err(format!(
+            "{} medians for the {} benchmarks of this device",
+            medians.len(),
+            all.len()
+        ));
+    }
+    all.iter()
+        .zip(medians)
+        .filter_map(|(bench, median)| median.map(|m| bench.timing(m, runs)))
+        .collect()
+}
+
+/// Why a calibration cannot make a profile.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FitError {
+    #[error("the calibration has no `overhead` timing: every other rate is measured above it")]
+    NoOverhead,
+    #[error("timing {index} (`{class}` {op}): {reason}")]
+    Timing {
+        index: usize,
+        class: String,
+        op: String,
+        reason: String,
+    },
+}
+
+/// The profile `calibration` measures, named `name`, on top of `base` for what it did not
+/// measure (fp64 and fp8 matmuls, a device's capability), with the device's memory where
+/// known.
+pub fn fit(
+    base: &HwProfile,
+    name: &str,
+    memory_bytes: Option<f64>,
+    calibration: Calibration,
+) -> Result<HwProfile, FitError> {
+    check(&calibration.timings)?;
+    let timings = &calibration.timings;
+    let overhead =
+        median(class(timings, "overhead").map(|t| t.median_s)).ok_or(FitError::NoOverhead)?;
+    let above = |t: &Timing| (t.median_s - overhead).max(f64::MIN_POSITIVE);
+    let rate = |name: &str, work: fn(&Timing) -> u64| {
+        median(class(timings, name).map(|t| work(t) as f64 / above(t)))
+    };
+    let mut profile = HwProfile {
+        name: name.to_owned(),
+        op_overhead_s: overhead,
+        calibration: None,
+        ..base.clone()
+    };
+    let mut not_measured = Vec::new();
+    let mut set = |field: &mut f64, value: Option<f64>, what: &str| match value {
+        Some(v) if v.is_finite() && v > 0.0 => *field = v,
+        _ => not_measured.push(what.to_owned()),
+    };
+    set(
+        &mut profile.matmul_f32_flops_per_s,
+        rate("matmul_f32", |t| t.flops),
+        "matmul_f32_flops_per_s",
+    );
+    set(
+        &mut profile.matmul_flops_per_s,
+        rate("matmul_bf16", |t| t.flops),
+        "matmul_flops_per_s",
+    );
+    set(
+        &mut profile.hbm_bytes_per_s,
+        rate("memory", |t| t.bytes),
+        "hbm_bytes_per_s",
+    );
+    set(
+        &mut profile.vector_flops_per_s,
+        rate("transcendental", |t| t.flops),
+        "vector_flops_per_s",
+    );
+    set(
+        &mut profile.host_bytes_per_s,
+        rate("host_copy", |t| t.bytes),
+        "host_bytes_per_s",
+    );
+    let attention = rate("attention", |t| t.flops).map(|r| r / profile.matmul_f32_flops_per_s);
+    set(
+        &mut profile.attention_efficiency,
+        attention,
+        "attention_efficiency",
+    );
+    set(&mut profile.memory_bytes, memory_bytes, "memory_bytes");
+    // Latencies may be measured as 0 (a host sync on a device that is the host).
+    match median(class(timings, "host_sync").map(above)) {
+        Some(sync) => profile.host_sync_s = if sync <= f64::MIN_POSITIVE { 0.0 } else { sync },
+        None => not_measured.push("host_sync_s".to_owned()),
+    }
+    match collective_fit(timings, overhead) {
+        Some((latency, link)) => {
+            profile.collective_latency_s = latency;
+            profile.link_bytes_per_s = link;
+        }
+        None => not_measured.extend([
+            "collective_latency_s".to_owned(),
+            "link_bytes_per_s".to_owned(),
+        ]),
+    }
+    not_measured.extend(["matmul_f64_flops_per_s", "matmul_f8_flops_per_s"].map(str::to_owned));
+    profile.calibration = Some(Calibration {
+        not_measured,
+        ..calibration
+    });
+    Ok(profile)
+}
+
+/// Latency and bandwidth of collectives: the least-squares line through (bytes, seconds less
+/// the op overhead) of the `collective` timings; `None` without two sizes that tell a slope.
+fn collective_fit(timings: &[Timing], overhead: f64) -> Option<(f64, f64)> {
+    let points: Vec<(f64, f64)> = class(timings, "collective")
+        .map(|t| (t.comm_bytes as f64, t.median_s - overhead))
+        .collect();
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let (mx, my) = (
+        points.iter().map(|p| p.0).sum::<f64>() / n,
+        points.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = sxy / sxx;
+    (sxx > 0.0 && slope > 0.0).then(|| ((my - slope * mx).max(0.0), 1.0 / slope))
+}
+
+/// Every timing must be a positive, finite number of seconds of a known class.
+fn check(timings: &[Timing]) -> Result<(), FitError> {
+    for (index, t) in timings.iter().enumerate() {
+        let reason = if !CLASSES.iter().any(|(c, _)| *c == t.class) {
+            Some(format!(
+                "unknown class; the classes are {}",
+                CLASSES.map(|(c, _)| c).join(", ")
+            ))
+        } else if !(t.median_s.is_finite() && t.median_s > 0.0) {
+            Some(format!(
+                "median_s must be a positive number of seconds, got {}",
+                t.median_s
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(FitError::Timing {
+                index,
+                class: t.class.clone(),
+                op: t.op.clone(),
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn class<'t>(timings: &'t [Timing], name: &'t str) -> impl Iterator<Item = &'t Timing> + 't {
+    timings.iter().filter(move |t| t.class == name)
+}
+
+/// The median of `values` (the mean of the middle two for an even count); `None` when empty.
+pub fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let mut values: Vec<f64> = values.into_iter().collect();
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(values[n / 2]),
+        _ => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timing(class: &str, flops: u64, bytes: u64, comm_bytes: u64, median_s: f64) -> Timing {
+        Timing {
+            class: class.to_owned(),
+            op: "aten.op.default".to_owned(),
+            dtype: "float32".to_owned(),
+            shape: vec![1],
+            flops,
+            bytes,
+            comm_bytes,
+            median_s,
+            runs: 5,
+        }
+    }
+
+    fn calibration(timings: Vec<Timing>) -> Calibration {
+        Calibration {
+            device: "cpu".to_owned(),
+            description: "test".to_owned(),
+            threads: 2,
+            timings,
+            not_measured: Vec::new(),
+        }
+    }
+
+    /// A device with 10 us per op, 1e11 FLOP/s fp32 matmuls and 1e10 B/s memory, timed
+    /// exactly: the fit reads those figures back.
+    #[test]
+    fn a_fit_reads_back_the_rates_of_exact_timings() {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        for n in [1e6, 1e8, 1e9] {
+            timings.push(timing("matmul_f32", n as u64, 0, 0, overhead + n / 1e11));
+            timings.push(timing("memory", 0, n as u64, 0, overhead + n / 1e10));
+            timings.push(timing("attention", n as u64, 0, 0, overhead + n / 5e10));
+        }
+        timings.push(timing(
+            "collective",
+            0,
+            0,
+            1_000,
+            overhead + 20e-6 + 1e3 / 1e9,
+        ));
+        timings.push(timing(
+            "collective",
+            0,
+            0,
+            1_000_000,
+            overhead + 20e-6 + 1e6 / 1e9,
+        ));
+        let base = HwProfile::shipped("h100").unwrap();
+        let profile = fit(&base, "test", None, calibration(timings)).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs();
+        assert!(
+            close(profile.op_overhead_s, overhead),
+            "{}",
+            profile.op_overhead_s
+        );
+        assert!(close(profile.matmul_f32_flops_per_s, 1e11));
+        assert!(close(profile.hbm_bytes_per_s, 1e10));
+        assert!(close(profile.attention_efficiency, 0.5));
+        assert!(
+            close(profile.collective_latency_s, 20e-6),
+            "{}",
+            profile.collective_latency_s
+        );
+        assert!(close(profile.link_bytes_per_s, 1e9));
+        // What was not measured keeps the base's figure and is listed.
+        assert_eq!(profile.matmul_flops_per_s, base.matmul_flops_per_s);
+        let listed = &profile.calibration.as_ref().unwrap().not_measured;
+        for field in ["matmul_flops_per_s", "vector_flops_per_s", "host_sync_s"] {
+            assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
+        }
+        assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    #[test]
+    fn one_noisy_size_does_not_move_a_rate() {
+        let mut timings = vec![timing("overhead", 1, 12, 0, 1e-6)];
+        for (n, noise) in [(1e8, 1.0), (2e8, 1.0), (4e8, 30.0)] {
+            timings.push(timing(
+                "matmul_f32",
+                n as u64,
+                0,
+                0,
+                1e-6 + noise * n / 1e11,
+            ));
+        }
+        let profile = fit(&HwProfile::default(), "t", None, calibration(timings)).unwrap();
+        assert!((profile.matmul_f32_flops_per_s - 1e11).abs() < 1.0);
+    }
+
+    #[test]
+    fn a_calibration_without_the_overhead_or_with_a_bad_timing_is_refused() {
+        let base = HwProfile::default();
+        assert_eq!(
+            fit(
+                &base,
+                "t",
+                None,
+                calibration(vec![timing("memory", 0, 8, 0, 1e-3)])
+            ),
+            Err(FitError::NoOverhead)
+        );
+        for bad in [
+            timing("memory", 0, 8, 0, f64::NAN),
+            timing("warp", 0, 8, 0, 1e-3),
+        ] {
+            let error = fit(
+                &base,
+                "t",
+                None,
+                calibration(vec![timing("overhead", 1, 1, 0, 1e-6), bad]),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(error.starts_with("timing 1 "), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_fitted_profile_reads_back_from_its_json() {
+        let timings = vec![
+            timing("overhead", 1, 12, 0, 3e-6),
+            timing("host_sync", 0, 4, 0, 3e-6),
+        ];
+        let profile = fit(
+            &HwProfile::default(),
+            "cpu",
+            Some(1e9),
+            calibration(timings),
+        )
+        .unwrap();
+        assert_eq!(profile.host_sync_s, 0.0);
+        assert_eq!(profile.memory_bytes, 1e9);
+        let json = profile.to_json();
+        assert_eq!(HwProfile::from_json(json.as_bytes(), "p.json"), Ok(profile));
+    }
+}

@@ -1,0 +1,157 @@
+"""``recompute_planner.calibrate``: a hardware profile measured in eager PyTorch.
+
+It times the benchmarks ``planner calibrate`` times (the same ops, dtypes, shapes and
+repeats: ``_native.calibration_benchmarks``), each op called through ``torch.ops`` as eager
+code calls it, with autograd recording (float inputs require grad, as a training forward's
+do), and fits the profile the planner fits to the command's timings. So the profile's op
+overhead is what eager PyTorch pays per op in Python, where the command's is what its runtime
+pays; plan an eager step (``executor="eager"``, ``recompute_planner.sac``) with this one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _native
+from .api import HwLike, hw_profile
+
+
+def calibrate(
+    device: str | torch.device = "cpu",
+    *,
+    repeat: int = 5,
+    group: Any = None,
+    base: HwLike = None,
+    name: str | None = None,
+    out: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Measures ``device`` and returns its hardware profile (a dict ``plan(hw=...)`` takes).
+
+    - ``repeat``: runs of each benchmark (at least 3); each timing is their median;
+    - ``group``: a ``torch.distributed`` process group whose all-to-all is timed (latency and
+      bandwidth of collectives); without one they keep ``base``'s figures;
+    - ``base``: the profile whose figures stand for what is not measured (default: the H200);
+    - ``name``: the profile's name (default ``calibrated <device>``);
+    - ``out``: also write the profile there as JSON (what ``planner plan --hw FILE`` reads).
+
+    The profile lists every timing under ``calibration.timings`` and the fields it did not
+    measure under ``calibration.not_measured``.
+    """
+    if repeat < 3:
+        raise ValueError(f"repeat must be at least 3, got {repeat}")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    benchmarks = json.loads(_native.calibration_benchmarks(cuda))
+    medians: list[float | None] = []
+    overhead = 0.0
+    for bench in benchmarks:
+        median = _time(bench, device, repeat, group)
+        if median is not None and bench["world"] > 1:
+            median = max(median - overhead, 1e-12)  # the wait that follows the collective
+        if bench["class"] == "overhead" and median is not None:
+            overhead = median
+        medians.append(median)
+    profile_json = _native.fit_calibration(
+        cuda=cuda,
+        medians=medians,
+        runs=repeat,
+        device=str(device),
+        description=torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        threads=torch.get_num_threads(),
+        memory_bytes=_memory_bytes(device),
+        base_json=hw_profile(base),
+        name=name or f"calibrated {device} (eager)",
+    )
+    profile: dict[str, Any] = json.loads(profile_json)
+    if out is not None:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=2)
+            f.write("\n")
+    return profile
+
+
+def _time(bench: dict[str, Any], device: torch.device, repeat: int, group: Any) -> float | None:
+    """Median seconds of one call of the benchmark's op; ``None`` when it cannot run here (a
+    collective without a group)."""
+    call = _call(bench, device, group)
+    if call is None:
+        return None
+    repeats = int(bench["repeats"])
+    times = []
+    for _ in range(repeat + 1):  # the first run warms caches and kernels: not kept
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        _sync(device)
+        times.append((time.perf_counter() - started) / repeats)
+    return statistics.median(times[1:])
+
+
+def _call(bench: dict[str, Any], device: torch.device, group: Any) -> Callable[[], Any] | None:
+    """The op of ``bench`` bound to fresh inputs, as eager code calls it."""
+    dtype = getattr(torch, bench["dtype"])
+    inputs = [
+        torch.randn(shape, dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
+        for shape in bench["inputs"]
+    ]
+    namespace, name, overload = bench["op"].split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    kwargs = dict(bench["attributes"])
+    kwargs.pop("absent_tensor_args", None)  # left out: their default is None
+    if "device" in kwargs:
+        kwargs["device"] = torch.device(kwargs["device"])
+    if namespace == "_c10d_functional":
+        if group is None:
+            return None
+        return _collective(op, inputs[0].detach(), group)
+    return lambda: op(*inputs, **kwargs)
+
+
+def _collective(op: Any, x: torch.Tensor, group: Any) -> Callable[[], Any]:
+    """An all-to-all of ``x`` over ``group``, split evenly, and its wait."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    rows = x.shape[0] // world * world
+    x = x[:rows].contiguous()
+    splits = [rows // world] * world
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def call() -> Any:
+        return wait(op(x, splits, splits, group.group_name))
+
+    return call
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory_bytes(device: torch.device) -> float | None:
+    """The device's memory: a GPU's total, or this machine's."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"

@@ -1,0 +1,74 @@
+"""`recompute_planner.calibrate`: a hardware profile measured in eager PyTorch, from the same
+benchmarks as `planner calibrate`, that `plan(hw=...)` takes and that times what it measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import recompute_planner as rp
+from recompute_planner import _native
+
+GLM = Path(__file__).resolve().parents[2] / "tests" / "golden" / "glm_dsa_ep2.pb"
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("calibration") / "eager.json"
+    profile = rp.calibrate("cpu", repeat=3, out=out)
+    assert json.loads(out.read_text()) == profile
+    return profile
+
+
+def test_every_benchmark_of_the_command_runs_but_collectives_without_a_group(profile):
+    timings = profile["calibration"]["timings"]
+    benchmarks = json.loads(_native.calibration_benchmarks(False))
+    single_rank = [b for b in benchmarks if b["world"] == 1]
+    assert [(t["class"], t["op"], t["shape"]) for t in timings] == [
+        (b["class"], b["op"], b["inputs"][0]) for b in single_rank
+    ]
+    not_measured = profile["calibration"]["not_measured"]
+    assert "collective_latency_s" in not_measured
+    for field in ("op_overhead_s", "matmul_f32_flops_per_s", "hbm_bytes_per_s", "memory_bytes"):
+        assert field not in not_measured
+    assert profile["name"] == "calibrated cpu (eager)"
+    assert 0 < profile["op_overhead_s"] < 1e-3
+
+
+def test_a_plan_with_the_profile_states_its_step_time(profile):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(GLM, keep="all", hw=profile)
+    cost = plan.cost
+    assert cost.hw == profile["name"]
+    assert cost.step_time_s == pytest.approx(
+        cost.forward_time_s + cost.replay_time_s + cost.backward_time_s
+    )
+    # Every forward op pays at least the measured overhead.
+    assert cost.forward_time_s >= len(plan.nodes) * profile["op_overhead_s"]
+
+
+def test_the_fitted_matmul_rate_times_a_size_it_did_not_measure(profile):
+    """An fp32 matmul of 384 (the benchmarks time 128, 256, 512 and 768), timed in eager:
+    overhead plus FLOPs at the fitted rate, within a factor of 2 on a loaded machine."""
+    a = torch.randn(384, 384, requires_grad=True)
+    b = torch.randn(384, 384, requires_grad=True)
+    times = []
+    for _ in range(21):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - started)
+    measured = statistics.median(times[1:])
+    predicted = profile["op_overhead_s"] + 2 * 384**3 / profile["matmul_f32_flops_per_s"]
+    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
+
+
+def test_too_few_runs_are_refused():
+    with pytest.raises(ValueError, match="repeat must be at least 3"):
+        rp.calibrate("cpu", repeat=2)
