@@ -9,10 +9,11 @@ use std::{
 
 use ir::{
     plan::{Decision, Plan, Stage},
-    Graph, NodeId,
+    EntityId, Graph, NodeId,
 };
 use planner::{
     config::{self, PlanConfig},
+    cost::HwProfile,
     plan,
     units::{format_bytes, format_seconds},
 };
@@ -99,6 +100,9 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
     let fault = args.inject_fault.as_deref().map(parse_fault).transpose()?;
     let timeout = run::timeout_from_secs(args.timeout)?;
     let planning = planning_config(&args)?;
+    // The profile the per-op predictions of the report use: the plan's own, unless `--plan`
+    // was made with another.
+    let hw = crate::commands::load_hw(args.planning.hw.as_deref())?;
     let config = RunConfig {
         device,
         seed: args.seed,
@@ -120,9 +124,9 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
         }
     };
     let text = match args.format {
-        SummaryFormat::Text => text(&report, &graph, &plan),
+        SummaryFormat::Text => text(&report, &graph, &plan, &hw),
         SummaryFormat::Json => {
-            let mut s = serde_json::to_string_pretty(&json_report(&report, &graph, &plan))
+            let mut s = serde_json::to_string_pretty(&json_report(&report, &graph, &plan, &hw))
                 .map_err(|e| format!("cannot serialise the report: {e}"))?;
             s.push('\n');
             s
@@ -401,7 +405,7 @@ fn kept_nodes(plan: &Plan, graph: &Graph) -> Vec<(String, Vec<NodeId>)> {
     by_unit.into_iter().collect()
 }
 
-fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
+fn text(report: &RunReport, graph: &Graph, plan: &Plan, hw: &HwProfile) -> String {
     let mut out = String::new();
     let device = report
         .ranks
@@ -420,7 +424,7 @@ fn text(report: &RunReport, graph: &Graph, plan: &Plan) -> String {
         report.structure, report.plan
     );
     for rank in &report.ranks {
-        rank_text(&mut out, rank, graph, plan, report.check);
+        rank_text(&mut out, rank, (graph, plan, hw), report.check);
     }
     out
 }
@@ -447,7 +451,12 @@ fn keep_text(plan: &Plan) -> String {
     )
 }
 
-fn rank_text(out: &mut String, rank: &RankReport, graph: &Graph, plan: &Plan, check: bool) {
+fn rank_text(
+    out: &mut String,
+    rank: &RankReport,
+    (graph, plan, hw): (&Graph, &Plan, &HwProfile),
+    check: bool,
+) {
     *out += &format!("\nrank {}\n", rank.rank);
     *out += &format!(
         "  {:<14} {:>8} {:>7} {:>9}   {:>26}   {:>26}  {:>7}  {:>10}\n",
@@ -482,6 +491,10 @@ fn rank_text(out: &mut String, rank: &RankReport, graph: &Graph, plan: &Plan, ch
         }
     }
     if let Some(run) = rank.runs.first() {
+        *out += &format!(
+            "  op time, largest misses: {}\n",
+            largest_misses(graph, run, hw, 4)
+        );
         let replayed = ops_in(graph, run, Stage::Replay);
         *out += &format!("  replayed ops: {}\n", top_ops(&replayed, 8));
         for (unit, nodes) in kept_nodes(plan, graph) {
@@ -565,6 +578,70 @@ fn time_line(run: &VariantRun) -> String {
     )
 }
 
+/// One op's time in a step: every run of its nodes, in every stage, measured (median over the
+/// repeated steps) and predicted by the hardware profile.
+struct OpTime<'g> {
+    op: &'g str,
+    runs: u64,
+    measured_s: f64,
+    predicted_s: f64,
+}
+
+/// The step's time per op, the op taking most time first.
+fn op_times<'g>(graph: &'g Graph, run: &VariantRun, hw: &HwProfile) -> Vec<OpTime<'g>> {
+    let mut by_op: std::collections::BTreeMap<&str, OpTime<'g>> = Default::default();
+    for (id, node) in graph.nodes().iter() {
+        let runs: u64 = [Stage::Forward, Stage::Replay, Stage::Backward]
+            .iter()
+            .map(|&s| u64::from(run.counts.of(id, s)))
+            .sum();
+        if runs == 0 {
+            continue;
+        }
+        let entry = by_op.entry(node.op.as_str()).or_insert(OpTime {
+            op: node.op.as_str(),
+            runs: 0,
+            measured_s: 0.0,
+            predicted_s: 0.0,
+        });
+        entry.runs += runs;
+        entry.measured_s += run.node_seconds.get(id.index()).copied().unwrap_or(0.0);
+        entry.predicted_s += runs as f64 * hw.node_seconds(graph, id);
+    }
+    let mut times: Vec<OpTime<'g>> = by_op.into_values().collect();
+    times.sort_by(|a, b| b.measured_s.total_cmp(&a.measured_s));
+    times
+}
+
+/// `aten.mm.default ×24 1.2 ms (predicted 0.6 ms), ...`: the `limit` ops whose predicted time
+/// is furthest from the measured one.
+fn largest_misses(graph: &Graph, run: &VariantRun, hw: &HwProfile, limit: usize) -> String {
+    let mut times = op_times(graph, run, hw);
+    times.sort_by(|a, b| {
+        (b.measured_s - b.predicted_s)
+            .abs()
+            .total_cmp(&(a.measured_s - a.predicted_s).abs())
+    });
+    let text: Vec<String> = times
+        .iter()
+        .take(limit)
+        .map(|t| {
+            format!(
+                "{} ×{} {} (predicted {})",
+                t.op,
+                t.runs,
+                format_seconds(t.measured_s),
+                format_seconds(t.predicted_s)
+            )
+        })
+        .collect();
+    if text.is_empty() {
+        "none".to_owned()
+    } else {
+        text.join(", ")
+    }
+}
+
 /// How far `predicted` is from `measured`, in percent of the measurement.
 fn diff_ratio(measured: f64, predicted: f64) -> Option<f64> {
     (measured > 0.0).then(|| (predicted - measured) / measured * 100.0)
@@ -599,7 +676,7 @@ fn op_summary(graph: &Graph, nodes: &[NodeId]) -> String {
         .join(", ")
 }
 
-fn json_report(report: &RunReport, graph: &Graph, plan: &Plan) -> Json {
+fn json_report(report: &RunReport, graph: &Graph, plan: &Plan, hw: &HwProfile) -> Json {
     json!({
         "graph": {"name": report.graph, "structure": report.structure},
         "plan": {"fingerprint": report.plan, "keep": plan.config.keep.names(),
@@ -611,11 +688,11 @@ fn json_report(report: &RunReport, graph: &Graph, plan: &Plan) -> Json {
         "tolerance": {"atol": check::ATOL, "rtol": check::RTOL},
         "passed": report.first_failure().is_none(),
         "first_failure": report.first_failure(),
-        "ranks": report.ranks.iter().map(|r| rank_json(r, graph, plan)).collect::<Vec<_>>(),
+        "ranks": report.ranks.iter().map(|r| rank_json(r, graph, plan, hw)).collect::<Vec<_>>(),
     })
 }
 
-fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan) -> Json {
+fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan, hw: &HwProfile) -> Json {
     let runs: Vec<Json> = rank
         .runs
         .iter()
@@ -646,6 +723,9 @@ fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan) -> Json {
                              "repeat": run.repeat},
                 "predicted": {"step_time_s": run.predicted_step_time_s,
                               "replay_time_s": run.predicted_replay_time_s},
+                "op_times": op_times(graph, run, hw).iter().map(|t| json!({
+                    "op": t.op, "runs": t.runs, "measured_s": t.measured_s,
+                    "predicted_s": t.predicted_s})).collect::<Vec<_>>(),
             })
         })
         .collect();

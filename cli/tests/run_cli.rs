@@ -93,6 +93,18 @@ fn the_json_report_carries_peaks_op_counts_and_parity() {
     );
     assert_eq!(runs[1]["measured"]["replay_time_s"], 0.0);
     assert_eq!(runs[1]["predicted"]["replay_time_s"], 0.0);
+    // Per op: every run of its nodes; the predictions add up to the plan's step time, the
+    // measurements to no more than the step's.
+    for run in runs.as_array().unwrap() {
+        let ops = run["op_times"].as_array().unwrap();
+        let total = |key: &str| ops.iter().map(|t| t[key].as_f64().unwrap()).sum::<f64>();
+        let runs_of = ops.iter().map(|t| t["runs"].as_u64().unwrap()).sum::<u64>();
+        let counted = ["forward", "replay", "backward"].map(|s| run["ops"][s].as_u64().unwrap());
+        assert_eq!(runs_of, counted.iter().sum::<u64>());
+        let predicted = time(&run["predicted"], "step_time_s");
+        assert!((total("predicted_s") - predicted).abs() <= 1e-9 * predicted);
+        assert!(total("measured_s") <= time(&run["measured"], "step_time_s") * 1.05);
+    }
     let tensors = report["ranks"][0]["tensors"].as_array().unwrap();
     assert!(tensors.iter().all(|t| t["reference"]["within"] == true));
 }

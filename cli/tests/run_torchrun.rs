@@ -182,6 +182,7 @@ fn comparable(rank: &Value) -> Value {
         let run = run.as_object_mut().expect("a run");
         run.remove("seconds");
         run.remove("measured");
+        run.remove("op_times");
     }
     rank
 }

@@ -17,8 +17,12 @@ use ir::{
 use crate::cost::{Calibration, HwProfile, Timing};
 
 /// The classes of benchmark a calibration may hold, and the profile field each one sets.
-pub const CLASSES: [(&str, &str); 10] = [
+pub const CLASSES: [(&str, &str); 14] = [
     ("overhead", "op_overhead_s"),
+    ("overhead_view", "view_overhead_s"),
+    ("overhead_matmul", "matmul_overhead_s"),
+    ("overhead_attention", "attention_overhead_s"),
+    ("overhead_reduction", "reduction_overhead_s"),
     ("matmul_f32", "matmul_f32_flops_per_s"),
     ("matmul_bf16", "matmul_flops_per_s"),
     ("attention", "attention_efficiency"),
@@ -32,7 +36,6 @@ pub const CLASSES: [(&str, &str); 10] = [
     ("host_sync", "host_sync_s"),
     ("collective", "collective_latency_s, link_bytes_per_s"),
 ];
-
 /// One benchmark: `repeats` copies of one op on the same inputs, timed together.
 pub struct Benchmark {
     pub class: &'static str,
@@ -266,15 +269,72 @@ const CUDA: Sizes = Sizes {
     work: 2e12,
 };
 
+/// The CPU's fused attention over `q`, `k`, `v` of `[batch, heads, seq, head dim]`, without
+/// a mask, in the class `overhead_attention` (set another).
+fn cpu_attention(qkv: &[&[i64]; 3]) -> Benchmark {
+    let q = qkv[0];
+    Benchmark::new(
+        "overhead_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        pb::Dtype::Float32,
+        qkv,
+    )
+    .output(vec![
+        (pb::Dtype::Float32, q.to_vec()),
+        (pb::Dtype::Float32, q[..3].to_vec()),
+    ])
+    .attribute("is_causal", AttrValue::Bool(false))
+    .attribute(
+        "absent_tensor_args",
+        AttrValue::Strs(pb::StringList {
+            values: vec!["attn_mask".to_owned()],
+        }),
+    )
+}
+
 /// The benchmarks for a device (`cuda` or not), in the order they run: `overhead` first, since
 /// a collective's timing is taken less the overhead of the wait that follows it.
 pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
     use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
     let sizes = if cuda { &CUDA } else { &CPU };
     let work = sizes.work;
+    // The fixed cost of each op class: its op at the smallest size, where the roofline is
+    // nothing.
+    let tiny = |b: Benchmark| b.repeated_for(1.0, 200.0);
     let mut all = vec![
-        Benchmark::new("overhead", "aten.add.Tensor", F32, &[&[1], &[1]]).repeated_for(1.0, 200.0),
+        tiny(Benchmark::new(
+            "overhead",
+            "aten.add.Tensor",
+            F32,
+            &[&[1], &[1]],
+        )),
+        tiny(Benchmark::new(
+            "overhead_view",
+            "aten.t.default",
+            F32,
+            &[&[1, 1]],
+        )),
+        tiny(Benchmark::new(
+            "overhead_matmul",
+            "aten.mm.default",
+            F32,
+            &[&[1, 1], &[1, 1]],
+        )),
+        tiny(
+            Benchmark::new(
+                "overhead_reduction",
+                "aten.sum.dim_IntList",
+                F32,
+                &[&[1, 1]],
+            )
+            .output(vec![(F32, vec![1])])
+            .attribute("dim", AttrValue::Ints(pb::IntList { values: vec![-1] })),
+        ),
     ];
+    if !cuda {
+        let qkv: [&[i64]; 3] = [&[1, 1, 1, 8], &[1, 1, 1, 8], &[1, 1, 1, 8]];
+        all.push(tiny(cpu_attention(&qkv)));
+    }
     for (class, dtype, ns) in [
         ("matmul_f32", F32, sizes.matmul),
         ("matmul_bf16", BF16, sizes.matmul_bf16),
@@ -294,20 +354,10 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         let flops = 4.0 * (b * h) as f64 * (s * s * d) as f64;
         let qkv: [&[i64]; 3] = [&[b, h, s, d], &[b, h, s, d], &[b, h, s, d]];
         all.push(
-            Benchmark::new(
-                "attention",
-                "aten._scaled_dot_product_flash_attention_for_cpu.default",
-                F32,
-                &qkv,
-            )
-            .output(vec![(F32, vec![b, h, s, d]), (F32, vec![b, h, s])])
-            .attribute("is_causal", AttrValue::Bool(false))
-            .attribute(
-                "absent_tensor_args",
-                AttrValue::Strs(pb::StringList {
-                    values: vec!["attn_mask".to_owned()],
-                }),
-            )
+            Benchmark {
+                class: "attention",
+                ..cpu_attention(&qkv)
+            }
             .repeated_for(flops, work),
         );
     }
@@ -419,47 +469,67 @@ pub fn fit(
     let timings = &calibration.timings;
     let overhead =
         median(class(timings, "overhead").map(|t| t.median_s)).ok_or(FitError::NoOverhead)?;
-    let above = |t: &Timing| (t.median_s - overhead).max(f64::MIN_POSITIVE);
-    let rate = |name: &str, work: fn(&Timing) -> u64| {
-        median(class(timings, name).map(|t| work(t) as f64 / above(t)))
+    let mut not_measured = Vec::new();
+    // A class's own overhead, from its smallest op: the general one where it was not timed.
+    let mut class_overhead = |name: &str, field: &str| {
+        median(class(timings, name).map(|t| t.median_s)).unwrap_or_else(|| {
+            not_measured.push(field.to_owned());
+            overhead
+        })
     };
+    let view = class_overhead("overhead_view", "view_overhead_s");
+    let matmul = class_overhead("overhead_matmul", "matmul_overhead_s");
+    let attention_overhead = class_overhead("overhead_attention", "attention_overhead_s");
+    let reduction = class_overhead("overhead_reduction", "reduction_overhead_s");
+    // Work per second above the class's overhead, the median over the class's sizes.
+    let rate = |name: &str, work: fn(&Timing) -> u64, fixed: f64| {
+        median(
+            class(timings, name)
+                .map(|t| work(t) as f64 / (t.median_s - fixed).max(f64::MIN_POSITIVE)),
+        )
+    };
+    let above = |t: &Timing| (t.median_s - overhead).max(f64::MIN_POSITIVE);
     let mut profile = HwProfile {
         name: name.to_owned(),
         op_overhead_s: overhead,
+        view_overhead_s: view,
+        matmul_overhead_s: matmul,
+        attention_overhead_s: attention_overhead,
+        reduction_overhead_s: reduction,
         calibration: None,
         ..base.clone()
     };
-    let mut not_measured = Vec::new();
     let mut set = |field: &mut f64, value: Option<f64>, what: &str| match value {
         Some(v) if v.is_finite() && v > 0.0 => *field = v,
         _ => not_measured.push(what.to_owned()),
     };
     set(
         &mut profile.matmul_f32_flops_per_s,
-        rate("matmul_f32", |t| t.flops),
+        rate("matmul_f32", |t| t.flops, matmul),
         "matmul_f32_flops_per_s",
     );
     set(
         &mut profile.matmul_flops_per_s,
-        rate("matmul_bf16", |t| t.flops),
+        rate("matmul_bf16", |t| t.flops, matmul),
         "matmul_flops_per_s",
     );
     set(
         &mut profile.hbm_bytes_per_s,
-        rate("memory", |t| t.bytes),
+        rate("memory", |t| t.bytes, overhead),
         "hbm_bytes_per_s",
     );
     set(
         &mut profile.vector_flops_per_s,
-        rate("transcendental", |t| t.flops),
+        rate("transcendental", |t| t.flops, overhead),
         "vector_flops_per_s",
     );
     set(
         &mut profile.host_bytes_per_s,
-        rate("host_copy", |t| t.bytes),
+        rate("host_copy", |t| t.bytes, overhead),
         "host_bytes_per_s",
     );
-    let attention = rate("attention", |t| t.flops).map(|r| r / profile.matmul_f32_flops_per_s);
+    let attention = rate("attention", |t| t.flops, attention_overhead)
+        .map(|r| r / profile.matmul_f32_flops_per_s);
     set(
         &mut profile.attention_efficiency,
         attention,

@@ -47,8 +47,17 @@ pub struct HwProfile {
     pub compute_capability: [u32; 2],
     /// Streaming multiprocessors (compute units).
     pub multiprocessors: u32,
-    /// Fixed seconds every op run costs beyond its roofline: dispatch and kernel launch.
+    /// Fixed seconds every op run costs beyond its roofline (dispatch and kernel launch),
+    /// unless its class has its own below.
     pub op_overhead_s: f64,
+    /// ... of a view or another metadata-only op (no kernel).
+    pub view_overhead_s: f64,
+    /// ... of a matmul (and the other compute-intensive ops but attention).
+    pub matmul_overhead_s: f64,
+    /// ... of a fused attention kernel, forward or backward.
+    pub attention_overhead_s: f64,
+    /// ... of a reduction (sums, softmax, norms, top-k, sorts).
+    pub reduction_overhead_s: f64,
     /// The share of its dtype's matmul rate an attention kernel reaches (fused attention runs
     /// softmax and masking between its two matmuls).
     pub attention_efficiency: f64,
@@ -127,7 +136,7 @@ impl HwProfile {
     ///
     /// What no datasheet states is set at typical values for a current GPU on PCIe Gen5 x16,
     /// and every shipped profile shares them: 5 us per op (PyTorch's dispatch and a kernel
-    /// launch), attention at 60% of the matmul rate (FlashAttention-2's share on H100), 64 GB/s
+    /// launch; 2 us for a view, which launches nothing), attention at 60% of the matmul rate (FlashAttention-2's share on H100), 64 GB/s
     /// host <-> device per direction, 20 us per host synchronisation, 15 us per collective call
     /// (NCCL within a node). `planner calibrate` measures all of them.
     fn h100() -> Self {
@@ -144,6 +153,10 @@ impl HwProfile {
             compute_capability: [9, 0],
             multiprocessors: 132,
             op_overhead_s: 5e-6,
+            view_overhead_s: 2e-6,
+            matmul_overhead_s: 5e-6,
+            attention_overhead_s: 5e-6,
+            reduction_overhead_s: 5e-6,
             attention_efficiency: 0.6,
             host_bytes_per_s: 64e9,
             host_sync_s: 20e-6,
@@ -263,6 +276,10 @@ impl HwProfile {
         }
         for (field, value) in [
             ("op_overhead_s", profile.op_overhead_s),
+            ("view_overhead_s", profile.view_overhead_s),
+            ("matmul_overhead_s", profile.matmul_overhead_s),
+            ("attention_overhead_s", profile.attention_overhead_s),
+            ("reduction_overhead_s", profile.reduction_overhead_s),
             ("host_sync_s", profile.host_sync_s),
             ("collective_latency_s", profile.collective_latency_s),
         ] {
@@ -322,11 +339,11 @@ impl HwProfile {
     fn seconds(&self, graph: &Graph, node: NodeId, cost: &Cost) -> f64 {
         let n = graph.node(node);
         if n.info.cost_model == CostModel::Free {
-            return self.op_overhead_s;
+            return self.view_overhead_s;
         }
         let compute = cost.flops as f64 / self.rate_of(graph, node);
         let memory = cost.bytes as f64 / self.hbm_bytes_per_s;
-        let mut seconds = self.op_overhead_s + compute.max(memory);
+        let mut seconds = self.overhead_of(n) + compute.max(memory);
         if n.effects.collective.is_some() {
             seconds += self.collective_latency_s + cost.comm_bytes as f64 / self.link_bytes_per_s;
         }
@@ -337,6 +354,24 @@ impl HwProfile {
             seconds += self.host_sync_s;
         }
         seconds
+    }
+}
+
+impl HwProfile {
+    /// The fixed seconds of one run of `node`, by its class.
+    pub fn overhead_of(&self, node: &ir::Node) -> f64 {
+        match node.info.cost_model {
+            CostModel::Free => self.view_overhead_s,
+            CostModel::Reduction
+            | CostModel::Softmax
+            | CostModel::Norm
+            | CostModel::NormBackward
+            | CostModel::TopK
+            | CostModel::Sort => self.reduction_overhead_s,
+            _ if node.info.compute_intensive && is_attention(&node.op) => self.attention_overhead_s,
+            _ if node.info.compute_intensive => self.matmul_overhead_s,
+            _ => self.op_overhead_s,
+        }
     }
 }
 
@@ -462,12 +497,12 @@ mod tests {
         let flops = 2.0 * 8192f64.powi(3);
         assert_eq!(f32.flops as f64, flops);
         assert!(
-            (f32.seconds - hw.op_overhead_s - flops / 67e12).abs() < 1e-9,
+            (f32.seconds - hw.matmul_overhead_s - flops / 67e12).abs() < 1e-9,
             "{}",
             f32.seconds
         );
         assert!(
-            (bf16.seconds - hw.op_overhead_s - flops / 989.5e12).abs() < 1e-9,
+            (bf16.seconds - hw.matmul_overhead_s - flops / 989.5e12).abs() < 1e-9,
             "{}",
             bf16.seconds
         );
@@ -493,10 +528,18 @@ mod tests {
     }
 
     #[test]
-    fn every_op_pays_the_overhead_and_a_view_only_that() {
-        let hw = HwProfile::shipped("h100").unwrap();
+    fn every_op_pays_the_overhead_of_its_class_and_a_view_only_that() {
+        let hw = HwProfile {
+            view_overhead_s: 1e-6,
+            op_overhead_s: 2e-6,
+            reduction_overhead_s: 3e-6,
+            ..HwProfile::shipped("h100").unwrap()
+        };
         let graph = one_op("aten.exp.default", Vec::new());
-        assert_eq!(seconds(&graph, &hw, 0), hw.op_overhead_s);
+        assert_eq!(seconds(&graph, &hw, 0), hw.view_overhead_s);
+        let sum = one_op("aten.sum.default", Vec::new());
+        let reduced = (8u64 << 20) as f64 / hw.hbm_bytes_per_s;
+        assert!((seconds(&sum, &hw, 1) - hw.reduction_overhead_s - reduced).abs() < 1e-12);
         let roofline = (8u64 << 20) as f64 / hw.hbm_bytes_per_s;
         assert!((seconds(&graph, &hw, 1) - hw.op_overhead_s - roofline).abs() < 1e-12);
     }

@@ -50,8 +50,10 @@ def test_a_plan_with_the_profile_states_its_step_time(profile):
     assert cost.step_time_s == pytest.approx(
         cost.forward_time_s + cost.replay_time_s + cost.backward_time_s
     )
-    # Every forward op pays at least the measured overhead.
-    assert cost.forward_time_s >= len(plan.nodes) * profile["op_overhead_s"]
+    # Every forward op pays at least the smallest overhead measured.
+    overheads = [v for k, v in profile.items() if k.endswith("overhead_s")]
+    assert len(overheads) == 5
+    assert cost.forward_time_s >= len(plan.nodes) * min(overheads)
 
 
 def test_the_fitted_matmul_rate_times_a_size_it_did_not_measure(profile):

@@ -125,6 +125,8 @@ pub struct StepResult {
     /// and the runtime's work around it. On CUDA, without a synchronisation per op, a stage
     /// counts the host's time to launch its kernels; the step's time counts the device's.
     pub stage_seconds: StageSeconds,
+    /// Wall time per node, summed over the stages that ran it (the same attribution).
+    pub node_seconds: Vec<f64>,
 }
 
 /// Seconds per stage of a step.
@@ -186,6 +188,7 @@ pub fn run_step(
     let mut counts = OpCounts::new(graph.nodes().len());
     let mut collectives = 0u64;
     let mut stage_seconds = StageSeconds::default();
+    let mut node_seconds = vec![0.0; graph.nodes().len()];
     for (step, &(stage, id)) in schedule.steps().iter().enumerate() {
         if stage != Stage::Forward && saved_bytes.is_none() {
             saved_bytes = Some(held_activation_bytes(graph, &env, &input_storages));
@@ -263,7 +266,9 @@ pub fn run_step(
         for slot in schedule.frees(step) {
             env.take(Slot(slot.copy, slot.value));
         }
-        stage_seconds.add(stage, step_started.elapsed().as_secs_f64());
+        let elapsed = step_started.elapsed().as_secs_f64();
+        stage_seconds.add(stage, elapsed);
+        node_seconds[id.index()] += elapsed;
     }
     if allocator {
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
@@ -293,6 +298,7 @@ pub fn run_step(
         counts,
         seconds,
         stage_seconds,
+        node_seconds,
     })
 }
 

@@ -135,6 +135,8 @@ pub struct VariantRun {
     /// Median wall time of the step, and of each stage's steps, over `repeat` steps.
     pub seconds: f64,
     pub stage_seconds: StageSeconds,
+    /// Median wall time per node over `repeat` steps, summed over the stages that ran it.
+    pub node_seconds: Vec<f64>,
     pub repeat: u32,
     /// The planner's prediction of the step's and replay's time, where this variant has a
     /// plan.
@@ -769,23 +771,34 @@ impl Predicted {
     }
 }
 
+/// Each node's median time over `steps` (the first step's one-time costs, such as a kernel's
+/// first call, would weigh on a mean).
+fn median_node_times(steps: &[StepResult]) -> Vec<f64> {
+    let nodes = steps.first().map_or(0, |s| s.node_seconds.len());
+    (0..nodes)
+        .map(|node| median(steps.iter().map(|s| s.node_seconds[node])))
+        .collect()
+}
+
+/// The median of `values` (the mean of the middle two for an even count); 0 when empty.
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.collect();
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 /// The median step time of `steps`, and the median of each stage's time (each median on its
 /// own, so the stages need not add up to the step).
 fn median_times(steps: &[StepResult]) -> (f64, StageSeconds) {
-    let median = |time: &dyn Fn(&StepResult) -> f64| {
-        let mut times: Vec<f64> = steps.iter().map(time).collect();
-        times.sort_by(f64::total_cmp);
-        match times.len() {
-            0 => 0.0,
-            n if n % 2 == 1 => times[n / 2],
-            n => (times[n / 2 - 1] + times[n / 2]) / 2.0,
-        }
-    };
     let stages = StageSeconds::new(
         [Stage::Forward, Stage::Replay, Stage::Backward]
-            .map(|stage| median(&|s: &StepResult| s.stage_seconds.of(stage))),
+            .map(|stage| median(steps.iter().map(|s| s.stage_seconds.of(stage)))),
     );
-    (median(&|s: &StepResult| s.seconds), stages)
+    (median(steps.iter().map(|s| s.seconds)), stages)
 }
 
 fn rank_main(
@@ -833,6 +846,7 @@ fn rank_main(
             )?);
         }
         let (seconds, stage_seconds) = median_times(&steps);
+        let node_seconds = median_node_times(&steps);
         let step = steps.swap_remove(0);
         runs.push(VariantRun {
             variant: *variant,
@@ -843,6 +857,7 @@ fn rank_main(
             allocator_peak_bytes: step.allocator_peak_bytes,
             seconds,
             stage_seconds,
+            node_seconds,
             repeat: config.repeat.max(1),
             predicted_step_time_s: predicted.step_time_s,
             predicted_replay_time_s: predicted.replay_time_s,
