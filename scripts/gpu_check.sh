@@ -4,8 +4,9 @@
 # threads, one GPU each; a single-rank golden is NCCL with world size 1), then, with two or
 # more GPUs, one golden runs as two processes under torchrun (meeting through its store).
 # Prints, per golden, measured (tracked storages and the CUDA caching allocator) vs predicted
-# peak and step time of the plan, no checkpointing and whole-layer recompute. Exits 1 when a
-# run fails.
+# peak, and the median step time of 5 against the one predicted with a profile calibrated on
+# this GPU first (`planner calibrate`), for the plan, no checkpointing and whole-layer
+# recompute. Exits 1 when a run fails.
 #
 #     bash scripts/gpu_check.sh [GOLDEN ...]
 set -euo pipefail
@@ -25,6 +26,11 @@ if [ "$GPUS" -lt 1 ]; then
   exit 1
 fi
 echo "== $GPUS GPU(s): $(python -c 'import torch; print(torch.cuda.get_device_name(0))')" >&2
+
+# Time: a profile calibrated on this GPU, which every run below is planned and timed with.
+PROFILE="$PWD/target/gpu_profile.json"
+echo "== calibrating (planner calibrate --device cuda)" >&2
+"$PLANNER" calibrate --device cuda -o "$PROFILE"
 
 if [ "$#" -gt 0 ]; then
   GOLDENS=("$@")
@@ -60,7 +66,8 @@ for rank in report["ranks"]:
         diff = "-" if diff is None else f"{diff:+.1f}%"
         print(f"{name:<22} {rank['rank']:>4} {step:<24} {mib(run['measured_peak_bytes'])} "
               f"{mib(run['allocator_peak_bytes'])} {mib(run['predicted_peak_bytes'])} "
-              f"{diff:>8} {run['seconds'] * 1e3:10.2f}")
+              f"{diff:>8} {run['seconds'] * 1e3:10.2f} "
+              f"{(run['predicted']['step_time_s'] or 0) * 1e3:10.2f}")
 if not report["passed"]:
     print(f"{name}: FAILED: {report['first_failure']}", file=sys.stderr)
 sys.exit(0 if report["passed"] else 1)
@@ -71,8 +78,8 @@ summarise() {
 }
 
 FAILED=0
-printf '%-22s %4s %-24s %9s %9s %9s %8s %10s\n' golden rank step "tracked" "allocator" \
-  "predicted" diff "time (ms)"
+printf '%-22s %4s %-24s %9s %9s %9s %8s %10s %10s\n' golden rank step "tracked" "allocator" \
+  "predicted" diff "time (ms)" "predicted"
 echo "(peaks in MiB; tracked: storages the runtime holds; allocator: CUDA caching allocator peak)"
 for golden in "${GOLDENS[@]}"; do
   world="$(world_size "$golden")"
@@ -82,7 +89,8 @@ for golden in "${GOLDENS[@]}"; do
   fi
   keep="$(keep_for "$golden")"
   if ! "$PLANNER" run "tests/golden/$golden.pb" --device cuda --ranks "$world" --keep "$keep" \
-      --check --format json --timeout 120 > "target/gpu_check_$golden.json"; then
+      --check --format json --timeout 120 --hw "$PROFILE" --repeat 5 \
+      > "target/gpu_check_$golden.json"; then
     echo "$golden: run failed" >&2
   fi
   summarise "$golden" "$keep" < "target/gpu_check_$golden.json" || FAILED=1

@@ -6,7 +6,7 @@
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use clap::Args;
-use ir::{plan::Stage, Graph};
+use ir::{wire::graph as pb, Graph};
 use planner::{
     calibration::{self, benchmarks, Benchmark},
     config::PlanConfig,
@@ -15,7 +15,7 @@ use planner::{
 };
 use runtime::{
     program,
-    run::{RankJob, RunConfig},
+    run::{RankJob, RunConfig, RunReport},
 };
 
 use crate::{commands::Failure, output::Output, run};
@@ -54,22 +54,29 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         fault: None,
         repeat: args.repeat,
     };
-    let mut timings = Vec::new();
-    let mut overhead = 0.0;
-    for bench in benchmarks(cuda) {
-        let timing = time(&bench, &config, &base, overhead)?;
-        if bench.class == "overhead" {
-            overhead = timing.median_s;
-        }
+    let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) =
+        benchmarks(cuda).into_iter().partition(|b| b.mixed);
+    let mut timings = time_mixed(&mixed, &config, &base)?;
+    // The general overhead, taken off a collective for the wait that follows it.
+    let overhead = calibration::median(
+        timings
+            .iter()
+            .filter(|t| t.class == "overhead")
+            .map(|t| t.median_s),
+    )
+    .unwrap_or(0.0);
+    for bench in &alone {
+        timings.push(time(bench, &config, &base, overhead)?);
+    }
+    for timing in &timings {
         let shape: Vec<String> = timing.shape.iter().map(u64::to_string).collect();
         eprintln!(
-            "calibrate: {:<14} {:<56} {:>12} {:>12.3} us",
-            bench.class,
-            bench.op,
+            "calibrate: {:<18} {:<56} {:>12} {:>12.3} us",
+            timing.class,
+            timing.op,
             shape.join("x"),
             timing.median_s * 1e6
         );
-        timings.push(timing);
     }
     let device_name = program::device_name(device);
     let threads = u32::try_from(runtime::cpu_threads()).unwrap_or(0);
@@ -95,19 +102,45 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Median seconds of one op of `bench`: its graph's forward time over its repeats, less the
-/// overhead of the `wait_tensor` each collective is followed by.
-fn time(
-    bench: &Benchmark,
+/// Each of `mixed`'s ops timed in one graph that interleaves them: the median per node over
+/// the repeated steps, added over the op's nodes and divided by its repeats.
+fn time_mixed(
+    mixed: &[Benchmark],
     config: &RunConfig,
     hw: &HwProfile,
-    overhead: f64,
-) -> Result<Timing, Failure> {
-    let graph = Graph::from_wire(bench.graph())
-        .map_err(|e| format!("calibration graph `{}`: {e}", bench.op))?;
+) -> Result<Vec<Timing>, Failure> {
+    if mixed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let report = execute(calibration::graph_of(mixed), 1, config, hw)?;
+    let run = report
+        .ranks
+        .first()
+        .and_then(|rank| rank.runs.first())
+        .ok_or_else(|| "the calibration run reported nothing".to_owned())?;
+    mixed
+        .iter()
+        .enumerate()
+        .map(|(i, bench)| {
+            let total: f64 = run.node_seconds.iter().skip(i).step_by(mixed.len()).sum();
+            let median = (total / bench.repeats as f64).max(f64::MIN_POSITIVE);
+            Ok(bench.timing(median, config.repeat)?)
+        })
+        .collect()
+}
+
+/// Plans `graph` and runs it on `ranks` ranks.
+fn execute(
+    graph: pb::Graph,
+    ranks: u32,
+    config: &RunConfig,
+    hw: &HwProfile,
+) -> Result<RunReport, Failure> {
+    let graph =
+        Graph::from_wire(graph).map_err(|e| format!("a calibration graph is not valid: {e}"))?;
     let graph = Arc::new(graph);
     let plan = Arc::new(plan::plan(&graph, &PlanConfig::default(), hw).map_err(|e| e.to_string())?);
-    let jobs = (0..bench.world)
+    let jobs = (0..ranks)
         .map(|_| RankJob {
             graph: Arc::clone(&graph),
             plan: Arc::clone(&plan),
@@ -115,12 +148,24 @@ fn time(
             inputs: PathBuf::from("/nonexistent/calibrate.safetensors"),
         })
         .collect();
-    let report = run::execute(jobs, config)?;
+    Ok(run::execute(jobs, config)?)
+}
+
+/// Median seconds of one op of `bench`: its graph's step time over its repeats, less the
+/// overhead of the `wait_tensor` each collective is followed by.
+fn time(
+    bench: &Benchmark,
+    config: &RunConfig,
+    hw: &HwProfile,
+    overhead: f64,
+) -> Result<Timing, Failure> {
+    let report = execute(bench.graph(), bench.world, config, hw)?;
+    // The step's time, not its forward stage's: on a GPU only the step waits for the device.
     let forward = report
         .ranks
         .iter()
         .flat_map(|rank| rank.runs.first())
-        .map(|run| run.stage_seconds.of(Stage::Forward))
+        .map(|run| run.seconds)
         .fold(0.0, f64::max);
     let waits = if bench.world > 1 { overhead } else { 0.0 };
     let median = (forward / bench.repeats as f64 - waits).max(f64::MIN_POSITIVE);

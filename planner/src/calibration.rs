@@ -47,6 +47,9 @@ pub struct Benchmark {
     pub repeats: usize,
     /// Ranks the graph runs on (a collective's group).
     pub world: u32,
+    /// Run interleaved with the other mixed benchmarks in one graph (`graph_of`), as a
+    /// model's ops follow one another, rather than alone: the fixed costs of op classes.
+    pub mixed: bool,
 }
 
 impl Benchmark {
@@ -61,6 +64,7 @@ impl Benchmark {
             attributes: Vec::new(),
             repeats: 1,
             world: 1,
+            mixed: false,
         }
     }
 
@@ -87,68 +91,9 @@ impl Benchmark {
     /// The graph: the inputs, then `repeats` nodes of the op reading them (a collective's each
     /// followed by its wait); the last node's outputs are the graph's.
     pub fn graph(&self) -> pb::Graph {
-        let value = |name: String, dtype: pb::Dtype, shape: &[i64], role: pb::Role| pb::Value {
-            name,
-            dtype: dtype as i32,
-            shape: shape.to_vec(),
-            role: role as i32,
-        };
-        let mut values: Vec<pb::Value> = self
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, shape)| value(format!("x{i}"), self.dtype, shape, pb::Role::Input))
-            .collect();
-        let inputs: Vec<String> = values.iter().map(|v| v.name.clone()).collect();
-        let mut nodes = Vec::new();
-        let collective = self.op.starts_with("_c10d_functional.");
-        for r in 0..self.repeats {
-            let outputs: Vec<String> = (0..self.outputs.len())
-                .map(|o| format!("y{r}_{o}"))
-                .collect();
-            for (name, (dtype, shape)) in outputs.iter().zip(&self.outputs) {
-                values.push(value(name.clone(), *dtype, shape, pb::Role::Activation));
-            }
-            nodes.push(node(
-                format!("n{r}"),
-                self.op,
-                inputs.clone(),
-                outputs.clone(),
-                &self.attributes,
-                collective,
-            ));
-            if collective {
-                let waited = format!("w{r}");
-                let (dtype, shape) = &self.outputs[0];
-                values.push(value(waited.clone(), *dtype, shape, pb::Role::Activation));
-                nodes.push(node(
-                    format!("wait{r}"),
-                    "_c10d_functional.wait_tensor.default",
-                    outputs[..1].to_vec(),
-                    vec![waited],
-                    &[],
-                    true,
-                ));
-            }
-        }
-        let outputs = nodes
-            .last()
-            .map_or_else(Vec::new, |n: &pb::Node| n.outputs.clone());
-        pb::Graph {
-            name: format!("calibrate {}", self.op),
-            values,
-            nodes,
-            outputs,
-            models: vec![pb::Model {
-                name: "main".to_owned(),
-                ..Default::default()
-            }],
-            metadata: Some(pb::Metadata {
-                world_size: self.world,
-                ..Default::default()
-            }),
-        }
+        graph_of(std::slice::from_ref(self))
     }
+
     /// The timing of one op of this benchmark, `median_s` seconds over `runs` runs, with the
     /// op's work by the knowledge base.
     pub fn timing(&self, median_s: f64, runs: u32) -> Result<Timing, String> {
@@ -187,7 +132,84 @@ impl Benchmark {
             "attributes": attributes,
             "repeats": self.repeats,
             "world": self.world,
+            "mixed": self.mixed,
         })
+    }
+}
+
+/// The graph of `benchmarks` interleaved: their inputs, then `repeats` (the first's) rounds of
+/// one node of each, in order, reading its inputs (a collective's followed by its wait); the
+/// last node's outputs are the graph's. Node `round * benchmarks.len() + i` is benchmark
+/// `i`'s when none is a collective.
+pub fn graph_of(benchmarks: &[Benchmark]) -> pb::Graph {
+    let value = |name: String, dtype: pb::Dtype, shape: &[i64], role: pb::Role| pb::Value {
+        name,
+        dtype: dtype as i32,
+        shape: shape.to_vec(),
+        role: role as i32,
+    };
+    let mut values = Vec::new();
+    let mut inputs: Vec<Vec<String>> = Vec::new();
+    for (b, bench) in benchmarks.iter().enumerate() {
+        let names: Vec<String> = (0..bench.inputs.len())
+            .map(|i| format!("x{b}_{i}"))
+            .collect();
+        for (name, shape) in names.iter().zip(&bench.inputs) {
+            values.push(value(name.clone(), bench.dtype, shape, pb::Role::Input));
+        }
+        inputs.push(names);
+    }
+    let mut nodes = Vec::new();
+    let repeats = benchmarks.first().map_or(0, |b| b.repeats);
+    for r in 0..repeats {
+        for (b, bench) in benchmarks.iter().enumerate() {
+            let collective = bench.op.starts_with("_c10d_functional.");
+            let outputs: Vec<String> = (0..bench.outputs.len())
+                .map(|o| format!("y{b}_{r}_{o}"))
+                .collect();
+            for (name, (dtype, shape)) in outputs.iter().zip(&bench.outputs) {
+                values.push(value(name.clone(), *dtype, shape, pb::Role::Activation));
+            }
+            nodes.push(node(
+                format!("n{b}_{r}"),
+                bench.op,
+                inputs[b].clone(),
+                outputs.clone(),
+                &bench.attributes,
+                collective,
+            ));
+            if collective {
+                let waited = format!("w{b}_{r}");
+                let (dtype, shape) = &bench.outputs[0];
+                values.push(value(waited.clone(), *dtype, shape, pb::Role::Activation));
+                nodes.push(node(
+                    format!("wait{b}_{r}"),
+                    "_c10d_functional.wait_tensor.default",
+                    outputs[..1].to_vec(),
+                    vec![waited],
+                    &[],
+                    true,
+                ));
+            }
+        }
+    }
+    let outputs = nodes
+        .last()
+        .map_or_else(Vec::new, |n: &pb::Node| n.outputs.clone());
+    let ops: Vec<&str> = benchmarks.iter().map(|b| b.op).collect();
+    pb::Graph {
+        name: format!("calibrate {}", ops.join(", ")),
+        values,
+        nodes,
+        outputs,
+        models: vec![pb::Model {
+            name: "main".to_owned(),
+            ..Default::default()
+        }],
+        metadata: Some(pb::Metadata {
+            world_size: benchmarks.iter().map(|b| b.world).max().unwrap_or(1),
+            ..Default::default()
+        }),
     }
 }
 
@@ -298,9 +320,16 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
     use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
     let sizes = if cuda { &CUDA } else { &CPU };
     let work = sizes.work;
-    // The fixed cost of each op class: its op at the smallest size, where the roofline is
-    // nothing.
-    let tiny = |b: Benchmark| b.repeated_for(1.0, 200.0);
+    // The fixed cost of each op class: its op at a small size, where the roofline is at most a
+    // fraction of a microsecond (a matmul, a reduction and attention at 32 wide, not 1: a
+    // 1 x 1 matmul skips the BLAS library's setup and threads a model's smallest matmuls
+    // pay), interleaved with the other classes' as a model's ops are (one op repeated alone
+    // runs from warm caches, and measured below what the same op costs in a model).
+    let tiny = |b: Benchmark| Benchmark {
+        repeats: 100,
+        mixed: true,
+        ..b
+    };
     let mut all = vec![
         tiny(Benchmark::new(
             "overhead",
@@ -308,6 +337,23 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
             F32,
             &[&[1], &[1]],
         )),
+        tiny(Benchmark::new(
+            "overhead",
+            "aten.mul.Tensor",
+            F32,
+            &[&[1], &[1]],
+        )),
+        tiny(Benchmark::new("overhead", "aten.neg.default", F32, &[&[1]])),
+        tiny(Benchmark::new(
+            "overhead_view",
+            "aten.detach.default",
+            F32,
+            &[&[1, 1]],
+        )),
+        tiny(
+            Benchmark::new("host_sync", "aten._to_copy.default", F32, &[&[1]])
+                .attribute("device", AttrValue::Str("cpu".to_owned())),
+        ),
         tiny(Benchmark::new(
             "overhead_view",
             "aten.t.default",
@@ -318,21 +364,21 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
             "overhead_matmul",
             "aten.mm.default",
             F32,
-            &[&[1, 1], &[1, 1]],
+            &[&[32, 32], &[32, 32]],
         )),
         tiny(
             Benchmark::new(
                 "overhead_reduction",
                 "aten.sum.dim_IntList",
                 F32,
-                &[&[1, 1]],
+                &[&[32, 32]],
             )
-            .output(vec![(F32, vec![1])])
+            .output(vec![(F32, vec![32])])
             .attribute("dim", AttrValue::Ints(pb::IntList { values: vec![-1] })),
         ),
     ];
     if !cuda {
-        let qkv: [&[i64]; 3] = [&[1, 1, 1, 8], &[1, 1, 1, 8], &[1, 1, 1, 8]];
+        let qkv: [&[i64]; 3] = [&[1, 2, 16, 16], &[1, 2, 16, 16], &[1, 2, 16, 16]];
         all.push(tiny(cpu_attention(&qkv)));
     }
     for (class, dtype, ns) in [
@@ -388,11 +434,7 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
                 .repeated_for(8.0 * n as f64, work / 20.0),
         );
     }
-    all.push(
-        Benchmark::new("host_sync", "aten._to_copy.default", F32, &[&[1]])
-            .attribute("device", AttrValue::Str("cpu".to_owned()))
-            .repeated_for(1.0, 200.0),
-    );
+
     for &rows in sizes.collective_rows {
         let half = rows / 2;
         all.push(
@@ -700,6 +742,32 @@ mod tests {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    #[test]
+    fn the_interleaved_benchmarks_come_first_and_hold_no_collective() {
+        for cuda in [false, true] {
+            let all = benchmarks(cuda);
+            let mixed = all.iter().take_while(|b| b.mixed).count();
+            assert!(mixed >= 5, "{mixed}");
+            assert!(all[mixed..].iter().all(|b| !b.mixed));
+            assert!(all[..mixed]
+                .iter()
+                .all(|b| b.world == 1 && b.repeats == all[0].repeats));
+            for class in [
+                "overhead",
+                "overhead_view",
+                "overhead_matmul",
+                "overhead_reduction",
+            ] {
+                assert!(all[..mixed].iter().any(|b| b.class == class), "{class}");
+            }
+            // Each interleaved op is the node its position says.
+            let graph = graph_of(&all[..mixed]);
+            for (i, node) in graph.nodes.iter().enumerate() {
+                assert_eq!(node.op, all[i % mixed].op);
+            }
+        }
     }
 
     #[test]

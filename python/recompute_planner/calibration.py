@@ -1,11 +1,12 @@
 """``recompute_planner.calibrate``: a hardware profile measured in eager PyTorch.
 
 It times the benchmarks ``planner calibrate`` times (the same ops, dtypes, shapes and
-repeats: ``_native.calibration_benchmarks``), each op called through ``torch.ops`` as eager
-code calls it, with autograd recording (float inputs require grad, as a training forward's
-do), and fits the profile the planner fits to the command's timings. So the profile's op
-overhead is what eager PyTorch pays per op in Python, where the command's is what its runtime
-pays; plan an eager step (``executor="eager"``, ``recompute_planner.sac``) with this one.
+repeats: ``_native.calibration_benchmarks``; the smallest op of each class interleaved, as a
+model's ops follow one another), each op called through ``torch.ops`` as eager code calls it,
+with autograd recording (float inputs require grad, as a training forward's do), and fits the
+profile the planner fits to the command's timings. So the profile's op overhead is what eager
+PyTorch pays per op in Python, where the command's is what its runtime pays; plan an eager
+step (``executor="eager"``, ``recompute_planner.sac``) with this one.
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ def calibrate(
     device = torch.device(device)
     cuda = device.type == "cuda"
     benchmarks = json.loads(_native.calibration_benchmarks(cuda))
-    medians: list[float | None] = []
-    overhead = 0.0
-    for bench in benchmarks:
+    mixed = [bench for bench in benchmarks if bench["mixed"]]
+    medians: list[float | None] = list(_time_mixed(mixed, device, repeat))
+    overheads = [
+        m for b, m in zip(mixed, medians, strict=True) if b["class"] == "overhead" and m
+    ]
+    overhead = statistics.median(overheads) if overheads else 0.0
+    for bench in benchmarks[len(mixed):]:
         median = _time(bench, device, repeat, group)
         if median is not None and bench["world"] > 1:
             median = max(median - overhead, 1e-12)  # the wait that follows the collective
-        if bench["class"] == "overhead" and median is not None:
-            overhead = median
         medians.append(median)
     profile_json = _native.fit_calibration(
         cuda=cuda,
@@ -75,6 +78,25 @@ def calibrate(
             json.dump(profile, f, indent=2)
             f.write("\n")
     return profile
+
+
+def _time_mixed(mixed: list[dict[str, Any]], device: torch.device, repeat: int) -> list[float]:
+    """Median seconds of one call of each of ``mixed``'s ops, called in turn (as a model's ops
+    follow one another), each call timed on its own."""
+    calls = [_call(bench, device, None) for bench in mixed]
+    repeats = int(mixed[0]["repeats"]) if mixed else 0
+    runs: list[list[float]] = []
+    for _ in range(repeat + 1):  # the first run warms caches and kernels: not kept
+        totals = [0.0] * len(calls)
+        for _ in range(repeats):
+            for i, call in enumerate(calls):
+                assert call is not None, "the mixed benchmarks hold no collective"
+                started = time.perf_counter()
+                call()
+                totals[i] += time.perf_counter() - started
+        _sync(device)
+        runs.append([t / repeats for t in totals])
+    return [statistics.median(run[i] for run in runs[1:]) for i in range(len(calls))]
 
 
 def _time(bench: dict[str, Any], device: torch.device, repeat: int, group: Any) -> float | None:

@@ -1,0 +1,100 @@
+"""The trade-offs the selective-checkpointing seeds measured, predicted and measured here: what
+keeping a unit (or the collectives) costs in peak memory and saves in step time.
+
+- `moe_ep2` (expert-parallel MoE, torchtitan-like): `--collectives recompute` against `save`
+  (replaying the dispatch all-to-all and the device-to-host copy of its split sizes, or
+  keeping their outputs);
+- `glm_dsa_ep2` (DSA indexer, MoE, MTP): `--keep none` against `--keep SAVE_DSA_INDEXER`.
+
+For each pair: the planner's Δpeak and Δstep time with a calibrated profile, beside the step
+time `planner run` measures on gloo ranks launched by torchrun (rank 0's median of `--repeat`
+steps; every rank is a process of this machine).
+
+    python scripts/tradeoffs.py --hw PROFILE.json      # a profile from `planner calibrate`
+    python scripts/tradeoffs.py                         # calibrates first
+
+`planner` is `$PLANNER_BIN`, else `target/debug/planner` (built with `--features run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = REPO_ROOT / "tests" / "golden"
+
+# (golden, label, planner options of the first configuration, of the second)
+PAIRS = [
+    ("moe_ep2", "collectives recompute -> save", ["--collectives", "recompute"],
+     ["--collectives", "save"]),
+    ("glm_dsa_ep2", "keep none -> SAVE_DSA_INDEXER", ["--keep", "none"],
+     ["--keep", "SAVE_DSA_INDEXER"]),
+]
+
+
+def planner_bin() -> str:
+    return os.environ.get("PLANNER_BIN") or str(REPO_ROOT / "target" / "debug" / "planner")
+
+
+def predicted(graph: Path, options: list[str], hw: str) -> tuple[int, float]:
+    """(peak bytes, step seconds) of the plan."""
+    done = subprocess.run(
+        [planner_bin(), "plan", str(graph), *options, "--hw", hw, "--format", "json"],
+        capture_output=True, text=True, check=True,
+    )
+    plan = json.loads(done.stdout)
+    return plan["memory"]["peak_bytes"], plan["cost"]["step_time_s"]
+
+
+def measured(graph: Path, options: list[str], hw: str, repeat: int) -> float:
+    """Rank 0's median step seconds under torchrun (gloo), one process per rank."""
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        raise SystemExit("torchrun is not on PATH: source scripts/env.sh first")
+    with tempfile.TemporaryDirectory() as logs:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        subprocess.run(
+            [torchrun, "--standalone", "--no-python", "--nproc-per-node", "2", "--log-dir",
+             logs, "--redirects", "3", planner_bin(), "run", str(graph), *options, "--hw", hw,
+             "--repeat", str(repeat), "--format", "json"],
+            capture_output=True, text=True, check=True, env=env,
+        )
+        stdout = next(Path(logs).rglob("0/stdout.log")).read_text()
+    run = json.loads(stdout)["ranks"][0]["runs"][0]
+    return float(run["measured"]["step_time_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hw", help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--repeat", type=int, default=9)
+    args = parser.parse_args(argv)
+    hw = args.hw
+    if hw is None:
+        hw = str(Path(tempfile.mkdtemp()) / "profile.json")
+        subprocess.run([planner_bin(), "calibrate", "-o", hw], check=True)
+    print("| golden | change | predicted Δpeak | predicted Δstep | measured Δstep | steps "
+          "(predicted, measured) |")
+    print("|---|---|---:|---:|---:|---|")
+    for name, label, first, second in PAIRS:
+        graph = GOLDEN / f"{name}.pb"
+        (peak_a, step_a), (peak_b, step_b) = (predicted(graph, o, hw) for o in (first, second))
+        meas_a, meas_b = (measured(graph, o, hw, args.repeat) for o in (first, second))
+        print(
+            f"| {name} | {label} | {peak_b - peak_a:+,} B | {1e3 * (step_b - step_a):+.3f} ms "
+            f"| {1e3 * (meas_b - meas_a):+.3f} ms | {1e3 * step_a:.2f} -> {1e3 * step_b:.2f}, "
+            f"{1e3 * meas_a:.2f} -> {1e3 * meas_b:.2f} ms |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
