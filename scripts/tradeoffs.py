@@ -1,5 +1,5 @@
-"""The trade-offs the selective-checkpointing seeds measured, predicted and measured here: what
-keeping a unit (or the collectives) costs in peak memory and saves in step time.
+"""Two trade-offs production MoE runs weigh, predicted and measured: what keeping a unit (or
+the collectives) costs in peak memory and saves in step time.
 
 - `moe_ep2` (expert-parallel MoE, torchtitan-like): `--collectives recompute` against `save`
   (replaying the dispatch all-to-all and the device-to-host copy of its split sizes, or
@@ -76,24 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hw", help="a calibrated profile (default: calibrate now)")
     parser.add_argument("--repeat", type=int, default=9)
     args = parser.parse_args(argv)
-    hw = args.hw
-    if hw is None:
-        hw = str(Path(tempfile.mkdtemp()) / "profile.json")
-        subprocess.run([planner_bin(), "calibrate", "-o", hw], check=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        hw = args.hw
+        if hw is None:
+            hw = str(Path(scratch) / "profile.json")
+            subprocess.run([planner_bin(), "calibrate", "-o", hw], check=True)
+        table(hw, args.repeat)
+    return 0
+
+
+def table(hw: str, repeat: int) -> None:
+    """The trade-offs' table, a row per pair, printed as it is measured."""
     print("| golden | change | predicted Δpeak | predicted Δstep | measured Δstep | steps "
           "(predicted, measured) |")
     print("|---|---|---:|---:|---:|---|")
     for name, label, first, second in PAIRS:
         graph = GOLDEN / f"{name}.pb"
         (peak_a, step_a), (peak_b, step_b) = (predicted(graph, o, hw) for o in (first, second))
-        meas_a, meas_b = (measured(graph, o, hw, args.repeat) for o in (first, second))
+        meas_a, meas_b = (measured(graph, o, hw, repeat) for o in (first, second))
         print(
             f"| {name} | {label} | {peak_b - peak_a:+,} B | {1e3 * (step_b - step_a):+.3f} ms "
             f"| {1e3 * (meas_b - meas_a):+.3f} ms | {1e3 * step_a:.2f} -> {1e3 * step_b:.2f}, "
             f"{1e3 * meas_a:.2f} -> {1e3 * meas_b:.2f} ms |",
             flush=True,
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -54,19 +54,13 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         fault: None,
         repeat: args.repeat,
     };
+    // The interleaved benchmarks come first and hold no collective (tested), so node
+    // `round * mixed.len() + i` of their graph is benchmark `i`'s.
     let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) =
         benchmarks(cuda).into_iter().partition(|b| b.mixed);
     let mut timings = time_mixed(&mixed, &config, &base)?;
-    // The general overhead, taken off a collective for the wait that follows it.
-    let overhead = calibration::median(
-        timings
-            .iter()
-            .filter(|t| t.class == "overhead")
-            .map(|t| t.median_s),
-    )
-    .unwrap_or(0.0);
     for bench in &alone {
-        timings.push(time(bench, &config, &base, overhead)?);
+        timings.push(time(bench, &config, &base)?);
     }
     for timing in &timings {
         let shape: Vec<String> = timing.shape.iter().map(u64::to_string).collect();
@@ -123,7 +117,7 @@ fn time_mixed(
         .enumerate()
         .map(|(i, bench)| {
             let total: f64 = run.node_seconds.iter().skip(i).step_by(mixed.len()).sum();
-            let median = (total / bench.repeats as f64).max(f64::MIN_POSITIVE);
+            let median = (total / mixed[0].repeats as f64).max(f64::MIN_POSITIVE);
             Ok(bench.timing(median, config.repeat)?)
         })
         .collect()
@@ -151,24 +145,18 @@ fn execute(
     Ok(run::execute(jobs, config)?)
 }
 
-/// Median seconds of one op of `bench`: its graph's step time over its repeats, less the
-/// overhead of the `wait_tensor` each collective is followed by.
-fn time(
-    bench: &Benchmark,
-    config: &RunConfig,
-    hw: &HwProfile,
-    overhead: f64,
-) -> Result<Timing, Failure> {
+/// Median seconds of one op of `bench` (a collective's with the `wait_tensor` after it): its
+/// graph's step time over its repeats.
+fn time(bench: &Benchmark, config: &RunConfig, hw: &HwProfile) -> Result<Timing, Failure> {
     let report = execute(bench.graph(), bench.world, config, hw)?;
     // The step's time, not its forward stage's: on a GPU only the step waits for the device.
-    let forward = report
+    let step = report
         .ranks
         .iter()
         .flat_map(|rank| rank.runs.first())
         .map(|run| run.seconds)
         .fold(0.0, f64::max);
-    let waits = if bench.world > 1 { overhead } else { 0.0 };
-    let median = (forward / bench.repeats as f64 - waits).max(f64::MIN_POSITIVE);
+    let median = (step / bench.repeats as f64).max(f64::MIN_POSITIVE);
     Ok(bench.timing(median, config.repeat)?)
 }
 

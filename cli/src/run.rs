@@ -123,6 +123,14 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
             (execute(jobs, &config)?, graph, plan)
         }
     };
+    if plan.cost.hw != hw.name {
+        eprintln!(
+            "warning: the plan's times assume the profile `{}`; the per-op predictions use `{}` \
+             (--hw), so they do not add up to the plan's",
+            ir::display::name(&plan.cost.hw),
+            ir::display::name(&hw.name)
+        );
+    }
     let text = match args.format {
         SummaryFormat::Text => text(&report, &graph, &plan, &hw),
         SummaryFormat::Json => {
@@ -554,8 +562,9 @@ fn rank_text(
 /// 3.5 ms (-2.9%), replay 0.3 ms (+1.0%)`
 fn time_line(run: &VariantRun) -> String {
     let stage = |s| format_seconds(run.stage_seconds.of(s));
+    // A plan file from before step times were predicted holds 0: nothing to compare.
     let against = |predicted: Option<f64>, measured: f64| {
-        predicted.map_or_else(
+        predicted.filter(|&p| p > 0.0).map_or_else(
             || "-".to_owned(),
             |p| match diff_ratio(measured, p) {
                 Some(d) => format!("{} ({d:+.1}%)", format_seconds(p)),

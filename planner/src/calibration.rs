@@ -16,25 +16,23 @@ use ir::{
 
 use crate::cost::{Calibration, HwProfile, Timing};
 
-/// The classes of benchmark a calibration may hold, and the profile field each one sets.
-pub const CLASSES: [(&str, &str); 14] = [
-    ("overhead", "op_overhead_s"),
-    ("overhead_view", "view_overhead_s"),
-    ("overhead_matmul", "matmul_overhead_s"),
-    ("overhead_attention", "attention_overhead_s"),
-    ("overhead_reduction", "reduction_overhead_s"),
-    ("matmul_f32", "matmul_f32_flops_per_s"),
-    ("matmul_bf16", "matmul_flops_per_s"),
-    ("attention", "attention_efficiency"),
-    ("memory", "hbm_bytes_per_s"),
-    ("transcendental", "vector_flops_per_s"),
-    (
-        "reduction",
-        "(checked against hbm_bytes_per_s, sets nothing)",
-    ),
-    ("host_copy", "host_bytes_per_s"),
-    ("host_sync", "host_sync_s"),
-    ("collective", "collective_latency_s, link_bytes_per_s"),
+/// The classes of benchmark a calibration may hold (docs/cost-and-memory.md says which field
+/// each one sets).
+pub const CLASSES: [&str; 14] = [
+    "overhead",
+    "overhead_view",
+    "overhead_matmul",
+    "overhead_attention",
+    "overhead_reduction",
+    "matmul_f32",
+    "matmul_bf16",
+    "attention",
+    "memory",
+    "transcendental",
+    "reduction",
+    "host_copy",
+    "host_sync",
+    "collective",
 ];
 /// One benchmark: `repeats` copies of one op on the same inputs, timed together.
 pub struct Benchmark {
@@ -541,49 +539,79 @@ pub fn fit(
         calibration: None,
         ..base.clone()
     };
-    let mut set = |field: &mut f64, value: Option<f64>, what: &str| match value {
-        Some(v) if v.is_finite() && v > 0.0 => *field = v,
-        _ => not_measured.push(what.to_owned()),
-    };
+    // A fitted figure, or the base's with the field listed as not measured.
+    fn set(field: &mut f64, value: Option<f64>, what: &str, missing: &mut Vec<String>) {
+        match value {
+            Some(v) if v.is_finite() && v > 0.0 => *field = v,
+            _ => missing.push(what.to_owned()),
+        }
+    }
     set(
         &mut profile.matmul_f32_flops_per_s,
         rate("matmul_f32", |t| t.flops, matmul),
         "matmul_f32_flops_per_s",
+        &mut not_measured,
     );
     set(
         &mut profile.matmul_flops_per_s,
         rate("matmul_bf16", |t| t.flops, matmul),
         "matmul_flops_per_s",
+        &mut not_measured,
     );
     set(
         &mut profile.hbm_bytes_per_s,
         rate("memory", |t| t.bytes, overhead),
         "hbm_bytes_per_s",
+        &mut not_measured,
     );
+    // A transcendental op sets the vector rate only where it is compute-bound: on a GPU `exp`
+    // runs at memory speed, which says nothing of the rate.
+    let hbm = profile.hbm_bytes_per_s;
+    let compute_bound = |t: &&Timing| t.median_s - overhead > 1.5 * t.bytes as f64 / hbm;
     set(
         &mut profile.vector_flops_per_s,
-        rate("transcendental", |t| t.flops, overhead),
+        median(
+            class(timings, "transcendental")
+                .filter(compute_bound)
+                .map(|t| t.flops as f64 / above(t)),
+        ),
         "vector_flops_per_s",
+        &mut not_measured,
     );
+    if profile.matmul_f32_flops_per_s != base.matmul_f32_flops_per_s {
+        let attention = rate("attention", |t| t.flops, attention_overhead)
+            .map(|r| (r / profile.matmul_f32_flops_per_s).min(1.0));
+        set(
+            &mut profile.attention_efficiency,
+            attention,
+            "attention_efficiency",
+            &mut not_measured,
+        );
+    } else {
+        not_measured.push("attention_efficiency".to_owned());
+    }
     set(
-        &mut profile.host_bytes_per_s,
-        rate("host_copy", |t| t.bytes, overhead),
-        "host_bytes_per_s",
+        &mut profile.memory_bytes,
+        memory_bytes,
+        "memory_bytes",
+        &mut not_measured,
     );
-    let attention = rate("attention", |t| t.flops, attention_overhead)
-        .map(|r| r / profile.matmul_f32_flops_per_s);
-    set(
-        &mut profile.attention_efficiency,
-        attention,
-        "attention_efficiency",
-    );
-    set(&mut profile.memory_bytes, memory_bytes, "memory_bytes");
     // Latencies may be measured as 0 (a host sync on a device that is the host).
     match median(class(timings, "host_sync").map(above)) {
         Some(sync) => profile.host_sync_s = if sync <= f64::MIN_POSITIVE { 0.0 } else { sync },
         None => not_measured.push("host_sync_s".to_owned()),
     }
-    match collective_fit(timings, overhead) {
+    // A copy to the host costs, as the model times it, the overhead, its bytes through memory,
+    // the synchronisation, and its output (half its bytes) over the host link.
+    let host_rate = median(class(timings, "host_copy").filter_map(|t| {
+        let link = t.median_s - overhead - t.bytes as f64 / hbm - profile.host_sync_s;
+        (link > 0.0).then(|| t.bytes as f64 / 2.0 / link)
+    }));
+    match host_rate {
+        Some(rate) if rate.is_finite() => profile.host_bytes_per_s = rate,
+        _ => not_measured.push("host_bytes_per_s".to_owned()),
+    }
+    match collective_fit(timings, &profile) {
         Some((latency, link)) => {
             profile.collective_latency_s = latency;
             profile.link_bytes_per_s = link;
@@ -601,11 +629,18 @@ pub fn fit(
     Ok(profile)
 }
 
-/// Latency and bandwidth of collectives: the least-squares line through (bytes, seconds less
-/// the op overhead) of the `collective` timings; `None` without two sizes that tell a slope.
-fn collective_fit(timings: &[Timing], overhead: f64) -> Option<(f64, f64)> {
+/// Latency and bandwidth of collectives: the least-squares line through (bytes sent, seconds)
+/// of the `collective` timings, each less what the model times apart from latency and link
+/// (the op's overhead and its bytes through memory, and the `wait_tensor` after it, a view);
+/// `None` without two sizes that tell a slope.
+fn collective_fit(timings: &[Timing], profile: &HwProfile) -> Option<(f64, f64)> {
     let points: Vec<(f64, f64)> = class(timings, "collective")
-        .map(|t| (t.comm_bytes as f64, t.median_s - overhead))
+        .map(|t| {
+            let apart = profile.op_overhead_s
+                + t.bytes as f64 / profile.hbm_bytes_per_s
+                + profile.view_overhead_s;
+            (t.comm_bytes as f64, t.median_s - apart)
+        })
         .collect();
     let n = points.len() as f64;
     if points.len() < 2 {
@@ -624,10 +659,10 @@ fn collective_fit(timings: &[Timing], overhead: f64) -> Option<(f64, f64)> {
 /// Every timing must be a positive, finite number of seconds of a known class.
 fn check(timings: &[Timing]) -> Result<(), FitError> {
     for (index, t) in timings.iter().enumerate() {
-        let reason = if !CLASSES.iter().any(|(c, _)| *c == t.class) {
+        let reason = if !CLASSES.contains(&t.class.as_str()) {
             Some(format!(
                 "unknown class; the classes are {}",
-                CLASSES.map(|(c, _)| c).join(", ")
+                CLASSES.join(", ")
             ))
         } else if !(t.median_s.is_finite() && t.median_s > 0.0) {
             Some(format!(
@@ -704,20 +739,11 @@ mod tests {
             timings.push(timing("memory", 0, n as u64, 0, overhead + n / 1e10));
             timings.push(timing("attention", n as u64, 0, 0, overhead + n / 5e10));
         }
-        timings.push(timing(
-            "collective",
-            0,
-            0,
-            1_000,
-            overhead + 20e-6 + 1e3 / 1e9,
-        ));
-        timings.push(timing(
-            "collective",
-            0,
-            0,
-            1_000_000,
-            overhead + 20e-6 + 1e6 / 1e9,
-        ));
+        // A collective and its wait (a view, whose overhead is the general one here).
+        for bytes in [1e3, 1e6] {
+            let seconds = 2.0 * overhead + 20e-6 + bytes / 1e9;
+            timings.push(timing("collective", 0, 0, bytes as u64, seconds));
+        }
         let base = HwProfile::shipped("h100").unwrap();
         let profile = fit(&base, "test", None, calibration(timings)).unwrap();
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs();
@@ -762,10 +788,11 @@ mod tests {
             ] {
                 assert!(all[..mixed].iter().any(|b| b.class == class), "{class}");
             }
-            // Each interleaved op is the node its position says.
-            let graph = graph_of(&all[..mixed]);
-            for (i, node) in graph.nodes.iter().enumerate() {
-                assert_eq!(node.op, all[i % mixed].op);
+            // Each interleaved op is the node its position says, in the validated graph the
+            // runtime runs in node order.
+            let graph = Graph::from_wire(graph_of(&all[..mixed])).unwrap();
+            for (id, node) in graph.nodes().iter() {
+                assert_eq!(node.op.as_str(), all[id.index() % mixed].op);
             }
         }
     }

@@ -94,7 +94,8 @@ pub struct Calibration {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Timing {
-    /// The op class (`overhead`, `matmul_f32`, `memory`, ...: `calibration::CLASSES`).
+    /// The op class (`overhead`, `matmul_f32`, `memory`, ...: `calibration::CLASSES`). A
+    /// collective's time includes the `wait_tensor` that follows it.
     pub class: String,
     /// The op as the knowledge base names it, and its operands.
     pub op: String,
@@ -136,9 +137,11 @@ impl HwProfile {
     ///
     /// What no datasheet states is set at typical values for a current GPU on PCIe Gen5 x16,
     /// and every shipped profile shares them: 5 us per op (PyTorch's dispatch and a kernel
-    /// launch; 2 us for a view, which launches nothing), attention at 60% of the matmul rate (FlashAttention-2's share on H100), 64 GB/s
-    /// host <-> device per direction, 20 us per host synchronisation, 15 us per collective call
-    /// (NCCL within a node). `planner calibrate` measures all of them.
+    /// launch; 2 us for a view, which launches nothing), attention at 60% of the matmul rate
+    /// (fused attention on H100 reaches about 35% of the bf16 peak with FlashAttention-2, 75%
+    /// with FlashAttention-3), 64 GB/s host <-> device per direction, 20 us per host
+    /// synchronisation, 15 us per collective call (NCCL within a node). `planner calibrate`
+    /// measures all of them on the device at hand.
     fn h100() -> Self {
         HwProfile {
             name: "H100".to_owned(),
@@ -266,7 +269,6 @@ impl HwProfile {
             ("link_bytes_per_s", profile.link_bytes_per_s),
             ("memory_bytes", profile.memory_bytes),
             ("host_bytes_per_s", profile.host_bytes_per_s),
-            ("attention_efficiency", profile.attention_efficiency),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!(
@@ -283,11 +285,17 @@ impl HwProfile {
             ("host_sync_s", profile.host_sync_s),
             ("collective_latency_s", profile.collective_latency_s),
         ] {
-            if !(value.is_finite() && value >= 0.0) {
+            if !(0.0..=1.0).contains(&value) {
                 return Err(format!(
-                    "{origin}: `{field}` must be a number of seconds, 0 or more, got {value}"
+                    "{origin}: `{field}` must be a number of seconds from 0 to 1, got {value}"
                 ));
             }
+        }
+        let efficiency = profile.attention_efficiency;
+        if !(efficiency > 0.0 && efficiency <= 1.0) {
+            return Err(format!(
+                "{origin}: `attention_efficiency` must be above 0 and at most 1, got {efficiency}"
+            ));
         }
         Ok(profile)
     }
@@ -326,7 +334,7 @@ impl HwProfile {
             .map_or(self.matmul_flops_per_s, |&operand| {
                 self.matmul_rate(graph.value(operand).dtype)
             });
-        if is_attention(&node.op) {
+        if is_attention(node) {
             matmul * self.attention_efficiency
         } else {
             matmul
@@ -368,17 +376,20 @@ impl HwProfile {
             | CostModel::NormBackward
             | CostModel::TopK
             | CostModel::Sort => self.reduction_overhead_s,
-            _ if node.info.compute_intensive && is_attention(&node.op) => self.attention_overhead_s,
+            _ if is_attention(node) => self.attention_overhead_s,
             _ if node.info.compute_intensive => self.matmul_overhead_s,
             _ => self.op_overhead_s,
         }
     }
 }
 
-/// Whether `op` is a fused attention kernel (SDPA's flash, memory-efficient or cuDNN forms,
+/// Whether `node` is a fused attention kernel (SDPA's flash, memory-efficient or cuDNN forms,
 /// and their backward), which runs below the matmul rate.
-fn is_attention(op: &str) -> bool {
-    op.contains("attention")
+fn is_attention(node: &ir::Node) -> bool {
+    matches!(
+        node.info.cost_model,
+        CostModel::Attention | CostModel::AttentionBackward
+    )
 }
 
 /// `.item()` and every other read of a tensor's value on the host.
@@ -619,6 +630,37 @@ mod tests {
         }
         let error = parse(r#"{"link_bytes_per_s": 1e400}"#).unwrap_err();
         assert!(error.contains("number out of range"), "{error}");
+    }
+
+    #[test]
+    fn latencies_are_seconds_from_0_to_1_and_attention_a_share() {
+        for ok in [
+            r#"{"op_overhead_s": 0}"#,
+            r#"{"host_sync_s": 1}"#,
+            r#"{"attention_efficiency": 1}"#,
+        ] {
+            assert!(parse(ok).is_ok(), "{ok}");
+        }
+        for (bad, field) in [
+            (r#"{"view_overhead_s": -1e-6}"#, "view_overhead_s"),
+            (r#"{"collective_latency_s": 2}"#, "collective_latency_s"),
+            (r#"{"attention_efficiency": 1.5}"#, "attention_efficiency"),
+            (r#"{"attention_efficiency": 0}"#, "attention_efficiency"),
+        ] {
+            let error = parse(bad).unwrap_err();
+            assert!(error.contains(field), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_profile_written_before_the_latencies_existed_keeps_the_h200s() {
+        let old = parse(r#"{"name": "old", "matmul_flops_per_s": 1e14, "hbm_bytes_per_s": 1e12}"#)
+            .unwrap();
+        let h200 = HwProfile::default();
+        assert_eq!(old.op_overhead_s, h200.op_overhead_s);
+        assert_eq!(old.host_sync_s, h200.host_sync_s);
+        assert_eq!(old.calibration, None);
+        assert_eq!(old.matmul_flops_per_s, 1e14);
     }
 
     #[test]

@@ -52,15 +52,8 @@ def calibrate(
     benchmarks = json.loads(_native.calibration_benchmarks(cuda))
     mixed = [bench for bench in benchmarks if bench["mixed"]]
     medians: list[float | None] = list(_time_mixed(mixed, device, repeat))
-    overheads = [
-        m for b, m in zip(mixed, medians, strict=True) if b["class"] == "overhead" and m
-    ]
-    overhead = statistics.median(overheads) if overheads else 0.0
-    for bench in benchmarks[len(mixed):]:
-        median = _time(bench, device, repeat, group)
-        if median is not None and bench["world"] > 1:
-            median = max(median - overhead, 1e-12)  # the wait that follows the collective
-        medians.append(median)
+    # A collective's timing includes the wait after it: the fit takes that off.
+    medians += [_time(bench, device, repeat, group) for bench in benchmarks[len(mixed):]]
     profile_json = _native.fit_calibration(
         cuda=cuda,
         medians=medians,
