@@ -558,8 +558,9 @@ fn rank_text(
     }
 }
 
-/// `measured forward 1.2 ms, replay 0.3 ms, backward 2.1 ms (median of 5); predicted step
-/// 3.5 ms (-2.9%), replay 0.3 ms (+1.0%)`
+/// `time: forward 1.2 ms, replay 0.3 ms, backward 2.1 ms (median of 5); predicted step 3.5 ms
+/// (-2.9%), replay 0.3 ms (+1.0%)`: the measured stages, and the predictions against the
+/// measured step and replay.
 fn time_line(run: &VariantRun) -> String {
     let stage = |s| format_seconds(run.stage_seconds.of(s));
     // A plan file from before step times were predicted holds 0: nothing to compare.

@@ -4,10 +4,11 @@
 //!
 //! Every timing is one op's median seconds at one size, with the op's FLOPs and bytes by the
 //! knowledge base's formulas, the same ones the cost model applies to a graph. The fixed
-//! overhead of an op comes from the `overhead` benchmark (the smallest op there is); each
-//! rate is the median over its class's sizes of `work / (seconds - overhead)`, so one noisy
-//! size moves nothing. A class the calibration did not measure keeps the base profile's
-//! figure, and the profile lists it in `calibration.not_measured`.
+//! overhead of each op class comes from its small `overhead*` benchmark, run interleaved with
+//! the other classes'; each rate is the median over its class's sizes of
+//! `work / (seconds - the class's overhead)`, so one noisy size moves nothing. A figure the
+//! calibration did not measure keeps the base profile's, and the profile lists it in
+//! `calibration.not_measured`.
 
 use ir::{
     wire::graph::{self as pb, attribute::Value as AttrValue},
@@ -34,6 +35,7 @@ pub const CLASSES: [&str; 14] = [
     "host_sync",
     "collective",
 ];
+
 /// One benchmark: `repeats` copies of one op on the same inputs, timed together.
 pub struct Benchmark {
     pub class: &'static str,
@@ -312,8 +314,8 @@ fn cpu_attention(qkv: &[&[i64]; 3]) -> Benchmark {
     )
 }
 
-/// The benchmarks for a device (`cuda` or not), in the order they run: `overhead` first, since
-/// a collective's timing is taken less the overhead of the wait that follows it.
+/// The benchmarks for a device (`cuda` or not): the interleaved ones (`mixed`) first, as one
+/// group, then those that run alone.
 pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
     use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
     let sizes = if cuda { &CUDA } else { &CPU };
@@ -689,7 +691,7 @@ fn class<'t>(timings: &'t [Timing], name: &'t str) -> impl Iterator<Item = &'t T
 }
 
 /// The median of `values` (the mean of the middle two for an even count); `None` when empty.
-pub fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
     let mut values: Vec<f64> = values.into_iter().collect();
     values.sort_by(f64::total_cmp);
     let n = values.len();

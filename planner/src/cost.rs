@@ -346,6 +346,8 @@ impl HwProfile {
     /// moves its output over the host link and waits for the device, as a scalar read does.
     fn seconds(&self, graph: &Graph, node: NodeId, cost: &Cost) -> f64 {
         let n = graph.node(node);
+        // A view costs its overhead alone; so does a collective's `wait_tensor`, a metadata op
+        // too, which pays no collective latency of its own.
         if n.info.cost_model == CostModel::Free {
             return self.view_overhead_s;
         }
@@ -363,9 +365,7 @@ impl HwProfile {
         }
         seconds
     }
-}
 
-impl HwProfile {
     /// The fixed seconds of one run of `node`, by its class.
     pub fn overhead_of(&self, node: &ir::Node) -> f64 {
         match node.info.cost_model {
