@@ -56,8 +56,10 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     };
     // The interleaved benchmarks come first and hold no collective (tested), so node
     // `round * mixed.len() + i` of their graph is benchmark `i`'s.
-    let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) =
-        benchmarks(cuda).into_iter().partition(|b| b.mixed);
+    let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) = benchmarks(cuda)
+        .into_iter()
+        .filter(|b| !b.checkpointed)
+        .partition(|b| b.mixed);
     let mut timings = time_mixed(&mixed, &config, &base)?;
     for bench in &alone {
         timings.push(time(bench, &config, &base)?);

@@ -422,24 +422,30 @@ fn bad_plan_options_are_errors_before_any_work() {
     );
 }
 
-/// The replay time of `graph`'s whole-layer recompute under `--hw hw`, from the JSON plan.
-fn full_recompute_replay_seconds(graph: &Path, hw: &dyn AsRef<std::ffi::OsStr>) -> f64 {
+/// The device `graph`'s plan under `--hw hw` is for: the profile's name and memory.
+fn planned_device(graph: &Path, hw: &dyn AsRef<std::ffi::OsStr>) -> (String, u64) {
     let out = planner(&[&"plan", &graph, &"--hw", hw, &"--format", &"json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let plan: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    plan["cost"]["full_recompute_replay_time_s"]
-        .as_f64()
-        .unwrap()
+    (
+        plan["cost"]["hw"].as_str().unwrap().to_owned(),
+        plan["memory"]["device_memory_bytes"].as_u64().unwrap(),
+    )
 }
 
 #[test]
 fn shipped_hardware_profiles_are_chosen_by_name() {
-    // The golden's tiny ops are memory-bound: the MI300X's faster memory replays them sooner
-    // than the H100's. A name that is no shipped profile is read as a file.
+    // In any case; a name that is no shipped profile is read as a file.
     let graph = golden_graph("dense");
-    let h100 = full_recompute_replay_seconds(&graph, &"h100");
-    let mi300x = full_recompute_replay_seconds(&graph, &"MI300X");
-    assert!(mi300x < h100, "MI300X {mi300x} vs H100 {h100}");
+    let gib = 1u64 << 30;
+    assert_eq!(
+        planned_device(&graph, &"h100"),
+        ("H100".to_owned(), 80 * gib)
+    );
+    assert_eq!(
+        planned_device(&graph, &"MI300X"),
+        ("MI300X".to_owned(), 192 * gib)
+    );
     assert_clean_error(
         &planner(&[&"plan", &graph, &"--hw", &"h300"]),
         &["cannot read hardware profile h300"],

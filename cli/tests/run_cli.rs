@@ -61,10 +61,16 @@ fn the_dsa_golden_on_two_ranks_proves_the_plan() {
 
 #[test]
 fn the_json_report_carries_peaks_op_counts_and_parity() {
+    // Timed as this CPU runs ops: each before the next (an asynchronous GPU profile overlaps
+    // them, so the times of ops run alone add up to more than its step).
+    let cpu = scratch("in_order.json");
+    std::fs::write(&cpu, r#"{"name": "in order", "asynchronous": false}"#).unwrap();
     let out = planner(&[
         "run",
         golden("dense").to_str().unwrap(),
         "--check",
+        "--hw",
+        cpu.to_str().unwrap(),
         "--format",
         "json",
     ]);

@@ -146,7 +146,9 @@ impl<'g> Search<'g> {
         let layers = Layers::new(graph, searched_layers(graph, &resolved));
         let jobs = runs_of(graph, &layers)?;
         progress.stage("option tables", Some(jobs.len() as u64 + 1));
-        let work = NodeWork::of(graph, hw, config.executor);
+        let work = NodeWork::of(graph, hw, config.executor, |n| {
+            resolved.is_checkpointed(n.model, n.layer)
+        });
         let (baselines, runs) = rayon::join(
             || {
                 let baselines = Baselines::of(graph, config.executor);

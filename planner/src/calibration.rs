@@ -19,7 +19,7 @@ use crate::cost::{Calibration, HwProfile, Timing};
 
 /// The classes of benchmark a calibration may hold (docs/cost-and-memory.md says which field
 /// each one sets).
-pub const CLASSES: [&str; 14] = [
+pub const CLASSES: [&str; 15] = [
     "overhead",
     "overhead_view",
     "overhead_matmul",
@@ -34,6 +34,7 @@ pub const CLASSES: [&str; 14] = [
     "host_copy",
     "host_sync",
     "collective",
+    "checkpoint",
 ];
 
 /// One benchmark: `repeats` copies of one op on the same inputs, timed together.
@@ -50,6 +51,10 @@ pub struct Benchmark {
     /// Run interleaved with the other mixed benchmarks in one graph (`graph_of`), as a
     /// model's ops follow one another, rather than alone: the fixed costs of op classes.
     pub mixed: bool,
+    /// Timed in eager PyTorch inside a checkpointed layer under selective checkpointing (its
+    /// policy keeping every other op): what eager SAC adds per op. `planner run` has no such
+    /// checkpoint and leaves these out.
+    pub checkpointed: bool,
 }
 
 impl Benchmark {
@@ -65,6 +70,7 @@ impl Benchmark {
             repeats: 1,
             world: 1,
             mixed: false,
+            checkpointed: false,
         }
     }
 
@@ -133,6 +139,7 @@ impl Benchmark {
             "repeats": self.repeats,
             "world": self.world,
             "mixed": self.mixed,
+            "checkpointed": self.checkpointed,
         })
     }
 }
@@ -269,6 +276,9 @@ struct Sizes {
     collective_rows: &'static [i64],
     /// FLOPs or bytes each benchmark graph holds.
     work: f64,
+    /// Bytes each host copy's graph moves: a copy to the host runs at the host link's speed,
+    /// a hundredth of a GPU's memory bandwidth, into freshly allocated host memory.
+    host_copy_work: f64,
 }
 
 const CPU: Sizes = Sizes {
@@ -279,6 +289,7 @@ const CPU: Sizes = Sizes {
     attention_seq: &[128, 256, 512],
     collective_rows: &[16, 1024, 16384],
     work: 1.5e9,
+    host_copy_work: 1.5e8,
 };
 
 const CUDA: Sizes = Sizes {
@@ -289,6 +300,7 @@ const CUDA: Sizes = Sizes {
     attention_seq: &[],
     collective_rows: &[],
     work: 2e12,
+    host_copy_work: 2e9,
 };
 
 /// The CPU's fused attention over `q`, `k`, `v` of `[batch, heads, seq, head dim]`, without
@@ -381,6 +393,15 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         let qkv: [&[i64]; 3] = [&[1, 2, 16, 16], &[1, 2, 16, 16], &[1, 2, 16, 16]];
         all.push(tiny(cpu_attention(&qkv)));
     }
+    // The same elementwise ops in a checkpointed layer: what eager selective checkpointing
+    // adds to each (timed by `recompute_planner.calibrate` only).
+    for op in ["aten.add.Tensor", "aten.mul.Tensor"] {
+        all.push(Benchmark {
+            repeats: 100,
+            checkpointed: true,
+            ..Benchmark::new("checkpoint", op, F32, &[&[1], &[1]])
+        });
+    }
     for (class, dtype, ns) in [
         ("matmul_f32", F32, sizes.matmul),
         ("matmul_bf16", BF16, sizes.matmul_bf16),
@@ -425,7 +446,7 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         all.push(
             Benchmark::new("host_copy", "aten._to_copy.default", F32, &[&[n]])
                 .attribute("device", AttrValue::Str("cpu".to_owned()))
-                .repeated_for(bytes, work / 10.0),
+                .repeated_for(bytes, sizes.host_copy_work),
         );
     }
     for &n in sizes.transcendental {
@@ -613,6 +634,13 @@ pub fn fit(
         Some(rate) if rate.is_finite() => profile.host_bytes_per_s = rate,
         _ => not_measured.push("host_bytes_per_s".to_owned()),
     }
+    match median(class(timings, "checkpoint").map(above)) {
+        Some(added) => profile.checkpoint_op_overhead_s = added,
+        None => not_measured.push("checkpoint_op_overhead_s".to_owned()),
+    }
+    // A GPU runs what the host queues while the host goes on; a CPU runs each op as it is
+    // called.
+    profile.asynchronous = calibration.device.starts_with("cuda");
     match collective_fit(timings, &profile) {
         Some((latency, link)) => {
             profile.collective_latency_s = latency;
@@ -770,6 +798,33 @@ mod tests {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    #[test]
+    fn eager_checkpointings_cost_is_what_an_op_takes_above_the_overhead_and_a_gpu_queues() {
+        let base = HwProfile::shipped("h100").unwrap();
+        let overhead = vec![timing("overhead", 1, 12, 0, 10e-6)];
+        let cpu = fit(&base, "cpu", None, calibration(overhead.clone())).unwrap();
+        assert!(!cpu.asynchronous);
+        let listed = &cpu.calibration.as_ref().unwrap().not_measured;
+        assert!(listed.iter().any(|f| f == "checkpoint_op_overhead_s"));
+        assert_eq!(cpu.checkpoint_op_overhead_s, base.checkpoint_op_overhead_s);
+
+        let mut timings = overhead;
+        timings.push(timing("checkpoint", 1, 12, 0, 45e-6));
+        timings.push(timing("checkpoint", 1, 12, 0, 55e-6));
+        let gpu = fit(
+            &base,
+            "gpu",
+            None,
+            Calibration {
+                device: "cuda:0".to_owned(),
+                ..calibration(timings)
+            },
+        )
+        .unwrap();
+        assert!(gpu.asynchronous);
+        assert!((gpu.checkpoint_op_overhead_s - 40e-6).abs() < 1e-12);
     }
 
     #[test]

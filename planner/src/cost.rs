@@ -6,8 +6,11 @@
 //! for compute-intensive ops (matmuls, attention; attention at the profile's attention share of
 //! it) and the vector rate otherwise. A collective adds its latency and `comm_bytes / link`; a
 //! copy to the host moves its bytes over the host link and synchronises (`host_sync_s`), as
-//! does reading a scalar on the host (`.item()`). Ops are summed: an executor runs them in
-//! sequence. The shipped profiles (`--hw h100`, ...) hold vendor datasheet figures;
+//! does reading a scalar on the host (`.item()`). The overhead is host time, the rest device
+//! time: on an asynchronous device (a GPU) the host runs ahead of the device, launching ops
+//! while earlier ones run, so a sequence takes whichever clock ends later, and a host
+//! synchronisation makes the host wait for the device; on a CPU the ops' times add up. Eager
+//! selective checkpointing adds host time to each op of a checkpointed layer. The shipped profiles (`--hw h100`, ...) hold vendor datasheet figures;
 //! `planner calibrate` measures a profile on the device at hand.
 
 use std::path::Path;
@@ -68,6 +71,15 @@ pub struct HwProfile {
     pub host_sync_s: f64,
     /// Fixed seconds of one collective call, whatever its size.
     pub collective_latency_s: f64,
+    /// Host seconds eager selective checkpointing adds to each op it dispatches in a
+    /// checkpointed layer, in forward and in the layer's recompute: its dispatch modes (the
+    /// plan's policy, SAC's cache) and the checkpoint's saved-tensor hooks. Counted for the
+    /// eager executor only.
+    pub checkpoint_op_overhead_s: f64,
+    /// Whether the host queues work for the device and runs ahead of it (a GPU): an op's
+    /// overhead then overlaps the device's work on earlier ops, and a host synchronisation
+    /// waits for the queue to drain. Without it (a CPU) every op finishes before the next.
+    pub asynchronous: bool,
     /// What `planner calibrate` measured to make this profile; absent in datasheet profiles.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<Calibration>,
@@ -140,8 +152,10 @@ impl HwProfile {
     /// launch; 2 us for a view, which launches nothing), attention at 60% of the matmul rate
     /// (fused attention on H100 reaches about 35% of the bf16 peak with FlashAttention-2, 75%
     /// with FlashAttention-3), 64 GB/s host <-> device per direction, 20 us per host
-    /// synchronisation, 15 us per collective call (NCCL within a node). `planner calibrate`
-    /// measures all of them on the device at hand.
+    /// synchronisation, 15 us per collective call (NCCL within a node), and 40 us of host time
+    /// per op eager selective checkpointing dispatches in a checkpointed layer (measured on an
+    /// H200 machine's host: 39 to 47 us, docs/measurements/h200-eager-time.md). `planner
+    /// calibrate` and `recompute_planner.calibrate` measure them on the device at hand.
     fn h100() -> Self {
         HwProfile {
             name: "H100".to_owned(),
@@ -164,6 +178,8 @@ impl HwProfile {
             host_bytes_per_s: 64e9,
             host_sync_s: 20e-6,
             collective_latency_s: 15e-6,
+            checkpoint_op_overhead_s: 40e-6,
+            asynchronous: true,
             calibration: None,
         }
     }
@@ -284,6 +300,7 @@ impl HwProfile {
             ("reduction_overhead_s", profile.reduction_overhead_s),
             ("host_sync_s", profile.host_sync_s),
             ("collective_latency_s", profile.collective_latency_s),
+            ("checkpoint_op_overhead_s", profile.checkpoint_op_overhead_s),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return Err(format!(
@@ -341,29 +358,36 @@ impl HwProfile {
         }
     }
 
-    /// Seconds of one run of `node`: the op's overhead, then compute or memory, whichever is
-    /// slower; a collective adds its latency and its bytes over the link; a copy to the host
-    /// moves its output over the host link and waits for the device, as a scalar read does.
-    fn seconds(&self, graph: &Graph, node: NodeId, cost: &Cost) -> f64 {
+    /// One run of `node`: the op's overhead on the host, then compute or memory on the
+    /// device, whichever is slower; a collective adds its latency and its bytes over the link;
+    /// a copy to the host moves its output over the host link and waits for the device, as a
+    /// scalar read does.
+    fn op_time(&self, graph: &Graph, node: NodeId, cost: &Cost) -> OpTime {
         let n = graph.node(node);
         // A view costs its overhead alone; so does a collective's `wait_tensor`, a metadata op
         // too, which pays no collective latency of its own.
         if n.info.cost_model == CostModel::Free {
-            return self.view_overhead_s;
+            return OpTime::host(self.view_overhead_s);
         }
         let compute = cost.flops as f64 / self.rate_of(graph, node);
         let memory = cost.bytes as f64 / self.hbm_bytes_per_s;
-        let mut seconds = self.overhead_of(n) + compute.max(memory);
+        let mut time = OpTime {
+            host_s: self.overhead_of(n),
+            device_s: compute.max(memory),
+            sync_s: None,
+        };
         if n.effects.collective.is_some() {
-            seconds += self.collective_latency_s + cost.comm_bytes as f64 / self.link_bytes_per_s;
+            time.device_s +=
+                self.collective_latency_s + cost.comm_bytes as f64 / self.link_bytes_per_s;
         }
         if n.is_device_to_host_copy() {
             let moved: u64 = n.outputs.iter().map(|&v| graph.value(v).bytes).sum();
-            seconds += self.host_sync_s + moved as f64 / self.host_bytes_per_s;
+            time.device_s += moved as f64 / self.host_bytes_per_s;
+            time.sync_s = Some(self.host_sync_s);
         } else if is_host_scalar_read(&n.op) {
-            seconds += self.host_sync_s;
+            time.sync_s = Some(self.host_sync_s);
         }
-        seconds
+        time
     }
 
     /// The fixed seconds of one run of `node`, by its class.
@@ -402,73 +426,163 @@ pub fn is_host_sync(node: &ir::Node) -> bool {
     node.is_device_to_host_copy() || is_host_scalar_read(&node.op)
 }
 
-/// What re-executing some nodes costs.
+/// One run of one op, as a clock on the host and one on the device see it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpTime {
+    /// Host seconds before the device can start it: dispatch and launch.
+    pub host_s: f64,
+    /// Device seconds: the roofline, a collective's latency and link time, a host copy's
+    /// transfer.
+    pub device_s: f64,
+    /// A host synchronisation: the host waits for the device, then pays these seconds.
+    pub sync_s: Option<f64>,
+}
+
+impl OpTime {
+    /// An op that only the host runs (a view).
+    fn host(seconds: f64) -> OpTime {
+        OpTime {
+            host_s: seconds,
+            ..OpTime::default()
+        }
+    }
+
+    /// Its seconds run alone: host, device, then the synchronisation.
+    fn alone(self) -> f64 {
+        self.host_s + self.device_s + self.sync_s.unwrap_or(0.0)
+    }
+}
+
+/// What re-executing some nodes costs. `seconds` is the time the sequence takes from an idle
+/// device: on an asynchronous device the host's clock and the device's run apart (an op starts
+/// on the device once the host has launched it and the device has finished the one before),
+/// and the sequence ends when both have; elsewhere the ops' times add up.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Work {
     pub flops: u64,
     pub bytes: u64,
     pub comm_bytes: u64,
     pub seconds: f64,
+    /// The host's and the device's clocks when the sequence's last op has been launched and
+    /// run (on a synchronous device both equal `seconds`).
+    host_s: f64,
+    device_s: f64,
 }
 
 impl Work {
-    /// One execution of `node`.
+    /// One execution of `node`, run alone.
     pub fn of_node(graph: &Graph, hw: &HwProfile, node: NodeId) -> Work {
         let cost = graph.node_cost(node);
+        Work::new(&cost, hw.op_time(graph, node, &cost))
+    }
+
+    fn new(cost: &Cost, time: OpTime) -> Work {
+        Work::default().then(&NodeTime::of(cost, time), false)
+    }
+
+    /// This sequence, then `op`.
+    fn then(self, op: &NodeTime, asynchronous: bool) -> Work {
+        let time = op.time;
+        let (host, device) = if asynchronous {
+            let host = self.host_s + time.host_s;
+            let device = host.max(self.device_s) + time.device_s;
+            match time.sync_s {
+                Some(sync) => (host.max(device) + sync, device),
+                None => (host, device),
+            }
+        } else {
+            let end = self.seconds + time.alone();
+            (end, end)
+        };
         Work {
+            flops: self.flops.saturating_add(op.flops),
+            bytes: self.bytes.saturating_add(op.bytes),
+            comm_bytes: self.comm_bytes.saturating_add(op.comm_bytes),
+            seconds: host.max(device),
+            host_s: host,
+            device_s: device,
+        }
+    }
+}
+
+/// One node's work and time, as [`NodeWork`] holds it.
+#[derive(Debug, Clone, Copy, Default)]
+struct NodeTime {
+    flops: u64,
+    bytes: u64,
+    comm_bytes: u64,
+    time: OpTime,
+}
+
+impl NodeTime {
+    fn of(cost: &Cost, time: OpTime) -> NodeTime {
+        NodeTime {
             flops: cost.flops,
             bytes: cost.bytes,
             comm_bytes: cost.comm_bytes,
-            seconds: hw.seconds(graph, node, &cost),
-        }
-    }
-
-    fn plus(self, other: Work) -> Work {
-        Work {
-            flops: self.flops.saturating_add(other.flops),
-            bytes: self.bytes.saturating_add(other.bytes),
-            comm_bytes: self.comm_bytes.saturating_add(other.comm_bytes),
-            seconds: self.seconds + other.seconds,
+            time,
         }
     }
 }
 
 /// The work of every node as an executor runs it, computed once and in parallel for a plan
 /// document that sums it several ways (replay, each pass of the step).
-pub struct NodeWork(Vec<Work>);
+pub struct NodeWork {
+    nodes: Vec<NodeTime>,
+    asynchronous: bool,
+}
 
 impl NodeWork {
     /// An eager executor runs no marker op (the marker returns its input, dispatching
-    /// nothing): its markers cost nothing. A graph executor runs each as a copy.
-    pub fn of(graph: &Graph, hw: &HwProfile, executor: Executor) -> NodeWork {
+    /// nothing): its markers cost nothing. A graph executor runs each as a copy. Eager
+    /// selective checkpointing adds `checkpoint_op_overhead_s` to every op it dispatches
+    /// itself in a layer `checkpointed` says it checkpoints (not to the ops of a compiled
+    /// region, which run as one call).
+    pub fn of(
+        graph: &Graph,
+        hw: &HwProfile,
+        executor: Executor,
+        checkpointed: impl Fn(&ir::Node) -> bool + Sync,
+    ) -> NodeWork {
         let nodes = graph.nodes().values().as_slice();
-        NodeWork(
-            nodes
-                .par_iter()
-                .enumerate()
-                .map(|(i, node)| {
-                    if executor == Executor::Eager && node.marker().is_some() {
-                        Work::default()
-                    } else {
-                        Work::of_node(graph, hw, NodeId::from_index(i))
-                    }
-                })
-                .collect(),
-        )
+        let nodes = nodes
+            .par_iter()
+            .enumerate()
+            .map(|(i, node)| {
+                if executor == Executor::Eager && node.marker().is_some() {
+                    return NodeTime::default();
+                }
+                let id = NodeId::from_index(i);
+                let cost = graph.node_cost(id);
+                let mut time = hw.op_time(graph, id, &cost);
+                if executor == Executor::Eager
+                    && node.compiled_region.is_none()
+                    && checkpointed(node)
+                {
+                    time.host_s += hw.checkpoint_op_overhead_s;
+                }
+                NodeTime::of(&cost, time)
+            })
+            .collect();
+        NodeWork {
+            nodes,
+            asynchronous: hw.asynchronous,
+        }
     }
 
+    /// The work of `node` run alone.
     pub fn node(&self, node: NodeId) -> Work {
-        self.0[node.index()]
+        Work::default().then(&self.nodes[node.index()], false)
     }
 
-    /// The summed work of `nodes`, in their order.
+    /// The work of `nodes` run in their order.
     pub fn sum(&self, nodes: impl IntoIterator<Item = NodeId>) -> Work {
-        nodes
-            .into_iter()
-            .fold(Work::default(), |acc, id| acc.plus(self.node(id)))
+        nodes.into_iter().fold(Work::default(), |acc, id| {
+            acc.then(&self.nodes[id.index()], self.asynchronous)
+        })
     }
 
-    /// The summed work of every node of `phase`: one pass of the step, replay aside.
+    /// The work of every node of `phase` run in order: one pass of the step, replay aside.
     pub fn pass(&self, graph: &Graph, phase: Phase) -> Work {
         self.sum(
             graph
@@ -572,6 +686,103 @@ mod tests {
         );
         assert!(is_host_sync(copy.node(NodeId::from_index(1))));
         assert!(!is_host_sync(same_device.node(NodeId::from_index(1))));
+    }
+
+    /// `x -> mm -> neg x 40`, then a copy of the last to the host when `to_host`: float32
+    /// `[4096, 4096]` for the matmul, one element for the rest (launch-bound ops).
+    fn matmul_then_small_ops(to_host: bool) -> Graph {
+        let mut b = Builder::new(1, &[]);
+        let (x, w) = (b.input("x"), b.param("w"));
+        let (_, mut y) = b.node("aten.mm.default", &[&x, &w]);
+        for _ in 0..40 {
+            y = b.node("aten.neg.default", &[&y]).1;
+        }
+        if to_host {
+            y = b.node("aten._to_copy.default", &[&y]).1;
+        }
+        b.output(&y);
+        let mut wire = b.wire();
+        for value in &mut wire.values {
+            value.shape = vec![1];
+        }
+        for value in &mut wire.values[..3] {
+            value.shape = vec![4096, 4096];
+        }
+        if to_host {
+            let last = wire.nodes.len() - 1;
+            wire.nodes[last].attributes = vec![pb::Attribute {
+                name: "device".to_owned(),
+                value: Some(pb::attribute::Value::Str("cpu".to_owned())),
+            }];
+        }
+        Graph::from_wire(wire).unwrap()
+    }
+
+    fn all_nodes(graph: &Graph, hw: &HwProfile) -> Work {
+        NodeWork::of(graph, hw, Executor::Graph, |_| false).sum(graph.nodes().ids())
+    }
+
+    #[test]
+    fn on_an_asynchronous_device_the_host_launches_ops_while_earlier_ones_run() {
+        let gpu = HwProfile::shipped("h100").unwrap();
+        let graph = matmul_then_small_ops(false);
+        let matmul = Work::of_node(&graph, &gpu, NodeId::from_index(0));
+        let launches = 40.0 * gpu.op_overhead_s;
+        let device_matmul = matmul.seconds - gpu.matmul_overhead_s;
+        assert!(device_matmul > launches, "the matmul hides the launches");
+        // The neg ops' launches overlap the matmul; each then runs on the device in the
+        // time its one element takes.
+        let overlapped = all_nodes(&graph, &gpu).seconds;
+        let tail: f64 = (1..41)
+            .map(|i| seconds(&graph, &gpu, i) - gpu.op_overhead_s)
+            .sum();
+        assert!(
+            (overlapped - (matmul.seconds + tail)).abs() < 1e-12,
+            "{overlapped} against {}",
+            matmul.seconds + tail
+        );
+        // A CPU runs each op before the next: the times add up.
+        let cpu = HwProfile {
+            asynchronous: false,
+            ..gpu
+        };
+        let serial: f64 = (0..41).map(|i| seconds(&graph, &cpu, i)).sum();
+        assert!((all_nodes(&graph, &cpu).seconds - serial).abs() < 1e-12);
+        assert!(serial - overlapped > launches * 0.99);
+    }
+
+    #[test]
+    fn a_host_synchronisation_waits_for_every_op_queued_before_it() {
+        let hw = HwProfile::shipped("h100").unwrap();
+        let queued = all_nodes(&matmul_then_small_ops(false), &hw).seconds;
+        let graph = matmul_then_small_ops(true);
+        let copy = NodeId::from_index(41);
+        let alone = Work::of_node(&graph, &hw, copy).seconds;
+        // The copy is launched long before the matmul ends: the host waits for the queue,
+        // then the copy's transfer and the synchronisation follow.
+        let synced = all_nodes(&graph, &hw).seconds;
+        let expected = queued + (alone - hw.op_overhead_s);
+        assert!(
+            (synced - expected).abs() < 1e-12,
+            "{synced} against {expected}"
+        );
+    }
+
+    #[test]
+    fn eager_checkpointing_adds_its_overhead_to_the_ops_of_checkpointed_layers() {
+        let hw = HwProfile::shipped("h100").unwrap();
+        let graph = matmul_then_small_ops(false);
+        let in_layer = |node: &ir::Node| node.op.as_str() == "aten.neg.default";
+        let eager = NodeWork::of(&graph, &hw, Executor::Eager, in_layer);
+        let graph_executor = NodeWork::of(&graph, &hw, Executor::Graph, in_layer);
+        let neg = NodeId::from_index(1);
+        let added = eager.node(neg).seconds - graph_executor.node(neg).seconds;
+        assert!(
+            (added - hw.checkpoint_op_overhead_s).abs() < 1e-15,
+            "{added}"
+        );
+        let matmul = NodeId::from_index(0);
+        assert_eq!(eager.node(matmul), graph_executor.node(matmul));
     }
 
     #[test]

@@ -142,7 +142,9 @@ fn finish(
         diagnostics.extend(worse);
         diagnostics.sort();
     }
-    let work = NodeWork::of(graph, hw, config.executor);
+    let work = NodeWork::of(graph, hw, config.executor, |n| {
+        resolved.is_checkpointed(n.model, n.layer)
+    });
     let partition = joint.as_ref().map(|j| &j.partition);
     Plan {
         planner_version: PLANNER_VERSION.to_owned(),

@@ -53,7 +53,12 @@ def calibrate(
     mixed = [bench for bench in benchmarks if bench["mixed"]]
     medians: list[float | None] = list(_time_mixed(mixed, device, repeat))
     # A collective's timing includes the wait after it: the fit takes that off.
-    medians += [_time(bench, device, repeat, group) for bench in benchmarks[len(mixed):]]
+    medians += [
+        _time_checkpointed(bench, device, repeat)
+        if bench["checkpointed"]
+        else _time(bench, device, repeat, group)
+        for bench in benchmarks[len(mixed) :]
+    ]
     profile_json = _native.fit_calibration(
         cuda=cuda,
         medians=medians,
@@ -105,6 +110,39 @@ def _time(bench: dict[str, Any], device: torch.device, repeat: int, group: Any) 
         started = time.perf_counter()
         for _ in range(repeats):
             call()
+        _sync(device)
+        times.append((time.perf_counter() - started) / repeats)
+    return statistics.median(times[1:])
+
+
+def _time_checkpointed(bench: dict[str, Any], device: torch.device, repeat: int) -> float:
+    """Median seconds of one call of the benchmark's op in the forward of a checkpointed
+    layer: ``repeats`` calls in a chain, under eager selective checkpointing whose policy
+    (``sac.PlanPolicy``) keeps every other op, as a plan's does."""
+    from .sac import LayerOps, PlanPolicy, checkpoint_call
+
+    namespace, name, overload = bench["op"].split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    repeats = int(bench["repeats"])
+    layer = LayerOps(
+        model="calibration",
+        layer=0,
+        names=tuple(f"op{i}" for i in range(repeats)),
+        ops=(bench["op"],) * repeats,
+        keep=tuple(i % 2 == 0 for i in range(repeats)),
+    )
+    x, w = (torch.randn(shape, device=device, requires_grad=True) for shape in bench["inputs"])
+
+    def chain(y: torch.Tensor) -> torch.Tensor:
+        for _ in range(repeats):
+            y = op(y, w)
+        return y
+
+    times = []
+    for _ in range(repeat + 1):  # the first run warms caches: not kept
+        _sync(device)
+        started = time.perf_counter()
+        checkpoint_call(chain, (x,), {}, PlanPolicy(layer))
         _sync(device)
         times.append((time.perf_counter() - started) / repeats)
     return statistics.median(times[1:])

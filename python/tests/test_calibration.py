@@ -51,7 +51,11 @@ def test_a_plan_with_the_profile_states_its_step_time(profile):
         cost.forward_time_s + cost.replay_time_s + cost.backward_time_s
     )
     # Every forward op pays its class's overhead once: doubling them all adds one of each.
-    overheads = {k: v for k, v in profile.items() if k.endswith("overhead_s")}
+    overheads = {
+        k: v
+        for k, v in profile.items()
+        if k.endswith("overhead_s") and k != "checkpoint_op_overhead_s"
+    }
     assert len(overheads) == 5
     doubled = {**profile, **{k: 2 * v for k, v in overheads.items()}}
     with warnings.catch_warnings():
@@ -60,6 +64,34 @@ def test_a_plan_with_the_profile_states_its_step_time(profile):
     added = slower.forward_time_s - cost.forward_time_s
     nodes = len(plan.nodes)
     assert nodes * min(overheads.values()) <= added <= nodes * max(overheads.values())
+
+
+def test_eager_checkpointings_cost_per_op_is_measured_and_paid_by_checkpointed_layers(profile):
+    assert "checkpoint_op_overhead_s" not in profile["calibration"]["not_measured"]
+    assert 0 < profile["checkpoint_op_overhead_s"] < 1e-3
+    assert profile["asynchronous"] is False  # a CPU runs each op before the next
+    doubled = {**profile, "checkpoint_op_overhead_s": 2 * profile["checkpoint_op_overhead_s"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        eager = [
+            rp.plan(GLM, keep="all", executor="eager", hw=hw).cost for hw in (profile, doubled)
+        ]
+        graph = [rp.plan(GLM, keep="all", hw=hw).cost for hw in (profile, doubled)]
+        unchecked = [
+            rp.plan(GLM, keep="all", executor="eager", hw=hw, recompute_ratio=0.0).cost
+            for hw in (profile, doubled)
+        ]
+    plan = rp.plan(GLM, keep="all", executor="eager", hw=profile, check=False)
+    layer_ops = sum(
+        1 for n in plan.nodes if n.layer is not None and "checkpoint_record" not in n.op
+    )
+    # Each forward op of a checkpointed layer pays it once more; the graph executor and a
+    # step that checkpoints no layer never.
+    added = eager[1].forward_time_s - eager[0].forward_time_s
+    assert 0 < added <= layer_ops * profile["checkpoint_op_overhead_s"] * 1.000001
+    assert added > layer_ops * profile["checkpoint_op_overhead_s"] / 2
+    assert graph[1].step_time_s == graph[0].step_time_s
+    assert unchecked[1].step_time_s == unchecked[0].step_time_s
 
 
 def test_the_fitted_matmul_rate_times_a_size_it_did_not_measure(profile):
