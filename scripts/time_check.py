@@ -1,0 +1,566 @@
+"""Predicted against measured time of eager selective checkpointing from a plan, on the
+device at hand (a GPU, or this CPU): step, forward, backward and replay time of zoo models
+at shapes where compute is not all overhead, for every uniform keep, no checkpointing and the
+`budget` answers; with CUDA also the step's peak memory (the caching allocator's).
+
+Each configuration is planned twice: with the shipped datasheet profile (`h200`) and with a
+profile `recompute_planner.calibrate` measures on the same device first. Measured: the median
+of `--repeat` steps (after two warm-ups) of the model with every layer under
+`torch.utils.checkpoint` and the plan's SAC policies; forward is `loss = model(*inputs)`,
+backward `torch.autograd.grad(loss, params)`, each closed by a device synchronisation; replay
+is the time inside the layers' recomputes during backward (device events around each
+recompute on CUDA, the host clock on a CPU).
+
+Exporting needs torch 2.13 (the exporter's tracing release), measuring runs under any torch
+the eager side supports (2.9 to 2.13), so the two halves can run on different machines:
+
+    python scripts/time_check.py export DIR --device cuda     # traces each case (fake CUDA)
+    python scripts/time_check.py measure DIR --device cuda    # on the GPU machine
+    python scripts/time_check.py all DIR --device cpu         # both, on this machine
+
+`measure` prints one table per case and writes every row as JSON (`--json`). A GPU machine
+without this package's build needs only the native extension beside the sources
+(`scripts/gpu_time.sh` carries it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import recompute_planner as rp
+from recompute_planner import _measure as measure
+from recompute_planner import sac
+from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
+from recompute_planner._zoo.config import ZooConfig
+from recompute_planner._zoo.model import CausalLM
+
+# Widths at which a layer's matmuls are milliseconds of work on a GPU (fp32, as the zoo runs).
+WIDE = dict(hidden=1024, heads=16, head_dim=64, ffn=4096, vocab=8192, num_layers=4)
+WIDE_MOE = dict(WIDE, moe_ffn=2048, shared_ffn=1024)
+
+# (case, zoo entry, changes to its config). `dense_small` is the predictions table's shape
+# (every op a few microseconds: overhead-bound); the others are compute-bound on a GPU.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "dense_small": ("dense", dict(batch=8, seq=64)),
+    "dense_wide": ("dense", dict(WIDE, batch=4, seq=1024)),
+    "moe_wide": ("moe_hf_router", dict(WIDE_MOE, batch=4, seq=1024)),
+}
+# CPU runs take smaller shapes: a 2-core machine runs the wide ones at seconds a step.
+CPU_CHANGES: dict[str, dict[str, Any]] = {
+    "dense_wide": dict(hidden=256, heads=4, ffn=1024, vocab=2048, batch=2, seq=256),
+    "moe_wide": dict(
+        hidden=256, heads=4, moe_ffn=512, shared_ffn=256, vocab=2048, batch=2, seq=256
+    ),
+}
+DATASHEET = "h200"
+
+
+def case_config(case: str, device: str) -> ZooConfig:
+    """The zoo config of ``case`` on ``device``; MoE capacity scaled with the tokens, as the
+    predictions table scales it."""
+    name, changes = CASES[case]
+    base = entry(name).config
+    if device != "cuda":
+        changes = dict(changes, **CPU_CHANGES.get(case, {}))
+    cfg = dataclasses.replace(base, **changes)
+    scale = cfg.batch * cfg.seq / (base.batch * base.seq)
+    return dataclasses.replace(cfg, capacity=max(base.capacity, round(base.capacity * scale)))
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+
+
+def export(directory: Path, device: str, cases: list[str]) -> None:
+    """Traces each case's training step as it runs on ``device`` (fake tensors for CUDA) and
+    writes ``CASE.pb`` and ``cases.json`` (the configs) to ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    configs = {}
+    for case in cases:
+        cfg = case_config(case, device)
+        hw = DATASHEET if device == "cuda" else None
+        result = rp.export(
+            CausalLM(cfg),
+            make_inputs(cfg),
+            models=model_decls(cfg),
+            name=case,
+            fake=True,
+            device=device,
+            hw=hw,
+        )
+        (directory / f"{case}.pb").write_bytes(result.graph.SerializeToString(deterministic=True))
+        configs[case] = dataclasses.asdict(cfg)
+        print(f"exported {case} ({device}): {len(result.graph.nodes)} nodes", file=sys.stderr)
+    (directory / "cases.json").write_text(
+        json.dumps({"device": device, "cases": configs}, indent=1, default=list) + "\n"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Measure
+
+
+class Clock:
+    """Times regions of work on ``device``: device events on CUDA (read after a synchronise),
+    the host clock elsewhere (every CPU op has finished when it returns)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end)) / 1e3
+        return float(end - start)
+
+
+class ReplayTimer:
+    """Wraps a layer's forward (inside its checkpoint) to time the calls autograd makes while
+    it runs backward: the layer's recomputes. A recompute that stops early (non-reentrant
+    checkpointing stops once backward has what it needs) is timed up to where it stopped."""
+
+    def __init__(self, clock: Clock, device: torch.device):
+        self.clock = clock
+        self.device = device
+        self.spans: list[tuple[Any, Any]] = []
+
+    def wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            # Factories in the layer default to the device in its recompute too, which runs
+            # on autograd's thread.
+            with torch.device(self.device):
+                if torch._C._current_graph_task_id() == -1:
+                    return forward(*args, **kwargs)
+                start = self.clock.mark()
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    self.spans.append((start, self.clock.mark()))
+
+        return timed
+
+    def take(self) -> float:
+        """Seconds in the recomputes since the last ``take`` (after a synchronise)."""
+        total = sum(self.clock.seconds(start, end) for start, end in self.spans)
+        self.spans.clear()
+        return total
+
+
+@dataclass
+class Measured:
+    step_s: float
+    forward_s: float
+    backward_s: float
+    replay_s: float
+    peak_bytes: int | None  # CUDA only: the caching allocator's peak during the step
+
+
+def build(
+    cfg: ZooConfig, device: torch.device, plan: rp.Plan | None, timer: ReplayTimer
+) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], int]:
+    """A fresh seeded model on ``device``, every layer checkpointed with ``plan``'s policies
+    (none: no checkpointing); the loss callable, the parameters and the inputs' bytes."""
+    model = CausalLM(cfg).to(device)
+    inputs = tuple(t.to(device) for t in make_inputs(cfg))
+    if plan is not None:
+        for layer in model.layers:
+            layer.forward = timer.wrap(layer.forward)
+        if model.mtp is not None:
+            model.mtp.layer_forward = timer.wrap(model.mtp.layer_forward)
+        policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
+        measure.checkpoint_zoo_layers(model, policies)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss() -> torch.Tensor:
+        with torch.device(device):
+            return model(*inputs)
+
+    return loss, params, sum(measure.tensor_bytes(t) for t in inputs)
+
+
+def measure_step(
+    cfg: ZooConfig, device: torch.device, plan: rp.Plan | None, repeat: int
+) -> Measured:
+    clock = Clock(device)
+    timer = ReplayTimer(clock, device)
+    loss_fn, params, input_bytes = build(cfg, device, plan, timer)
+
+    def step() -> tuple[float, float, float]:
+        clock.sync()
+        start = clock.mark()
+        loss = loss_fn()
+        middle = clock.mark()
+        torch.autograd.grad(loss, params)
+        end = clock.mark()
+        clock.sync()
+        return clock.seconds(start, middle), clock.seconds(middle, end), timer.take()
+
+    for _ in range(2):
+        step()
+    peak = None
+    if clock.cuda:
+        clock.sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        peak = torch.cuda.max_memory_allocated(device) - before + input_bytes
+    runs = [step() for _ in range(repeat)]
+    forward = statistics.median(r[0] for r in runs)
+    backward = statistics.median(r[1] for r in runs)
+    return Measured(
+        step_s=statistics.median(r[0] + r[1] for r in runs),
+        forward_s=forward,
+        backward_s=backward,
+        replay_s=statistics.median(r[2] for r in runs),
+        peak_bytes=peak,
+    )
+
+
+def quiet_plan(graph: bytes, keep: Any, **options: Any) -> rp.Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        return rp.plan(graph, keep, executor="eager", **options)
+
+
+Planned = tuple[str, "rp.Plan | None", "rp.Plan | None", "rp.Plan | None"]
+
+
+def configurations(graph: bytes, units: list[str], profile: dict[str, Any]) -> Iterator[Planned]:
+    """(label, plan with the calibrated profile, with the datasheet, with the calibrated
+    profile run in order) of every configuration measured: no checkpointing, every uniform
+    keep, and the answers to a budget halfway between the peaks of keeping nothing and
+    keeping everything, one per profile (a budget answer is planned with its own profile
+    only: its per-layer mix cannot be planned again with another)."""
+    in_order = dict(profile, asynchronous=False)
+    yield "no checkpoint", None, None, None
+    for keep in ["none", *units, "all"]:
+        yield (
+            keep,
+            quiet_plan(graph, keep, hw=profile),
+            quiet_plan(graph, keep, hw=DATASHEET),
+            quiet_plan(graph, keep, hw=in_order),
+        )
+    low = quiet_plan(graph, "none", hw=profile).memory.peak_bytes
+    high = quiet_plan(graph, "all", hw=profile).memory.peak_bytes
+    budget = (low + high) // 2
+    calibrated = quiet_plan(graph, None, hw=profile, budget=budget)
+    datasheet = quiet_plan(graph, None, hw=DATASHEET, budget=budget)
+    same = kept(calibrated) == kept(datasheet)
+    label = f"budget {mib(budget)} MiB"
+    yield f"{label}, calibrated{' = datasheet' if same else ''}", calibrated, None, None
+    if not same:
+        yield f"{label}, datasheet", None, datasheet, None
+
+
+def kept(plan: rp.Plan) -> list[tuple[str, str, int]]:
+    """What a plan keeps: (model, unit, layer) of every kept unit."""
+    return sorted((u.model, u.unit, layer.layer) for u in plan.units for layer in u.layers)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def predicted(plan: rp.Plan | None) -> dict[str, float | None]:
+    if plan is None:
+        return {
+            "step_s": None,
+            "forward_s": None,
+            "backward_s": None,
+            "replay_s": None,
+            "peak_bytes": None,
+        }
+    cost = plan.cost
+    return {
+        "step_s": cost.step_time_s,
+        "forward_s": cost.forward_time_s,
+        "backward_s": cost.backward_time_s + cost.replay_time_s,
+        "replay_s": cost.replay_time_s,
+        "peak_bytes": plan.memory.peak_bytes,
+    }
+
+
+def no_checkpoint_prediction(plan: rp.Plan) -> dict[str, float | None]:
+    """A step without checkpointing (``plan`` checkpoints no layer): its forward and
+    backward, and the no-checkpoint peak."""
+    cost = plan.cost
+    return {
+        "step_s": cost.forward_time_s + cost.backward_time_s,
+        "forward_s": cost.forward_time_s,
+        "backward_s": cost.backward_time_s,
+        "replay_s": 0.0,
+        "peak_bytes": plan.memory.no_checkpoint_peak_bytes,
+    }
+
+
+def measure_case(
+    case: str,
+    cfg: ZooConfig,
+    graph: bytes,
+    device: torch.device,
+    profile: dict[str, Any],
+    repeat: int,
+) -> list[dict[str, Any]]:
+    units = list(declared_units(cfg))
+    rows = []
+    # No layer checkpointed: the step without eager SAC's cost per op.
+    reference = quiet_plan(graph, "none", hw=profile, recompute_ratio=0.0)
+    reference_ds = quiet_plan(graph, "none", hw=DATASHEET, recompute_ratio=0.0)
+    for label, calibrated, datasheet, in_order in configurations(graph, units, profile):
+        run = calibrated or datasheet
+        try:
+            measured = measure_step(cfg, device, run, repeat)
+        except Exception as error:  # reported, and the other configurations still measured
+            print(f"  {case} {label}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        if run is None:
+            cal, ds = no_checkpoint_prediction(reference), no_checkpoint_prediction(reference_ds)
+            serial = no_checkpoint_prediction(
+                quiet_plan(graph, "none", hw=dict(profile, asynchronous=False), recompute_ratio=0.0)
+            )
+        else:
+            cal, ds, serial = predicted(calibrated), predicted(datasheet), predicted(in_order)
+        rows.append(
+            {
+                "case": case,
+                "config": label,
+                "measured": dataclasses.asdict(measured),
+                "calibrated": cal,
+                "datasheet": ds,
+                "serial": serial,
+                "kept": [list(k) for k in kept(run)] if run is not None else None,
+            }
+        )
+        print(f"  {case} {label}: measured step {measured.step_s * 1e3:.2f} ms", file=sys.stderr)
+    return rows
+
+
+def gap(predicted_value: float | None, measured_value: float | None) -> str:
+    if predicted_value is None or not measured_value:
+        return "-"
+    return f"{(predicted_value - measured_value) / measured_value * 100:+.0f}%"
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| config | step (ms) | predicted | gap | in order | gap | datasheet | gap | forward | "
+        "predicted | backward | predicted | replay | predicted | gap | peak (MiB) | predicted "
+        "| gap |"
+    )
+    lines = [head, "|" + "---|" * 18]
+    for r in rows:
+        m, c, d, o = r["measured"], r["calibrated"], r["datasheet"], r["serial"]
+        peak = m["peak_bytes"]
+        lines.append(
+            f"| {r['config']} | {ms(m['step_s'])} | {ms(c['step_s'])} | "
+            f"{gap(c['step_s'], m['step_s'])} | {ms(o['step_s'])} | "
+            f"{gap(o['step_s'], m['step_s'])} | {ms(d['step_s'])} | "
+            f"{gap(d['step_s'], m['step_s'])} | {ms(m['forward_s'])} | {ms(c['forward_s'])} | "
+            f"{ms(m['backward_s'])} | {ms(c['backward_s'])} | {ms(m['replay_s'])} | "
+            f"{ms(c['replay_s'])} | {gap(c['replay_s'], m['replay_s'])} | "
+            f"{'-' if peak is None else mib(peak)} | "
+            f"{'-' if c['peak_bytes'] is None else mib(c['peak_bytes'])} | "
+            f"{gap(c['peak_bytes'], peak)} |"
+        )
+    return "\n".join(lines)
+
+
+def ranking(rows: list[dict[str, Any]]) -> str:
+    """The configurations ordered by measured step time, with their order by predicted time
+    (calibrated, datasheet), and where the calibrated budget answer stands among the
+    configurations whose predicted peak fits its budget."""
+    planned = [r for r in rows if r["calibrated"]["step_s"] is not None]
+    by_measured = sorted(planned, key=lambda r: r["measured"]["step_s"])
+    order = {
+        id(r): i for i, r in enumerate(sorted(planned, key=lambda r: r["calibrated"]["step_s"]))
+    }
+    lines = [
+        "measured order (calibrated predicted rank): "
+        + ", ".join(f"{r['config']} ({order[id(r)] + 1})" for r in by_measured)
+    ]
+    answer = next(
+        (
+            r
+            for r in rows
+            if r["config"].startswith("budget") and r["calibrated"]["step_s"] is not None
+        ),
+        None,
+    )
+    if answer is not None:
+        budget = float(answer["config"].split()[1]) * 2**20
+        fits = [
+            r
+            for r in planned
+            if r["calibrated"]["peak_bytes"] is not None
+            and r["calibrated"]["peak_bytes"] <= budget
+            and r is not answer
+        ]
+        faster = [r for r in fits if r["measured"]["step_s"] < answer["measured"]["step_s"]]
+        lines.append(
+            f"budget answer: {answer['measured']['step_s'] * 1e3:.2f} ms measured; "
+            f"{len(fits)} other configurations fit, measured faster: "
+            + (
+                ", ".join(f"{r['config']} {ms(r['measured']['step_s'])} ms" for r in faster)
+                or "none"
+            )
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def calibrated_profile(device: torch.device, repeat: int, out: Path | None) -> dict[str, Any]:
+    started = time.perf_counter()
+    profile = rp.calibrate(device, repeat=repeat, out=out)
+    fields = (
+        "op_overhead_s",
+        "view_overhead_s",
+        "matmul_overhead_s",
+        "attention_overhead_s",
+        "reduction_overhead_s",
+        "matmul_f32_flops_per_s",
+        "matmul_flops_per_s",
+        "hbm_bytes_per_s",
+        "host_bytes_per_s",
+        "host_sync_s",
+    )
+    print(
+        f"calibrated {device} in {time.perf_counter() - started:.1f} s: "
+        + ", ".join(f"{f}={profile.get(f):.3g}" for f in fields if f in profile),
+        file=sys.stderr,
+    )
+    return profile
+
+
+def run_measure(
+    directory: Path, device: torch.device, repeat: int, cases: list[str] | None, out: Path | None
+) -> None:
+    spec = json.loads((directory / "cases.json").read_text())
+    profile = calibrated_profile(device, 5, directory / f"profile_{device.type}.json")
+    if device.type == "cuda":
+        print(
+            f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}",
+            file=sys.stderr,
+        )
+    rows: list[dict[str, Any]] = []
+    for case, fields in spec["cases"].items():
+        if cases and case not in cases:
+            continue
+        fields["omitted_markers"] = frozenset(tuple(m) for m in fields["omitted_markers"])
+        cfg = ZooConfig(**fields)
+        graph = (directory / f"{case}.pb").read_bytes()
+        case_rows = measure_case(case, cfg, graph, device, profile, repeat)
+        rows += case_rows
+        print(f"\n### {case} ({device.type}, traced on {spec['device']}; median of {repeat})\n")
+        print(table(case_rows))
+        print()
+        print(ranking(case_rows))
+        sys.stdout.flush()
+        if out is not None:
+            out.write_text(json.dumps({"profile": profile, "rows": rows}, indent=1) + "\n")
+
+
+def run_compare(directory: Path, rows_path: Path, hw: Any) -> None:
+    """Plans every configuration of measured rows (``measure --json``) again with ``hw``
+    (default: the profile the rows were measured with) and prints them against the
+    measurements: a change of the cost model checked against times measured before it. A
+    budget row is compared only where the new plan keeps what the measured one kept."""
+    measured = json.loads(rows_path.read_text())
+    profile = hw if hw is not None else measured["profile"]
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for row in measured["rows"]:
+        by_case.setdefault(row["case"], []).append(row)
+    for case, rows in by_case.items():
+        graph = (directory / f"{case}.pb").read_bytes()
+        spec = json.loads((directory / "cases.json").read_text())["cases"][case]
+        units = list(spec_units(spec))
+        planned = {label: plans for label, *plans in configurations(graph, units, profile)}
+        again = []
+        for row in rows:
+            label = row["config"]
+            if label == "no checkpoint":
+                reference = quiet_plan(graph, "none", hw=profile, recompute_ratio=0.0)
+                reference_ds = quiet_plan(graph, "none", hw=DATASHEET, recompute_ratio=0.0)
+                serial = quiet_plan(
+                    graph, "none", hw=dict(profile, asynchronous=False), recompute_ratio=0.0
+                )
+                plans = [no_checkpoint_prediction(p) for p in (reference, reference_ds, serial)]
+            elif label in planned:
+                calibrated, datasheet, in_order = planned[label]
+                if calibrated is not None and row["kept"] != [list(k) for k in kept(calibrated)]:
+                    continue
+                plans = [predicted(calibrated), predicted(datasheet), predicted(in_order)]
+            else:
+                continue
+            again.append(dict(row, calibrated=plans[0], datasheet=plans[1], serial=plans[2]))
+        print(f"\n### {case} (measured: {rows_path}; predicted: {profile_name(profile)})\n")
+        print(table(again))
+        print()
+        print(ranking(again))
+
+
+def spec_units(spec: dict[str, Any]) -> dict[str, Any]:
+    fields = dict(spec, omitted_markers=frozenset(tuple(m) for m in spec["omitted_markers"]))
+    return declared_units(ZooConfig(**fields))
+
+
+def profile_name(profile: Any) -> str:
+    return str(profile.get("name", "profile")) if isinstance(profile, dict) else str(profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("export", "measure", "all", "compare"))
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument(
+        "--rows", type=Path, help="compare: the rows `measure --json` wrote (and its profile)"
+    )
+    parser.add_argument("--hw", help="compare: plan with this profile (a name or a JSON file)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.action in ("export", "all"):
+        export(args.directory, device.type, args.case or list(CASES))
+    if args.action in ("measure", "all"):
+        run_measure(args.directory, device, args.repeat, args.case, args.json)
+    if args.action == "compare":
+        if args.rows is None:
+            parser.error("compare needs --rows")
+        run_compare(args.directory, args.rows, args.hw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
