@@ -6,10 +6,12 @@ at shapes where compute is not all overhead, for every uniform keep, no checkpoi
 Each configuration is planned twice: with the shipped datasheet profile (`h200`) and with a
 profile `recompute_planner.calibrate` measures on the same device first. Measured: the median
 of `--repeat` steps (after two warm-ups) of the model with every layer under
-`torch.utils.checkpoint` and the plan's SAC policies; forward is `loss = model(*inputs)`,
-backward `torch.autograd.grad(loss, params)`, each closed by a device synchronisation; replay
-is the time inside the layers' recomputes during backward (device events around each
-recompute on CUDA, the host clock on a CPU).
+`torch.utils.checkpoint` and the plan's SAC policies, the device synchronised before and
+after each step: forward is `loss = model(*inputs)`, backward `torch.autograd.grad(loss,
+params)`, split by a device event (the host clock on a CPU); replay is the time inside the
+layers' recomputes during backward (device events around each recompute on CUDA: the device's
+time between the recompute's first and last work, which leaves out host time hidden behind
+earlier backward work).
 
 Exporting needs torch 2.13 (the exporter's tracing release), measuring runs under any torch
 the eager side supports (2.9 to 2.13), so the two halves can run on different machines:
@@ -45,6 +47,7 @@ from recompute_planner import sac
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.model import CausalLM
+from recompute_planner.api import hw_profile
 
 # Widths at which a layer's matmuls are milliseconds of work on a GPU (fp32, as the zoo runs).
 WIDE = dict(hidden=1024, heads=16, head_dim=64, ffn=4096, vocab=8192, num_layers=4)
@@ -149,16 +152,16 @@ class ReplayTimer:
 
     def wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            # Factories in the layer default to the device in its recompute too, which runs
-            # on autograd's thread.
-            with torch.device(self.device):
-                if torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1:
+                return forward(*args, **kwargs)  # forward: under the step's device mode
+            start = self.clock.mark()
+            try:
+                # Factories in the layer default to the device in its recompute too, which
+                # runs on autograd's thread.
+                with torch.device(self.device):
                     return forward(*args, **kwargs)
-                start = self.clock.mark()
-                try:
-                    return forward(*args, **kwargs)
-                finally:
-                    self.spans.append((start, self.clock.mark()))
+            finally:
+                self.spans.append((start, self.clock.mark()))
 
         return timed
 
@@ -213,7 +216,7 @@ def measure_step(
         start = clock.mark()
         loss = loss_fn()
         middle = clock.mark()
-        torch.autograd.grad(loss, params)
+        torch.autograd.grad(loss, params, allow_unused=True)
         end = clock.mark()
         clock.sync()
         return clock.seconds(start, middle), clock.seconds(middle, end), timer.take()
@@ -269,7 +272,7 @@ def configurations(graph: bytes, units: list[str], profile: dict[str, Any]) -> I
     calibrated = quiet_plan(graph, None, hw=profile, budget=budget)
     datasheet = quiet_plan(graph, None, hw=DATASHEET, budget=budget)
     same = kept(calibrated) == kept(datasheet)
-    label = f"budget {mib(budget)} MiB"
+    label = f"budget {mib(budget)} MiB ({budget} B)"
     yield f"{label}, calibrated{' = datasheet' if same else ''}", calibrated, None, None
     if not same:
         yield f"{label}, datasheet", None, datasheet, None
@@ -414,7 +417,7 @@ def ranking(rows: list[dict[str, Any]]) -> str:
         None,
     )
     if answer is not None:
-        budget = float(answer["config"].split()[1]) * 2**20
+        budget = int(answer["config"].split("(")[1].split()[0])
         fits = [
             r
             for r in planned
@@ -428,7 +431,7 @@ def ranking(rows: list[dict[str, Any]]) -> str:
             f"{len(fits)} other configurations fit, measured faster: "
             + (
                 ", ".join(f"{r['config']} {ms(r['measured']['step_s'])} ms" for r in faster)
-                or "none"
+                or "no configuration"
             )
         )
     return "\n".join(lines)
@@ -452,10 +455,12 @@ def calibrated_profile(device: torch.device, repeat: int, out: Path | None) -> d
         "hbm_bytes_per_s",
         "host_bytes_per_s",
         "host_sync_s",
+        "checkpoint_op_overhead_s",
     )
     print(
         f"calibrated {device} in {time.perf_counter() - started:.1f} s: "
-        + ", ".join(f"{f}={profile.get(f):.3g}" for f in fields if f in profile),
+        + ", ".join(f"{f}={profile.get(f):.3g}" for f in fields if f in profile)
+        + f", asynchronous={profile.get('asynchronous')}",
         file=sys.stderr,
     )
     return profile
@@ -495,7 +500,7 @@ def run_compare(directory: Path, rows_path: Path, hw: Any) -> None:
     measurements: a change of the cost model checked against times measured before it. A
     budget row is compared only where the new plan keeps what the measured one kept."""
     measured = json.loads(rows_path.read_text())
-    profile = hw if hw is not None else measured["profile"]
+    profile = json.loads(hw_profile(hw)) if hw is not None else measured["profile"]
     by_case: dict[str, list[dict[str, Any]]] = {}
     for row in measured["rows"]:
         by_case.setdefault(row["case"], []).append(row)
@@ -533,8 +538,8 @@ def spec_units(spec: dict[str, Any]) -> dict[str, Any]:
     return declared_units(ZooConfig(**fields))
 
 
-def profile_name(profile: Any) -> str:
-    return str(profile.get("name", "profile")) if isinstance(profile, dict) else str(profile)
+def profile_name(profile: dict[str, Any]) -> str:
+    return str(profile.get("name", "profile"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -574,10 +574,7 @@ impl Search<'_> {
                     .iter()
                     .map(|&v| self.graph.value(v).bytes)
                     .sum::<u64>();
-                (
-                    self.hw.node_seconds(self.graph, id) / bytes.max(1) as f64,
-                    id,
-                )
+                (self.work.node(id).seconds / bytes.max(1) as f64, id)
             })
             .collect();
         ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));

@@ -276,8 +276,9 @@ struct Sizes {
     collective_rows: &'static [i64],
     /// FLOPs or bytes each benchmark graph holds.
     work: f64,
-    /// Bytes each host copy's graph moves: a copy to the host runs at the host link's speed,
-    /// a hundredth of a GPU's memory bandwidth, into freshly allocated host memory.
+    /// Bytes (read and written) each host copy's graph counts: a copy to the host crosses
+    /// the host link, hundreds to thousands of times slower than a GPU's memory, into freshly
+    /// allocated host memory.
     host_copy_work: f64,
 }
 
@@ -544,12 +545,22 @@ pub fn fit(
     let matmul = class_overhead("overhead_matmul", "matmul_overhead_s");
     let attention_overhead = class_overhead("overhead_attention", "attention_overhead_s");
     let reduction = class_overhead("overhead_reduction", "reduction_overhead_s");
-    // Work per second above the class's overhead, the median over the class's sizes.
+    // A GPU runs what the host queues while the host goes on; a CPU runs each op as it is
+    // called.
+    let asynchronous = calibration.device != "cpu";
+    // Work per second, the median over the class's sizes. In order (a CPU), an op's time is
+    // its overhead plus its work: the overhead is taken off. On an asynchronous device a
+    // benchmark's repeated ops launch while earlier ones run, so an op takes the longer of
+    // the two: only sizes whose time is well above the overhead (the device's work) count,
+    // whole.
     let rate = |name: &str, work: fn(&Timing) -> u64, fixed: f64| {
-        median(
-            class(timings, name)
-                .map(|t| work(t) as f64 / (t.median_s - fixed).max(f64::MIN_POSITIVE)),
-        )
+        median(class(timings, name).filter_map(|t| {
+            if asynchronous {
+                (t.median_s > 1.5 * fixed).then(|| work(t) as f64 / t.median_s)
+            } else {
+                Some(work(t) as f64 / (t.median_s - fixed).max(f64::MIN_POSITIVE))
+            }
+        }))
     };
     let above = |t: &Timing| (t.median_s - overhead).max(f64::MIN_POSITIVE);
     let mut profile = HwProfile {
@@ -638,9 +649,7 @@ pub fn fit(
         Some(added) => profile.checkpoint_op_overhead_s = added,
         None => not_measured.push("checkpoint_op_overhead_s".to_owned()),
     }
-    // A GPU runs what the host queues while the host goes on; a CPU runs each op as it is
-    // called.
-    profile.asynchronous = calibration.device.starts_with("cuda");
+    profile.asynchronous = asynchronous;
     match collective_fit(timings, &profile) {
         Some((latency, link)) => {
             profile.collective_latency_s = latency;
@@ -825,6 +834,37 @@ mod tests {
         .unwrap();
         assert!(gpu.asynchronous);
         assert!((gpu.checkpoint_op_overhead_s - 40e-6).abs() < 1e-12);
+    }
+
+    /// A GPU launches a benchmark's repeated ops while earlier ones run: an op takes the
+    /// longer of its overhead and its work, so a rate comes from the sizes the device's work
+    /// bounds, whole; the small sizes, where the launches show, do not count.
+    #[test]
+    fn on_a_gpu_a_rate_comes_whole_from_the_sizes_the_devices_work_bounds() {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        for bytes in [1e4, 1e5, 1e8, 1e9] {
+            let seconds = f64::max(overhead, bytes / 1e10);
+            timings.push(timing("memory", 0, bytes as u64, 0, seconds));
+        }
+        let gpu = Calibration {
+            device: "cuda:0".to_owned(),
+            ..calibration(timings.clone())
+        };
+        let base = HwProfile::shipped("h100").unwrap();
+        let fitted = fit(&base, "gpu", None, gpu).unwrap();
+        assert!(
+            (fitted.hbm_bytes_per_s - 1e10).abs() < 1e-3,
+            "{}",
+            fitted.hbm_bytes_per_s
+        );
+        // The same timings read in order would take the overhead off the launch-bound sizes.
+        let in_order = fit(&base, "cpu", None, calibration(timings)).unwrap();
+        assert!(
+            in_order.hbm_bytes_per_s > 1e12,
+            "{}",
+            in_order.hbm_bytes_per_s
+        );
     }
 
     #[test]

@@ -593,17 +593,16 @@ fn contributions(
             out[k].1.allowed = false;
         }
     }
-    let mut replayed: Vec<Vec<NodeId>> = vec![Vec::new(); count];
+    let mut replayed: Vec<Vec<&[NodeId]>> = vec![Vec::new(); count];
     for r in &partition.replays {
         if let Some(k) = r.nodes.first().and_then(|&n| mine(layers.of_node(n))) {
-            replayed[k].extend(&r.nodes);
+            replayed[k].push(&r.nodes);
         }
     }
-    for (k, mut nodes) in replayed.into_iter().enumerate() {
-        if !nodes.is_empty() {
-            // In forward order, as a layer replayed at once sums them.
-            nodes.sort_unstable();
-            out[k].1.seconds = work.sum(nodes).seconds;
+    for (k, replays) in replayed.into_iter().enumerate() {
+        if !replays.is_empty() {
+            // Each replay runs from a drained device, as a full plan times it.
+            out[k].1.seconds = work.replays(replays).seconds;
             out[k].1.ticks = ticks(out[k].1.seconds);
         }
     }
@@ -791,7 +790,7 @@ impl Model {
             .sum();
         exact &= total <= i64::MAX as u128;
         let fixed_ticks = ticks(
-            work.sum(fixed_replays.iter().flat_map(|r| r.nodes.iter().copied()))
+            work.replays(fixed_replays.iter().map(|r| r.nodes.as_slice()))
                 .seconds,
         );
         Model {
@@ -895,7 +894,7 @@ impl Model {
             .collect();
         replays.sort_by_key(|r| (r.position, r.layer));
         let seconds = work
-            .sum(replays.iter().flat_map(|r| r.nodes.iter().copied()))
+            .replays(replays.iter().map(|r| r.nodes.as_slice()))
             .seconds;
         let saved = self
             .fixed_saved

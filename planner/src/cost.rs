@@ -10,8 +10,9 @@
 //! time: on an asynchronous device (a GPU) the host runs ahead of the device, launching ops
 //! while earlier ones run, so a sequence takes whichever clock ends later, and a host
 //! synchronisation makes the host wait for the device; on a CPU the ops' times add up. Eager
-//! selective checkpointing adds host time to each op of a checkpointed layer. The shipped profiles (`--hw h100`, ...) hold vendor datasheet figures;
-//! `planner calibrate` measures a profile on the device at hand.
+//! selective checkpointing adds host time to each forward op of a checkpointed layer. The
+//! shipped profiles (`--hw h100`, ...) hold vendor datasheet figures; `planner calibrate`
+//! measures a profile on the device at hand.
 
 use std::path::Path;
 
@@ -264,17 +265,25 @@ impl HwProfile {
     }
 
     /// Parses the bytes of a JSON profile; `origin` names it in errors (a path, or what the
-    /// bytes came from). Fields it leaves out keep the H200's; every rate must be a finite
-    /// positive number.
+    /// bytes came from). Fields it leaves out keep the H200's, but for `asynchronous` in a
+    /// profile calibrated on a CPU (written before the field existed): a CPU runs ops in
+    /// order. Every rate must be a finite positive number.
     pub fn from_json(bytes: &[u8], origin: &str) -> Result<HwProfile, String> {
         let origin = display::name(origin);
-        let profile: HwProfile = serde_json::from_slice(bytes).map_err(|e| {
+        let mut profile: HwProfile = serde_json::from_slice(bytes).map_err(|e| {
             let reason = e.to_string();
             format!(
                 "{origin}: not a valid hardware profile: {}",
                 display::message(&reason)
             )
         })?;
+        let calibrated_on_cpu = profile
+            .calibration
+            .as_ref()
+            .is_some_and(|c| c.device == "cpu");
+        if calibrated_on_cpu && !names_field(bytes, "asynchronous") {
+            profile.asynchronous = false;
+        }
         for (field, value) in [
             ("matmul_flops_per_s", profile.matmul_flops_per_s),
             ("matmul_f32_flops_per_s", profile.matmul_f32_flops_per_s),
@@ -407,6 +416,12 @@ impl HwProfile {
     }
 }
 
+/// Whether the JSON object in `bytes` has the key `field` (at its top level).
+fn names_field(bytes: &[u8], field: &str) -> bool {
+    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes)
+        .is_ok_and(|object| object.contains_key(field))
+}
+
 /// Whether `node` is a fused attention kernel (SDPA's flash, memory-efficient or cuDNN forms,
 /// and their backward), which runs below the matmul rate.
 fn is_attention(node: &ir::Node) -> bool {
@@ -428,14 +443,14 @@ pub fn is_host_sync(node: &ir::Node) -> bool {
 
 /// One run of one op, as a clock on the host and one on the device see it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct OpTime {
+struct OpTime {
     /// Host seconds before the device can start it: dispatch and launch.
-    pub host_s: f64,
+    host_s: f64,
     /// Device seconds: the roofline, a collective's latency and link time, a host copy's
     /// transfer.
-    pub device_s: f64,
+    device_s: f64,
     /// A host synchronisation: the host waits for the device, then pays these seconds.
-    pub sync_s: Option<f64>,
+    sync_s: Option<f64>,
 }
 
 impl OpTime {
@@ -478,6 +493,20 @@ impl Work {
 
     fn new(cost: &Cost, time: OpTime) -> Work {
         Work::default().then(&NodeTime::of(cost, time), false)
+    }
+
+    /// This sequence, then `next` once the device has drained (each replay of a plan starts
+    /// anew: the times add up).
+    pub fn after(self, next: Work) -> Work {
+        let seconds = self.seconds + next.seconds;
+        Work {
+            flops: self.flops.saturating_add(next.flops),
+            bytes: self.bytes.saturating_add(next.bytes),
+            comm_bytes: self.comm_bytes.saturating_add(next.comm_bytes),
+            seconds,
+            host_s: seconds,
+            device_s: seconds,
+        }
     }
 
     /// This sequence, then `op`.
@@ -535,9 +564,10 @@ pub struct NodeWork {
 impl NodeWork {
     /// An eager executor runs no marker op (the marker returns its input, dispatching
     /// nothing): its markers cost nothing. A graph executor runs each as a copy. Eager
-    /// selective checkpointing adds `checkpoint_op_overhead_s` to every op it dispatches
-    /// itself in a layer `checkpointed` says it checkpoints (not to the ops of a compiled
-    /// region, which run as one call).
+    /// selective checkpointing adds `checkpoint_op_overhead_s` to every forward op it
+    /// dispatches itself in a layer `checkpointed` says it checkpoints, which a replay
+    /// re-runs at the same cost (not to backward ops, which run outside the checkpoint, nor
+    /// to the ops of a compiled region, which run as one call).
     pub fn of(
         graph: &Graph,
         hw: &HwProfile,
@@ -556,6 +586,7 @@ impl NodeWork {
                 let cost = graph.node_cost(id);
                 let mut time = hw.op_time(graph, id, &cost);
                 if executor == Executor::Eager
+                    && node.phase == Phase::Forward
                     && node.compiled_region.is_none()
                     && checkpointed(node)
                 {
@@ -580,6 +611,30 @@ impl NodeWork {
         nodes.into_iter().fold(Work::default(), |acc, id| {
             acc.then(&self.nodes[id.index()], self.asynchronous)
         })
+    }
+
+    /// The work of several replays, each run from a drained device in turn (each re-runs a
+    /// layer's forward ops just before the backward op that needs them).
+    /// Their seconds are added in exact ticks, so replays of equal times give one total in
+    /// any order (as the budget search compares them).
+    pub fn replays<'r>(&self, replays: impl IntoIterator<Item = &'r [NodeId]>) -> Work {
+        let (work, total) = replays.into_iter().fold(
+            (Work::default(), 0 as crate::compose::Ticks),
+            |(acc, total), nodes| {
+                let replay = self.sum(nodes.iter().copied());
+                (
+                    acc.after(replay),
+                    total + crate::compose::ticks(replay.seconds),
+                )
+            },
+        );
+        let seconds = total as f64 / 1e30;
+        Work {
+            seconds,
+            host_s: seconds,
+            device_s: seconds,
+            ..work
+        }
     }
 
     /// The work of every node of `phase` run in order: one pass of the step, replay aside.
@@ -769,20 +824,40 @@ mod tests {
     }
 
     #[test]
-    fn eager_checkpointing_adds_its_overhead_to_the_ops_of_checkpointed_layers() {
+    fn eager_checkpointing_adds_its_overhead_to_the_forward_ops_of_checkpointed_layers() {
         let hw = HwProfile::shipped("h100").unwrap();
-        let graph = matmul_then_small_ops(false);
-        let in_layer = |node: &ir::Node| node.op.as_str() == "aten.neg.default";
+        let mut b = Builder::new(1, &[]);
+        let x = b.input("x");
+        b.layer(Some(0));
+        let (_, y) = b.node("aten.neg.default", &[&x]);
+        b.region("layers.0.mlp");
+        let (_, z) = b.node("aten.neg.default", &[&y]);
+        b.layer(None).region("");
+        let (_, loss) = b.node("aten.sum.default", &[&z]);
+        let t = b.tangent("t");
+        b.backward().layer(Some(0));
+        let (_, g) = b.node("aten.neg.default", &[&t]);
+        b.output(&loss);
+        b.output(&g);
+        let graph = b.build();
+        let in_layer = |node: &ir::Node| node.layer == Some(0);
         let eager = NodeWork::of(&graph, &hw, Executor::Eager, in_layer);
         let graph_executor = NodeWork::of(&graph, &hw, Executor::Graph, in_layer);
-        let neg = NodeId::from_index(1);
-        let added = eager.node(neg).seconds - graph_executor.node(neg).seconds;
+        let added = |i: usize| {
+            let id = NodeId::from_index(i);
+            eager.node(id).seconds - graph_executor.node(id).seconds
+        };
         assert!(
-            (added - hw.checkpoint_op_overhead_s).abs() < 1e-15,
-            "{added}"
+            (added(0) - hw.checkpoint_op_overhead_s).abs() < 1e-15,
+            "{}",
+            added(0)
         );
-        let matmul = NodeId::from_index(0);
-        assert_eq!(eager.node(matmul), graph_executor.node(matmul));
+        // A compiled region's op, an op outside every layer, a backward op: nothing added.
+        assert_eq!([added(1), added(2), added(3)], [0.0; 3]);
+        // Nor where the layer is not checkpointed.
+        let unchecked = NodeWork::of(&graph, &hw, Executor::Eager, |_| false);
+        let id = NodeId::from_index(0);
+        assert_eq!(unchecked.node(id), graph_executor.node(id));
     }
 
     #[test]
@@ -797,6 +872,21 @@ mod tests {
             (extra - expected).abs() < 1e-9,
             "{extra} against {expected}"
         );
+    }
+
+    #[test]
+    fn a_cpu_profile_written_before_the_device_queue_existed_runs_ops_in_order() {
+        let calibration = r#""calibration": {"device": "cpu", "description": "c", "threads": 2,
+            "timings": []}"#;
+        let old = HwProfile::from_json(format!("{{{calibration}}}").as_bytes(), "old").unwrap();
+        assert!(!old.asynchronous);
+        let said = format!(r#"{{"asynchronous": true, {calibration}}}"#);
+        assert!(
+            HwProfile::from_json(said.as_bytes(), "new")
+                .unwrap()
+                .asynchronous
+        );
+        assert!(HwProfile::from_json(b"{}", "empty").unwrap().asynchronous);
     }
 
     #[test]

@@ -276,8 +276,8 @@ fn memory_figures(
 fn cost_figures(joint: Option<&Joint>, graph: &Graph, hw: &HwProfile, work: &NodeWork) -> Cost {
     let (replay, baseline, replay_host_syncs) = match joint {
         Some(j) => (
-            work.sum(replayed(&j.partition)),
-            work.sum(replayed(&j.baselines.full_recompute)),
+            replay_work(work, &j.partition),
+            replay_work(work, &j.baselines.full_recompute),
             replayed(&j.partition)
                 .filter(|&id| cost::is_host_sync(graph.node(id)))
                 .count() as u64,
@@ -298,6 +298,14 @@ fn cost_figures(joint: Option<&Joint>, graph: &Graph, hw: &HwProfile, work: &Nod
         replay_host_syncs,
         hw: hw.name.clone(),
     }
+}
+
+/// The partition's replays, each run in turn, in schedule order (the order the budget
+/// search's composed figures add them in: the same sum to the last bit).
+fn replay_work(work: &NodeWork, partition: &Partition) -> cost::Work {
+    let mut replays: Vec<_> = partition.replays.iter().collect();
+    replays.sort_by_key(|r| (r.position, r.layer));
+    work.replays(replays.into_iter().map(|r| r.nodes.as_slice()))
 }
 
 /// Every node the partition replays.
