@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -222,3 +225,17 @@ def check_builders_agree(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(_exporter, "_build_natively", checked)
     return built
+
+
+@contextlib.contextmanager
+def script_module(name: str) -> Iterator[ModuleType]:
+    """``scripts/NAME.py`` imported as the module ``NAME`` while the block runs."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]

@@ -5,23 +5,20 @@ the requested budget), and the table prints what was measured. Timings are not a
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from torch._functorch import config as functorch_config
 from torch.utils.checkpoint import CheckpointPolicy
 
 import recompute_planner as rp
+from export_support import script_module
 from recompute_planner import _native
 from recompute_planner import compile as stage_mod
 from recompute_planner.markers import MARKER_OP
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_partitioner.py"
 RUNS = 2
 LAYERS = 1
 FRACTION = 0.25
@@ -29,12 +26,8 @@ FRACTION = 0.25
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("compare_partitioner", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("compare_partitioner") as module:
+        yield module
 
 
 @dataclass(frozen=True)

@@ -4,25 +4,18 @@ backward and replay measured against the plan, and measured rows planned again (
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "time_check.py"
+from export_support import script_module
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("time_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("time_check") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
