@@ -100,6 +100,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     TangentAOTInput,
 )
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _native, markers
@@ -446,13 +447,81 @@ def _traced_as_compiled() -> Iterator[None]:
 
 @contextlib.contextmanager
 def traced_as_exported() -> Iterator[None]:
-    """What the exporter traces a step under, and the torch.compile planning stage too (its
-    ``tracing()``), so both trace one program: markers enter the traced graph
+    """What the exporter traces a step under, and the torch.compile planning stage's
+    ``tracing()`` for traces without Dynamo (``compiled_as_exported`` traces the same program
+    under Dynamo), so all trace one program: markers enter the traced graph
     (``markers_in_compiled_graphs``), a dropout that draws nothing returns its input instead
     of the ``clone`` torch's decomposition makes, ``one_hot`` is traced as eager runs it, and
     the ops of every in-place call are annotated with it (``_TracedAsEager``)."""
     with markers.markers_in_compiled_graphs(), _TracedAsEager():
         yield
+
+
+@contextlib.contextmanager
+def compiled_as_exported(stage: int = -1) -> Iterator[None]:
+    """What the torch.compile planning stage traces under: the program ``traced_as_exported``
+    traces, with nothing Dynamo has to trace op by op. Markers enter compiled graphs; dropout
+    and ``one_hot`` are replaced where model code looks them up (``torch.nn.functional``,
+    ``torch``) by functions that, in a trace, return what eager returns (``_EAGER_ENTRY_POINTS``;
+    outside a trace they call torch's); the in-place calls Dynamo records on each node
+    (``source_fn_stack``) stand for ``_TracedAsEager``'s annotation (``in_place_call``).
+
+    A torch-function mode such as ``_TracedAsEager`` makes Dynamo trace its
+    ``__torch_function__`` around every op of the model: half again the Dynamo time of a
+    decoder. A trace without Dynamo (``aot_module``) records no call names: enter
+    ``traced_as_exported`` for it. ``stage``: the planning stage's number the traces are for
+    (``markers.markers_in_compiled_graphs``)."""
+    with markers.markers_in_compiled_graphs(stage), _eager_entry_points():
+        yield
+
+
+@contextlib.contextmanager
+def _eager_entry_points() -> Iterator[None]:
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _EAGER_ENTRY_POINTS]
+    for owner, name, replacement in _EAGER_ENTRY_POINTS:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _in_a_trace() -> bool:
+    """Whether ops are being recorded (Dynamo, or a proxy mode: AOTAutograd, the exporter)."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
+_TORCH_F_DROPOUT = torch.nn.functional.dropout
+_TORCH_DROPOUT = torch.dropout
+_TORCH_ONE_HOT = torch.nn.functional.one_hot
+
+
+def _dropout_traced_as_eager(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    if _in_a_trace() and _functional_dropout_off(input, p, training) is not None:
+        return input
+    return _TORCH_F_DROPOUT(input, p, training, inplace)
+
+
+def _aten_dropout_traced_as_eager(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    if _in_a_trace() and _aten_dropout_off(input, p, train) is not None:
+        return input
+    return _TORCH_DROPOUT(input, p, train)
+
+
+def _one_hot_traced_as_eager(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    made = _one_hot_as_eager(tensor, num_classes) if _in_a_trace() else None
+    return made if made is not None else _TORCH_ONE_HOT(tensor, num_classes)
+
+
+# (module, attribute, replacement) for ``compiled_as_exported``.
+_EAGER_ENTRY_POINTS: list[tuple[Any, str, Callable[..., torch.Tensor]]] = [
+    (torch.nn.functional, "dropout", _dropout_traced_as_eager),
+    (torch, "dropout", _aten_dropout_traced_as_eager),
+    (torch.nn.functional, "one_hot", _one_hot_traced_as_eager),
+]
 
 
 class _TracedAsEager(torch.overrides.TorchFunctionMode):
@@ -530,6 +599,19 @@ _IN_PLACE_METHODS: dict[Callable[..., Any], str] = {
     torch.Tensor.__setitem__: "__setitem__",
 }
 
+_IN_PLACE_METHOD_NAMES = frozenset(_IN_PLACE_METHODS.values())
+# Item assignment and augmented assignments (``x /= s``), as Dynamo records their calls.
+_IN_PLACE_OPERATORS: dict[Callable[..., Any], str] = {
+    operator.setitem: "__setitem__",
+    **{
+        getattr(operator, name): f"__{name}__"
+        for name in (
+            "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
+            "iand", "ior", "ixor", "ilshift", "irshift",
+        )
+    },
+}
+
 # Dropout entry points -> their input when the call draws nothing, else None.
 _DROPOUTS: dict[Callable[..., Any], Callable[..., torch.Tensor | None]] = {
     torch.nn.functional.dropout: _functional_dropout_off,
@@ -544,9 +626,9 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     Forward pre-hooks enter a ``fx.traceback.annotate`` scope and forward hooks leave it; as the
     annotations merge, the innermost module wins, and backward nodes inherit their forward
     node's annotation like the layer tags do. The leaving hooks run before the module's other
-    forward hooks (``prepend``): a scope entered after another module hook's (a layer scope
-    of ``recompute_planner.annotate``) is left before it, so each hook restores what it saw
-    and no layer tag outlives its layer.
+    forward hooks (``prepend``): a scope entered after another module hook's is left before
+    it, so each hook restores what it saw and no tag outlives its module (the layer scopes of
+    ``recompute_planner.annotate`` run inside the forward, within these).
 
     Paths leave out the ``_orig_mod`` of ``torch.compile(module)``: a compiled submodule's ops
     are in its own path, as in the model without ``torch.compile``.
@@ -1346,12 +1428,26 @@ def mark_functionalized_writes(graph: fx.Graph, forward: set[fx.Node]) -> None:
 
 
 def _written_by_in_place_call(node: fx.Node) -> torch._ops.OpOverload | str | None:
-    custom = node.meta.get("custom")
-    if not custom or IN_PLACE_CALL_KEY not in custom:
+    if in_place_call(node) is None:
         return None
     if _op_overload(node).overloadpacket.__name__ in _WRITE_BACKS:
         return WRITE_BACK_VIEW
     return _in_place_write(node)
+
+
+def in_place_call(node: fx.Node) -> str | None:
+    """The in-place tensor method whose call traced ``node`` (``div_``, ``__setitem__``), or
+    None: ``_TracedAsEager``'s annotation, else the call Dynamo recorded the node under."""
+    custom = node.meta.get("custom")
+    if custom and IN_PLACE_CALL_KEY in custom:
+        return str(custom[IN_PLACE_CALL_KEY])
+    calls = node.meta.get("source_fn_stack")
+    if not calls:
+        return None
+    target = calls[-1][1]
+    if isinstance(target, str):  # a method call
+        return target if target in _IN_PLACE_METHOD_NAMES else None
+    return _IN_PLACE_OPERATORS.get(target)
 
 
 def _written_into_new_buffer(node: fx.Node) -> torch._ops.OpOverload | None:

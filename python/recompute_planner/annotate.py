@@ -1,15 +1,17 @@
-"""Annotating a model you did not write: layer scopes and unit markers from module hooks.
+"""Annotating a model you did not write: layer scopes and unit markers, no source edit.
 
-``annotate(model, layers="model.layers", units={"SAVE_ATTN": ["self_attn"], ...})`` installs
-forward hooks, no source edit:
+``annotate(model, layers="model.layers", units={"SAVE_ATTN": ["self_attn"], ...})`` makes:
 
-- on each module of the ``layers`` list (a dotted attribute path to an ``nn.ModuleList``),
-  a pre-hook entering ``layer_scope(name, i)`` and a hook leaving it, so every op of layer
-  ``i`` belongs to it;
-- on each unit's submodules (paths relative to a layer: ``"self_attn"``, ``"mlp.gate"``), a
-  pre-hook putting the marker ``<path>.begin`` on the module's (first) tensor input and a hook
-  putting ``<path>.end`` on its tensor outputs, so the unit's interval encloses exactly that
-  module's ops;
+- each module of the ``layers`` list (a dotted attribute path to an ``nn.ModuleList``) run
+  its forward inside ``layer_scope(name, i)``, so every op of layer ``i`` belongs to it;
+- each unit's submodules (paths relative to a layer: ``"self_attn"``, ``"mlp.gate"``) put the
+  marker ``<path>.begin`` on the module's (first) tensor input and ``<path>.end`` on its
+  tensor outputs, so the unit's interval encloses exactly that module's ops.
+
+Both run in a forward set on the module's class (a subclass per class, named as it; see
+``_AnnotatedModule``), which ``torch.compile`` traces as cheaply as the plain model; module
+hooks would double Dynamo's time. Also:
+
 - on each unit's methods (a path whose last part names a method of a submodule, or of an
   object a module holds: ``"mlp.route_tokens_to_experts"``, ``"dispatcher.dispatch"``), the
   same markers around that method's calls, by a wrapper set on the instance (the class is not
@@ -30,7 +32,7 @@ model ran (``Annotation.absent`` is then updated); one that matched in no layer 
 raised at the end of that forward, naming the unit, the module and the ops it ran.
 
 It returns an ``Annotation``: the ``ModelDecl`` list the exporter and the compile stage need
-(``.models``) and ``.remove()`` to take the hooks off again. ``recompute_planner.export``
+(``.models``) and ``.remove()`` to take it all off again. ``recompute_planner.export``
 finds the annotation of an annotated model by itself.
 """
 
@@ -50,7 +52,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._exporter import ModelDecl
-from .markers import checkpoint_record, layer_scope, tentative_marker
+from .markers import annotate as annotate_tags
+from .markers import checkpoint_record, layer_tags, tentative_marker
 
 # A model's decoder layers, as ``layers=`` names them.
 LayerList = nn.ModuleList | nn.Sequential
@@ -137,12 +140,14 @@ class Annotation:
     models: list[ModelDecl]
     # Unit -> path -> the layers that lack it (only paths missing somewhere).
     absent: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    handles: list[RemovableHandle | _MethodWrapper] = field(default_factory=list, repr=False)
+    handles: list[RemovableHandle | _MethodWrapper | _Removal] = field(
+        default_factory=list, repr=False
+    )
     root: nn.Module | None = field(default=None, repr=False)
     layers: LayerList | None = field(default=None, repr=False)  # the annotated layers
 
     def remove(self) -> None:
-        """Removes every hook ``annotate`` installed."""
+        """Restores every module, method and hook ``annotate`` changed."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -188,13 +193,13 @@ def annotate(
         if isinstance(part, OpInterval):
             intervals.append(_IntervalRecord(unit, part, annotation, found))
     for index, layer in enumerate(layer_list):
-        annotation.handles += _scope_hooks(layer, name, index)
+        annotation.handles += _enter_scope(layer, name, index)
         for (_unit, part), found in targets.items():
             target = found[index]
             if target is None or isinstance(part, OpInterval):
                 continue
             if isinstance(target, nn.Module):
-                annotation.handles += _marker_hooks(target, part)
+                annotation.handles += _put_markers(target, part)
             else:
                 annotation.handles.append(_MethodWrapper(target[0], target[1], part))
     for record in intervals:
@@ -319,27 +324,156 @@ class _MethodWrapper:
             del self.owner.__dict__[self.method]
 
 
-def _scope_hooks(layer: nn.Module, name: str, index: int) -> list[RemovableHandle]:
-    """Enter ``layer_scope(name, index)`` before the layer runs, leave it after (also when it
-    raises)."""
-    open_scopes: list[contextlib.ExitStack] = []
+class _AnnotatedModule:
+    """What one module runs besides its own forward: the layer scope it enters (a layer of the
+    annotation) and the unit markers it puts on its input and outputs (a unit's submodule).
 
-    def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(layer_scope(name, index))
-        open_scopes.append(stack)
+    Both are run by a forward on the module's class: the module's class becomes a subclass of
+    it, made once per class and named as it (``type(m).__name__``, ``isinstance`` and the
+    module's ``repr`` are unchanged), whose forward runs them around the class's own. Module
+    hooks would run the same code, but Dynamo traces a module with hooks through the whole of
+    ``nn.Module.__call__`` and the hooks' bodies op by op; a forward on the class is traced as
+    a plain call, so ``torch.compile`` of an annotated model takes about as long as of the
+    plain model. A module whose forward is already replaced on the instance (a framework's
+    wrapper) gets an instance forward around that one instead, so nothing is skipped.
+    ``remove()`` restores the module."""
 
-    def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
-        if open_scopes:
-            open_scopes.pop().close()
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.scope: dict[str, Any] | None = None
+        self.marks: list[str] = []
+        instance_forward = module.__dict__.get("forward")
+        self.instance_forward: _InstanceForward | None = None
+        if instance_forward is not None:
+            self.replaced: Any = instance_forward
+            self.instance_forward = _InstanceForward(self, instance_forward)
+            module.__dict__["forward"] = self.instance_forward
+        else:
+            self.replaced = type(module)
+            module.__class__ = _annotated_class(type(module))
+        module.__dict__[_STATE_ATTR] = self
 
-    return [
-        layer.register_forward_pre_hook(enter),
-        layer.register_forward_hook(leave, always_call=True),
-    ]
+    @classmethod
+    def of(cls, module: nn.Module) -> _AnnotatedModule:
+        """The module's annotation, made on first use."""
+        found = module.__dict__.get(_STATE_ATTR)
+        return found if isinstance(found, _AnnotatedModule) else cls(module)
+
+    def set_scope(self, model: str, index: int) -> _Removal:
+        if self.scope is not None:
+            raise ValueError(
+                f"`{type(self.module).__name__}` is a layer of two annotations: remove the "
+                "first one before annotating its model again"
+            )
+        self.scope = layer_tags(model, index)
+        return _Removal(self, None)
+
+    def add_marks(self, path: str) -> _Removal:
+        self.marks.append(path)
+        return _Removal(self, path)
+
+    def forget(self, path: str | None) -> None:
+        """Takes a scope (None) or a unit's markers off; restores the module once bare."""
+        if path is None:
+            self.scope = None
+        elif path in self.marks:
+            self.marks.remove(path)
+        if self.scope is not None or self.marks:
+            return
+        module = self.module
+        if isinstance(self.replaced, type):
+            if type(module) is _annotated_class(self.replaced):  # else a subclass was made of it
+                module.__class__ = self.replaced
+                del module.__dict__[_STATE_ATTR]
+        elif module.__dict__.get("forward") is self.instance_forward:
+            module.__dict__["forward"] = self.replaced
+            del module.__dict__[_STATE_ATTR]
+
+    def run(self, forward: Any, owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``forward(owner, *args, **kwargs)`` inside the scope, with each unit's begin marker
+        on its input and end marker on its outputs, in the order the units were declared (as
+        hooks would run). One function, not several: Dynamo traces each call it inlines."""
+        scope = contextlib.nullcontext() if self.scope is None else annotate_tags(self.scope)
+        with scope:
+            for path in self.marks:
+                first = args[0] if args else None
+                if isinstance(first, torch.Tensor) and first.is_floating_point():  # most calls
+                    args = (checkpoint_record(f"{path}.begin", first), *args[1:])
+                else:
+                    args, kwargs = _mark_begin(path, args, kwargs)
+            output = forward(owner, *args, **kwargs)
+            for path in self.marks:
+                if isinstance(output, torch.Tensor):
+                    output = checkpoint_record(f"{path}.end", output)
+                else:
+                    output = _mark_end(path, output)
+            return output
 
 
-def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
+@dataclass(frozen=True)
+class _Removal:
+    """The handle ``Annotation.remove`` calls: takes one scope or unit off its module."""
+
+    target: _AnnotatedModule
+    path: str | None
+
+    def remove(self) -> None:
+        self.target.forget(self.path)
+
+
+# Where an annotated module keeps its ``_AnnotatedModule``.
+_STATE_ATTR = "_recompute_planner_annotated"
+# Each annotated class's subclass, made once.
+_ANNOTATED_CLASSES: dict[type, type] = {}
+
+
+def _annotated_class(cls: type) -> type:
+    """``cls``'s subclass whose forward runs an ``_AnnotatedModule`` around ``cls.forward``."""
+    if getattr(cls, "_recompute_planner_base", None) is not None:
+        return cls
+    found = _ANNOTATED_CLASSES.get(cls)
+    if found is None:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # Always there while the class is annotated (``forget`` keeps it while it cannot
+            # restore the class).
+            state: _AnnotatedModule = getattr(self, _STATE_ATTR)
+            return state.run(cls.forward, self, args, kwargs)
+
+        found = type(cls)(  # the class's own metaclass
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_recompute_planner_base": cls,
+            },
+        )
+        _ANNOTATED_CLASSES[cls] = found
+    return found
+
+
+class _InstanceForward:
+    """An ``_AnnotatedModule`` around a forward already replaced on the instance."""
+
+    def __init__(self, state: _AnnotatedModule, forward: Any):
+        self.state, self.forward = state, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.state.run(_call, self.forward, args, kwargs)
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _enter_scope(layer: nn.Module, name: str, index: int) -> list[_Removal]:
+    """``layer_scope(name, index)`` around the layer's forward (also when it raises)."""
+    return [_AnnotatedModule.of(layer).set_scope(name, index)]
+
+
+def _put_markers(module: nn.Module, path: str) -> list[_Removal]:
     """``<path>.begin`` on the first floating-point tensor input (the data: positional, else
     keyword), ``<path>.end`` on every floating-point tensor output (top level of a tuple or
     list).
@@ -349,21 +483,7 @@ def _marker_hooks(module: nn.Module, path: str) -> list[RemovableHandle]:
     whose output nothing reads leaves the graph. The planner closes the interval at the first
     end and ignores the repeats.
     """
-
-    def begin(
-        _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return _mark_begin(path, args, kwargs)
-
-    def end(
-        _module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any
-    ) -> Any:
-        return _mark_end(path, output)
-
-    return [
-        module.register_forward_pre_hook(begin, with_kwargs=True),
-        module.register_forward_hook(end, with_kwargs=True),
-    ]
+    return [_AnnotatedModule.of(module).add_marks(path)]
 
 
 def _mark_begin(

@@ -12,13 +12,13 @@ partitioner (or, as an option, runs just before torch's):
 3. with ``partitioner="plan"`` (the default), builds the forward and backward graphs from the
    plan itself (``partition_from_plan``): the forward returns exactly the plan's saved set,
    the backward re-runs exactly the plan's replay, each replayed op placed before its first
-   backward use; nothing is solved again. The graph is planned as AOTAutograd traced it
-   (inside ``tracing()``), with no common-subexpression elimination first, so its plan is the
-   plan of the same step exported with ``recompute_planner.export`` (test_compile_stage.py
-   checks both). That holds where the step writes in place too: torch.compile functionalizes
-   each write into a new tensor, and the IR gives the ops of those writes back the in-place
-   form eager runs (``mark_functionalized_writes``), so a kept tensor the step later writes is
-   replayed with its writers in both plans;
+   backward use; nothing is solved again. The graph is planned as AOTAutograd traced it,
+   with no common-subexpression elimination first, so its plan is the plan of the same step
+   exported with ``recompute_planner.export`` (test_compile_stage.py checks both). That
+   holds where the step writes in place too: torch.compile functionalizes each write into a
+   new tensor, and the IR gives the ops of those writes back the in-place form eager runs
+   (``mark_functionalized_writes``), so a kept tensor the step later writes is replayed with
+   its writers in both plans;
 4. with ``partitioner="min-cut"``, runs torch's common-subexpression elimination first (the
    partitioner runs it, so the plan must be made for its result), tags every forward node
    (``node.meta["recompute"]`` is ``PREFER_RECOMPUTE`` for the ops the plan replays and
@@ -42,13 +42,18 @@ Three ways in:
   ``stage.uninstall()`` or ``with install(...):`` restores both. Stages may be installed and
   uninstalled in any order: the most recently installed stage still installed is the one
   inductor runs;
-- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn``, and
-  trace the step inside ``tracing()`` (``install`` and ``planning`` do that too).
+- ``aot_autograd`` with your own compilers: pass ``partition_fn=stage.partition_fn`` (as a
+  ``torch.compile`` backend inside ``install`` or ``planning``; ``aot_module`` and
+  ``aot_function``, which trace without Dynamo, inside ``tracing()`` too).
 
-Traced inside ``tracing()``, the step is the program ``recompute_planner.export`` traces:
-markers enter the graph, and a dropout that draws nothing (``p=0``, as HuggingFace eager
-attention calls it, or not training) returns its input as eager ATen does, where torch's
-decomposition would copy it (a ``clone`` the plan would save instead of its input).
+While a stage is installed, the step is traced as the program ``recompute_planner.export``
+traces (``_exporter.compiled_as_exported``): markers enter the graph, and a dropout that
+draws nothing (``p=0``, as HuggingFace eager attention calls it, or not training) returns its
+input as eager ATen does, where torch's decomposition would copy it (a ``clone`` the plan would
+save instead of its input). None of it adds to Dynamo's time: the annotation runs as part of
+each module's forward, and nothing intercepts the model's ops while Dynamo traces them. A step
+compiled for one stage configuration is traced again, once, when a stage that plans otherwise
+is installed (Dynamo guards on the installed configuration's number), not on later calls.
 
 The stage declines inductor's FX graph cache (``uuid()`` is None): every compile plans again,
 so its diagnostics are reported and ``stage.plans`` holds the plan of each compiled graph.
@@ -85,6 +90,7 @@ from ._exporter import (
     FlatInput,
     ModelDecl,
     build_graph,
+    compiled_as_exported,
     forward_nodes,
     graph_metadata,
     mark_functionalized_writes,
@@ -870,6 +876,14 @@ class PlanningStage(CustomGraphPass):
         self.name = name
         self.partitioner = partitioner
         self.plans: list[Plan] = []
+        # What traces made for this stage record (``markers.STAGE_KEY``) and Dynamo guards on:
+        # one number per distinct configuration, so installing a stage that plans otherwise
+        # retraces a compiled step once, and one that plans alike does not.
+        self.number = _STAGE_NUMBERS.setdefault(
+            repr((self.models, keep, partitioner, name, recompute_ratio, collectives,
+                  random_ops, budget, granularity, hw)),
+            len(_STAGE_NUMBERS) + 1,
+        )
 
     def plan_joint(
         self, graph_module: fx.GraphModule, num_fwd_outputs: int | None = None
@@ -1028,7 +1042,7 @@ class _Installed:
 
             self._before = {key: getattr(inductor_config, key) for key in self.SETTINGS}
             self._tracing = contextlib.ExitStack()
-            self._tracing.enter_context(tracing())
+            self._tracing.enter_context(compiled_as_exported(stage.number))
         self.stages.append(stage)
         self._configure()
 
@@ -1047,6 +1061,8 @@ class _Installed:
         settings = dict(self._before)
         if self.stages:
             active = self.stages[-1]
+            # Steps compiled for another stage are traced again (once) for this one.
+            markers.set_compiled_stage(active.number)
             # A cached compile would skip planning: inductor bypasses its caches for a joint
             # pass without a uuid, but not for a partitioner without one.
             settings["fx_graph_cache"] = False
@@ -1059,6 +1075,8 @@ class _Installed:
 
 
 _INSTALLED = _Installed()
+# Each stage configuration's number (``PlanningStage.number``).
+_STAGE_NUMBERS: dict[str, int] = {}
 
 
 def install(
@@ -1075,12 +1093,15 @@ def active_stage() -> PlanningStage | None:
 
 
 def tracing() -> contextlib.AbstractContextManager[None]:
-    """``with tracing():`` around the compiled step's first call (which traces it) makes the
-    traced program the one ``recompute_planner.export`` traces: markers enter compiled graphs,
-    a dropout that draws nothing returns its input (eager ATen allocates nothing for it;
-    torch's decomposition would ``clone`` it). ``install`` and ``planning`` enter it until the
-    stage is uninstalled; its torch-function mode is thread-local, so trace in the thread that
-    installed the stage."""
+    """``with tracing():`` around the first call of a step traced without Dynamo
+    (``aot_module``, ``aot_function`` with ``partition_fn=stage.partition_fn``) makes the
+    traced program the one ``recompute_planner.export`` traces: markers enter the graph, a
+    dropout that draws nothing returns its input (eager ATen allocates nothing for it;
+    torch's decomposition would ``clone`` it), ``one_hot`` is traced as eager runs it and the
+    ops of in-place calls are annotated as such (a torch-function mode, thread-local: trace in
+    the thread that entered it). ``install`` and ``planning`` make ``torch.compile`` trace the
+    same program without that mode (Dynamo would trace the mode around every op), until the
+    stage is uninstalled; under ``torch.compile`` this block is not needed."""
     return traced_as_exported()
 
 

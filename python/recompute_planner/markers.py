@@ -78,8 +78,13 @@ MARKER_OVERLOAD: torch._ops.OpOverload = getattr(
 ).default
 
 
-# Whether markers enter graphs Dynamo compiles (Dynamo guards on it: toggling recompiles).
-_in_compiled_graphs = False
+# The planning stage traces are made for: 0 for none (markers stay out of graphs Dynamo
+# compiles), else the installed stage's number (``recompute_planner.compile``). Dynamo guards
+# on it wherever a traced scope or marker reads it, so a step compiled while one stage was
+# installed is traced again, once, when another is.
+_in_compiled_graphs = 0
+# The key of node.meta["custom"] that records it.
+STAGE_KEY = "recompute.stage"
 
 
 def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -100,45 +105,67 @@ def checkpoint_record(name: str, x: torch.Tensor) -> torch.Tensor:
             return x
     elif get_proxy_mode() is None:
         return x
-    marked: torch.Tensor = _checkpoint_record(x, name)
+    # The op itself, not the custom-op object: Dynamo records an op call as it is, where it
+    # would trace the object's Python call path for every marker.
+    marked: torch.Tensor = MARKER_OVERLOAD(x, name)
     return marked
 
 
 @contextlib.contextmanager
-def markers_in_compiled_graphs() -> Iterator[None]:
-    """Markers traced by ``torch.compile`` inside the block enter the compiled graph."""
+def markers_in_compiled_graphs(stage: int = -1) -> Iterator[None]:
+    """Markers traced by ``torch.compile`` inside the block enter the compiled graph, traced
+    for planning stage number ``stage`` (-1: not a stage's)."""
     global _in_compiled_graphs
-    previous, _in_compiled_graphs = _in_compiled_graphs, True
+    if not stage:
+        raise ValueError("stage 0 means markers stay out of compiled graphs")
+    previous, _in_compiled_graphs = _in_compiled_graphs, stage
     try:
         yield
     finally:
         _in_compiled_graphs = previous
 
 
+def set_compiled_stage(stage: int) -> None:
+    """Traces from now on are made for planning stage number ``stage`` (0: none)."""
+    global _in_compiled_graphs
+    _in_compiled_graphs = stage
+
+
 def annotate(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it."""
+    """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it. In a trace for
+    a planning stage the ops also record its number (``STAGE_KEY``): reading it makes it a
+    guard of the code Dynamo compiles, in every model (one without markers too)."""
+    if _in_compiled_graphs > 0:
+        tags = {**tags, STAGE_KEY: _in_compiled_graphs}
     if hasattr(fx_traceback, "annotate"):
         return fx_traceback.annotate(tags)
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def compiled_region(name: str) -> Iterator[None]:
+# The scopes below return ``torch.fx.traceback.annotate``'s context itself, not a generator
+# around it: Dynamo knows that context and enters it at no cost, where it would trace a
+# generator-based context manager wrapping it step by step (tens of milliseconds a layer).
+
+
+def compiled_region(name: str) -> contextlib.AbstractContextManager[None]:
     """Marks every op traced inside as running in compiled region ``name``."""
     if not name:
         raise ValueError("a compiled region needs a non-empty name")
-    with annotate({COMPILED_REGION_KEY: name}):
-        yield
+    return annotate({COMPILED_REGION_KEY: name})
 
 
-@contextlib.contextmanager
-def layer_scope(model: str, layer: int | None, micro_batch: int = 0) -> Iterator[None]:
+def layer_scope(
+    model: str, layer: int | None, micro_batch: int = 0
+) -> contextlib.AbstractContextManager[None]:
     """Attributes every op traced inside to ``model``, ``layer`` and ``micro_batch``."""
+    return annotate(layer_tags(model, layer, micro_batch))
+
+
+def layer_tags(model: str, layer: int | None, micro_batch: int = 0) -> dict[str, Any]:
+    """The annotation ``layer_scope`` puts on the ops traced inside."""
     # The layer is always set, None included: annotations merge, so leaving the key out would
     # let an enclosing scope's layer leak into a nested model's non-layer ops.
-    tags = {MODEL_KEY: model, LAYER_KEY: layer, MICRO_BATCH_KEY: micro_batch}
-    with annotate(tags):
-        yield
+    return {MODEL_KEY: model, LAYER_KEY: layer, MICRO_BATCH_KEY: micro_batch}
 
 
 # A tentative marker's name: the real name, this separator, then "<occurrence>.<leaf>".

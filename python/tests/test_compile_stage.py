@@ -31,6 +31,7 @@ eager once. Torch's min-cut partitioner stays an option (`partitioner="min-cut"`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -155,9 +156,12 @@ class Subject:
             ).graph
 
     def staged(self, keep, run, **options) -> Recording:
-        """The step compiled by ``run`` with the stage, traced inside ``tracing()``."""
+        """The step compiled by ``run`` with the stage. ``aot_module`` traces without Dynamo,
+        inside ``tracing()``; ``torch.compile`` traces as the installed stage makes it (no
+        torch-function mode)."""
         stage = Recording(self.models, keep, **options)
-        with traced_group(self.world_size), warnings.catch_warnings(), stage_mod.tracing():
+        as_exported = stage_mod.tracing() if run is run_aot else contextlib.nullcontext()
+        with traced_group(self.world_size), warnings.catch_warnings(), as_exported:
             warnings.simplefilter("ignore", rp.PlannerWarning)
             run(stage, self.module, self.inputs)
         return stage
@@ -473,6 +477,48 @@ def test_stage_plans_in_place_writes_of_a_model_outside_the_zoo_as_the_cli(backe
         planned = staged.plan if keep == "all" else quiet_plan(stage_ir, keep)
         assert_same_functional_plan(stage_ir, planned, exported_ir, quiet_plan(exported_ir, keep))
     assert_saves_and_replays_the_plan(staged)
+
+
+def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise():
+    """A step compiled while one stage was installed is traced again, exactly once, when a
+    stage with other options is installed (its plan differs: the old compiled code would
+    silently keep the old plan), and not again for later calls with the same shapes, nor for
+    a stage that plans alike."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    def active_stage_backend(graph_module, example_inputs):
+        partition = stage_mod.active_stage().partition_fn
+        compile_with = aot_autograd(
+            fw_compiler=nop_compiler, bw_compiler=nop_compiler, partition_fn=partition
+        )
+        return compile_with(graph_module, example_inputs)
+
+    torch.manual_seed(0)
+    units = {"SAVE_GATE": [("gate.begin", "gate.end")], "SAVE_MLP": [("mlp.begin", "mlp.end")]}
+    models, x = [ModelDecl("main", 2, units)], torch.randn(4, 8, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(WritingModel(), backend=active_stage_backend)
+
+    def traced_graphs_after_two_steps(keep):
+        with stage_mod.planning(models, keep) as stage, warnings.catch_warnings():
+            warnings.simplefilter("ignore", rp.PlannerWarning)
+            for _ in range(2):
+                compiled(x).backward()
+        return counters["stats"]["unique_graphs"], stage.plans
+
+    try:
+        assert traced_graphs_after_two_steps(None)[0] == 1
+        graphs, mlp_plans = traced_graphs_after_two_steps(["SAVE_MLP"])
+        assert graphs == 2 and len(mlp_plans) == 1
+        assert [(u.unit, u.kept_ops > 0) for u in mlp_plans[0].units] == [("SAVE_MLP", True)]
+        assert traced_graphs_after_two_steps(None) == (2, [])
+        with stage_mod.planning(models, None):  # a stage installed over another one
+            graphs, gate_plans = traced_graphs_after_two_steps(["SAVE_GATE"])
+        assert graphs == 3 and [u.unit for u in gate_plans[0].units] == ["SAVE_GATE"]
+    finally:
+        torch._dynamo.reset()
 
 
 def test_whole_layer_recompute_follows_the_plan():

@@ -2,12 +2,15 @@
 on stock HuggingFace models (tiny configurations built from a config with random weights,
 nothing downloaded): Llama (dense) and Qwen3-MoE (routed experts).
 
-No wrapper module, no replacement `forward`, no monkeypatch: module hooks place the layer
-scopes and the unit markers, and the known tracing failures say what to do.
+No wrapper module, no source edit: `annotate` places the layer scopes and the unit markers
+(in a forward on each annotated module's class), and the known tracing failures say what to
+do.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import subprocess
 import warnings
@@ -86,6 +89,50 @@ def test_hooks_place_layers_and_units_on_a_stock_model(build, units):
     annotation.remove()
     bare = rp.export(model, inputs)
     assert not any(n.HasField("layer") for n in bare.graph.nodes)
+
+
+def test_annotation_leaves_the_models_classes_names_and_weights_and_remove_restores_them():
+    """The annotation runs in a forward on each annotated module's class (a subclass named as
+    the class): types, ``repr``, state dict keys are the model's; a deep copy runs its own
+    weights, annotated too; ``remove`` gives every module its class back."""
+    model = llama()
+    classes = {name: type(m) for name, m in model.named_modules()}
+    described, keys = repr(model), list(model.state_dict())
+    annotation = rp.annotate(model, layers="model.layers", units=DENSE_UNITS)
+    annotated = {name: type(m) for name, m in model.named_modules()}
+    assert {n for n, cls in annotated.items() if cls is not classes[n]} == {
+        f"model.layers.{i}{part}" for i in (0, 1) for part in ("", ".self_attn", ".mlp")
+    }
+    assert all(issubclass(annotated[n], cls) and annotated[n].__name__ == cls.__name__
+               for n, cls in classes.items())
+    assert repr(model) == described and list(model.state_dict()) == keys
+
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        copied.model.layers[1].mlp.down_proj.weight.zero_()
+    inputs = tokens()
+    assert not torch.equal(copied(**inputs).logits, model(**inputs).logits)
+    plan = planned(rp.export(copied, inputs).graph, list(DENSE_UNITS))
+    assert kept_units_by_layer(plan) == {(i, unit) for i in (0, 1) for unit in DENSE_UNITS}
+
+    annotation.remove()
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert not any("_recompute_planner_annotated" in m.__dict__ for m in model.modules())
+
+
+def test_a_forward_replaced_on_the_instance_is_annotated_around_and_given_back():
+    """A framework that replaced a module's forward on the instance (accelerate's hooks do)
+    shadows any forward on the class: the annotation then goes around that forward."""
+    model = llama()
+    wrappers = {}
+    for layer in model.model.layers:
+        wrappers[layer.mlp] = functools.partial(type(layer.mlp).forward, layer.mlp)
+        layer.mlp.forward = wrappers[layer.mlp]
+    annotation = rp.annotate(model, layers="model.layers", units=DENSE_UNITS)
+    plan = planned(rp.export(model, tokens()).graph, list(DENSE_UNITS))
+    assert kept_units_by_layer(plan) == {(i, unit) for i in (0, 1) for unit in DENSE_UNITS}
+    annotation.remove()
+    assert all(mlp.__dict__["forward"] is wrapper for mlp, wrapper in wrappers.items())
 
 
 def test_the_grouped_experts_buffer_written_in_place_is_recomputed():
