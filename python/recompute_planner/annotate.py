@@ -424,15 +424,14 @@ class _Removal:
 # Where an annotated module keeps its ``_AnnotatedModule``.
 _STATE_ATTR = "_recompute_planner_annotated"
 # Each annotated class's subclass, made once.
-_ANNOTATED_CLASSES: dict[type, type] = {}
+_ANNOTATED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
-def _annotated_class(cls: type) -> type:
+def _annotated_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls``'s subclass whose forward runs an ``_AnnotatedModule`` around ``cls.forward``."""
     if getattr(cls, "_recompute_planner_base", None) is not None:
         return cls
-    found = _ANNOTATED_CLASSES.get(cls)
-    if found is None:
+    if cls not in _ANNOTATED_CLASSES:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # Always there while the class is annotated (``forget`` keeps it while it cannot
@@ -440,7 +439,8 @@ def _annotated_class(cls: type) -> type:
             state: _AnnotatedModule = getattr(self, _STATE_ATTR)
             return state.run(cls.forward, self, args, kwargs)
 
-        found = type(cls)(  # the class's own metaclass
+        metaclass: Any = type(cls)  # the class's own (``type`` for most modules)
+        _ANNOTATED_CLASSES[cls] = metaclass(
             cls.__name__,
             (cls,),
             {
@@ -450,8 +450,7 @@ def _annotated_class(cls: type) -> type:
                 "_recompute_planner_base": cls,
             },
         )
-        _ANNOTATED_CLASSES[cls] = found
-    return found
+    return _ANNOTATED_CLASSES[cls]
 
 
 class _InstanceForward:
