@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 
 from . import markers
 from .errors import ExportError
@@ -49,9 +49,14 @@ def plain_path(path: str) -> str:
 def is_compiled(module: nn.Module) -> bool:
     """Whether calling ``module`` runs compiled code (``module.compile()`` or an
     ``OptimizedModule``)."""
-    return isinstance(module, OptimizedModule) or (
-        module.__dict__.get(_COMPILED_CALL) is not None
-    )
+    return _is_optimized_module(module) or module.__dict__.get(_COMPILED_CALL) is not None
+
+
+def _is_optimized_module(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper. Its class lives in Dynamo, which the
+    package does not import (seconds): while Dynamo is not loaded, no module is one."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 Call = Callable[..., Any]
@@ -68,7 +73,7 @@ class CompiledSubmodule:
 
     @property
     def _slot(self) -> str:
-        return _FORWARD if isinstance(self.module, OptimizedModule) else _COMPILED_CALL
+        return _FORWARD if _is_optimized_module(self.module) else _COMPILED_CALL
 
     def compiled_call(self) -> Call:
         """What calling the module runs now (its compiled code, or what replaced it)."""
@@ -78,7 +83,7 @@ class CompiledSubmodule:
     def plain_call(self) -> Call:
         """The module's own code: for ``module.compile()`` its ``_call_impl`` (hooks included,
         as the compiled code runs them), for an OptimizedModule the module it wraps."""
-        if isinstance(self.module, OptimizedModule):
+        if _is_optimized_module(self.module):
             inner: Call = getattr(self.module, ORIG_MOD)
             return inner
         own: Call = self.module._call_impl

@@ -92,7 +92,6 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from functorch.compile import aot_function  # type: ignore[import-untyped]  # no py.typed
 from google.protobuf import json_format
 from torch._functorch._aot_autograd.descriptors import (
     GradAOTOutput,
@@ -691,6 +690,9 @@ def _aot_module(module: torch.nn.Module, **aot_kwargs: Any) -> Callable[..., Any
     it is registered under, so the graph has one input and one gradient per tensor, the sum of
     its uses, as eager autograd computes it.
     """
+    # Loads Dynamo (seconds): here, on the first export, not when the package is imported.
+    from functorch.compile import aot_function  # type: ignore[import-untyped]  # no py.typed
+
     torch._dynamo.utils.assert_no_fake_params_or_buffers(module)
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())

@@ -630,8 +630,6 @@ class _IntervalMode(TorchFunctionMode):
         return True
 
 
-# Evaluated, not traced, by Dynamo (it cannot trace the introspection of a torch function).
-@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # torch leaves it untyped
 def _op_names(func: Any) -> tuple[str, ...] | None:
     """The names a pattern may match a call by, the one to show first; None for what is no op
     (a property read, a constructor such as ``torch.device``)."""
@@ -651,6 +649,13 @@ def _op_names(func: Any) -> tuple[str, ...] | None:
     if module == "torch._C._nn":
         module = "torch.nn.functional"
     return (bare, f"{module}.{bare}") if module else (bare,)
+
+
+def _evaluated_by_dynamo(fn: Any) -> None:
+    """Has Dynamo evaluate ``fn``, not trace it (it cannot trace the introspection of a torch
+    function). Done when an interval is installed, not at import: the mark imports Dynamo,
+    seconds that a package import without op intervals does not pay."""
+    torch.compiler.assume_constant_result(fn)  # sets a flag on ``fn`` itself
 
 
 def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict[str, Any]) -> bool:
@@ -714,6 +719,7 @@ class _IntervalRecord:
     ops: dict[int, list[str]] = field(default_factory=dict)  # layer -> ops its module ran
 
     def install(self) -> list[RemovableHandle]:
+        _evaluated_by_dynamo(_op_names)
         handles = []
         for index, module in enumerate(self.modules):
             if isinstance(module, nn.Module):

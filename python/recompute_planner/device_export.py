@@ -74,7 +74,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._functorch._aot_autograd import graph_capture_wrappers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.function import BackwardCFunction, _HookMixin
 from torch.autograd.variable import Variable
@@ -375,6 +374,8 @@ def _replayed_autograd() -> Iterator[None]:
     """Within the block, ``torch.autograd.grad`` runs on ``_ReplayEngine``, AOTAutograd's
     stack-trace hooks are registered with it, and hooks registered on tensors or autograd
     nodes are refused."""
+    from torch._functorch._aot_autograd import graph_capture_wrappers  # a third of a second
+
     engine = _ReplayEngine()
     # Imported there from its own module, which torch's typing does not re-export.
     original_setup: Callable[[list[Any]], None] = (

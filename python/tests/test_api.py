@@ -23,7 +23,7 @@ import torch
 from google.protobuf import json_format
 
 import recompute_planner as rp
-from export_support import REPO_ROOT, run_planner
+from export_support import REPO_ROOT, run_planner, script_module
 from graph_walk import GOLDEN_DIR, load_graph
 from recompute_planner._exporter import ModelDecl, export_joint, write_graph
 from recompute_planner.markers import checkpoint_record, layer_scope
@@ -333,6 +333,16 @@ def test_the_documented_one_liner_runs_from_the_repository():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("Memory(peak_bytes=")
+
+
+def test_importing_the_package_loads_none_of_torchs_compiler():
+    """`import recompute_planner` in a fresh process leaves Dynamo, inductor and AOTAutograd's
+    front end unloaded (seconds of import): an export, the compile stage or an op interval
+    loads them on first use. Measured by the import-time benchmark's own child process."""
+    with script_module("import_time") as script:
+        run = script.one_run()
+    assert run.compiler_modules == []
+    assert run.package_s > 0
 
 
 def test_the_extension_is_part_of_the_package():
