@@ -10,8 +10,11 @@
 - ``calibrate(device)``: a hardware profile measured in eager PyTorch, for ``plan(hw=...)``;
 - ``compile``: the torch.compile planning stage (joint-graph pass, ``partition_fn``);
 - ``sac``: eager selective-checkpointing policies from a plan (``sac.checkpoint_layers``);
-- ``errors``: ``PlannerError``, ``PlanRejected``, ``PlannerWarning``, ``ExportError``,
-  ``SacMismatchError`` (also importable from here).
+- ``errors``: ``PlannerError``, ``PlanRejected``, ``ExportError``, ``SacMismatchError``, and
+  ``PlannerWarning``, which every warning of the package derives from (also importable from
+  here).
+
+Every public module lists its names in ``__all__``.
 
 Modules whose names start with ``_`` (the low-level exporter, the test model zoo, the
 allocator measurements) are the package's own and may change without notice.
@@ -26,7 +29,11 @@ from .annotate import Annotation, OpInterval, annotate
 from .api import check_plan, plan
 from .calibration import calibrate
 from .errors import (
+    ArgumentsHeldWarning,
     ExportError,
+    KvCacheOffWarning,
+    NoLayersWarning,
+    OwnCheckpointingWarning,
     PlannerError,
     PlannerWarning,
     PlanRejected,
@@ -55,10 +62,14 @@ else:
 
 __all__ = [
     "Annotation",
+    "ArgumentsHeldWarning",
     "ExportError",
     "ExportResult",
+    "KvCacheOffWarning",
     "ModelDecl",
+    "NoLayersWarning",
     "OpInterval",
+    "OwnCheckpointingWarning",
     "Plan",
     "PlanRejected",
     "PlannerError",

@@ -559,7 +559,7 @@ class _TracedAsEager(torch.overrides.TorchFunctionMode):
             if made is not None:
                 return made
         if func in _IN_PLACE_METHODS:
-            with markers.annotate({IN_PLACE_CALL_KEY: _IN_PLACE_METHODS[func]}):
+            with markers.tag_scope({IN_PLACE_CALL_KEY: _IN_PLACE_METHODS[func]}):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -580,7 +580,7 @@ def _one_hot_as_eager(input: torch.Tensor, num_classes: int = -1) -> torch.Tenso
     if num_classes < 0 or input.dtype != torch.int64 or input.numel() == 0:
         return None
     out = torch.zeros((*input.shape, num_classes), dtype=input.dtype, device=input.device)
-    with markers.annotate({IN_PLACE_CALL_KEY: "scatter_"}):
+    with markers.tag_scope({IN_PLACE_CALL_KEY: "scatter_"}):
         return out.scatter_(-1, input.unsqueeze(-1), 1)
 
 
@@ -637,7 +637,7 @@ def module_path_scopes(module: torch.nn.Module) -> Iterator[None]:
     def enter(path: str) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, _args: tuple[Any, ...]) -> None:
             stack = contextlib.ExitStack()
-            stack.enter_context(markers.annotate({markers.MODULE_PATH_KEY: path}))
+            stack.enter_context(markers.tag_scope({markers.MODULE_PATH_KEY: path}))
             scopes.append(stack)
 
         return hook

@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from .errors import ArgumentsHeldWarning
 from .proto import graph_pb2
 
 
@@ -110,11 +111,6 @@ def _reads_into_work(func: torch._ops.OpOverload) -> bool:
         and not func._schema.is_mutable
         and any(a.name == "group_name" for a in func._schema.arguments)
     )
-
-
-class ArgumentsHeldWarning(UserWarning):
-    """This process keeps every call's arguments alive until the call returns (after a
-    ``torch.compile`` that raised): the export's eager releases are later than in training."""
 
 
 class _Token:

@@ -52,8 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from ._exporter import ModelDecl
-from .markers import annotate as annotate_tags
-from .markers import checkpoint_record, layer_tags, tentative_marker
+from .markers import checkpoint_record, layer_tags, tag_scope, tentative_marker
 
 # A model's decoder layers, as ``layers=`` names them.
 LayerList = nn.ModuleList | nn.Sequential
@@ -393,7 +392,7 @@ class _AnnotatedModule:
         """``forward(owner, *args, **kwargs)`` inside the scope, with each unit's begin marker
         on its input and end marker on its outputs, in the order the units were declared (as
         hooks would run). One function, not several: Dynamo traces each call it inlines."""
-        scope = contextlib.nullcontext() if self.scope is None else annotate_tags(self.scope)
+        scope = contextlib.nullcontext() if self.scope is None else tag_scope(self.scope)
         with scope:
             for path in self.marks:
                 first = args[0] if args else None
@@ -783,3 +782,13 @@ def _check_intervals(records: list[_IntervalRecord]) -> None:
         finally:
             record.found.clear()
             record.ops.clear()
+
+
+__all__ = [
+    "Annotation",
+    "LayerList",
+    "OpInterval",
+    "UnitPart",
+    "annotate",
+    "annotation_of",
+]

@@ -183,3 +183,12 @@ def _graph_source(graph: GraphLike, format: str | None) -> dict[str, Any]:
         "data": serialize(deterministic=True),
         "format": "pb",
     }
+
+
+__all__ = [
+    "GraphLike",
+    "HwLike",
+    "check_plan",
+    "hw_profile",
+    "plan",
+]

@@ -218,3 +218,8 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return "CPU"
+
+
+__all__ = [
+    "calibrate",
+]

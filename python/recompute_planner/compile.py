@@ -1139,3 +1139,19 @@ def _without_ci_fallback_check(inner: Callable[..., Any]) -> Callable[..., Any]:
             return inner(*args, **kwargs)
 
     return compile_half
+
+
+__all__ = [
+    "PARTITIONERS",
+    "PartitionMismatch",
+    "PlanningStage",
+    "active_stage",
+    "build_joint_graph",
+    "install",
+    "joint_graph_to_ir",
+    "partition_from_plan",
+    "planning",
+    "remove_markers",
+    "tag_joint_graph",
+    "tracing",
+]

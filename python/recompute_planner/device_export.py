@@ -771,3 +771,11 @@ def _tensor_inputs(node: BackwardCFunction) -> list[int]:
             f"{_function_name(node)}: cannot tell its tensor inputs from its other inputs"
         )
     return requiring
+
+
+__all__ = [
+    "export_forward_on_device",
+    "export_joint_on_device",
+    "export_on_device",
+    "with_device_graph",
+]

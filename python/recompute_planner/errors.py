@@ -5,7 +5,9 @@ for another graph) raise ``PlannerError``: its message is the text the ``planner
 after ``error:``, and ``code`` names the kind of failure. A plan with an error-level
 diagnostic (``inplace-in-kept-interval``) is rejected with ``PlanRejected``, a
 ``PlannerError`` whose code is the diagnostic's. Warning-level diagnostics are issued as
-``PlannerWarning`` warnings.
+``PlannerWarning`` warnings; the package's other warnings derive from it (an export without
+layers, a model's own checkpointing turned off, arguments held by this process, a KV cache
+turned off).
 """
 
 from __future__ import annotations
@@ -47,7 +49,27 @@ class PlanRejected(PlannerError):
 
 
 class PlannerWarning(UserWarning):
-    """A warning-level diagnostic of a plan: ``<code>: <message> (hint: <hint>)``."""
+    """Every warning of the package derives from it (``warnings.simplefilter("error",
+    PlannerWarning)`` turns them all into errors). Issued as itself, it is a warning-level
+    diagnostic of a plan: ``<code>: <message> (hint: <hint>)``."""
+
+
+class NoLayersWarning(PlannerWarning):
+    """The export declares no decoder layers: a plan of it can only be no checkpointing."""
+
+
+class OwnCheckpointingWarning(PlannerWarning):
+    """The model checkpoints its layers itself; the export turns it off to trace the step
+    the planner plans."""
+
+
+class ArgumentsHeldWarning(PlannerWarning):
+    """This process keeps every call's arguments alive until the call returns (after a
+    ``torch.compile`` that raised): the export's eager releases are later than in training."""
+
+
+class KvCacheOffWarning(PlannerWarning):
+    """The model's KV cache is turned off while its layers are checkpointed."""
 
 
 class SacMismatchError(RuntimeError):
@@ -57,3 +79,16 @@ class SacMismatchError(RuntimeError):
 class ExportError(RuntimeError):
     """A model could not be exported. The message's first line names the cause and the fix;
     for a tracing failure, what torch logged while tracing follows it."""
+
+
+__all__ = [
+    "ArgumentsHeldWarning",
+    "ExportError",
+    "KvCacheOffWarning",
+    "NoLayersWarning",
+    "OwnCheckpointingWarning",
+    "PlanRejected",
+    "PlannerError",
+    "PlannerWarning",
+    "SacMismatchError",
+]

@@ -82,7 +82,7 @@ def balanced_routing(pairs: int, experts: int, ranks: int) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Exchange:
     """The static shapes of one MoE layer's exchange on rank ``rank``."""
 
     send: list[int]  # rows this rank sends each rank
@@ -91,7 +91,7 @@ class Plan:
     offsets: list[int]  # the grouped matmul's cumulative rows per local expert
 
     @staticmethod
-    def of(counts: Sequence[Sequence[int]], ranks: int, rank: int) -> Plan:
+    def of(counts: Sequence[Sequence[int]], ranks: int, rank: int) -> Exchange:
         local = len(counts[0]) // ranks
 
         def owned(r: int) -> range:
@@ -112,7 +112,7 @@ class Plan:
             for s in range(ranks):
                 by_expert.extend(range(first[s, e], first[s, e] + counts[s][e]))
             offsets.append(len(by_expert))
-        return Plan(send, recv, by_expert, offsets)
+        return Exchange(send, recv, by_expert, offsets)
 
 
 class ExpertShard(nn.Module):
@@ -162,20 +162,20 @@ class ExpertShard(nn.Module):
         from transformers.integrations.moe import _grouped_linear
 
         tokens, top_k = top_k_index.shape
-        plan = Plan.of(self.counts(tokens * top_k), self.ranks, self.rank)
+        exchange = Exchange.of(self.counts(tokens * top_k), self.ranks, self.rank)
         device = hidden.device
         # Dispatch: the pairs sorted by expert, to the ranks holding their experts.
         _, order = torch.sort(top_k_index.reshape(-1))
         sent = hidden[order // top_k]
-        received = funcol.all_to_all_single(sent, plan.recv, plan.send, _world())
-        by_expert = torch.tensor(plan.by_expert, dtype=torch.long, device=device)
+        received = funcol.all_to_all_single(sent, exchange.recv, exchange.send, _world())
+        by_expert = torch.tensor(exchange.by_expert, dtype=torch.long, device=device)
         rows = received[by_expert]
-        offsets = torch.tensor(plan.offsets, dtype=torch.int32, device=device)
+        offsets = torch.tensor(exchange.offsets, dtype=torch.int32, device=device)
         out = _grouped_linear(rows, self.gate_up_proj, offsets)
         out = _grouped_linear(self.gate(out), self.down_proj, offsets)
         # Combine: back to the received order, to the source ranks, to the pairs' order.
         back = torch.empty_like(out).index_copy(0, by_expert, out)
-        returned = funcol.all_to_all_single(back, plan.send, plan.recv, _world())
+        returned = funcol.all_to_all_single(back, exchange.send, exchange.recv, _world())
         weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         pairs = torch.empty_like(weighted).index_copy(0, order, weighted)
         return pairs.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
@@ -216,3 +216,13 @@ def sharded(
     finally:
         for parent, name, child in found:
             setattr(parent, name, child)
+
+
+__all__ = [
+    "Exchange",
+    "ExpertShard",
+    "balanced_routing",
+    "fake_process_group",
+    "is_fused_experts",
+    "sharded",
+]

@@ -131,7 +131,7 @@ def set_compiled_stage(stage: int) -> None:
     _in_compiled_graphs = stage
 
 
-def annotate(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+def tag_scope(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it. In a trace for
     a planning stage the ops also record its number (``STAGE_KEY``): reading it makes it a
     guard of the code Dynamo compiles, in every model (one without markers too)."""
@@ -151,14 +151,14 @@ def compiled_region(name: str) -> contextlib.AbstractContextManager[None]:
     """Marks every op traced inside as running in compiled region ``name``."""
     if not name:
         raise ValueError("a compiled region needs a non-empty name")
-    return annotate({COMPILED_REGION_KEY: name})
+    return tag_scope({COMPILED_REGION_KEY: name})
 
 
 def layer_scope(
     model: str, layer: int | None, micro_batch: int = 0
 ) -> contextlib.AbstractContextManager[None]:
     """Attributes every op traced inside to ``model``, ``layer`` and ``micro_batch``."""
-    return annotate(layer_tags(model, layer, micro_batch))
+    return tag_scope(layer_tags(model, layer, micro_batch))
 
 
 def layer_tags(model: str, layer: int | None, micro_batch: int = 0) -> dict[str, Any]:
@@ -250,3 +250,25 @@ def _rename_marker(node: fx.Node, name: str) -> None:
 def _scope_of(node: fx.Node) -> tuple[Any, ...]:
     custom = node.meta.get("custom") or {}
     return tuple(custom.get(key) for key in (MODEL_KEY, LAYER_KEY, MICRO_BATCH_KEY))
+
+
+__all__ = [
+    "COMPILED_REGION_KEY",
+    "LAYER_KEY",
+    "MARKER_NAME_ATTR",
+    "MARKER_OP",
+    "MARKER_OVERLOAD",
+    "MICRO_BATCH_KEY",
+    "MODEL_KEY",
+    "MODULE_PATH_KEY",
+    "STAGE_KEY",
+    "checkpoint_record",
+    "compiled_region",
+    "layer_scope",
+    "layer_tags",
+    "markers_in_compiled_graphs",
+    "resolve_tentative_markers",
+    "set_compiled_stage",
+    "tag_scope",
+    "tentative_marker",
+]

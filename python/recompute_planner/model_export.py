@@ -73,7 +73,7 @@ from . import device_export, expert_parallel
 from ._compiled_regions import COMPILED_MODEL, is_compiled, traced_as_regions
 from ._exporter import ExportResult, ModelDecl, export_forward, export_joint
 from .annotate import LayerList, annotate, annotation_of
-from .errors import ExportError
+from .errors import ExportError, NoLayersWarning, OwnCheckpointingWarning
 
 
 def causal_mask(
@@ -558,20 +558,12 @@ def _models(
     return [ModelDecl("main", 0, {})]
 
 
-class NoLayersWarning(UserWarning):
-    """The export declares no decoder layers: a plan of it can only be no checkpointing."""
-
-
 def _world() -> tuple[int, int | None]:
     """The process group's world size and this process's rank; (1, None) without one."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, None
-
-
-class OwnCheckpointingWarning(UserWarning):
-    """The model checkpoints its layers itself; the export does not see it."""
 
 
 @contextlib.contextmanager
@@ -706,3 +698,13 @@ def _ran_compiled_code(error: BaseException) -> bool:
         frame.filename.replace("\\", "/").endswith(file) and frame.name == function
         for frame in traceback.extract_tb(error.__traceback__)
     )
+
+
+__all__ = [
+    "MASK_ARGUMENT",
+    "TensorSpec",
+    "causal_mask",
+    "explain_tracing_failure",
+    "export",
+    "kv_cache_configs",
+]

@@ -359,3 +359,24 @@ def load_plan(source: str | os.PathLike[str] | bytes, format: str | None = None)
     path = Path(source)
     format = format or path.suffix.removeprefix(".")
     return Plan(_native.read_plan_file(os.fspath(path), format, "json").decode())
+
+
+__all__ = [
+    "Config",
+    "Cost",
+    "DECISION_NO_CHECKPOINT",
+    "DECISION_RECOMPUTE",
+    "DECISION_SAVE",
+    "Diagnostic",
+    "GraphRef",
+    "LayerKeep",
+    "Memory",
+    "NodeDecision",
+    "Plan",
+    "REASON_COMPILED",
+    "Replay",
+    "SavedValue",
+    "UnitLayer",
+    "UnitSummary",
+    "load_plan",
+]

@@ -88,7 +88,7 @@ from torch.utils.checkpoint import (
 )
 
 from ._compiled_regions import compiled_submodules, is_compiled, replaced_while
-from .errors import SacMismatchError
+from .errors import KvCacheOffWarning, SacMismatchError
 from .markers import MARKER_OP
 from .model_export import kv_cache_configs
 from .plans import DECISION_SAVE, REASON_COMPILED, Plan
@@ -645,10 +645,6 @@ def checkpoint_call(
     )
 
 
-class KvCacheOffWarning(UserWarning):
-    """The model's KV cache is turned off while its layers are checkpointed."""
-
-
 class CheckpointedLayers(dict[int, PlanPolicy]):
     """What ``checkpoint_layers`` returns: the policies by layer index, and ``remove()``, which
     puts the layers back and the KV cache settings it turned off."""
@@ -716,3 +712,19 @@ def _kv_cache_off(layers: nn.ModuleList) -> list[Any]:
     for config in configs:
         config.use_cache = False
     return configs
+
+
+__all__ = [
+    "CheckpointedLayers",
+    "ContextFn",
+    "DIVERGENT_COMPOSITES",
+    "EAGER_ALTERNATIVES",
+    "PlanPolicy",
+    "RecomputeCounter",
+    "checkpoint_call",
+    "checkpoint_layers",
+    "checkpoint_module",
+    "context_fn",
+    "follow_compiled_submodules",
+    "uncheckpoint_module",
+]

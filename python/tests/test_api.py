@@ -359,6 +359,8 @@ PUBLIC_NAMES = {
     "Annotation", "ExportError", "ExportResult", "ModelDecl", "OpInterval", "Plan", "PlanRejected",
     "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
     "annotate", "calibrate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
+    # the warnings, each a PlannerWarning
+    "ArgumentsHeldWarning", "KvCacheOffWarning", "NoLayersWarning", "OwnCheckpointingWarning",
 }
 
 

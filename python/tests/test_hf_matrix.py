@@ -77,7 +77,7 @@ def test_stock_family_exports_plans_checkpoints_compiles_and_runs(
             rp.plan(step, keep=[unit])
 
         plan = rp.plan(step, keep=list(family.units), executor="eager")
-        with pytest.warns(sac.KvCacheOffWarning):
+        with pytest.warns(rp.KvCacheOffWarning):
             policies = sac.checkpoint_layers(model.model.layers, plan)
         assert_bit_identical(step_grads(model, batch), step_grads(family.model(), batch))
         assert any(policy.held_bytes() > 0 for policy in policies.values())

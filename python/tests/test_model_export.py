@@ -23,7 +23,8 @@ import recompute_planner as rp
 from export_support import fake_process_group, planner_run, run_planner
 from recompute_planner import sac
 from recompute_planner._exporter import write_graph, write_reference
-from recompute_planner.model_export import NoLayersWarning, OwnCheckpointingWarning, causal_mask
+from recompute_planner.errors import NoLayersWarning, OwnCheckpointingWarning
+from recompute_planner.model_export import causal_mask
 from recompute_planner.proto import graph_pb2
 
 transformers = pytest.importorskip("transformers")
@@ -212,7 +213,7 @@ def test_sac_turns_the_kv_cache_off_while_checkpointing_and_back_on_after():
     plan = planned(rp.export(model, tokens()).graph, ["SAVE_MLP"])
     assert model.config.use_cache is True
     layers = list(model.model.layers)
-    with pytest.warns(sac.KvCacheOffWarning, match=r"config\.use_cache=False"):
+    with pytest.warns(rp.KvCacheOffWarning, match=r"config\.use_cache=False"):
         checkpointed = sac.checkpoint_layers(model.model.layers, plan)
     assert model.config.use_cache is False
 

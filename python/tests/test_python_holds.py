@@ -196,7 +196,7 @@ import warnings
 import torch
 from torch import nn
 from recompute_planner._exporter import ModelDecl, export_joint
-from recompute_planner._python_holds import ArgumentsHeldWarning
+from recompute_planner.errors import ArgumentsHeldWarning
 
 class Loss(nn.Module):
     def __init__(self):
