@@ -441,7 +441,7 @@ def markdown(shape: str, rows: list[dict[str, Any]]) -> str:
         "# Predictions against measurement\n\n"
         "Written by `python scripts/predictions.py --markdown docs/predictions.md` (what each "
         "executor is and how it is measured: the script's docstring; why the gaps are what they "
-        "are: the README, \"How good the predictions are\").\n\n"
+        "are: docs/accuracy.md, \"How good the predictions are\").\n\n"
         f"{shape}.\n\n## Summary\n\n{summary(rows)}\n\n## Every case\n\n{table(rows)}\n"
     )
 

@@ -35,26 +35,12 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Convert a graph between `.pb` and `.json` (by extension), losslessly
     Convert(ConvertArgs),
-    /// Execute one training step of a plan with libtorch and prove it (`--check`)
-    #[cfg(feature = "run")]
-    Run(Box<crate::RunCommandArgs>),
-    /// Not in this build: `run` needs the runtime (the `run` feature)
-    #[cfg(not(feature = "run"))]
-    #[command(hide = true)]
-    Run {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        _args: Vec<String>,
-    },
-    /// Measure this device's op rates and overheads with the runtime: a profile for `--hw`
-    #[cfg(feature = "run")]
-    Calibrate(Box<crate::CalibrateCommandArgs>),
-    /// Not in this build: `calibrate` needs the runtime (the `run` feature)
-    #[cfg(not(feature = "run"))]
-    #[command(hide = true)]
-    Calibrate {
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        _args: Vec<String>,
-    },
+    /// Execute one training step of a plan with libtorch and prove it (`--check`); needs a
+    /// build with `--features run`
+    Run(Box<RunArgs>),
+    /// Measure this device's op rates and overheads with the runtime: a profile for `--hw`;
+    /// needs a build with `--features run`
+    Calibrate(Box<CalibrateArgs>),
 }
 
 /// The options that shape a plan besides `--keep`, shared by `plan` and `pareto`.
@@ -265,6 +251,86 @@ pub struct ConvertArgs {
     /// Convert even a graph that does not validate (to read a broken file as JSON)
     #[arg(long)]
     pub no_validate: bool,
+}
+
+/// `planner run`'s arguments. Every build parses them, so `planner run --help` is the same
+/// with and without the runtime; only a build with the `run` feature runs the step (in the
+/// runtime library, which parses them again).
+#[derive(Args)]
+pub struct RunArgs {
+    /// Graph file (`.pb` or `.json`) of a joint (forward+backward) or forward graph
+    pub graph: PathBuf,
+    /// A plan made for this graph (`.json` or `.pb`); without it the step is planned here
+    /// from the planning flags
+    #[arg(
+        long,
+        value_name = "PLAN",
+        conflicts_with_all = ["keep", "recompute_ratio", "collectives", "random_ops"]
+    )]
+    pub plan: Option<PathBuf>,
+    /// Units to keep (as for `planner plan`): `none` (default), `all`, or unit names
+    #[arg(long, value_name = "UNITS")]
+    pub keep: Vec<String>,
+    #[command(flatten)]
+    pub planning: Planning,
+    /// `cpu`, `cuda` or `cuda:N` (with several ranks on CUDA, rank r uses the r-th GPU after N)
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Ranks to run as threads of this process (default: the graph's world size)
+    #[arg(long, value_name = "N")]
+    pub ranks: Option<usize>,
+    /// Also run without checkpointing and with whole-layer recompute: results must be
+    /// bit-identical (CPU) and within tolerance of PyTorch's reference
+    #[arg(long)]
+    pub check: bool,
+    /// Output format
+    #[arg(long, value_enum, default_value_t = SummaryFormat::Text)]
+    pub format: SummaryFormat,
+    /// Rank 0's weights, inputs and tangents (default: the graph's `.safetensors` twin); rank r
+    /// reads `STEM.rank<r>.safetensors` beside it
+    #[arg(long, value_name = "FILE")]
+    pub inputs: Option<PathBuf>,
+    /// Fill inputs the safetensors file does not hold from this seed
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Seconds a rank waits in a collective before it declares the others failed, and the
+    /// longest any one op may run (at most 1e9)
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    pub timeout: f64,
+    /// Steps each variant runs: outputs and memory are the first step's, times the median of
+    /// all of them (3 or more hide the first step's one-time costs)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub repeat: u32,
+    /// The most bytes of weights, inputs and tangents all ranks start from together (as the
+    /// graphs declare them, checked before anything is read or filled), and the largest
+    /// safetensors file read (`16GiB`, `512MB`; default: this machine's memory)
+    #[arg(long, value_name = "SIZE", value_parser = planner::units::parse_bytes)]
+    pub max_input_bytes: Option<u64>,
+    /// Inject a failure to test fault handling: `fail:RANK:COLLECTIVE`, `panic:RANK:COLLECTIVE`
+    /// or `stall:RANK:COLLECTIVE:SECONDS` (before that rank's COLLECTIVE-th collective, from 0)
+    #[arg(long, value_name = "FAULT", hide = true)]
+    pub inject_fault: Option<String>,
+}
+
+/// `planner calibrate`'s arguments, parsed by every build as `run`'s are.
+#[derive(Args)]
+pub struct CalibrateArgs {
+    /// Where to write the profile (JSON, as `--hw FILE` and `hw=` read it; default: stdout)
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// `cpu`, `cuda` or `cuda:N`
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Steps each benchmark runs; its time is their median
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(3..=1000))]
+    pub repeat: u32,
+    /// The profile's name (default: `calibrated <device>`)
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The profile whose figures stand for what is not measured (fp64 and fp8 matmuls, device
+    /// memory on a GPU): a shipped name or a file
+    #[arg(long, value_name = "PROFILE", default_value = "h200")]
+    pub base: PathBuf,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -5,7 +5,6 @@
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
-use clap::Args;
 use ir::{wire::graph as pb, Graph};
 use planner::{
     calibration::{self, benchmarks, Benchmark},
@@ -18,27 +17,7 @@ use runtime::{
     run::{RankJob, RunConfig, RunReport},
 };
 
-use crate::{commands::Failure, output::Output, run};
-
-#[derive(Args)]
-pub struct CalibrateArgs {
-    /// Where to write the profile (JSON, as `--hw FILE` and `hw=` read it; default: stdout)
-    #[arg(short, long, value_name = "FILE")]
-    output: Option<PathBuf>,
-    /// `cpu`, `cuda` or `cuda:N`
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Steps each benchmark runs; its time is their median
-    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(3..=1000))]
-    repeat: u32,
-    /// The profile's name (default: `calibrated <device>`)
-    #[arg(long)]
-    name: Option<String>,
-    /// The profile whose figures stand for what is not measured (fp64 and fp8 matmuls, device
-    /// memory on a GPU): a shipped name or a file
-    #[arg(long, value_name = "PROFILE", default_value = "h200")]
-    base: PathBuf,
-}
+use crate::{args::CalibrateArgs, commands::Failure, output::Output, run};
 
 pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     let device = run::parse_device(&args.device)?;

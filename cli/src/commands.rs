@@ -67,7 +67,7 @@ fn run(command: Command) -> Result<(), Failure> {
         #[cfg(feature = "run")]
         Command::Calibrate(args) => crate::calibrate_command(*args),
         #[cfg(not(feature = "run"))]
-        Command::Run { .. } | Command::Calibrate { .. } => Err(Failure::Error(
+        Command::Run(_) | Command::Calibrate(_) => Err(Failure::Error(
             "this `planner` was built without the runtime: after `source scripts/env.sh`, \
              build it with `cargo build --release -p planner-cli --features run`"
                 .to_owned(),

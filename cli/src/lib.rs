@@ -15,8 +15,8 @@ use std::{
     os::unix::ffi::OsStringExt,
 };
 
-use calibrate::{run_calibrate as calibrate_command, CalibrateArgs as CalibrateCommandArgs};
-use run::{run_run as run_command, RunArgs as RunCommandArgs};
+use calibrate::run_calibrate as calibrate_command;
+use run::run_run as run_command;
 
 /// The library's entry, which the binary calls for `planner run`: runs the command line
 /// `argv` (`argc` strings, the program name first) and ends the process with its exit status

@@ -17,10 +17,7 @@ mod runtime_library;
 use std::process::ExitCode;
 
 #[cfg(feature = "run")]
-use runtime_library::{
-    run_command, run_command as calibrate_command, PassedArgs as RunCommandArgs,
-    PassedArgs as CalibrateCommandArgs,
-};
+use runtime_library::{calibrate_command, run_command};
 
 /// Loading and planning allocate millions of small strings and vectors: mimalloc does that
 /// faster than the system allocator, above all across threads.

@@ -27,65 +27,10 @@ use runtime::{
 use serde_json::{json, Value as Json};
 
 use crate::{
-    args::{Planning, SummaryFormat},
+    args::{RunArgs, SummaryFormat},
     commands::{report_errors, Failure},
     output::Output,
 };
-
-#[derive(clap::Args)]
-pub(crate) struct RunArgs {
-    /// Graph file (`.pb` or `.json`) of a joint (forward+backward) or forward graph
-    graph: PathBuf,
-    /// A plan made for this graph (`.json` or `.pb`); without it the step is planned here
-    /// from the planning flags
-    #[arg(
-        long,
-        value_name = "PLAN",
-        conflicts_with_all = ["keep", "recompute_ratio", "collectives", "random_ops"]
-    )]
-    plan: Option<PathBuf>,
-    /// Units to keep (as for `planner plan`): `none` (default), `all`, or unit names
-    #[arg(long, value_name = "UNITS")]
-    keep: Vec<String>,
-    #[command(flatten)]
-    planning: Planning,
-    /// `cpu`, `cuda` or `cuda:N` (with several ranks on CUDA, rank r uses the r-th GPU after N)
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Ranks to run as threads of this process (default: the graph's world size)
-    #[arg(long, value_name = "N")]
-    ranks: Option<usize>,
-    /// Also run without checkpointing and with whole-layer recompute: results must be
-    /// bit-identical (CPU) and within tolerance of PyTorch's reference
-    #[arg(long)]
-    check: bool,
-    #[arg(long, value_enum, default_value_t = SummaryFormat::Text)]
-    format: SummaryFormat,
-    /// Rank 0's weights, inputs and tangents (default: the graph's `.safetensors` twin); rank r
-    /// reads `STEM.rank<r>.safetensors` beside it
-    #[arg(long, value_name = "FILE")]
-    inputs: Option<PathBuf>,
-    /// Fill inputs the safetensors file does not hold from this seed
-    #[arg(long)]
-    seed: Option<u64>,
-    /// Seconds a rank waits in a collective before it declares the others failed, and the
-    /// longest any one op may run (at most 1e9)
-    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
-    timeout: f64,
-    /// Steps each variant runs: outputs and memory are the first step's, times the median of
-    /// all of them (3 or more hide the first step's one-time costs)
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    repeat: u32,
-    /// The most bytes of weights, inputs and tangents all ranks start from together (as the
-    /// graphs declare them, checked before anything is read or filled), and the largest
-    /// safetensors file read (`16GiB`, `512MB`; default: this machine's memory)
-    #[arg(long, value_name = "SIZE", value_parser = planner::units::parse_bytes)]
-    max_input_bytes: Option<u64>,
-    /// Inject a failure to test fault handling: `fail:RANK:COLLECTIVE`, `panic:RANK:COLLECTIVE`
-    /// or `stall:RANK:COLLECTIVE:SECONDS` (before that rank's COLLECTIVE-th collective, from 0)
-    #[arg(long, value_name = "FAULT", hide = true)]
-    inject_fault: Option<String>,
-}
 
 pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
     let ran = run_and_report(args);

@@ -4,29 +4,34 @@
 
 use std::{
     env::consts::{DLL_PREFIX, DLL_SUFFIX},
-    ffi::{c_char, c_int, CString, OsString},
+    ffi::{c_char, c_int, CString},
     os::unix::ffi::OsStringExt,
     path::PathBuf,
 };
 
-use crate::commands::Failure;
-
-/// `planner run`'s arguments, passed on as they are: the library parses and documents them
-/// (`planner run --help`).
-#[derive(clap::Args)]
-#[command(disable_help_flag = true)]
-pub(crate) struct PassedArgs {
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-    _args: Vec<OsString>,
-}
+use crate::{
+    args::{CalibrateArgs, RunArgs},
+    commands::Failure,
+};
 
 /// The library's entry (`planner_run_main` in `lib.rs`): runs a command line, then ends the
 /// process.
 type Entry = unsafe extern "C" fn(argc: c_int, argv: *const *const c_char) -> !;
 
+/// `planner run`: the binary has parsed the arguments (its `--help` is the binary's own); the
+/// runtime library parses the command line again and runs it.
+pub(crate) fn run_command(_: RunArgs) -> Result<(), Failure> {
+    hand_over()
+}
+
+/// `planner calibrate`, handed to the runtime library as `run` is.
+pub(crate) fn calibrate_command(_: CalibrateArgs) -> Result<(), Failure> {
+    hand_over()
+}
+
 /// Loads the runtime library and hands it this process's command line; it ends the process.
 /// Returns only when the library cannot be loaded.
-pub(crate) fn run_command(_: PassedArgs) -> Result<(), Failure> {
+fn hand_over() -> Result<(), Failure> {
     let path = library_path()?;
     // SAFETY: the library is this package's own, built with this binary; loading it runs
     // libtorch's initialisers, as linking it would.

@@ -626,7 +626,17 @@ fn the_version_and_every_option_have_help() {
         stdout(&version).trim(),
         format!("planner {}", env!("CARGO_PKG_VERSION"))
     );
-    for command in ["plan", "diff", "pareto", "inspect", "convert"] {
+    // `run` and `calibrate` are parsed, and documented, by every build (their help needs no
+    // runtime).
+    for command in [
+        "plan",
+        "diff",
+        "pareto",
+        "inspect",
+        "convert",
+        "run",
+        "calibrate",
+    ] {
         let help = stdout(&planner(&[&command, &"--help"]));
         // Every option or argument line is followed by its description: clap leaves a bare
         // name only when the doc comment is missing.
@@ -1319,8 +1329,8 @@ re-bless it with `UPDATE_GOLDEN=1 cargo test -p planner-cli --test cli` and read
 files or not valid, malformed `rng/seed` tensors, inputs larger than memory, split sizes that
 overflow, world sizes and timeouts beyond what a process or its clock holds, ops that allocate
 past their declared tensors or run too long, ranks that panic. Each is one `error:` line (one
-per failing rank) within seconds, proved in `cli/tests/run_cli.rs`; the limits are in the
-README's section on `planner run`. Launched one rank per process (torchrun), a launch
+per failing rank) within seconds, proved in `cli/tests/run_cli.rs`; the limits are in
+[runtime.md](runtime.md). Launched one rank per process (torchrun), a launch
 environment that does not fit (`WORLD_SIZE` other than the graph's, `MASTER_PORT` unset or not
 a port) is refused before anything runs, and a rank that fails, panics or stalls is named on
 every rank: `cli/tests/run_torchrun.rs`.

@@ -98,10 +98,10 @@ def family(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
-# The stock families as the README exports them: the configs' own defaults (KV cache on, tied
-# embeddings where the family ties them), a sliding window where the family has one, float32,
-# and MoE experts as batched matmuls (HF's default grouped matmul runs in bfloat16 only, whose
-# rounding `planner run --check`'s float32 tolerance does not cover).
+# The stock families as docs/huggingface.md exports them: the configs' own defaults (KV cache
+# on, tied embeddings where the family ties them), a sliding window where the family has one,
+# float32, and MoE experts as batched matmuls (HF's default grouped matmul runs in bfloat16
+# only, whose rounding `planner run --check`'s float32 tolerance does not cover).
 STOCK = dict(use_cache=True)
 STOCK_FAMILIES: tuple[Family, ...] = (
     Family("llama", _causal_lm("LlamaConfig", "LlamaForCausalLM", **STOCK), DENSE_UNITS),

@@ -384,9 +384,10 @@ def test_checkpointing_a_layer_compiled_as_a_whole_is_refused_with_the_fix():
 
 
 def test_a_stock_moe_with_compiled_routers_runs_its_plan_bit_identically():
-    """Qwen3-MoE as HuggingFace writes it, its routers under `torch.compile`: the README's
-    recipe (annotate, export, plan) gives the routers' regions, SAVE_MOE_GATE keeps nothing
-    in them while SAVE_ATTN keeps attention, and eager SAC matches the plain step exactly."""
+    """Qwen3-MoE as HuggingFace writes it, its routers under `torch.compile`: the recipe of
+    docs/huggingface.md (annotate, export, plan) gives the routers' regions, SAVE_MOE_GATE
+    keeps nothing in them while SAVE_ATTN keeps attention, and eager SAC matches the plain step
+    exactly."""
     pytest.importorskip("transformers")
     from test_model_export import MOE_UNITS, qwen3_moe, tokens
 

@@ -1,6 +1,6 @@
-"""Stock HuggingFace families through every path, as the README's recipe exports them: the
-model as configured (KV cache on, its own masks: no `attention_mask` given), annotated with
-layer scopes and units.
+"""Stock HuggingFace families through every path, as docs/huggingface.md's recipe exports
+them: the model as configured (KV cache on, its own masks: no `attention_mask` given),
+annotated with layer scopes and units.
 
 For each family (`hf_families.STOCK_FAMILIES`: Llama, Mistral with a sliding window, Qwen2,
 Qwen3 mixing full and sliding layers, Gemma 2 with tied embeddings and sliding layers, Phi-3
@@ -10,8 +10,8 @@ with fused projections and a sliding window, Qwen3-MoE, Mixtral, DeepSeek-V3):
 - every unit alone plans without an error diagnostic;
 - eager selective checkpointing from the eager plan keeping every unit: loss and gradients
   bit-identical to the plain step;
-- the torch.compile stage (`torch.compile` with the stage's backend, as the README compiles,
-  stopped after the partition) saves and replays exactly its plan;
+- the torch.compile stage (`torch.compile` with the stage's backend, as the README and
+  docs/huggingface.md compile, stopped after the partition) saves and replays exactly its plan;
 - `planner run --check` runs the exported step keeping every unit: the plan's loss and
   gradients bit-identical to no checkpointing and whole-layer recompute, and PyTorch's within
   float32 tolerance.
