@@ -628,15 +628,7 @@ fn the_version_and_every_option_have_help() {
     );
     // `run` and `calibrate` are parsed, and documented, by every build (their help needs no
     // runtime).
-    for command in [
-        "plan",
-        "diff",
-        "pareto",
-        "inspect",
-        "convert",
-        "run",
-        "calibrate",
-    ] {
+    for command in testkit::PLANNER_COMMANDS {
         let help = stdout(&planner(&[&command, &"--help"]));
         // Every option or argument line is followed by its description: clap leaves a bare
         // name only when the doc comment is missing.

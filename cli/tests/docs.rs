@@ -242,17 +242,9 @@ const CLI_END: &str = "<!-- end generated -->";
 fn the_cli_reference_is_the_binarys_help() {
     let top = help(&[]);
     let commands = subcommands(&top);
-    for expected in [
-        "plan",
-        "diff",
-        "pareto",
-        "inspect",
-        "convert",
-        "run",
-        "calibrate",
-    ] {
+    for expected in testkit::PLANNER_COMMANDS {
         assert!(
-            commands.iter().any(|c| c == expected),
+            commands.iter().any(|c| c == *expected),
             "`planner --help` lists no `{expected}`: {commands:?}"
         );
     }

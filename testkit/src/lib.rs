@@ -9,3 +9,15 @@ pub mod golden;
 pub use builder::{accumulating_index_put, Builder, MODEL};
 pub use deepen::{deepen, DeepenError};
 pub use golden::{check_golden, golden_graph, repo_root, unified_diff, updating};
+
+/// The commands every build of `planner` parses and documents (`run` and `calibrate` run only
+/// in a build with the runtime).
+pub const PLANNER_COMMANDS: &[&str] = &[
+    "plan",
+    "diff",
+    "pareto",
+    "inspect",
+    "convert",
+    "run",
+    "calibrate",
+];
