@@ -12,8 +12,9 @@ TORCH_VERSION=2.13.0  # keep in sync with scripts/env.sh and tch in Cargo.toml
 VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$TORCH_VERSION}"
 # transformers: the HuggingFace model families the exporter is tested on (tiny configs, random
 # weights, nothing downloaded). ruff, mypy and protobuf's stubs: the lint and type gates of
-# scripts/test.sh, pinned so a new release's rules do not fail an unchanged tree.
-PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "pytest>=8" "safetensors>=0.4" "numpy>=1.26" "maturin>=1.9.4,<2" "transformers==5.23.0" "ruff==0.17.6" "mypy==2.4.1" "types-protobuf==6.32.1.20260221")
+# scripts/test.sh, pinned so a new release's rules do not fail an unchanged tree. ziglang: the
+# linker scripts/build_wheel.sh builds the manylinux_2_28 wheel with (tested by test_wheel.py).
+PY_DEPS=("torch==$TORCH_VERSION" "protobuf>=6.31,<7" "pytest>=8" "safetensors>=0.4" "numpy>=1.26" "maturin>=1.9.4,<2" "transformers==5.23.0" "ruff==0.17.6" "mypy==2.4.1" "types-protobuf==6.32.1.20260221" "ziglang==0.17.1")
 STAMP="$VENV/.planner-setup-ok"
 
 want_stamp() { printf '%s\n' "${PY_DEPS[@]}"; }

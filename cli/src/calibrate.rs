@@ -17,12 +17,14 @@ use runtime::{
     run::{RankJob, RunConfig, RunReport},
 };
 
-use crate::{args::CalibrateArgs, commands::Failure, output::Output, run};
+use planner_commands::{args::CalibrateArgs, load_hw, output::Output, Failure};
+
+use crate::run;
 
 pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     let device = run::parse_device(&args.device)?;
     let cuda = matches!(device, runtime::Device::Cuda(_));
-    let base = crate::commands::load_hw(Some(&args.base))?;
+    let base = load_hw(Some(&args.base))?;
     let output = Output::new(args.output.as_deref(), &[&args.base])?;
     let config = RunConfig {
         device,

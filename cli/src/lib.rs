@@ -3,11 +3,7 @@
 //! to run a plan, so no other command loads libtorch, and the binary itself never links it.
 #![cfg(feature = "run")]
 
-mod args;
 mod calibrate;
-mod commands;
-mod output;
-mod progress;
 mod run;
 
 use std::{
@@ -15,8 +11,23 @@ use std::{
     os::unix::ffi::OsStringExt,
 };
 
-use calibrate::run_calibrate as calibrate_command;
-use run::run_run as run_command;
+use planner_commands::{
+    args::{CalibrateArgs, RunArgs},
+    Failure, Runtime, RuntimeCommands,
+};
+
+/// `run` and `calibrate` in this process, with libtorch linked in.
+struct InProcess;
+
+impl RuntimeCommands for InProcess {
+    fn run(&self, args: RunArgs) -> Result<(), Failure> {
+        run::run_run(args)
+    }
+
+    fn calibrate(&self, args: CalibrateArgs) -> Result<(), Failure> {
+        calibrate::run_calibrate(args)
+    }
+}
 
 /// The library's entry, which the binary calls for `planner run`: runs the command line
 /// `argv` (`argc` strings, the program name first) and ends the process with its exit status
@@ -33,5 +44,8 @@ pub unsafe extern "C" fn planner_run_main(argc: c_int, argv: *const *const c_cha
             OsString::from_vec(arg.to_bytes().to_vec())
         })
         .collect();
-    std::process::exit(i32::from(commands::main(args)))
+    std::process::exit(i32::from(planner_commands::main(
+        args,
+        Runtime::Linked(&InProcess),
+    )))
 }

@@ -7,17 +7,12 @@
 //! command starts without loading libtorch.
 
 mod allocator;
-mod args;
-mod commands;
-mod output;
-mod progress;
 #[cfg(feature = "run")]
 mod runtime_library;
 
 use std::process::ExitCode;
 
-#[cfg(feature = "run")]
-use runtime_library::{calibrate_command, run_command};
+use planner_commands::Runtime;
 
 /// Loading and planning allocate millions of small strings and vectors: mimalloc does that
 /// faster than the system allocator, above all across threads.
@@ -26,5 +21,20 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     allocator::keep_freed_memory();
-    ExitCode::from(commands::main(std::env::args_os()))
+    ExitCode::from(planner_commands::main(std::env::args_os(), runtime()))
+}
+
+/// `run` and `calibrate`: in the runtime library, loaded for them alone.
+#[cfg(feature = "run")]
+fn runtime() -> Runtime<'static> {
+    Runtime::Linked(&runtime_library::HandOver)
+}
+
+/// A binary built without the runtime names the build that has one.
+#[cfg(not(feature = "run"))]
+fn runtime() -> Runtime<'static> {
+    Runtime::Absent(
+        "this `planner` was built without the runtime: after `source scripts/env.sh`, \
+         build it with `cargo build --release -p planner-cli --features run`",
+    )
 }

@@ -26,10 +26,11 @@ use runtime::{
 };
 use serde_json::{json, Value as Json};
 
-use crate::{
+use planner_commands::{
     args::{RunArgs, SummaryFormat},
-    commands::{report_errors, Failure},
+    load_hw,
     output::Output,
+    report_errors, Failure,
 };
 
 pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
@@ -47,7 +48,7 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
     let planning = planning_config(&args)?;
     // The profile the per-op predictions of the report use: the plan's own, unless `--plan`
     // was made with another.
-    let hw = crate::commands::load_hw(args.planning.hw.as_deref())?;
+    let hw = load_hw(args.planning.hw.as_deref())?;
     let config = RunConfig {
         device,
         seed: args.seed,
@@ -255,7 +256,7 @@ fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
 }
 
 fn make_plan(graph: &Graph, config: &PlanConfig, hw: Option<&Path>) -> Result<Plan, Failure> {
-    let hw = crate::commands::load_hw(hw)?;
+    let hw = load_hw(hw)?;
     let plan = plan::plan(graph, config, &hw).map_err(|e| e.to_string())?;
     if plan.has_errors() {
         report_errors(&plan);

@@ -9,24 +9,27 @@ use std::{
     path::PathBuf,
 };
 
-use crate::{
+use planner_commands::{
     args::{CalibrateArgs, RunArgs},
-    commands::Failure,
+    Failure, RuntimeCommands,
 };
 
 /// The library's entry (`planner_run_main` in `lib.rs`): runs a command line, then ends the
 /// process.
 type Entry = unsafe extern "C" fn(argc: c_int, argv: *const *const c_char) -> !;
 
-/// `planner run`: the binary has parsed the arguments (its `--help` is the binary's own); the
-/// runtime library parses the command line again and runs it.
-pub(crate) fn run_command(_: RunArgs) -> Result<(), Failure> {
-    hand_over()
-}
+/// `planner run` and `planner calibrate`: the binary has parsed the arguments (its `--help` is
+/// the binary's own); the runtime library parses the command line again and runs it.
+pub(crate) struct HandOver;
 
-/// `planner calibrate`, handed to the runtime library as `run` is.
-pub(crate) fn calibrate_command(_: CalibrateArgs) -> Result<(), Failure> {
-    hand_over()
+impl RuntimeCommands for HandOver {
+    fn run(&self, _: RunArgs) -> Result<(), Failure> {
+        hand_over()
+    }
+
+    fn calibrate(&self, _: CalibrateArgs) -> Result<(), Failure> {
+        hand_over()
+    }
 }
 
 /// Loads the runtime library and hands it this process's command line; it ends the process.

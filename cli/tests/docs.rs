@@ -105,8 +105,8 @@ fn the_excerpt_keeps_the_first_items_of_every_list() {
 
 /// The folders whose source files the code map names; tests, fuzzing data, build output and
 /// the stale `_generated/` an older package wrote at import are left out.
-const SOURCE_DIRS: [&str; 8] = [
-    "ir", "planner", "cli", "runtime", "testkit", "python", "scripts", "fuzz",
+const SOURCE_DIRS: [&str; 9] = [
+    "ir", "planner", "commands", "cli", "runtime", "testkit", "python", "scripts", "fuzz",
 ];
 const SOURCE_EXTENSIONS: [&str; 5] = ["rs", "py", "cpp", "h", "sh"];
 const SKIPPED_DIRS: [&str; 8] = [

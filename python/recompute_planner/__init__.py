@@ -22,12 +22,9 @@ allocator measurements) are the package's own and may change without notice.
 
 from typing import TYPE_CHECKING
 
-from . import errors, markers
-from ._exporter import ExportResult, ModelDecl
+from . import errors
 from ._native import PLANNER_VERSION as __version__  # the workspace's Cargo version
-from .annotate import Annotation, OpInterval, annotate
 from .api import check_plan, plan
-from .calibration import calibrate
 from .errors import (
     ArgumentsHeldWarning,
     ExportError,
@@ -39,25 +36,62 @@ from .errors import (
     PlanRejected,
     SacMismatchError,
 )
-from .model_export import TensorSpec, export
 from .plans import Plan, load_plan
 
 if TYPE_CHECKING:
     from . import compile as compile  # explicit re-exports: public, outside __all__
+    from . import markers as markers
     from . import sac as sac
+    from ._exporter import ExportResult as ExportResult
+    from ._exporter import ModelDecl as ModelDecl
+    from .annotate import Annotation as Annotation
+    from .annotate import OpInterval as OpInterval
+    from .annotate import annotate as annotate
+    from .calibration import calibrate as calibrate
+    from .model_export import TensorSpec as TensorSpec
+    from .model_export import export as export
 else:
-    # Imported on first use: they pull in torch's compiler and checkpoint machinery. Not in
-    # __all__, so `import *` neither loads them nor shadows the builtin `compile`. (A type
-    # checker sees the imports above, and no module __getattr__ that would hide a misspelt
-    # name.)
-    _LAZY_SUBMODULES = ("compile", "sac")
+    # Imported on first use: everything that needs torch. Planning, plans and the errors
+    # import without it, so the `planner` command (`_cli`) and a script that only plans start
+    # at once. A type checker sees the imports above, and no module __getattr__ that would hide
+    # a misspelt name.
+    _LAZY_SUBMODULES = ("compile", "markers", "sac")
+    _LAZY_NAMES = {
+        "ExportResult": "_exporter",
+        "ModelDecl": "_exporter",
+        "Annotation": "annotate",
+        "OpInterval": "annotate",
+        "annotate": "annotate",
+        "calibrate": "calibration",
+        "TensorSpec": "model_export",
+        "export": "model_export",
+    }
 
     def __getattr__(name: str) -> object:
-        if name in _LAZY_SUBMODULES:
-            import importlib
+        import importlib
 
+        if name in _LAZY_SUBMODULES:
             return importlib.import_module(f".{name}", __name__)
+        if name in _LAZY_NAMES:
+            value = getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+            globals()[name] = value
+            return value
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    import sys as _sys
+    import types as _types
+
+    class _Package(_types.ModuleType):
+        """This package: importing its submodule ``annotate`` (which the import system then
+        sets as the package's attribute) leaves ``recompute_planner.annotate`` the function,
+        as an eager ``from .annotate import annotate`` would."""
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name in _LAZY_NAMES and isinstance(value, _types.ModuleType):
+                return
+            super().__setattr__(name, value)
+
+    _sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -16,6 +16,7 @@ __all__ = [
     "hw_profile",
     "calibration_benchmarks",
     "fit_calibration",
+    "planner_main",
     "MARKER_OP",
     "MARKER_NAME_ATTR",
     "PLANNER_VERSION",
@@ -99,6 +100,7 @@ def fit_calibration(
     base_json: str,
     name: str,
 ) -> str: ...
+def planner_main(argv: list[bytes]) -> int: ...
 def convert_plan(data: bytes, from_format: str, to_format: str) -> bytes: ...
 def collective_kind(op: str) -> str | None: ...
 def interval_contents(

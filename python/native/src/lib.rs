@@ -696,6 +696,29 @@ fn interval_contents(
     listed.map_err(|f| f.into_py_err(py))
 }
 
+/// What the package's `planner` says to `planner run` and `planner calibrate`: running a plan
+/// links libtorch, which the Python package does not.
+const NO_RUNTIME: &str = "the Python package's `planner` has no runtime: `planner run` and \
+    `planner calibrate` are in the Rust build with libtorch (`cargo build --release -p \
+    planner-cli --features run`, then `target/release/planner run ...`; docs/runtime.md); from \
+    Python, `recompute_planner.calibrate(device, out=PATH)` writes a profile `--hw` reads";
+
+/// The `planner` command line (`argv`, the program name first, each argument's bytes as
+/// `os.fsencode` gives them), as the `planner` console
+/// script runs it: its output goes to the process's stdout and stderr, and it returns the exit
+/// status. The process is meant to end next: a command leaves its graph and plan to the OS
+/// instead of freeing them.
+#[pyfunction]
+fn planner_main(py: Python<'_>, argv: Vec<Vec<u8>>) -> u8 {
+    use std::{ffi::OsString, os::unix::ffi::OsStringExt};
+    py.detach(|| {
+        planner_commands::main(
+            argv.into_iter().map(OsString::from_vec),
+            planner_commands::Runtime::Absent(NO_RUNTIME),
+        )
+    })
+}
+
 /// One row of [`interval_contents`].
 type IntervalRow = (String, u32, u32, String, String, Vec<String>);
 
@@ -713,6 +736,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hw_profile, m)?)?;
     m.add_function(wrap_pyfunction!(calibration_benchmarks, m)?)?;
     m.add_function(wrap_pyfunction!(fit_calibration, m)?)?;
+    m.add_function(wrap_pyfunction!(planner_main, m)?)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;

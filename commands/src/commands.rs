@@ -1,7 +1,7 @@
-//! The commands of the `planner` command line, shared by the binary and by the runtime
-//! library (`lib.rs`), which runs the same command line with `planner run` in process. Each
-//! crate root supplies `run_command`: the binary loads the runtime library for it, the library
-//! runs the plan.
+//! The commands of the `planner` command line. `plan`, `diff`, `pareto`, `inspect` and
+//! `convert` run here; `run` and `calibrate` need libtorch, so the program supplies them (a
+//! [`Runtime`]): the runtime library runs them in process, the binary loads that library for
+//! them, and a program without one says how to get it.
 
 use std::path::Path;
 
@@ -21,15 +21,15 @@ use planner::{
 
 use crate::{
     args::{
-        Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat, PlanArgs,
-        PlanFormat, SummaryFormat,
+        CalibrateArgs, Cli, Command, ConvertArgs, DiffArgs, InspectArgs, ParetoArgs, ParetoFormat,
+        PlanArgs, PlanFormat, RunArgs, SummaryFormat,
     },
     output::{self, Output},
     progress,
 };
 
 /// How a command ended, when not in plain success.
-pub(crate) enum Failure {
+pub enum Failure {
     /// Exit 1 with `error: ...` on stderr.
     Error(String),
     /// Exit with this status; what needed saying was said.
@@ -42,10 +42,35 @@ impl From<String> for Failure {
     }
 }
 
-/// Parses `args` (the program name first) and runs the command: the exit status.
-pub(crate) fn main(args: impl IntoIterator<Item = std::ffi::OsString>) -> u8 {
-    let cli = Cli::parse_from(args);
-    match run(cli.command) {
+/// The two commands that need libtorch, as a program runs them.
+pub trait RuntimeCommands {
+    /// `planner run`.
+    fn run(&self, args: RunArgs) -> Result<(), Failure>;
+    /// `planner calibrate`.
+    fn calibrate(&self, args: CalibrateArgs) -> Result<(), Failure>;
+}
+
+/// Whether the program running the command line has the runtime.
+pub enum Runtime<'a> {
+    /// It runs `run` and `calibrate` this way.
+    Linked(&'a dyn RuntimeCommands),
+    /// It has none: both commands exit 1 with this message, which names a program that has.
+    Absent(&'a str),
+}
+
+/// Parses `args` (the program name first) and runs the command: the exit status. Usage errors
+/// and `--help` print what clap prints and return its status (2 and 0), so the caller decides
+/// how the process ends.
+pub fn main(args: impl IntoIterator<Item = std::ffi::OsString>, runtime: Runtime<'_>) -> u8 {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(usage) => {
+            // Printing fails only when stdout or stderr is closed: nothing left to tell.
+            let _ = usage.print();
+            return u8::try_from(usage.exit_code()).unwrap_or(2);
+        }
+    };
+    match run(cli.command, runtime) {
         Ok(()) => 0,
         Err(Failure::Error(message)) => {
             eprintln!("error: {message}");
@@ -55,23 +80,21 @@ pub(crate) fn main(args: impl IntoIterator<Item = std::ffi::OsString>) -> u8 {
     }
 }
 
-fn run(command: Command) -> Result<(), Failure> {
+fn run(command: Command, runtime: Runtime<'_>) -> Result<(), Failure> {
     match command {
         Command::Plan(args) => run_plan(args),
         Command::Diff(args) => run_diff(args),
         Command::Pareto(args) => run_pareto(args),
         Command::Inspect(args) => run_inspect(args),
         Command::Convert(args) => run_convert(args),
-        #[cfg(feature = "run")]
-        Command::Run(args) => crate::run_command(*args),
-        #[cfg(feature = "run")]
-        Command::Calibrate(args) => crate::calibrate_command(*args),
-        #[cfg(not(feature = "run"))]
-        Command::Run(_) | Command::Calibrate(_) => Err(Failure::Error(
-            "this `planner` was built without the runtime: after `source scripts/env.sh`, \
-             build it with `cargo build --release -p planner-cli --features run`"
-                .to_owned(),
-        )),
+        Command::Run(args) => match runtime {
+            Runtime::Linked(commands) => commands.run(*args),
+            Runtime::Absent(message) => Err(Failure::Error(message.to_owned())),
+        },
+        Command::Calibrate(args) => match runtime {
+            Runtime::Linked(commands) => commands.calibrate(*args),
+            Runtime::Absent(message) => Err(Failure::Error(message.to_owned())),
+        },
     }
 }
 
@@ -153,7 +176,7 @@ fn skip_teardown<T>(done: T) {
 }
 
 /// An error diagnostic rejects the configuration: say so on stderr, one block per error.
-pub(crate) fn report_errors(plan: &Plan) {
+pub fn report_errors(plan: &Plan) {
     for d in plan.diagnostics.iter().filter(|d| d.level == Level::Error) {
         eprintln!("error: {}: {}", d.code, d.message);
         eprintln!("  hint: {}", d.hint);
@@ -227,6 +250,6 @@ fn run_diff(args: DiffArgs) -> Result<(), Failure> {
     }
 }
 
-pub(crate) fn load_hw(path: Option<&Path>) -> Result<HwProfile, String> {
+pub fn load_hw(path: Option<&Path>) -> Result<HwProfile, String> {
     path.map_or_else(|| Ok(HwProfile::default()), HwProfile::resolve)
 }
