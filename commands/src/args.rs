@@ -3,9 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use ir::plan::{Code, Collectives, Executor, Optimizer, RandomOps, StateDtype, Training};
-use planner::config::PlanConfig;
+use clap::{
+    builder::{PossibleValue, PossibleValuesParser, TypedValueParser},
+    Args, Parser, Subcommand, ValueEnum,
+};
+use ir::plan::{Code, Collectives, Executor, Optimizer, RandomOps, Spelled, StateDtype, Training};
+use planner::{budget::Granularity, config::PlanConfig, state::BudgetBasis};
 
 #[derive(Parser)]
 #[command(
@@ -56,16 +59,16 @@ pub struct Planning {
     )]
     pub recompute_ratio: f64,
     /// Whether functional collectives and device-to-host syncs re-run in replay or are saved
-    #[arg(long, value_enum, default_value_t = CollectivesArg::Recompute)]
-    collectives: CollectivesArg,
+    #[arg(long, value_parser = spelled::<Collectives>(), default_value_t)]
+    collectives: Collectives,
     /// Random ops (dropout) in checkpointed layers: saved, or replayed with the generator
     /// state forward saw (the executor must restore it)
-    #[arg(long, value_enum, default_value_t = RandomOpsArg::Save)]
-    random_ops: RandomOpsArg,
+    #[arg(long, value_parser = spelled::<RandomOps>(), default_value_t)]
+    random_ops: RandomOps,
     /// What will run the plan: a graph executor (the runtime, torch.compile) replays exactly
     /// what backward needs; eager torch.utils.checkpoint re-runs each layer's forward prefix
-    #[arg(long, value_enum, default_value_t = ExecutorArg::Graph)]
-    executor: ExecutorArg,
+    #[arg(long, value_parser = spelled::<Executor>(), default_value_t)]
+    executor: Executor,
     /// Hardware profile for cost estimates: a shipped one (h100, h200, b200, mi300x: vendor
     /// datasheet figures) or a JSON file whose fields left out keep the H200's [default: h200]
     #[arg(long, value_name = "NAME|FILE.json")]
@@ -83,12 +86,12 @@ pub struct Planning {
     fsdp: u32,
     /// The optimizer whose state the device total counts: AdamW (two moments), SGD with
     /// momentum (one buffer), or none
-    #[arg(long, value_enum, default_value_t = OptimizerArg::Adamw)]
-    optimizer: OptimizerArg,
+    #[arg(long, value_parser = spelled::<Optimizer>(), default_value_t)]
+    optimizer: Optimizer,
     /// The element type of the optimizer state: fp32, or the parameter's dtype (as
     /// `torch.optim` on bf16 parameters)
-    #[arg(long, value_enum, default_value_t = StateDtypeArg::Fp32)]
-    optimizer_state_dtype: StateDtypeArg,
+    #[arg(long, value_parser = spelled::<StateDtype>(), default_value_t)]
+    optimizer_state_dtype: StateDtype,
     /// Count an fp32 master copy of every parameter that is not fp32 (mixed precision)
     #[arg(long)]
     master_weights: bool,
@@ -99,29 +102,13 @@ impl Planning {
     pub fn config(&self) -> PlanConfig {
         PlanConfig {
             recompute_ratio: self.recompute_ratio,
-            collectives: match self.collectives {
-                CollectivesArg::Recompute => Collectives::Recompute,
-                CollectivesArg::Save => Collectives::Save,
-            },
-            random_ops: match self.random_ops {
-                RandomOpsArg::Save => RandomOps::Save,
-                RandomOpsArg::Replay => RandomOps::Replay,
-            },
-            executor: match self.executor {
-                ExecutorArg::Graph => Executor::Graph,
-                ExecutorArg::Eager => Executor::Eager,
-            },
+            collectives: self.collectives,
+            random_ops: self.random_ops,
+            executor: self.executor,
             training: Training {
                 fsdp: self.fsdp,
-                optimizer: match self.optimizer {
-                    OptimizerArg::Adamw => Optimizer::AdamW,
-                    OptimizerArg::Sgd => Optimizer::Sgd,
-                    OptimizerArg::None => Optimizer::None,
-                },
-                state_dtype: match self.optimizer_state_dtype {
-                    StateDtypeArg::Fp32 => StateDtype::F32,
-                    StateDtypeArg::Param => StateDtype::Param,
-                },
+                optimizer: self.optimizer,
+                state_dtype: self.optimizer_state_dtype,
                 master_weights: self.master_weights,
             },
             ..PlanConfig::default()
@@ -152,10 +139,10 @@ pub struct PlanArgs {
     pub budget: Option<u64>,
     /// What --budget bounds: the activation peak, with the parameters, or the whole training
     /// state on one device (parameters, gradients, optimizer state: the device total)
-    #[arg(long, value_enum, default_value_t = BudgetBasis::Activations, requires = "budget")]
+    #[arg(long, value_parser = spelled::<BudgetBasis>(), default_value_t, requires = "budget")]
     pub budget_includes: BudgetBasis,
     /// With --budget: choose whole units per layer, or also single ops
-    #[arg(long, value_enum, default_value_t = Granularity::Unit, requires = "budget")]
+    #[arg(long, value_parser = spelled::<Granularity>(), default_value_t, requires = "budget")]
     pub granularity: Granularity,
     /// Keep per layer the units a `pareto --format json` point (or a plan's JSON) lists in its
     /// `layer_keep`; other layers follow --keep
@@ -340,42 +327,6 @@ pub enum SummaryFormat {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Granularity {
-    Unit,
-    Op,
-}
-
-impl From<Granularity> for planner::budget::Granularity {
-    fn from(granularity: Granularity) -> Self {
-        match granularity {
-            Granularity::Unit => planner::budget::Granularity::Unit,
-            Granularity::Op => planner::budget::Granularity::Op,
-        }
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BudgetBasis {
-    /// The activation peak the planner predicts (parameters are resident apart)
-    Activations,
-    /// Parameters plus the activation peak
-    Params,
-    /// The device total: parameters, gradients, optimizer state and master weights (as
-    /// --fsdp, --optimizer and --master-weights say) plus the activation peak
-    TrainingState,
-}
-
-impl From<BudgetBasis> for planner::state::BudgetBasis {
-    fn from(basis: BudgetBasis) -> Self {
-        match basis {
-            BudgetBasis::Activations => planner::state::BudgetBasis::Activations,
-            BudgetBasis::Params => planner::state::BudgetBasis::Params,
-            BudgetBasis::TrainingState => planner::state::BudgetBasis::TrainingState,
-        }
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PlanFormat {
     Text,
     Json,
@@ -414,47 +365,20 @@ impl ParetoFormat {
     }
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum CollectivesArg {
-    /// Every collective re-runs in replay
-    Recompute,
-    /// Functional collectives and device-to-host syncs are saved; mutating ones never
-    Save,
+/// The value parser of an option spelled by a [`Spelled`] enumeration, the one definition of
+/// its spellings: they are the possible values, each variant's doc comment their help.
+fn spelled<T: Spelled>() -> impl TypedValueParser<Value = T> {
+    let values = T::ALL
+        .iter()
+        .map(|&variant| PossibleValue::new(variant.name()).help(one_line(variant.help())));
+    PossibleValuesParser::new(values)
+        .try_map(|name: String| T::from_name(&name).ok_or("not one of the spellings"))
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum ExecutorArg {
-    /// Replay re-runs exactly the ops whose outputs backward needs
-    Graph,
-    /// Eager checkpoint: a layer's recompute re-runs its forward up to the last op backward
-    /// reads, and every kept op's whole output tuple stays cached
-    Eager,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum OptimizerArg {
-    /// AdamW: two moments per parameter element
-    Adamw,
-    /// SGD with momentum: one buffer per parameter element
-    Sgd,
-    /// No optimizer state
-    None,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum StateDtypeArg {
-    /// fp32 (mixed-precision training)
-    Fp32,
-    /// The parameter's own dtype
-    Param,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum RandomOpsArg {
-    /// Saved, so replay never draws new random numbers
-    Save,
-    /// Replayed with the forward generator state restored
-    Replay,
+/// A doc comment as one line of help, without its closing full stop (clap's style).
+fn one_line(doc: &str) -> String {
+    let words: Vec<&str> = doc.split_whitespace().collect();
+    words.join(" ").trim_end_matches('.').to_owned()
 }
 
 /// `--recompute-ratio`: a number from 0 to 1.

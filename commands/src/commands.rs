@@ -144,12 +144,12 @@ fn make_plan(
 ) -> Result<Plan, Failure> {
     if let Some(size) = args.budget {
         let activations = State::of(graph, &config.training)
-            .activation_budget(size, args.budget_includes.into())
+            .activation_budget(size, args.budget_includes)
             .map_err(|e| e.to_string())?;
         let bar = progress::Bar::new(args.quiet);
         let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
         return Ok(search
-            .answer(activations, args.granularity.into())
+            .answer(activations, args.granularity)
             .map_err(|e| e.to_string())?);
     }
     let mut resolved = config::resolve(graph, config).map_err(|e| e.to_string())?;

@@ -621,29 +621,15 @@ impl Search<'_> {
     }
 }
 
-/// How finely `--budget` chooses what each checkpointed layer keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Granularity {
-    /// Whole units (a subset of the model's units per layer).
-    #[default]
-    Unit,
-    /// Units, then single ops of the layers where that saves replay time.
-    Op,
-}
-
-impl Granularity {
-    /// The granularity spelled `text` (`unit`, `op`), if any.
-    pub fn from_name(text: &str) -> Option<Granularity> {
-        match text {
-            "unit" => Some(Granularity::Unit),
-            "op" => Some(Granularity::Op),
-            _ => None,
-        }
-    }
-
-    /// The spellings, comma-separated (for error messages).
-    pub fn spellings() -> String {
-        "unit, op".to_owned()
+ir::spelled! {
+    /// How finely `--budget` chooses what each checkpointed layer keeps.
+    #[derive(Default)]
+    pub enum Granularity {
+        /// Whole units (a subset of the model's units per layer).
+        #[default]
+        Unit => "unit",
+        /// Units, then single ops of the layers where that saves replay time.
+        Op => "op",
     }
 }
 

@@ -31,32 +31,18 @@ use ir::{
 
 use crate::memory::Simulation;
 
-/// What `--budget` bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BudgetBasis {
-    /// The activation peak (`peak_bytes`).
-    #[default]
-    Activations,
-    /// The activation peak plus every parameter.
-    Params,
-    /// The device total: the whole training state and the activation peak.
-    TrainingState,
-}
-
-impl BudgetBasis {
-    /// The basis spelled `text` (`activations`, `params`, `training-state`), if any.
-    pub fn from_name(text: &str) -> Option<BudgetBasis> {
-        match text {
-            "activations" => Some(BudgetBasis::Activations),
-            "params" => Some(BudgetBasis::Params),
-            "training-state" => Some(BudgetBasis::TrainingState),
-            _ => None,
-        }
-    }
-
-    /// The spellings, comma-separated (for error messages).
-    pub fn spellings() -> String {
-        "activations, params, training-state".to_owned()
+ir::spelled! {
+    /// What `--budget` bounds.
+    #[derive(Default)]
+    pub enum BudgetBasis {
+        /// The activation peak the planner predicts (parameters are resident apart).
+        #[default]
+        Activations => "activations",
+        /// Parameters plus the activation peak.
+        Params => "params",
+        /// The device total: parameters, gradients, optimizer state and master weights (as
+        /// the FSDP degree, the optimizer and master weights say) plus the activation peak.
+        TrainingState => "training-state",
     }
 }
 

@@ -17,6 +17,7 @@ __all__ = [
     "calibration_benchmarks",
     "fit_calibration",
     "planner_main",
+    "SPELLED_OPTIONS",
     "MARKER_OP",
     "MARKER_NAME_ATTR",
     "PLANNER_VERSION",
@@ -24,6 +25,7 @@ __all__ = [
     "DESCRIPTORS",
 ]
 
+SPELLED_OPTIONS: list[tuple[str, str, list[str]]]
 MARKER_OP: str
 MARKER_NAME_ATTR: str
 PLANNER_VERSION: str

@@ -25,6 +25,7 @@ from google.protobuf import json_format
 import recompute_planner as rp
 from export_support import REPO_ROOT, run_planner, script_module
 from graph_walk import GOLDEN_DIR, load_graph
+from recompute_planner import _native
 from recompute_planner._exporter import ModelDecl, export_joint, write_graph
 from recompute_planner.markers import checkpoint_record, layer_scope
 from recompute_planner.proto import plan_pb2
@@ -346,7 +347,6 @@ def test_importing_the_package_loads_none_of_torchs_compiler():
 
 
 def test_the_extension_is_part_of_the_package():
-    from recompute_planner import _native
 
     assert Path(_native.__file__).parent == Path(rp.__file__).parent
     assert dict(_native.DESCRIPTORS).keys() == {"graph_pb2", "plan_pb2"}
@@ -412,3 +412,16 @@ def test_the_sections_read_before_the_lists_equal_those_of_the_whole_plan():
         assert small == {field: getattr(whole, field) for field in small}
         diagnosed += len(unread.diagnostics)
     assert diagnosed  # some plan has diagnostics: not only empty lists compared
+
+
+def test_every_spelled_keyword_of_plan_has_the_planners_default_and_spellings():
+    """The planner defines each option's spellings once (the command line's possible values
+    read them too): `plan`'s default is the planner's, and its docstring names every
+    spelling."""
+    parameters = inspect.signature(rp.plan).parameters
+    doc = rp.plan.__doc__ or ""
+    assert len(_native.SPELLED_OPTIONS) == 7
+    for keyword, default, spellings in _native.SPELLED_OPTIONS:
+        assert parameters[keyword].default == default, keyword
+        unnamed = [s for s in spellings if f'``"{s}"``' not in doc]
+        assert not unnamed, f"plan's docstring does not name {keyword}={unnamed}"

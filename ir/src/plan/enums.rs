@@ -1,20 +1,41 @@
 //! The enumerations of a plan and their spellings, the one place that maps each variant to
 //! the string the text output, the JSON and the protobuf carry (`"no-checkpoint"`).
 
-use std::fmt;
+/// An enumeration spelled as fixed strings: in every plan format, on the command line (its
+/// options' possible values and their help) and in the Python API. [`spelled!`](crate::spelled)
+/// implements it; the variant's doc comment is its help.
+pub trait Spelled: Copy + Send + Sync + 'static {
+    /// Every variant, in declaration order.
+    const ALL: &'static [Self];
+    /// The spelling.
+    fn name(self) -> &'static str;
+    /// The variant spelled `text`, if any.
+    fn from_name(text: &str) -> Option<Self>;
+    /// What the variant means: its doc comment, one line per line of the comment.
+    fn help(self) -> &'static str;
+}
 
-/// An enum whose variants are spelled as fixed strings in every plan format.
+/// Declares an enum whose variants are spelled as fixed strings (`Variant => "spelling"`),
+/// with `ALL`, `name`, `from_name`, `spellings`, `Display` and [`Spelled`] (the variant's doc
+/// comment as its help).
+#[macro_export]
 macro_rules! spelled {
+    (@help) => { "" };
+    (@help #[doc = $line:literal] $($rest:tt)*) => {
+        concat!($line, "\n", $crate::spelled!(@help $($rest)*))
+    };
+    (@help #[$($other:tt)*] $($rest:tt)*) => { $crate::spelled!(@help $($rest)*) };
     (
         $(#[$meta:meta])*
         pub enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident => $text:literal, )*
+            // Token trees, not `meta`: `@help` must look inside each attribute.
+            $( $(#[$($vattr:tt)*])* $variant:ident => $text:literal, )*
         }
     ) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum $name {
-            $( $(#[$vmeta])* $variant, )*
+            $( $(#[$($vattr)*])* $variant, )*
         }
 
         impl $name {
@@ -42,8 +63,26 @@ macro_rules! spelled {
             }
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl $crate::plan::Spelled for $name {
+            const ALL: &'static [$name] = $name::ALL;
+
+            fn name(self) -> &'static str {
+                $name::name(self)
+            }
+
+            fn from_name(text: &str) -> Option<$name> {
+                $name::from_name(text)
+            }
+
+            fn help(self) -> &'static str {
+                match self {
+                    $( $name::$variant => $crate::spelled!(@help $(#[$($vattr)*])*), )*
+                }
+            }
+        }
+
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(self.name())
             }
         }
@@ -213,7 +252,7 @@ spelled! {
     /// `--collectives`: whether functional collectives re-run in replay or are saved.
     #[derive(Default)]
     pub enum Collectives {
-        /// Every collective re-runs in replay (default).
+        /// Every collective re-runs in replay.
         #[default]
         Recompute => "recompute",
         /// Functional collectives and device-to-host syncs of routing counts are saved in
@@ -226,7 +265,7 @@ spelled! {
     /// `--optimizer`: the optimizer whose state the device holds beside the parameters.
     #[derive(Default)]
     pub enum Optimizer {
-        /// AdamW: two moments per parameter element (default).
+        /// AdamW: two moments per parameter element.
         #[default]
         AdamW => "adamw",
         /// SGD with momentum: one buffer per parameter element.
@@ -240,7 +279,7 @@ spelled! {
     /// `--optimizer-state-dtype`: the element type of the optimizer's state.
     #[derive(Default)]
     pub enum StateDtype {
-        /// fp32, as mixed-precision training keeps it (default).
+        /// fp32, as mixed-precision training keeps it.
         #[default]
         F32 => "fp32",
         /// The parameter's own dtype, as `torch.optim` makes it (`zeros_like(param)`).
@@ -262,7 +301,7 @@ mod tests {
 
     #[test]
     fn every_spelling_reads_back_as_its_variant() {
-        fn check<T: Copy + PartialEq + fmt::Debug>(
+        fn check<T: Copy + PartialEq + std::fmt::Debug>(
             all: &[T],
             name: fn(T) -> &'static str,
             from: fn(&str) -> Option<T>,
@@ -284,5 +323,21 @@ mod tests {
         check(Optimizer::ALL, Optimizer::name, Optimizer::from_name);
         check(StateDtype::ALL, StateDtype::name, StateDtype::from_name);
         check(DevicePhase::ALL, DevicePhase::name, DevicePhase::from_name);
+    }
+
+    #[test]
+    fn a_variants_help_is_its_doc_comment_without_other_attributes() {
+        // `Save` carries `#[default]` after its doc comment: skipped, not part of the help.
+        assert_eq!(
+            Spelled::help(RandomOps::Save),
+            " Its outputs are saved (what PyTorch's partitioner does by default): every executor\n \
+             honours it without restoring generator state.\n"
+        );
+        assert_eq!(
+            Spelled::help(Collectives::Save),
+            " Functional collectives and device-to-host syncs of routing counts are saved in\n \
+             checkpointed layers; mutating collectives never are.\n"
+        );
+        assert_eq!(Spelled::help(DevicePhase::OptimizerStep), "");
     }
 }

@@ -17,7 +17,7 @@ use std::path::Path;
 
 pub use enums::{
     Code, Collectives, Decision, DevicePhase, Executor, Level, Optimizer, RandomOps, Reason,
-    SavedKind, Stage, StateDtype,
+    SavedKind, Spelled, Stage, StateDtype,
 };
 pub use names::{NameTable, PlanNames};
 use thiserror::Error;

@@ -26,7 +26,7 @@ use ir::{
     ops::CollectiveKind,
     plan::{
         Collectives, Executor, Format as PlanFormat, Optimizer, Plan, PlanReadError, RandomOps,
-        StateDtype, Training,
+        Spelled, StateDtype, Training,
     },
     Graph, LoadError,
 };
@@ -197,18 +197,40 @@ fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
 
 /// A spelled option (`collectives`, `random_ops`, `executor`): its value, or an error listing
 /// the spellings the planner accepts, as the CLI does.
-fn spelled<T>(
-    option: &str,
-    name: &str,
-    from_name: fn(&str) -> Option<T>,
-    spellings: fn() -> String,
-) -> Result<T, Failure> {
-    from_name(name).ok_or_else(|| {
+fn spelled<T: Spelled>(option: &str, name: &str) -> Result<T, Failure> {
+    T::from_name(name).ok_or_else(|| {
+        let spellings: Vec<&str> = T::ALL.iter().map(|v| v.name()).collect();
         Failure::new(
             "invalid-option",
-            format!("{option} must be one of {}, not `{name}`", spellings()),
+            format!(
+                "{option} must be one of {}, not `{name}`",
+                spellings.join(", ")
+            ),
         )
     })
+}
+
+/// Each spelled keyword of `plan` (`collectives`, ...): its default, then every spelling, for
+/// the package's tests to hold the Python signature and docstring to the planner's.
+fn spelled_options() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
+    fn option<T: Spelled + Default>(
+        keyword: &'static str,
+    ) -> (&'static str, &'static str, Vec<&'static str>) {
+        (
+            keyword,
+            T::default().name(),
+            T::ALL.iter().map(|v| v.name()).collect(),
+        )
+    }
+    vec![
+        option::<Collectives>("collectives"),
+        option::<RandomOps>("random_ops"),
+        option::<Executor>("executor"),
+        option::<BudgetBasis>("budget_includes"),
+        option::<Granularity>("granularity"),
+        option::<Optimizer>("optimizer"),
+        option::<StateDtype>("optimizer_state_dtype"),
+    ]
 }
 
 fn budget(
@@ -216,18 +238,8 @@ fn budget(
     includes: &str,
     granularity: &str,
 ) -> Result<Option<Budget>, Failure> {
-    let granularity = spelled(
-        "granularity",
-        granularity,
-        Granularity::from_name,
-        Granularity::spellings,
-    )?;
-    let basis = spelled(
-        "budget_includes",
-        includes,
-        BudgetBasis::from_name,
-        BudgetBasis::spellings,
-    )?;
+    let granularity = spelled::<Granularity>("granularity", granularity)?;
+    let basis = spelled::<BudgetBasis>("budget_includes", includes)?;
     size.map(|size| {
         let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
         Ok(Budget {
@@ -254,18 +266,8 @@ fn training(
     }
     Ok(Training {
         fsdp,
-        optimizer: spelled(
-            "optimizer",
-            optimizer,
-            Optimizer::from_name,
-            Optimizer::spellings,
-        )?,
-        state_dtype: spelled(
-            "optimizer_state_dtype",
-            state_dtype,
-            StateDtype::from_name,
-            StateDtype::spellings,
-        )?,
+        optimizer: spelled::<Optimizer>("optimizer", optimizer)?,
+        state_dtype: spelled::<StateDtype>("optimizer_state_dtype", state_dtype)?,
         master_weights,
     })
 }
@@ -466,24 +468,9 @@ fn plan(
         let config = PlanConfig {
             keep,
             recompute_ratio,
-            collectives: spelled(
-                "collectives",
-                collectives_name,
-                Collectives::from_name,
-                Collectives::spellings,
-            )?,
-            random_ops: spelled(
-                "random_ops",
-                random_ops_name,
-                RandomOps::from_name,
-                RandomOps::spellings,
-            )?,
-            executor: spelled(
-                "executor",
-                executor_name,
-                Executor::from_name,
-                Executor::spellings,
-            )?,
+            collectives: spelled::<Collectives>("collectives", collectives_name)?,
+            random_ops: spelled::<RandomOps>("random_ops", random_ops_name)?,
+            executor: spelled::<Executor>("executor", executor_name)?,
             training,
             ..PlanConfig::default()
         };
@@ -737,6 +724,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(calibration_benchmarks, m)?)?;
     m.add_function(wrap_pyfunction!(fit_calibration, m)?)?;
     m.add_function(wrap_pyfunction!(planner_main, m)?)?;
+    m.add("SPELLED_OPTIONS", spelled_options())?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;
