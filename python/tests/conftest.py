@@ -1,5 +1,6 @@
 """Fixtures shared by the Python tests."""
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -20,3 +21,17 @@ def builders_agree(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
     built = export_support.check_builders_agree(monkeypatch)
     yield built
     assert built, "the test built no graph"
+
+
+@pytest.fixture(autouse=True)
+def no_trace_annotation_outlives_its_test() -> Iterator[None]:
+    """A test must leave no ``torch.fx.traceback.annotate`` scope open: an annotation left in
+    ``current_meta`` tags every op any later trace in the process records (a layer, a module
+    path), so later exports would attribute their ops to the wrong layer. The test that leaks
+    fails here, by name, and the annotation is cleared for the next one."""
+    yield
+    traceback = sys.modules.get("torch.fx.traceback")
+    left = getattr(traceback, "current_meta", {}).get("custom") if traceback else None
+    if left is not None:
+        del traceback.current_meta["custom"]
+        pytest.fail(f"the test left a trace annotation open: {left}")
