@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""How long ``import recompute_planner`` takes beyond ``import torch``.
+"""How long ``import recompute_planner`` takes, alone and beyond ``import torch``.
 
-Each run is a fresh Python process that imports torch, then the package, and reports both
-durations; the script prints the medians of ``--runs`` processes and which of torch's compiler
+Each run is two fresh Python processes: one imports the package alone (what the ``planner``
+command and a script that only plans pay: torch is not loaded), the other imports torch, then
+the package. The script prints the medians of ``--runs`` runs and which of torch's compiler
 modules the package import loaded (none: Dynamo, AOTAutograd's front end and inductor load on
 first use, by an export, the compile stage or an op interval).
 
@@ -21,6 +22,14 @@ from dataclasses import dataclass
 
 # torch's compiler modules: seconds to import, needed only to export or compile.
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "functorch.compile")
+
+_ALONE = """
+import json, sys, time
+start = time.perf_counter()
+import recompute_planner
+done = time.perf_counter()
+print(json.dumps({"package_s": done - start, "torch_loaded": "torch" in sys.modules}))
+"""
 
 _CHILD = f"""
 import json, sys, time
@@ -52,12 +61,27 @@ def one_run() -> Run:
     return Run(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def alone_run() -> tuple[float, bool]:
+    """One fresh process importing the package alone: seconds, and whether torch got loaded."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ALONE], capture_output=True, text=True, check=True
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return report["package_s"], report["torch_loaded"]
+
+
 def main(argv: list[str] | None = None) -> tuple[float, float, list[str]]:
     """Prints and returns the medians (torch, the package beyond it) and the compiler modules
-    any run loaded."""
+    any run loaded; prints the package's import alone too."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="fresh processes (default 7)")
     args = parser.parse_args(argv)
+    alone = [alone_run() for _ in range(args.runs)]
+    alone_s = statistics.median(seconds for seconds, _ in alone)
+    print(
+        f"import recompute_planner alone: {alone_s:.2f} s (median of {args.runs} processes); "
+        f"torch loaded: {'yes' if any(loaded for _, loaded in alone) else 'no'}"
+    )
     runs = [one_run() for _ in range(args.runs)]
     torch_s = statistics.median(run.torch_s for run in runs)
     package_s = statistics.median(run.package_s for run in runs)

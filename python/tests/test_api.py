@@ -336,14 +336,17 @@ def test_the_documented_one_liner_runs_from_the_repository():
     assert done.stdout.startswith("Memory(peak_bytes=")
 
 
-def test_importing_the_package_loads_none_of_torchs_compiler():
-    """`import recompute_planner` in a fresh process leaves Dynamo, inductor and AOTAutograd's
-    front end unloaded (seconds of import): an export, the compile stage or an op interval
-    loads them on first use. Measured by the import-time benchmark's own child process."""
+def test_importing_the_package_loads_neither_torch_nor_its_compiler():
+    """`import recompute_planner` in a fresh process loads no torch (planning needs none); after
+    `import torch` it leaves Dynamo, inductor and AOTAutograd's front end unloaded (seconds of
+    import): an export, the compile stage or an op interval loads them on first use. Measured
+    by the import-time benchmark's own child processes."""
     with script_module("import_time") as script:
         run = script.one_run()
+        alone_s, torch_loaded = script.alone_run()
     assert run.compiler_modules == []
     assert run.package_s > 0
+    assert not torch_loaded and alone_s > 0
 
 
 def test_the_extension_is_part_of_the_package():
