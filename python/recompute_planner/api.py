@@ -59,8 +59,9 @@ def plan(
       layer's recompute re-runs its forward prefix, SAC caches kept ops' whole outputs);
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity``: ``"unit"`` (whole
-      units) or ``"op"`` (units, then single ops); ``budget_includes``: what it bounds, ``"activations"`` (the activation
-      peak), ``"params"`` (with the parameters) or ``"training-state"`` (the device total);
+      units) or ``"op"`` (units, then single ops); ``budget_includes``: what it bounds,
+      ``"activations"`` (the activation peak), ``"params"`` (with the parameters) or
+      ``"training-state"`` (the device total);
     - ``fsdp``, ``optimizer`` (``"adamw"``, ``"sgd"``, ``"none"``), ``optimizer_state_dtype``
       (``"fp32"`` or ``"param"``), ``master_weights``: the training state the device total
       (``plan.memory.device_total_bytes``) counts: FSDP shard degree (1: unsharded), the
