@@ -58,6 +58,16 @@ pub enum Runtime<'a> {
     Absent(&'a str),
 }
 
+impl<'a> Runtime<'a> {
+    /// The runtime's commands, or the error that names a program that has them.
+    fn linked(self) -> Result<&'a dyn RuntimeCommands, Failure> {
+        match self {
+            Runtime::Linked(commands) => Ok(commands),
+            Runtime::Absent(message) => Err(Failure::Error(message.to_owned())),
+        }
+    }
+}
+
 /// Parses `args` (the program name first) and runs the command: the exit status. Usage errors
 /// and `--help` print what clap prints and return its status (2 and 0), so the caller decides
 /// how the process ends.
@@ -87,14 +97,8 @@ fn run(command: Command, runtime: Runtime<'_>) -> Result<(), Failure> {
         Command::Pareto(args) => run_pareto(args),
         Command::Inspect(args) => run_inspect(args),
         Command::Convert(args) => run_convert(args),
-        Command::Run(args) => match runtime {
-            Runtime::Linked(commands) => commands.run(*args),
-            Runtime::Absent(message) => Err(Failure::Error(message.to_owned())),
-        },
-        Command::Calibrate(args) => match runtime {
-            Runtime::Linked(commands) => commands.calibrate(*args),
-            Runtime::Absent(message) => Err(Failure::Error(message.to_owned())),
-        },
+        Command::Run(args) => runtime.linked()?.run(*args),
+        Command::Calibrate(args) => runtime.linked()?.calibrate(*args),
     }
 }
 

@@ -13,10 +13,16 @@ pub trait Spelled: Copy + Send + Sync + 'static {
     fn from_name(text: &str) -> Option<Self>;
     /// What the variant means: its doc comment, one line per line of the comment.
     fn help(self) -> &'static str;
+
+    /// The spellings, comma-separated (for error messages).
+    fn spellings() -> String {
+        let names: Vec<&str> = Self::ALL.iter().map(|v| v.name()).collect();
+        names.join(", ")
+    }
 }
 
 /// Declares an enum whose variants are spelled as fixed strings (`Variant => "spelling"`),
-/// with `ALL`, `name`, `from_name`, `spellings`, `Display` and [`Spelled`] (the variant's doc
+/// with `ALL`, `name`, `from_name`, `Display` and [`Spelled`] (the variant's doc
 /// comment as its help).
 #[macro_export]
 macro_rules! spelled {
@@ -55,11 +61,6 @@ macro_rules! spelled {
                     $( $text => Some($name::$variant), )*
                     _ => None,
                 }
-            }
-
-            /// The spellings, comma-separated (for error messages).
-            pub fn spellings() -> String {
-                [$($text),*].join(", ")
             }
         }
 

@@ -6,8 +6,8 @@ use prost::Message;
 use super::{
     Code, Collectives, Config, Cost, Decision, DevicePhase, DeviceTotal, Diagnostic, Executor,
     GraphRef, Keep, LayerKeep, LayerRef, Level, Memory, NameTable, NodeDecision, Optimizer, Peak,
-    Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind, SavedValue, Stage,
-    StateDtype, Training, UnitLayer, UnitSummary,
+    Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind, SavedValue, Spelled,
+    Stage, StateDtype, Training, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -176,16 +176,11 @@ fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
 }
 
 /// A spelled enum field of the wire message, read back.
-fn spelled<T>(
-    field: &'static str,
-    text: &str,
-    from_name: fn(&str) -> Option<T>,
-    spellings: fn() -> String,
-) -> Result<T, PlanReadError> {
-    from_name(text).ok_or_else(|| PlanReadError::UnknownName {
+fn spelled<T: Spelled>(field: &'static str, text: &str) -> Result<T, PlanReadError> {
+    T::from_name(text).ok_or_else(|| PlanReadError::UnknownName {
         field,
         value: text.to_owned(),
-        expected: spellings(),
+        expected: T::spellings(),
     })
 }
 
@@ -280,24 +275,9 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
     Ok(Config {
         keep: Keep::from_names(c.keep),
         recompute_ratio: c.recompute_ratio,
-        collectives: spelled(
-            "collectives",
-            &c.collectives,
-            Collectives::from_name,
-            Collectives::spellings,
-        )?,
-        random_ops: spelled(
-            "random ops",
-            &c.random_ops,
-            RandomOps::from_name,
-            RandomOps::spellings,
-        )?,
-        executor: spelled(
-            "executor",
-            &c.executor,
-            Executor::from_name,
-            Executor::spellings,
-        )?,
+        collectives: spelled::<Collectives>("collectives", &c.collectives)?,
+        random_ops: spelled::<RandomOps>("random ops", &c.random_ops)?,
+        executor: spelled::<Executor>("executor", &c.executor)?,
         budget_bytes: c.budget_bytes,
         layer_keep: layer_keep_from_wire(c.layer_keep, names),
         training: Training {
@@ -305,18 +285,8 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
                 0 => return Err(PlanReadError::Zero { field: "fsdp" }),
                 n => n,
             },
-            optimizer: spelled(
-                "optimizer",
-                &c.optimizer,
-                Optimizer::from_name,
-                Optimizer::spellings,
-            )?,
-            state_dtype: spelled(
-                "optimizer state dtype",
-                &c.optimizer_state_dtype,
-                StateDtype::from_name,
-                StateDtype::spellings,
-            )?,
+            optimizer: spelled::<Optimizer>("optimizer", &c.optimizer)?,
+            state_dtype: spelled::<StateDtype>("optimizer state dtype", &c.optimizer_state_dtype)?,
             master_weights: c.master_weights,
         },
     })
@@ -331,13 +301,8 @@ fn node_from_wire(
         node: names.node(&n.name, &n.op),
         model,
         layer: n.layer,
-        decision: spelled(
-            "decision",
-            &n.decision,
-            Decision::from_name,
-            Decision::spellings,
-        )?,
-        reason: spelled("reason", &n.reason, Reason::from_name, Reason::spellings)?,
+        decision: spelled::<Decision>("decision", &n.decision)?,
+        reason: spelled::<Reason>("reason", &n.reason)?,
         unit: n.unit.map(|u| names.unit(model, &u)),
     })
 }
@@ -349,12 +314,7 @@ fn saved_from_wire(s: pb::SavedValue, names: &mut NameTable) -> Result<SavedValu
         bytes: s.bytes,
         model: s.model.map(|m| names.model(&m)),
         layer: s.layer,
-        kind: spelled(
-            "saved kind",
-            &s.kind,
-            SavedKind::from_name,
-            SavedKind::spellings,
-        )?,
+        kind: spelled::<SavedKind>("saved kind", &s.kind)?,
     })
 }
 
@@ -394,7 +354,7 @@ fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, Plan
     let device = device_from_wire(&m)?;
     let peak = match (m.peak_stage, m.peak_node) {
         (Some(stage), Some(node)) => Some(Peak {
-            stage: spelled("peak stage", &stage, Stage::from_name, Stage::spellings)?,
+            stage: spelled::<Stage>("peak stage", &stage)?,
             node: names.node(&node, ""),
         }),
         _ => None,
@@ -431,12 +391,7 @@ fn device_from_wire(m: &pb::Memory) -> Result<Option<DeviceTotal>, PlanReadError
         })?;
     Ok(Some(DeviceTotal {
         total_bytes,
-        phase: spelled(
-            "device peak phase",
-            phase,
-            DevicePhase::from_name,
-            DevicePhase::spellings,
-        )?,
+        phase: spelled::<DevicePhase>("device peak phase", phase)?,
         parameter_bytes: part(m.device_parameter_bytes, "device_parameter_bytes")?,
         activation_bytes: part(m.device_activation_bytes, "device_activation_bytes")?,
         optimizer_state_bytes: part(m.optimizer_state_bytes, "optimizer_state_bytes")?,
@@ -452,8 +407,8 @@ fn diagnostic_from_wire(
 ) -> Result<Diagnostic, PlanReadError> {
     let model = names.model(&d.model);
     Ok(Diagnostic {
-        level: spelled("level", &d.level, Level::from_name, Level::spellings)?,
-        code: spelled("code", &d.code, Code::from_name, Code::spellings)?,
+        level: spelled::<Level>("level", &d.level)?,
+        code: spelled::<Code>("code", &d.code)?,
         model,
         unit: d.unit.map(|u| names.unit(model, &u)),
         message: d.message,

@@ -199,13 +199,9 @@ fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
 /// the spellings the planner accepts, as the CLI does.
 fn spelled<T: Spelled>(option: &str, name: &str) -> Result<T, Failure> {
     T::from_name(name).ok_or_else(|| {
-        let spellings: Vec<&str> = T::ALL.iter().map(|v| v.name()).collect();
         Failure::new(
             "invalid-option",
-            format!(
-                "{option} must be one of {}, not `{name}`",
-                spellings.join(", ")
-            ),
+            format!("{option} must be one of {}, not `{name}`", T::spellings()),
         )
     })
 }
@@ -691,9 +687,8 @@ const NO_RUNTIME: &str = "the Python package's `planner` has no runtime: `planne
     Python, `recompute_planner.calibrate(device, out=PATH)` writes a profile `--hw` reads";
 
 /// The `planner` command line (`argv`, the program name first, each argument's bytes as
-/// `os.fsencode` gives them), as the `planner` console
-/// script runs it: its output goes to the process's stdout and stderr, and it returns the exit
-/// status. The process is meant to end next: a command leaves its graph and plan to the OS
+/// `os.fsencode` gives them), as the `planner` console script runs it: its output goes to the
+/// process's stdout and stderr, and it returns the exit status. The process is meant to end next: a command leaves its graph and plan to the OS
 /// instead of freeing them.
 #[pyfunction]
 fn planner_main(py: Python<'_>, argv: Vec<Vec<u8>>) -> u8 {
