@@ -172,6 +172,14 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
         "mistral": (build(T.MistralForCausalLM, T.MistralConfig), DENSE_UNITS),
         "qwen2": (build(T.Qwen2ForCausalLM, T.Qwen2Config), DENSE_UNITS),
         "qwen3": (build(T.Qwen3ForCausalLM, T.Qwen3Config), DENSE_UNITS),
+        # Dense MLPs other than Llama's gated SiLU without bias: fused gate and up projections
+        # (Phi-3), non-gated with bias (Starcoder2), gated with bias, non-gated ReLU² without
+        # bias (Arcee), and norms after each block (OLMo 2).
+        "phi3": (build(T.Phi3ForCausalLM, T.Phi3Config, pad_token_id=0), DENSE_UNITS),
+        "starcoder2": (build(T.Starcoder2ForCausalLM, T.Starcoder2Config), DENSE_UNITS),
+        "llama-mlp-bias": (build(T.LlamaForCausalLM, T.LlamaConfig, mlp_bias=True), DENSE_UNITS),
+        "arcee": (build(T.ArceeForCausalLM, T.ArceeConfig), DENSE_UNITS),
+        "olmo2": (build(T.Olmo2ForCausalLM, T.Olmo2Config), DENSE_UNITS),
         "qwen3-moe": (
             build(
                 T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2,

@@ -318,11 +318,14 @@ fn prefix<'a>(nodes: &'a [NodeId], r: &Recompute) -> impl Iterator<Item = NodeId
 ///
 /// - the policy's cache holds every output of a kept op from forward until the recompute
 ///   reaches that op (the entry is consumed: from then on the tensor lives as long as
-///   something reads it), or, for a kept op after the recompute stops, until the frame is
-///   freed after the layer's last backward read;
-/// - the checkpoint holds the layer's inputs until its frame is freed.
+///   something reads it), or, for a kept op after the recompute stops, until the recompute
+///   returns: the cache belongs to the policy's context managers (`recompute_planner.sac`),
+///   not to the checkpoint's frame, and the recompute's is the last to let it go;
+/// - the checkpoint holds the layer's inputs until its frame is freed after the layer's last
+///   backward read.
 ///
-/// A layer backward never reads is never recomputed: its frame lives to the end of the step.
+/// A layer backward never reads is never recomputed: its cache and frame live to the end of
+/// the step.
 fn holds(
     graph: &Graph,
     policy: &Policy,
@@ -342,6 +345,14 @@ fn holds(
             let first = prefix(nodes, r).find(|&n| policy.decision(n) == Some(Decision::Recompute));
             first.map_or(Until::Backward(r.first_read), Until::Replay)
         });
+        // The cache is dropped as the recompute returns: after its last replayed node (at the
+        // recompute if it replays nothing).
+        let recompute_returns = recompute.map_or(frame_freed, |r| {
+            let last =
+                prefix(nodes, r).filter(|&n| policy.decision(n) == Some(Decision::Recompute));
+            last.last()
+                .map_or(Until::Backward(r.first_read), Until::Replay)
+        });
         let reached = |n: NodeId| recompute.is_some_and(|r| n <= r.last_needed);
         for &n in nodes {
             let node = graph.node(n);
@@ -350,7 +361,7 @@ fn holds(
                 Some(Decision::Save) => {
                     let until = match consumed_at {
                         Some(until) if reached(n) => until,
-                        _ => frame_freed,
+                        _ => recompute_returns,
                     };
                     for &v in &node.outputs {
                         hold(v, until);
@@ -442,13 +453,27 @@ const EAGER_ONLY_SAVES: &[(&str, usize, usize)] = &[
     ("aten.gather", 0, 1),
 ];
 
+/// Temporaries of a backward formula that eager computes in one C++ expression, so they live
+/// until the expression's result exists, where the traced backward frees each after its last
+/// read: (op making the temporary, its one consumer, the op making the result from that
+/// consumer's output). `pow_backward` is `grad * (exponent * self.pow(exponent - 1))`:
+/// `self.pow(exponent - 1)` lives until the product with `grad` is made (a ReLU² MLP's
+/// intermediate-size tensor, or a norm's square), and so does `self`, which the node holds
+/// until it returns.
+const FORMULA_TEMPORARIES: &[(&str, &str, &str)] = &[(
+    "aten.pow.Tensor_Scalar",
+    "aten.mul.Scalar",
+    "aten.mul.Tensor",
+)];
+
 /// What eager autograd holds beyond the traced backward's reads, checkpointed or not:
 ///
 /// - a node releases its saved tensors only after it has computed all its outputs
 ///   (`MulBackward0` holds both factors until both gradients exist); the joint graph lists a
 ///   node's backward ops one after another but not where the node ends, so a forward tensor
 ///   backward reads is held through the backward op after its last read;
-/// - inputs saved only for their shape ([`EAGER_ONLY_SAVES`]) are held until their node runs.
+/// - inputs saved only for their shape ([`EAGER_ONLY_SAVES`]) are held until their node runs;
+/// - a formula's temporaries ([`FORMULA_TEMPORARIES`]) are held until its result is made.
 pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
     let mut last: BTreeMap<ValueId, usize> = BTreeMap::new();
     for (position, &id) in order.iter().enumerate() {
@@ -483,6 +508,50 @@ pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
                     value,
                     until: after(position),
                 });
+            }
+        }
+    }
+    holds.extend(formula_temporary_holds(graph, order));
+    holds
+}
+
+/// Each [`FORMULA_TEMPORARIES`] temporary in backward and the inputs it is made from, held
+/// until the op making the formula's result (the first such reader of its consumer's output).
+fn formula_temporary_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
+    let position: BTreeMap<NodeId, usize> =
+        order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let only_output = |n: NodeId, op: &str| {
+        let node = graph.node(n);
+        match node.outputs.as_slice() {
+            [v] if node.op.as_str() == op => Some(*v),
+            _ => None,
+        }
+    };
+    let mut holds = Vec::new();
+    for &(temporary_op, consumer_op, result_op) in FORMULA_TEMPORARIES {
+        for &id in order {
+            let Some(temporary) = only_output(id, temporary_op) else {
+                continue;
+            };
+            let [consumer] = graph.consumers(temporary) else {
+                continue;
+            };
+            let Some(partial) = only_output(*consumer, consumer_op) else {
+                continue;
+            };
+            let result = graph
+                .consumers(partial)
+                .iter()
+                .filter(|&&n| graph.node(n).op.as_str() == result_op)
+                .filter_map(|n| position.get(n))
+                .min();
+            // The node's saved input lives as long as the node, to its result too.
+            let saved = graph.node(id).inputs.iter().copied();
+            if let Some(&at) = result {
+                holds.extend(std::iter::once(temporary).chain(saved).map(|value| Hold {
+                    value,
+                    until: Until::Backward(at),
+                }));
             }
         }
     }
