@@ -518,7 +518,6 @@ impl<O: Observer> Simulator<'_, O> {
             if self.graph.producer(id).is_none() && value.role != ir::Role::Parameter {
                 let storage = self.new_storage(value.bytes, 0);
                 self.observer.made(storage, id, value.bytes);
-                self.offload.track(id, storage);
                 self.inst.forward[id.index()] = storage;
             }
         }

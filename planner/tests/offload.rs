@@ -300,3 +300,14 @@ fn m5_copies_are_exposed_in_full_without_a_device_queue_and_cost_no_host_sync() 
     let p = plan(&graph, &config, &cpu).unwrap();
     assert_eq!(p.cost.exposed_transfer_time_s, p.cost.transfer_time_s);
 }
+
+#[test]
+fn m5_the_budget_search_refuses_offload_rather_than_compose_it_wrongly() {
+    let graph = golden("glm_dsa_ep2");
+    let hw = HwProfile::default();
+    let config = offload_config(Keep::Nothing, &[SavedKind::LayerInput], Executor::Graph);
+    assert!(matches!(
+        planner::budget::Search::new(&graph, &config, &hw),
+        Err(planner::budget::BudgetError::Offload)
+    ));
+}
