@@ -1448,3 +1448,82 @@ fn a_training_state_budget_bounds_the_device_total_or_names_what_fills_it() {
         &["budget 1.0 KiB (1024 B) is not above", "alone"],
     );
 }
+
+const GLM: &str = "../tests/golden/glm_dsa_ep2.pb";
+
+#[test]
+fn offloading_an_unknown_unit_is_an_error_naming_the_declared_ones() {
+    assert_clean_error(
+        &planner(&[
+            &"plan",
+            &GLM,
+            &"--keep",
+            &"all",
+            &"--offload",
+            &"save_nothing",
+        ]),
+        &["unknown-unit", "SAVE_NOTHING", "SAVE_DSA_INDEXER"],
+    );
+}
+
+#[test]
+fn offloading_a_unit_keep_does_not_keep_is_an_error() {
+    assert_clean_error(
+        &planner(&[
+            &"plan",
+            &GLM,
+            &"--keep",
+            &"save_attn",
+            &"--offload",
+            &"save_dsa_indexer",
+        ]),
+        &["--offload", "SAVE_DSA_INDEXER", "--keep does not keep"],
+    );
+}
+
+#[test]
+fn offload_with_a_budget_or_an_unknown_kind_is_a_usage_error() {
+    assert_usage_error(
+        &planner(&[
+            &"plan",
+            &GLM,
+            &"--budget",
+            &"70KiB",
+            &"--offload-kinds",
+            &"kept",
+        ]),
+        &["--budget", "--offload-kinds"],
+    );
+    assert_usage_error(
+        &planner(&[&"plan", &GLM, &"--offload-kinds", &"everything"]),
+        &["everything", "layer-input"],
+    );
+    assert_usage_error(
+        &planner(&[&"pareto", &GLM, &"--offload-kinds", &"kept"]),
+        &["--offload-kinds"],
+    );
+}
+
+#[test]
+fn offloading_the_dsa_indexer_lowers_the_device_peak_and_states_host_bytes_and_transfer_time() {
+    let peak = |extra: &[&dyn AsRef<std::ffi::OsStr>]| {
+        let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
+            &"plan",
+            &GLM,
+            &"--keep",
+            &"save_dsa_indexer",
+            &"--format",
+            &"json",
+        ];
+        args.extend_from_slice(extra);
+        let out = planner(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        plan["memory"].clone()
+    };
+    let kept = peak(&[]);
+    let offloaded = peak(&[&"--offload", &"SAVE_DSA_INDEXER"]);
+    assert!(offloaded["peak_bytes"].as_u64() < kept["peak_bytes"].as_u64());
+    assert!(offloaded["offloaded_bytes"].as_u64() > Some(0));
+    assert_eq!(kept["offloaded_bytes"].as_u64(), Some(0));
+}

@@ -7,7 +7,10 @@ use clap::{
     builder::{PossibleValue, PossibleValuesParser, TypedValueParser},
     Args, Parser, Subcommand, ValueEnum,
 };
-use ir::plan::{Code, Collectives, Executor, Optimizer, RandomOps, Spelled, StateDtype, Training};
+use ir::plan::{
+    Code, Collectives, Executor, Offload, Optimizer, RandomOps, SavedKind, Spelled, StateDtype,
+    Training,
+};
 use planner::{budget::Granularity, config::PlanConfig, state::BudgetBasis};
 
 #[derive(Parser)]
@@ -126,13 +129,29 @@ pub struct PlanArgs {
     pub keep: Vec<String>,
     #[command(flatten)]
     pub planning: Planning,
+    /// Kept units whose saved values go to host memory after their last forward read and come
+    /// back before backward reads them (case-insensitive; each must be kept by --keep)
+    #[arg(long, value_name = "UNITS")]
+    pub offload: Vec<String>,
+    /// Saved kinds to offload wherever they are (comma-separated or repeated)
+    #[arg(long, value_name = "KINDS", value_delimiter = ',', value_parser = spelled::<SavedKind>())]
+    pub offload_kinds: Vec<SavedKind>,
+    /// How many backward steps (replayed or backward ops) before its first backward read an
+    /// offloaded value's reload starts: more hides a larger copy, and holds the value longer
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = Offload::DEFAULT_PREFETCH,
+        value_parser = clap::value_parser!(u32).range(0..=1_000_000)
+    )]
+    pub offload_prefetch: u32,
     /// Choose the units per layer that minimise replay time with the activation peak within
     /// SIZE (e.g. `40GiB`; the activation peak unless --budget-includes says more); replaces
-    /// --keep
+    /// --keep; offload cannot be combined with it (the search composes plans without it)
     #[arg(
         long,
         value_name = "SIZE",
-        conflicts_with_all = ["keep", "choices"],
+        conflicts_with_all = ["keep", "choices", "offload", "offload_kinds"],
         value_parser = size,
         allow_hyphen_values = true
     )]

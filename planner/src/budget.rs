@@ -77,6 +77,8 @@ pub enum BudgetError {
     TooManyUnits { model: String, units: usize },
     #[error("the search was interrupted")]
     Interrupted,
+    #[error("--budget does not search over offload: plan without --offload and --offload-kinds, or offload without --budget")]
+    Offload,
 }
 
 /// Stops a search its caller interrupted.
@@ -135,6 +137,10 @@ impl<'g> Search<'g> {
         hw: &'g HwProfile,
         progress: &'g dyn Progress,
     ) -> Result<Self, BudgetError> {
+        // The composed figures the search compares do not model offload.
+        if config.offload.is_asked() {
+            return Err(BudgetError::Offload);
+        }
         let base = PlanConfig {
             keep: Keep::Nothing,
             ..config.clone()

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{
-    plan::{Collectives, Executor, Keep, LayerRef, RandomOps, Training},
+    plan::{Collectives, Executor, Keep, LayerRef, Offload, RandomOps, Training},
     Graph, IdVec, Model, ModelId, NodeId, UnitId,
 };
 use thiserror::Error;
@@ -13,21 +13,7 @@ use thiserror::Error;
 /// ignored). An empty list is `none`; an empty name (`--keep ""`, `a,,b`) is an error, not
 /// a silent `none`.
 pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
-    if let Some(value) = values
-        .iter()
-        .find(|v| v.split(',').any(|name| name.trim().is_empty()))
-    {
-        return Err(ConfigError::EmptyUnit {
-            value: value.clone(),
-        });
-    }
-    let mut seen = rustc_hash::FxHashSet::default();
-    let names: Vec<String> = values
-        .iter()
-        .flat_map(|v| v.split(','))
-        .map(|v| v.trim().to_ascii_uppercase())
-        .filter(|v| !v.is_empty() && seen.insert(v.clone()))
-        .collect();
+    let names = unit_names(values)?;
     match names.as_slice() {
         [] => Ok(Keep::Nothing),
         [one] if one == "NONE" => Ok(Keep::Nothing),
@@ -37,6 +23,35 @@ pub fn parse_keep(values: &[String]) -> Result<Keep, ConfigError> {
         }
         _ => Ok(Keep::Units(names)),
     }
+}
+
+/// Parses the `--offload` values: unit names, as `--keep` reads them (case-insensitive,
+/// comma-separated, repeats ignored, no empty name).
+pub fn parse_offload_units(values: &[String]) -> Result<Vec<String>, ConfigError> {
+    unit_names(values).map_err(|e| match e {
+        ConfigError::EmptyUnit { value } => ConfigError::EmptyOffloadUnit { value },
+        other => other,
+    })
+}
+
+/// Upper-case unit names from comma-separated values, deduplicated in the order given; an
+/// empty name is [`ConfigError::EmptyUnit`].
+fn unit_names(values: &[String]) -> Result<Vec<String>, ConfigError> {
+    if let Some(value) = values
+        .iter()
+        .find(|v| v.split(',').any(|name| name.trim().is_empty()))
+    {
+        return Err(ConfigError::EmptyUnit {
+            value: value.clone(),
+        });
+    }
+    let mut seen = rustc_hash::FxHashSet::default();
+    Ok(values
+        .iter()
+        .flat_map(|v| v.split(','))
+        .map(|v| v.trim().to_ascii_uppercase())
+        .filter(|v| seen.insert(v.clone()))
+        .collect())
 }
 
 /// Everything that shapes a plan besides the graph.
@@ -50,6 +65,8 @@ pub struct PlanConfig {
     pub executor: Executor,
     /// The training state the device total counts.
     pub training: Training,
+    /// The saved values to move to host memory between forward and backward.
+    pub offload: Offload,
 }
 
 impl Default for PlanConfig {
@@ -61,6 +78,7 @@ impl Default for PlanConfig {
             random_ops: RandomOps::Save,
             executor: Executor::Graph,
             training: Training::default(),
+            offload: Offload::default(),
         }
     }
 }
@@ -83,6 +101,14 @@ pub enum ConfigError {
         empty_unit(value)
     )]
     EmptyUnit { value: String },
+    #[error("--offload takes unit names, not an empty name: {}", empty_unit(value))]
+    EmptyOffloadUnit { value: String },
+    #[error(
+        "--offload names {}, which --keep does not keep: offload moves what a kept unit saves to \
+         the host (keep the unit too, or offload by kind with --offload-kinds)",
+        quoted(units)
+    )]
+    OffloadNotKept { units: Vec<String> },
     #[error("--recompute-ratio must be between 0 and 1, got {ratio}")]
     Ratio { ratio: String },
     #[error("not a choices file: {reason} (expected the JSON of a `pareto` point or of a plan, with `layer_keep`)")]
@@ -139,6 +165,8 @@ pub struct Resolved {
     pub checkpointed_layers: IdVec<ModelId, u32>,
     /// Single ops the budget solver keeps (`--granularity op`), interval or not.
     pub chosen_ops: BTreeSet<NodeId>,
+    /// Per model, the kept units whose saved values `--offload` moves to the host.
+    pub offload_units: IdVec<ModelId, Vec<UnitId>>,
 }
 
 impl Resolved {
@@ -184,16 +212,10 @@ impl Resolved {
 /// Resolves `config` against `graph`; an unknown unit is an error naming the valid ones.
 pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigError> {
     if let Keep::Units(requested) = &config.keep {
-        let valid = declared_units(graph);
-        let unknown: Vec<String> = requested
-            .iter()
-            .filter(|u| !valid.contains(u))
-            .cloned()
-            .collect();
-        if !unknown.is_empty() {
-            return Err(ConfigError::UnknownUnit { unknown, valid });
-        }
+        check_declared(graph, requested)?;
     }
+    check_declared(graph, &config.offload.units)?;
+    check_offload_kept(&config.keep, &config.offload.units)?;
     let kept_units = IdVec::from_vec(
         graph
             .models()
@@ -208,12 +230,51 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
             .map(|m| checkpointed_layer_count(config.recompute_ratio, m.num_layers))
             .collect(),
     );
+    let offload = Keep::Units(config.offload.units.clone());
+    let offload_units = IdVec::from_vec(
+        graph
+            .models()
+            .values()
+            .map(|model| kept_units_of(model, &offload))
+            .collect(),
+    );
     Ok(Resolved {
         kept_units,
         layer_units: BTreeMap::new(),
         checkpointed_layers,
         chosen_ops: BTreeSet::new(),
+        offload_units,
     })
+}
+
+/// Every name in `requested` is a unit some model declares.
+fn check_declared(graph: &Graph, requested: &[String]) -> Result<(), ConfigError> {
+    let valid = declared_units(graph);
+    let unknown: Vec<String> = requested
+        .iter()
+        .filter(|u| !valid.contains(u))
+        .cloned()
+        .collect();
+    if unknown.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::UnknownUnit { unknown, valid })
+    }
+}
+
+/// Every unit `--offload` names is one `--keep` keeps: a unit not kept saves nothing to move.
+fn check_offload_kept(keep: &Keep, offload: &[String]) -> Result<(), ConfigError> {
+    let kept = |unit: &String| match keep {
+        Keep::Nothing => false,
+        Keep::All => true,
+        Keep::Units(units) => units.contains(unit),
+    };
+    let units: Vec<String> = offload.iter().filter(|u| !kept(u)).cloned().collect();
+    if units.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::OffloadNotKept { units })
+    }
 }
 
 /// The units of `model` that `keep` selects (names match case-insensitively).

@@ -7,11 +7,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use ir::{
     display::{name as shown, Shown},
     plan::{Code, Diagnostic, Keep, Level, Reason},
-    EntityId, Graph, ModelId, Phase, UnitId,
+    EntityId, Graph, ModelId, Phase, UnitId, ValueId,
 };
 
 use crate::{
     config::{PlanConfig, Resolved},
+    cost::HwProfile,
+    memory::OffloadWindow,
+    offload::{self, Refusal, Refused},
     partition::{Hazard, HazardKind, Partition},
     policy::{Demotion, Enclosed, Findings, InplaceWrite, Policy, Unbalance, UnitKey},
 };
@@ -27,10 +30,13 @@ pub fn level_of(code: Code) -> Level {
     }
 }
 
+/// What diagnostics are deduplicated by: code, model and unit.
+type DiagnosisKey = (Code, ModelId, Option<UnitId>);
+
 /// Collects diagnostics keyed by (code, model, unit): the first report of a diagnosis wins.
 #[derive(Default)]
 struct Collector {
-    by_key: BTreeMap<(Code, ModelId, Option<UnitId>), Diagnostic>,
+    by_key: BTreeMap<DiagnosisKey, Diagnostic>,
 }
 
 impl Collector {
@@ -686,4 +692,103 @@ fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {
             "run the plan with a graph executor (`--executor graph`: the runtime, torch.compile), or make the in-place write out-of-place".to_owned(),
         );
     }
+}
+
+/// What became of the storages `--offload` and `--offload-kinds` asked to move: those kept on
+/// the device (a saved view of them is not offloaded, they are written in place, or the device
+/// is never free of them before backward needs them back), and those moved whose copy costs
+/// more to launch than to move. One diagnostic per (code, model, unit), naming the first value
+/// and counting the others.
+pub fn offload(
+    graph: &Graph,
+    policy: &Policy,
+    refused: &[Refused],
+    windows: &[OffloadWindow],
+    hw: &HwProfile,
+) -> Vec<Diagnostic> {
+    // Per diagnosis: the first value's message and hint, and how many values it stands for.
+    let mut found: BTreeMap<DiagnosisKey, (String, String, usize)> = BTreeMap::new();
+    let mut report = |code: Code, value: ValueId, message: String, hint: String| {
+        let (model, unit) = offload::owner(graph, policy, value);
+        found
+            .entry((code, model, unit))
+            .or_insert((message, hint, 0))
+            .2 += 1;
+    };
+    for r in refused {
+        let (code, message, hint) = refused_offload(graph, r);
+        report(code, r.root, message, hint);
+    }
+    for w in windows {
+        if let Some((code, message, hint)) = unhelpful_offload(graph, w, hw) {
+            report(code, w.value, message, hint);
+        }
+    }
+    let mut out = Collector::default();
+    for ((code, model, unit), (message, hint, count)) in found {
+        let more = match count {
+            1 => String::new(),
+            2 => " (1 more such value)".to_owned(),
+            k => format!(" ({} more such values)", k - 1),
+        };
+        out.add(code, (model, unit), format!("{message}{more}"), hint);
+    }
+    out.finish()
+}
+
+/// The diagnosis of a storage kept on the device although offload was asked for.
+fn refused_offload(graph: &Graph, r: &Refused) -> (Code, String, String) {
+    let value = shown(&graph.value(r.root).name);
+    match r.why {
+        Refusal::AliasedOnDevice { view } => (
+            Code::OffloadAliasedOnDevice,
+            format!(
+                "`{value}` stays on the device although offload was asked for: `{}` shares its storage and is saved on the device, not offloaded",
+                shown(&graph.value(view).name)
+            ),
+            "offload what saves the other value too (its unit with --offload, or its saved kind with --offload-kinds)".to_owned(),
+        ),
+        Refusal::WrittenInPlace { writer } => (
+            Code::OffloadWrittenInPlace,
+            format!(
+                "`{value}` stays on the device although offload was asked for: `{}` writes its storage in place, so the storage holds more than one version of the tensor and a host copy of one is not what every read of it expects",
+                shown(&graph.node(writer).name)
+            ),
+            "make the in-place write out-of-place in the model, or offload other values".to_owned(),
+        ),
+    }
+}
+
+/// The diagnosis of an offload that cannot help: the device is never free of the storage
+/// before its reload (kept on the device), or it is moved but smaller than what the copy costs
+/// to launch.
+fn unhelpful_offload(
+    graph: &Graph,
+    w: &OffloadWindow,
+    hw: &HwProfile,
+) -> Option<(Code, String, String)> {
+    let value = shown(&graph.value(w.value).name);
+    if !w.moved {
+        return Some((
+            Code::OffloadNoGap,
+            format!(
+                "`{value}` stays on the device although offload was asked for: its last forward read (step {}) is too close to its reload (step {}, before its first backward read at step {}), so the device is never free of it",
+                w.last_forward_read,
+                w.reload_at,
+                w.first_backward_read.map_or_else(|| "none".to_owned(), |s| s.to_string()),
+            ),
+            "lower --offload-prefetch, or offload values forward is done with early (a layer's inputs, what its first ops make)".to_owned(),
+        ));
+    }
+    offload::too_small(hw, w.bytes).then(|| {
+        (
+            Code::OffloadTooSmall,
+            format!(
+                "`{value}` ({} B) is offloaded, but it moves over the host link faster than the {} a copy costs to launch: the copies cost more time than the bytes they move justify",
+                w.bytes,
+                crate::units::format_seconds(hw.op_overhead_s),
+            ),
+            "offload larger values (a layer's inputs, an attention's scores), or keep this one on the device".to_owned(),
+        )
+    })
 }

@@ -14,6 +14,7 @@ pub mod diff;
 pub mod explore;
 pub mod inspect;
 pub mod memory;
+pub mod offload;
 pub mod pareto;
 pub mod partition;
 pub mod plan;

@@ -61,6 +61,42 @@ pub struct Simulation {
     /// The peak with the gradients sharded as FSDP reduce-scatters them
     /// ([`simulate_sharded`]); `peak_bytes` when unsharded.
     pub peak_sharded_gradients: u64,
+    /// Bytes the offloaded storages hold in host memory: in all, and at most at once.
+    pub host: HostMemory,
+}
+
+/// Host memory of the offloaded storages ([`simulate_offloaded`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostMemory {
+    pub offloaded_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+/// Values to move to host memory after their last forward read, each reloaded `prefetch`
+/// backward steps before its first read after forward ([`simulate_offloaded`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OffloadRequest<'a> {
+    /// Storage roots (values that make a storage), each once.
+    pub values: &'a [ValueId],
+    pub prefetch: usize,
+}
+
+/// Where one requested storage leaves the device and comes back, in schedule steps (forward
+/// steps first, then backward's replay and backward steps: [`schedule_nodes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffloadWindow {
+    pub value: ValueId,
+    pub bytes: u64,
+    /// The last forward step that reads the storage (through any alias, holds included):
+    /// the copy to the host runs beside the step after it.
+    pub last_forward_read: usize,
+    /// The first step after forward that reads it, if any.
+    pub first_backward_read: Option<usize>,
+    /// The step the reload allocates the storage again at.
+    pub reload_at: usize,
+    /// Whether the storage leaves the device at all: only when the device is free of it for
+    /// at least one step between the copy and the reload.
+    pub moved: bool,
 }
 
 /// One storage (a tensor's memory) and its lifetime in steps.
@@ -150,6 +186,34 @@ struct Simulator<'g, O> {
     extras: Vec<(Storage, Until)>,
     /// A marker's output shares its input's storage ([`Executed::markers_alias`]).
     markers_alias: bool,
+    /// The storages to offload, as the simulation finds their reads.
+    offload: Offloading,
+}
+
+/// What the simulation records of the storages it is asked to offload.
+#[derive(Clone, Default)]
+struct Offloading {
+    /// Requested storage roots, by value.
+    requested: rustc_hash::FxHashSet<ValueId>,
+    prefetch: usize,
+    /// Storage id -> index into `tracked`.
+    by_storage: rustc_hash::FxHashMap<u32, usize>,
+    tracked: Vec<Tracked>,
+    /// Forward steps (the first backward step's index).
+    forward_steps: usize,
+    /// The device's second life of each moved storage, from its reload.
+    reloads: Vec<Storage>,
+    windows: Vec<OffloadWindow>,
+    host: HostMemory,
+}
+
+/// The reads of one requested storage.
+#[derive(Clone, Copy)]
+struct Tracked {
+    value: ValueId,
+    storage: u32,
+    last_forward_read: Option<usize>,
+    first_backward_read: Option<usize>,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
@@ -185,6 +249,49 @@ pub fn simulate_sharded(
     let mut after = forward(graph, (), executed);
     after.0.gradient_shards = shards.max(1);
     after.backward(order, replays, executed).0
+}
+
+/// [`simulate_sharded`] with the storages of `offload` moved to host memory where the device
+/// can be free of them (docs/cost-and-memory.md, M5): each lives on the device from its making
+/// through the step after its last forward read (the copy to the host reads it beside that
+/// step), then again from its reload, `offload.prefetch` backward steps before its first read
+/// after forward (never before the first backward step), to its last read. A storage whose
+/// reload would come before its copy ends stays on the device. Also the windows found, in
+/// the order of `offload.values`.
+pub fn simulate_offloaded(
+    graph: &Graph,
+    order: &[NodeId],
+    replays: &[Replay],
+    executed: Executed<'_>,
+    shards: u32,
+    offload: OffloadRequest<'_>,
+) -> (Simulation, Vec<OffloadWindow>) {
+    let mut after = forward_offloading(graph, (), executed, offload);
+    after.0.gradient_shards = shards.max(1);
+    let mut sim = after.backward_simulator(order, replays, executed);
+    let simulation = sim.simulation(order, replays);
+    let mut windows = std::mem::take(&mut sim.offload.windows);
+    let rank: rustc_hash::FxHashMap<ValueId, usize> = offload
+        .values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (v, i))
+        .collect();
+    windows.sort_by_key(|w| rank.get(&w.value).copied());
+    (simulation, windows)
+}
+
+/// The nodes of the schedule's steps, in order: what each step index of an
+/// [`OffloadWindow`] runs.
+pub fn schedule_nodes(graph: &Graph, order: &[NodeId], replays: &[Replay]) -> Vec<NodeId> {
+    schedule(graph, order, replays)
+        .map(|step| step.node)
+        .collect()
+}
+
+/// How many steps of the schedule are forward's.
+pub fn forward_step_count(graph: &Graph) -> usize {
+    forward_steps(graph).count()
 }
 
 /// The values an executor holds until each step, as reads at that step: by the forward node
@@ -243,6 +350,16 @@ pub(crate) fn forward<'g, O: Observer>(
     observer: O,
     executed: Executed<'_>,
 ) -> AfterForward<'g, O> {
+    forward_offloading(graph, observer, executed, OffloadRequest::default())
+}
+
+/// [`forward`], recording the reads of the storages `offload` asks to move.
+fn forward_offloading<'g, O: Observer>(
+    graph: &'g Graph,
+    observer: O,
+    executed: Executed<'_>,
+    offload: OffloadRequest<'_>,
+) -> AfterForward<'g, O> {
     let n = graph.values().len();
     let mut sim = Simulator {
         graph,
@@ -263,6 +380,11 @@ pub(crate) fn forward<'g, O: Observer>(
             .collect(),
         extras: Vec::new(),
         markers_alias: executed.markers_alias,
+        offload: Offloading {
+            requested: offload.values.iter().copied().collect(),
+            prefetch: offload.prefetch,
+            ..Offloading::default()
+        },
     };
     sim.place_graph_inputs();
     let held = HeldUntil::new(graph, &[], executed.holds);
@@ -272,10 +394,11 @@ pub(crate) fn forward<'g, O: Observer>(
         sim.touch(step.stage, held.at(&step));
         sim.touch_extras(&step);
     }
+    sim.offload.forward_steps = sim.steps;
     AfterForward(sim)
 }
 
-impl<O: Observer> AfterForward<'_, O> {
+impl<'g, O: Observer> AfterForward<'g, O> {
     /// The observer, as forward left it.
     pub(crate) fn observer_mut(&mut self) -> &mut O {
         &mut self.0.observer
@@ -289,33 +412,51 @@ impl<O: Observer> AfterForward<'_, O> {
         replays: &[Replay],
         executed: Executed<'_>,
     ) -> (Simulation, O) {
+        let mut sim = self.backward_simulator(order, replays, executed);
+        let simulation = sim.simulation(order, replays);
+        (simulation, sim.observer)
+    }
+
+    /// The simulator once backward has run.
+    fn backward_simulator(
+        self,
+        order: &[NodeId],
+        replays: &[Replay],
+        executed: Executed<'_>,
+    ) -> Simulator<'g, O> {
         let mut sim = self.0;
-        let graph = sim.graph;
-        let held = HeldUntil::new(graph, order, executed.holds);
+        let held = HeldUntil::new(sim.graph, order, executed.holds);
         for step in backward_steps(order, replays) {
             sim.allocate_extras(executed.extras, &step);
             sim.run(&step);
             sim.touch(step.stage, held.at(&step));
             sim.touch_extras(&step);
         }
+        sim
+    }
+}
+
+impl<O: Observer> Simulator<'_, O> {
+    /// The figures of the step just simulated.
+    fn simulation(&mut self, order: &[NodeId], replays: &[Replay]) -> Simulation {
         let Finish {
             peak_bytes,
             peak_step,
             gradient_bytes,
             peak_sharded_gradients,
-        } = sim.finish();
-        let simulation = Simulation {
+        } = self.finish();
+        Simulation {
             peak_bytes,
             peak_sharded_gradients,
             peak: peak_step
-                .and_then(|s| schedule(graph, order, replays).nth(s))
+                .and_then(|s| schedule(self.graph, order, replays).nth(s))
                 .map(|step| Peak {
                     stage: step.stage,
                     node: step.node,
                 }),
             gradient_bytes,
-        };
-        (simulation, sim.observer)
+            host: self.offload.host,
+        }
     }
 }
 
@@ -422,6 +563,7 @@ impl<O: Observer> Simulator<'_, O> {
         for &v in &node.inputs {
             if let Some((s, copy)) = self.read(stage, v) {
                 self.storages[s as usize].last = at;
+                self.offload.read(s, stage, at);
                 self.observer.read(stage, v, s, copy);
             }
         }
@@ -440,6 +582,9 @@ impl<O: Observer> Simulator<'_, O> {
                     let bytes = self.bytes(v);
                     let s = self.new_storage(bytes, at);
                     self.observer.made(s, v, bytes);
+                    if stage == Stage::Forward {
+                        self.offload.track(v, s);
+                    }
                     Some(s)
                 }
             };
@@ -498,6 +643,7 @@ impl<O: Observer> Simulator<'_, O> {
             if let Some((s, copy)) = self.read(stage, v) {
                 let last = &mut self.storages[s as usize].last;
                 *last = (*last).max(at);
+                self.offload.read(s, stage, at);
                 self.observer.read(stage, v, s, copy);
             }
         }
@@ -512,6 +658,7 @@ impl<O: Observer> Simulator<'_, O> {
             let found = self.read(Stage::Backward, v);
             if let Some((s, copy)) = found {
                 self.storages[s as usize].last = end;
+                self.offload.read(s, Stage::Backward, end);
                 self.observer.read(Stage::Backward, v, s, copy);
             }
             if self.graph.value(v).role == ir::Role::Gradient {
@@ -519,8 +666,13 @@ impl<O: Observer> Simulator<'_, O> {
                 gradients.extend(found.map(|(s, _)| (s, v)));
             }
         }
+        self.offload.split(&mut self.storages, self.steps);
         let extras = self.extras.iter().map(|(s, _)| s);
-        let (peak_bytes, peak_step) = peak(self.storages.iter().chain(extras), self.steps);
+        let reloads = self.offload.reloads.iter();
+        let (peak_bytes, peak_step) = peak(
+            self.storages.iter().chain(extras).chain(reloads),
+            self.steps,
+        );
         let peak_sharded_gradients = if self.gradient_shards > 1 {
             self.sharded_peak(gradients, end)
         } else {
@@ -589,8 +741,76 @@ impl<O: Observer> Simulator<'_, O> {
             .zip(&sharded)
             .filter(|(_, &sharded)| !sharded)
             .map(|(s, _)| s)
-            .chain(self.extras.iter().map(|(s, _)| s));
+            .chain(self.extras.iter().map(|(s, _)| s))
+            .chain(&self.offload.reloads);
         peak(whole.chain(&pieces), self.steps).0
+    }
+}
+
+impl Offloading {
+    /// Tracks the reads of `storage`, made for `value`, if `value` is to be offloaded.
+    fn track(&mut self, value: ValueId, storage: u32) {
+        if self.requested.contains(&value) {
+            self.by_storage.insert(storage, self.tracked.len());
+            self.tracked.push(Tracked {
+                value,
+                storage,
+                last_forward_read: None,
+                first_backward_read: None,
+            });
+        }
+    }
+
+    /// Records a read of `storage` at step `at` of `stage`.
+    fn read(&mut self, storage: u32, stage: Stage, at: usize) {
+        let Some(&i) = self.by_storage.get(&storage) else {
+            return;
+        };
+        let tracked = &mut self.tracked[i];
+        if stage == Stage::Forward {
+            tracked.last_forward_read = Some(at);
+        } else if tracked.first_backward_read.is_none() {
+            tracked.first_backward_read = Some(at);
+        }
+    }
+
+    /// Splits the life of each tracked storage the device can be free of into the part up to
+    /// its copy to the host and the part from its reload (`reloads`), records the windows, and
+    /// the host memory the moved storages hold from their copy to their reload.
+    fn split(&mut self, storages: &mut [Storage], steps: usize) {
+        let mut host = Vec::new();
+        for t in &self.tracked {
+            let storage = &mut storages[t.storage as usize];
+            let last_forward_read = t.last_forward_read.unwrap_or(storage.alloc);
+            let copy_end = last_forward_read + 1;
+            let reload_at = t
+                .first_backward_read
+                .map_or(0, |first| first.saturating_sub(self.prefetch))
+                .max(self.forward_steps);
+            let moved = t.first_backward_read.is_some() && reload_at > copy_end + 1;
+            if moved {
+                self.reloads.push(Storage {
+                    alloc: reload_at,
+                    ..*storage
+                });
+                host.push(Storage {
+                    bytes: storage.bytes,
+                    alloc: copy_end,
+                    last: reload_at,
+                });
+                storage.last = copy_end;
+                self.host.offloaded_bytes = self.host.offloaded_bytes.saturating_add(storage.bytes);
+            }
+            self.windows.push(OffloadWindow {
+                value: t.value,
+                bytes: storage.bytes,
+                last_forward_read,
+                first_backward_read: t.first_backward_read,
+                reload_at,
+                moved,
+            });
+        }
+        self.host.peak_bytes = peak(&host, steps).0;
     }
 }
 

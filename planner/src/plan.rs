@@ -17,7 +17,8 @@ use crate::{
     config::{self, ConfigError, PlanConfig, Resolved},
     cost::{self, HwProfile, NodeWork},
     diagnostics,
-    memory::{self, Simulation},
+    memory::{self, OffloadRequest, OffloadWindow, Simulation},
+    offload,
     partition::{self, Partition, PartitionError},
     policy::{self, Policy, UnitKey},
     state::State,
@@ -75,10 +76,18 @@ pub fn plan_against(
     Ok(finish(graph, config, &resolved, mine, Some(baselines), hw))
 }
 
-/// The policy and, for a joint graph, the checked partition and its memory simulation.
+/// The policy and, for a joint graph, the checked partition, its memory simulation and what
+/// it offloads.
 struct Analysis {
     policy: Policy,
-    joint: Option<(Partition, Simulation)>,
+    joint: Option<(Partition, Simulation, Offloaded)>,
+}
+
+/// The storages a plan offloads: those selected, and where each leaves the device and comes
+/// back (a window per selected root, in the same order).
+struct Offloaded {
+    selection: offload::Selection,
+    windows: Vec<OffloadWindow>,
 }
 
 fn analyse(
@@ -95,16 +104,21 @@ fn analyse(
         });
     }
     let partition = checked_partition(graph, &policy, config.executor)?;
-    let memory = memory::simulate_sharded(
+    let selection = offload::select(graph, config, resolved, &policy, &partition);
+    let (memory, windows) = memory::simulate_offloaded(
         graph,
         &partition.order,
         &partition.replays,
         partition.executed(),
         config.training.fsdp,
+        OffloadRequest {
+            values: &selection.roots,
+            prefetch: config.offload.prefetch as usize,
+        },
     );
     Ok(Analysis {
         policy,
-        joint: Some((partition, memory)),
+        joint: Some((partition, memory, Offloaded { selection, windows })),
     })
 }
 
@@ -120,9 +134,10 @@ fn finish(
     let Analysis { policy, joint } = analysis;
     let joint = joint
         .zip(baselines)
-        .map(|((partition, memory), baselines)| Joint {
+        .map(|((partition, memory, offloaded), baselines)| Joint {
             partition,
             memory,
+            offloaded,
             baselines,
         });
     let mut diagnostics = diagnostics::diagnose(
@@ -140,6 +155,13 @@ fn finish(
             j.baselines.no_checkpoint.peak_bytes,
         );
         diagnostics.extend(worse);
+        diagnostics.extend(diagnostics::offload(
+            graph,
+            &policy,
+            &j.offloaded.selection.refused,
+            &j.offloaded.windows,
+            hw,
+        ));
         diagnostics.sort();
     }
     let work = NodeWork::of(graph, hw, config.executor, |n| {
@@ -161,10 +183,13 @@ fn finish(
             budget_bytes: None,
             layer_keep: layer_keep(resolved),
             training: config.training,
+            offload: config.offload.clone(),
         },
         joint: partition.is_some(),
         nodes: node_decisions(graph, &policy),
-        saved: partition.map_or_else(Vec::new, |p| saved_values(graph, p)),
+        saved: joint
+            .as_ref()
+            .map_or_else(Vec::new, |j| saved_values(graph, j)),
         replay: partition.map_or_else(Vec::new, |p| replays(p, &work)),
         units: unit_summaries(graph, &policy, joint.as_ref(), &work),
         memory: memory_figures(graph, config, joint.as_ref(), hw),
@@ -173,11 +198,27 @@ fn finish(
     }
 }
 
-/// The partition of a joint graph and its memory simulation, beside the baselines.
+/// The partition of a joint graph, its memory simulation and offload, beside the baselines.
 struct Joint<'b> {
     partition: Partition,
     memory: Simulation,
+    offloaded: Offloaded,
     baselines: &'b Baselines,
+}
+
+impl Joint<'_> {
+    /// The storage roots the plan moves to the host, sorted.
+    fn moved_roots(&self) -> Vec<ir::ValueId> {
+        let mut roots: Vec<ir::ValueId> = self
+            .offloaded
+            .windows
+            .iter()
+            .filter(|w| w.moved)
+            .map(|w| w.value)
+            .collect();
+        roots.sort_unstable();
+        roots
+    }
 }
 
 /// The two memory baselines, the same whatever the configuration: no checkpointing, and
@@ -270,6 +311,8 @@ fn memory_figures(
         parameter_bytes,
         gradient_bytes: j.memory.gradient_bytes,
         device: Some(State::of(graph, &config.training).total(&j.memory, hw.memory_bytes as u64)),
+        offloaded_bytes: j.memory.host.offloaded_bytes,
+        host_peak_bytes: j.memory.host.peak_bytes,
     }
 }
 
@@ -286,6 +329,15 @@ fn cost_figures(joint: Option<&Joint>, graph: &Graph, hw: &HwProfile, work: &Nod
     };
     let forward = work.pass(graph, Phase::Forward);
     let backward = work.pass(graph, Phase::Backward);
+    let transfer = joint.map_or_else(offload::Transfer::default, |j| {
+        offload::transfer(
+            &j.offloaded.windows,
+            &memory::schedule_nodes(graph, &j.partition.order, &j.partition.replays),
+            memory::forward_step_count(graph),
+            work,
+            hw,
+        )
+    });
     Cost {
         replay_flops: replay.flops,
         replay_bytes: replay.bytes,
@@ -294,8 +346,10 @@ fn cost_figures(joint: Option<&Joint>, graph: &Graph, hw: &HwProfile, work: &Nod
         full_recompute_replay_time_s: baseline.seconds,
         forward_time_s: forward.seconds,
         backward_time_s: backward.seconds,
-        step_time_s: forward.seconds + replay.seconds + backward.seconds,
+        step_time_s: forward.seconds + replay.seconds + backward.seconds + transfer.exposed_s,
         replay_host_syncs,
+        transfer_time_s: transfer.total_s,
+        exposed_transfer_time_s: transfer.exposed_s,
         hw: hw.name.clone(),
     }
 }
@@ -361,14 +415,17 @@ fn node_decisions(graph: &Graph, policy: &Policy) -> Vec<NodeDecision> {
         .collect()
 }
 
-fn saved_values(graph: &Graph, partition: &Partition) -> Vec<SavedValue> {
-    partition
+fn saved_values(graph: &Graph, joint: &Joint) -> Vec<SavedValue> {
+    let moved = joint.moved_roots();
+    joint
+        .partition
         .saved
         .iter()
         .map(|s| {
             let producer = graph.producer(s.value).map(|p| graph.node(p));
             let root = graph.storage_root(s.value);
             SavedValue {
+                offloaded: moved.binary_search(&root).is_ok(),
                 value: s.value,
                 alias_of: (root != s.value).then_some(root),
                 bytes: graph.value(s.value).bytes,

@@ -236,6 +236,7 @@ fn text_memory(w: &mut String, plan: &Plan, graph: &Graph) {
         "  peak, whole-layer recompute {}",
         peak(m.full_recompute_peak_bytes)
     );
+    text_offload(w, plan);
     if let Some(device) = &m.device {
         text_device(w, device, &plan.config.training);
     }
@@ -253,14 +254,41 @@ fn text_memory(w: &mut String, plan: &Plan, graph: &Graph) {
         0 => String::new(),
         n => format!("; replay re-runs {n} host synchronisation(s)"),
     };
+    let exposed = if plan.memory.offloaded_bytes > 0 {
+        format!(
+            " + exposed transfer {}",
+            format_seconds(c.exposed_transfer_time_s)
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         w,
-        "step time ({}): {} = forward {} + replay {} + backward {}{syncs}",
+        "step time ({}): {} = forward {} + replay {} + backward {}{exposed}{syncs}",
         c.hw,
         format_seconds(c.step_time_s),
         format_seconds(c.forward_time_s),
         format_seconds(c.replay_time_s),
         format_seconds(c.backward_time_s)
+    );
+}
+
+/// What the plan offloads, when it offloads anything: the values, their bytes, the most the
+/// host holds at once, and the copies' time (in all, and the part compute does not hide).
+fn text_offload(w: &mut String, plan: &Plan) {
+    let m = &plan.memory;
+    if m.offloaded_bytes == 0 {
+        return;
+    }
+    let values = plan.saved.iter().filter(|s| s.offloaded).count();
+    let _ = writeln!(
+        w,
+        "  offloaded to host          {values} values, {} (host peak {}); transfer {}, {} exposed (prefetch {} steps)",
+        format_bytes(m.offloaded_bytes),
+        format_bytes(m.host_peak_bytes),
+        format_seconds(plan.cost.transfer_time_s),
+        format_seconds(plan.cost.exposed_transfer_time_s),
+        plan.config.offload.prefetch,
     );
 }
 

@@ -18,6 +18,8 @@ __all__ = [
     "fit_calibration",
     "planner_main",
     "SPELLED_OPTIONS",
+    "SPELLED_LIST_OPTIONS",
+    "DEFAULT_OFFLOAD_PREFETCH",
     "MARKER_OP",
     "MARKER_NAME_ATTR",
     "PLANNER_VERSION",
@@ -26,6 +28,8 @@ __all__ = [
 ]
 
 SPELLED_OPTIONS: list[tuple[str, str, list[str]]]
+SPELLED_LIST_OPTIONS: list[tuple[str, list[str]]]
+DEFAULT_OFFLOAD_PREFETCH: int
 MARKER_OP: str
 MARKER_NAME_ATTR: str
 PLANNER_VERSION: str
@@ -51,6 +55,9 @@ def plan(
     optimizer_name: str = "adamw",
     optimizer_state_dtype_name: str = "fp32",
     master_weights: bool = False,
+    offload: list[str] = ...,
+    offload_kinds: list[str] = ...,
+    offload_prefetch: int = ...,
     hw_name: str | None = None,
     hw_json: str | None = None,
     hw_path: str | None = None,

@@ -41,6 +41,9 @@ def plan(
     optimizer: str = "adamw",
     optimizer_state_dtype: str = "fp32",
     master_weights: bool = False,
+    offload: str | Iterable[str] | None = None,
+    offload_kinds: str | Iterable[str] | None = None,
+    offload_prefetch: int = 4,
     hw: HwLike = None,
     format: str | None = None,
     check: bool = True,
@@ -66,6 +69,14 @@ def plan(
       (``"fp32"`` or ``"param"``), ``master_weights``: the training state the device total
       (``plan.memory.device_total_bytes``) counts: FSDP shard degree (1: unsharded), the
       optimizer's state and fp32 master weights (docs/cost-and-memory.md, M4);
+    - ``offload``: kept units (names as for ``keep``, each kept by ``keep``) whose saved values
+      go to host memory after their last forward read and come back before backward reads
+      them; ``offload_kinds``: saved kinds offloaded wherever they are (``"kept"``,
+      ``"layer-input"``, ``"not-checkpointed"``, ``"writes-resident"``,
+      ``"reads-overwritten"``, ``"written-unreplayably"``; ``"parameter"`` and
+      ``"graph-input"`` are accepted and never move); ``offload_prefetch``: how many backward
+      steps before its first backward read a value's reload starts (default 4); not with
+      ``budget`` (docs/cost-and-memory.md, M5);
     - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
       ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
       (fields left out keep the H200's); default H200;
@@ -82,7 +93,7 @@ def plan(
     hw_source = _hw_source(hw)
     planned = _native.plan(
         **_graph_source(graph, format),
-        keep=_keep_list(keep),
+        keep=_names("keep", keep),
         recompute_ratio=float(recompute_ratio),
         collectives_name=collectives,
         random_ops_name=random_ops,
@@ -94,6 +105,9 @@ def plan(
         optimizer_name=optimizer,
         optimizer_state_dtype_name=optimizer_state_dtype,
         master_weights=bool(master_weights),
+        offload=_names("offload", offload),
+        offload_kinds=_names("offload_kinds", offload_kinds),
+        offload_prefetch=offload_prefetch,
         **hw_source,
     )
     result = Plan(planned)
@@ -113,20 +127,22 @@ def check_plan(result: Plan, *, stacklevel: int = 3) -> None:
         )
 
 
-def _keep_list(keep: str | Iterable[str] | None) -> list[str]:
-    """The ``keep`` unit names as strings. Bytes are refused: iterating them gives numbers
-    (``b"SAVE"`` would read as units ``83``, ``65``, ...)."""
-    if keep is None:
+def _names(option: str, names: str | Iterable[str] | None) -> list[str]:
+    """The names an option (``keep``, ``offload``, ``offload_kinds``) lists, as strings. Bytes
+    are refused: iterating them gives numbers (``b"SAVE"`` would read as units ``83``, ``65``,
+    ...)."""
+    if names is None:
         return []
-    if isinstance(keep, str):
-        return [keep]
-    if isinstance(keep, (bytes, bytearray, memoryview)):
-        raise TypeError(f"keep takes unit names as str, not {type(keep).__name__}")
-    names = list(keep)
-    for name in names:
+    if isinstance(names, str):
+        return [names]
+    what = "kind names" if option == "offload_kinds" else "unit names"
+    if isinstance(names, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{option} takes {what} as str, not {type(names).__name__}")
+    listed = list(names)
+    for name in listed:
         if not isinstance(name, str):
-            raise TypeError(f"keep takes unit names as str, not {type(name).__name__}: {name!r}")
-    return names
+            raise TypeError(f"{option} takes {what} as str, not {type(name).__name__}: {name!r}")
+    return listed
 
 
 class _HwSource(TypedDict, total=False):

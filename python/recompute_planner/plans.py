@@ -55,6 +55,9 @@ class SavedValue:
     kind: str  # "kept", "layer-input", "not-checkpointed", "writes-resident", ...
     model: str | None
     alias_of: str | None = None  # the saved value whose storage this one shares
+    # In host memory between its last forward read and its reload, not on the device
+    # (docs/cost-and-memory.md, M5).
+    offloaded: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class Memory:
     master_weight_bytes: int | None = None
     optimizer_step_bytes: int | None = None
     device_memory_bytes: int | None = None  # the hardware profile's memory
+    # Offloaded storages (M5): their bytes in all, and the most of them on the host at once.
+    offloaded_bytes: int = 0
+    host_peak_bytes: int = 0
 
     def fits(self) -> bool | None:
         """Whether the device total fits in the hardware profile's memory (None without it)."""
@@ -129,9 +135,12 @@ class Cost:
     full_recompute_replay_time_s: float
     forward_time_s: float
     backward_time_s: float
-    step_time_s: float  # forward + replay + backward
+    step_time_s: float  # forward + replay + backward + exposed_transfer_time_s
     replay_host_syncs: int
     hw: str
+    # Copies of offloaded values to the host and back (M5), and the part compute does not hide.
+    transfer_time_s: float = 0.0
+    exposed_transfer_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,9 @@ class Config:
     optimizer: str = "adamw"  # "adamw", "sgd" or "none"
     optimizer_state_dtype: str = "fp32"  # "fp32" or "param"
     master_weights: bool = False
+    offload: tuple[str, ...] = ()  # kept units whose saved values go to the host (M5)
+    offload_kinds: tuple[str, ...] = ()  # saved kinds offloaded wherever they are
+    offload_prefetch: int = 4  # backward steps a reload starts before the first read
 
 
 @dataclass(frozen=True)
@@ -246,9 +258,7 @@ class Plan:
 
     @functools.cached_property
     def replay(self) -> tuple[Replay, ...]:
-        return tuple(
-            _make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in self._doc["replay"]
-        )
+        return tuple(_make(Replay, {**r, "nodes": tuple(r["nodes"])}) for r in self._doc["replay"])
 
     @functools.cached_property
     def units(self) -> tuple[UnitSummary, ...]:
@@ -341,7 +351,10 @@ def _config(doc: dict[str, Any]) -> Config:
     layer_keep = tuple(
         LayerKeep(k["model"], k["layer"], tuple(k["keep"])) for k in doc.get("layer_keep", [])
     )
-    return _make(Config, {**doc, "keep": tuple(doc["keep"]), "layer_keep": layer_keep})
+    lists: dict[str, Any] = {
+        key: tuple(doc[key]) for key in ("keep", "offload", "offload_kinds") if key in doc
+    }
+    return _make(Config, {**doc, **lists, "layer_keep": layer_keep})
 
 
 def _unit(doc: dict[str, Any]) -> UnitSummary:

@@ -192,9 +192,22 @@ def deep_graph(tmp_path_factory) -> Path:
     whose `budget` search takes about a second even with the optimised extension."""
     deep = tmp_path_factory.mktemp("deep") / "moe_ep2_deep.pb"
     done = subprocess.run(
-        ["cargo", "run", "-q", "-p", "testkit", "--example", "deepen_file", "--",
-         str(GOLDEN_DIR / "moe_ep2.pb"), str(deep), "1000"],
-        cwd=REPO_ROOT, capture_output=True, text=True,
+        [
+            "cargo",
+            "run",
+            "-q",
+            "-p",
+            "testkit",
+            "--example",
+            "deepen_file",
+            "--",
+            str(GOLDEN_DIR / "moe_ep2.pb"),
+            str(deep),
+            "1000",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     return deep
@@ -329,7 +342,9 @@ def test_the_documented_one_liner_runs_from_the_repository():
         "print(rp.plan('tests/golden/glm_dsa_ep2.pb', keep=['SAVE_DSA_INDEXER']).memory)"
     )
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code], cwd=REPO_ROOT, capture_output=True,
+        [sys.executable, "-W", "ignore", "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr
@@ -359,11 +374,31 @@ def test_the_extension_is_part_of_the_package():
 # What a user imports from the package (`compile` and `sac` are submodules loaded on first
 # use); everything else lives in its modules.
 PUBLIC_NAMES = {
-    "Annotation", "ExportError", "ExportResult", "ModelDecl", "OpInterval", "Plan", "PlanRejected",
-    "PlannerError", "PlannerWarning", "SacMismatchError", "TensorSpec", "__version__",
-    "annotate", "calibrate", "check_plan", "errors", "export", "load_plan", "markers", "plan",
+    "Annotation",
+    "ExportError",
+    "ExportResult",
+    "ModelDecl",
+    "OpInterval",
+    "Plan",
+    "PlanRejected",
+    "PlannerError",
+    "PlannerWarning",
+    "SacMismatchError",
+    "TensorSpec",
+    "__version__",
+    "annotate",
+    "calibrate",
+    "check_plan",
+    "errors",
+    "export",
+    "load_plan",
+    "markers",
+    "plan",
     # the warnings, each a PlannerWarning
-    "ArgumentsHeldWarning", "KvCacheOffWarning", "NoLayersWarning", "OwnCheckpointingWarning",
+    "ArgumentsHeldWarning",
+    "KvCacheOffWarning",
+    "NoLayersWarning",
+    "OwnCheckpointingWarning",
 }
 
 
@@ -428,3 +463,9 @@ def test_every_spelled_keyword_of_plan_has_the_planners_default_and_spellings():
         assert parameters[keyword].default == default, keyword
         unnamed = [s for s in spellings if f'``"{s}"``' not in doc]
         assert not unnamed, f"plan's docstring does not name {keyword}={unnamed}"
+    assert len(_native.SPELLED_LIST_OPTIONS) == 1
+    for keyword, spellings in _native.SPELLED_LIST_OPTIONS:
+        assert parameters[keyword].default is None, keyword
+        unnamed = [s for s in spellings if f'``"{s}"``' not in doc]
+        assert not unnamed, f"plan's docstring does not name {keyword}={unnamed}"
+    assert parameters["offload_prefetch"].default == _native.DEFAULT_OFFLOAD_PREFETCH

@@ -206,6 +206,10 @@ spelled! {
         EagerReplayUnfaithful => "eager-replay-unfaithful",
         RandomOpReplayed => "random-op-replayed",
         EagerCheckpointCostsMemory => "eager-checkpoint-costs-memory",
+        OffloadAliasedOnDevice => "offload-aliased-on-device",
+        OffloadWrittenInPlace => "offload-written-in-place",
+        OffloadNoGap => "offload-no-gap",
+        OffloadTooSmall => "offload-too-small",
     }
 }
 

@@ -124,6 +124,13 @@ fn write_config(j: &mut Pretty, c: &Config, names: &dyn PlanNames) {
         j.key("optimizer_state_dtype")
             .str(c.training.state_dtype.name());
         j.key("master_weights").bool(c.training.master_weights);
+        j.key("offload").array(&c.offload.units, |j, unit| {
+            j.str(unit);
+        });
+        j.key("offload_kinds").array(&c.offload.kinds, |j, kind| {
+            j.str(kind.name());
+        });
+        j.key("offload_prefetch").u64(c.offload.prefetch.into());
     });
 }
 
@@ -163,6 +170,7 @@ fn write_saved(j: &mut Pretty, s: &SavedValue, names: &dyn PlanNames) {
             .option(s.model.map(|m| names.model(m)), Pretty::str);
         j.key("alias_of")
             .option(s.alias_of.map(|v| names.value(v)), Pretty::str);
+        j.key("offloaded").bool(s.offloaded);
     });
 }
 
@@ -227,6 +235,8 @@ fn write_memory(j: &mut Pretty, m: &Memory, names: &dyn PlanNames) {
             .option(part(|d| d.optimizer_step_bytes), Pretty::u64);
         j.key("device_memory_bytes")
             .option(part(|d| d.memory_bytes), Pretty::u64);
+        j.key("offloaded_bytes").u64(m.offloaded_bytes);
+        j.key("host_peak_bytes").u64(m.host_peak_bytes);
     });
 }
 
@@ -242,6 +252,9 @@ fn write_cost(j: &mut Pretty, c: &Cost) {
         j.key("backward_time_s").f64(c.backward_time_s);
         j.key("step_time_s").f64(c.step_time_s);
         j.key("replay_host_syncs").u64(c.replay_host_syncs);
+        j.key("transfer_time_s").f64(c.transfer_time_s);
+        j.key("exposed_transfer_time_s")
+            .f64(c.exposed_transfer_time_s);
         j.key("hw").str(&c.hw);
     });
 }

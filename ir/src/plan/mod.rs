@@ -105,6 +105,43 @@ pub struct Config {
     /// `plan --choices`); empty when `keep` applies everywhere.
     pub layer_keep: Vec<LayerKeep>,
     pub training: Training,
+    pub offload: Offload,
+}
+
+/// `--offload`, `--offload-kinds`, `--offload-prefetch`: which saved values the executor moves
+/// to host memory after their last forward read, and how early backward brings them back
+/// (docs/cost-and-memory.md, M5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offload {
+    /// Kept units whose saved values go to the host (upper-case, deduplicated, in the order
+    /// given).
+    pub units: Vec<String>,
+    /// Saved kinds that go to the host wherever they are.
+    pub kinds: Vec<SavedKind>,
+    /// Backward steps (replayed or backward ops) before its first backward read that a value's
+    /// reload starts.
+    pub prefetch: u32,
+}
+
+impl Offload {
+    /// Four backward steps: enough compute to hide a layer input's reload on the shipped GPU
+    /// profiles at modest widths, while holding the reloaded value only briefly.
+    pub const DEFAULT_PREFETCH: u32 = 4;
+
+    /// Whether anything is to be offloaded.
+    pub fn is_asked(&self) -> bool {
+        !self.units.is_empty() || !self.kinds.is_empty()
+    }
+}
+
+impl Default for Offload {
+    fn default() -> Self {
+        Offload {
+            units: Vec::new(),
+            kinds: Vec::new(),
+            prefetch: Offload::DEFAULT_PREFETCH,
+        }
+    }
 }
 
 /// The training state the device holds beside the step's activations (docs/cost-and-memory.md,
@@ -170,6 +207,8 @@ pub struct SavedValue {
     pub model: Option<ModelId>,
     pub layer: Option<u32>,
     pub kind: SavedKind,
+    /// In host memory between its last forward read and its reload, not on the device.
+    pub offloaded: bool,
 }
 
 /// The forward nodes one checkpointed layer re-executes in backward.
@@ -224,6 +263,10 @@ pub struct Memory {
     pub gradient_bytes: u64,
     /// The whole training state on one device; `None` for a forward-only graph.
     pub device: Option<DeviceTotal>,
+    /// Bytes of the offloaded storages (each once), and the most of them in host memory at
+    /// once.
+    pub offloaded_bytes: u64,
+    pub host_peak_bytes: u64,
 }
 
 /// The peak bytes of one device over a training step (docs/cost-and-memory.md, M4): the
@@ -276,6 +319,10 @@ pub struct Cost {
     pub step_time_s: f64,
     /// Host synchronisations replay re-runs (copies to the host, scalar reads).
     pub replay_host_syncs: u64,
+    /// Copies of offloaded values to the host and back, in total, and the part of them that
+    /// compute does not hide (included in `step_time_s`).
+    pub transfer_time_s: f64,
+    pub exposed_transfer_time_s: f64,
     /// The hardware profile the times assume.
     pub hw: String,
 }

@@ -5,9 +5,9 @@ use prost::Message;
 
 use super::{
     Code, Collectives, Config, Cost, Decision, DevicePhase, DeviceTotal, Diagnostic, Executor,
-    GraphRef, Keep, LayerKeep, LayerRef, Level, Memory, NameTable, NodeDecision, Optimizer, Peak,
-    Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind, SavedValue, Spelled,
-    Stage, StateDtype, Training, UnitLayer, UnitSummary,
+    GraphRef, Keep, LayerKeep, LayerRef, Level, Memory, NameTable, NodeDecision, Offload,
+    Optimizer, Peak, Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind,
+    SavedValue, Spelled, Stage, StateDtype, Training, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
 
@@ -49,6 +49,8 @@ pub fn to_wire(plan: &Plan, names: &dyn PlanNames) -> pb::Plan {
             backward_time_s: plan.cost.backward_time_s,
             step_time_s: plan.cost.step_time_s,
             replay_host_syncs: plan.cost.replay_host_syncs,
+            transfer_time_s: plan.cost.transfer_time_s,
+            exposed_transfer_time_s: plan.cost.exposed_transfer_time_s,
         }),
         diagnostics: plan
             .diagnostics
@@ -79,6 +81,7 @@ fn saved_to_wire(s: &SavedValue, names: &dyn PlanNames) -> pb::SavedValue {
         kind: s.kind.name().to_owned(),
         model: s.model.map(|m| names.model(m).to_owned()),
         alias_of: s.alias_of.map(|v| names.value(v).to_owned()),
+        offloaded: s.offloaded,
     }
 }
 
@@ -151,6 +154,14 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
         optimizer: config.training.optimizer.name().to_owned(),
         optimizer_state_dtype: config.training.state_dtype.name().to_owned(),
         master_weights: config.training.master_weights,
+        offload: config.offload.units.clone(),
+        offload_kinds: config
+            .offload
+            .kinds
+            .iter()
+            .map(|k| k.name().to_owned())
+            .collect(),
+        offload_prefetch: config.offload.prefetch,
     }
 }
 
@@ -172,6 +183,8 @@ fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
         master_weight_bytes: m.device.map(|d| d.master_weight_bytes),
         optimizer_step_bytes: m.device.map(|d| d.optimizer_step_bytes),
         device_memory_bytes: m.device.map(|d| d.memory_bytes),
+        offloaded_bytes: m.offloaded_bytes,
+        host_peak_bytes: m.host_peak_bytes,
     }
 }
 
@@ -249,6 +262,8 @@ pub fn from_wire(wire: pb::Plan) -> Result<(Plan, NameTable), PlanReadError> {
             backward_time_s: cost.backward_time_s,
             step_time_s: cost.step_time_s,
             replay_host_syncs: cost.replay_host_syncs,
+            transfer_time_s: cost.transfer_time_s,
+            exposed_transfer_time_s: cost.exposed_transfer_time_s,
         },
         diagnostics,
     };
@@ -289,6 +304,15 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
             state_dtype: spelled::<StateDtype>("optimizer state dtype", &c.optimizer_state_dtype)?,
             master_weights: c.master_weights,
         },
+        offload: Offload {
+            units: c.offload,
+            kinds: c
+                .offload_kinds
+                .iter()
+                .map(|k| spelled::<SavedKind>("offload kind", k))
+                .collect::<Result<_, _>>()?,
+            prefetch: c.offload_prefetch,
+        },
     })
 }
 
@@ -315,6 +339,7 @@ fn saved_from_wire(s: pb::SavedValue, names: &mut NameTable) -> Result<SavedValu
         model: s.model.map(|m| names.model(&m)),
         layer: s.layer,
         kind: spelled::<SavedKind>("saved kind", &s.kind)?,
+        offloaded: s.offloaded,
     })
 }
 
@@ -368,6 +393,8 @@ fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, Plan
         parameter_bytes: m.parameter_bytes,
         gradient_bytes: m.gradient_bytes,
         device,
+        offloaded_bytes: m.offloaded_bytes,
+        host_peak_bytes: m.host_peak_bytes,
     })
 }
 

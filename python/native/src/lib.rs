@@ -25,8 +25,8 @@ use ir::{
     io::Format as GraphFormat,
     ops::CollectiveKind,
     plan::{
-        Collectives, Executor, Format as PlanFormat, Optimizer, Plan, PlanReadError, RandomOps,
-        Spelled, StateDtype, Training,
+        Collectives, Executor, Format as PlanFormat, Offload, Optimizer, Plan, PlanReadError,
+        RandomOps, SavedKind, Spelled, StateDtype, Training,
     },
     Graph, LoadError,
 };
@@ -85,6 +85,8 @@ impl From<ConfigError> for Failure {
         let code = match e {
             ConfigError::UnknownUnit { .. } => "unknown-unit",
             ConfigError::MixedKeep { .. } | ConfigError::EmptyUnit { .. } => "invalid-keep",
+            ConfigError::EmptyOffloadUnit { .. } => "invalid-offload",
+            ConfigError::OffloadNotKept { .. } => "offload-not-kept",
             ConfigError::Ratio { .. } => "invalid-ratio",
             ConfigError::ChoicesFormat { .. } | ConfigError::ChoicesUnknown { .. } => {
                 "invalid-choices"
@@ -111,6 +113,7 @@ impl From<BudgetError> for Failure {
             BudgetError::NotJoint => "budget-needs-joint-graph",
             BudgetError::TooManyUnits { .. } => "too-many-units",
             BudgetError::Interrupted => "interrupted",
+            BudgetError::Offload => "invalid-option",
         };
         Failure::new(code, e)
     }
@@ -193,6 +196,29 @@ fn plan_format(name: &str) -> Result<PlanFormat, Failure> {
             format!("plan format must be `pb` or `json`, not `{name}`"),
         )),
     }
+}
+
+/// Each spelled keyword of `plan` that takes a list (`offload_kinds`): every spelling, for the
+/// package's tests to hold the docstring to the planner's.
+fn spelled_list_options() -> Vec<(&'static str, Vec<&'static str>)> {
+    vec![(
+        "offload_kinds",
+        SavedKind::ALL.iter().map(|k| k.name()).collect(),
+    )]
+}
+
+/// The offload options (`offload`, `offload_kinds`, `offload_prefetch`), as the CLI reads
+/// them (comma-separated names, or one per item).
+fn offload(units: &[String], kinds: &[String], prefetch: u32) -> Result<Offload, Failure> {
+    Ok(Offload {
+        units: config::parse_offload_units(units)?,
+        kinds: kinds
+            .iter()
+            .flat_map(|k| k.split(','))
+            .map(|k| spelled::<SavedKind>("offload_kinds", k.trim()))
+            .collect::<Result<_, _>>()?,
+        prefetch,
+    })
 }
 
 /// A spelled option (`collectives`, `random_ops`, `executor`): its value, or an error listing
@@ -424,6 +450,7 @@ fn json_text(bytes: Vec<u8>) -> String {
     *, path, data=None, format=None, graph=None, keep, recompute_ratio, collectives_name, random_ops_name,
     executor_name, budget_size=None, budget_includes="activations", granularity, fsdp=1,
     optimizer_name="adamw", optimizer_state_dtype_name="fp32", master_weights=false,
+    offload=Vec::new(), offload_kinds=Vec::new(), offload_prefetch=Offload::DEFAULT_PREFETCH,
     hw_name=None, hw_json=None, hw_path=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
@@ -445,6 +472,9 @@ fn plan(
     optimizer_name: &str,
     optimizer_state_dtype_name: &str,
     master_weights: bool,
+    offload: Vec<String>,
+    offload_kinds: Vec<String>,
+    offload_prefetch: u32,
     hw_name: Option<&str>,
     hw_json: Option<&str>,
     hw_path: Option<&str>,
@@ -460,6 +490,7 @@ fn plan(
             optimizer_state_dtype_name,
             master_weights,
         )?;
+        let offload = self::offload(&offload, &offload_kinds, offload_prefetch)?;
         #[allow(clippy::needless_update)] // PlanConfig grows options; the rest keep defaults
         let config = PlanConfig {
             keep,
@@ -468,6 +499,7 @@ fn plan(
             random_ops: spelled::<RandomOps>("random_ops", random_ops_name)?,
             executor: spelled::<Executor>("executor", executor_name)?,
             training,
+            offload,
             ..PlanConfig::default()
         };
         let hw = resolve_hw(py, hw_name, hw_json, hw_path)?;
@@ -720,6 +752,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fit_calibration, m)?)?;
     m.add_function(wrap_pyfunction!(planner_main, m)?)?;
     m.add("SPELLED_OPTIONS", spelled_options())?;
+    m.add("SPELLED_LIST_OPTIONS", spelled_list_options())?;
+    m.add("DEFAULT_OFFLOAD_PREFETCH", Offload::DEFAULT_PREFETCH)?;
     m.add("MARKER_OP", ir::MARKER_OP)?;
     m.add("MARKER_NAME_ATTR", ir::MARKER_NAME_ATTR)?;
     m.add("PLANNER_VERSION", ir::plan::PLANNER_VERSION)?;

@@ -35,6 +35,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             model: None,
             layer: None,
             kind: SavedKind::NotCheckpointed,
+            offloaded: false,
         })
         .collect();
     Plan {
@@ -52,6 +53,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             budget_bytes: None,
             layer_keep: Vec::new(),
             training: Default::default(),
+            offload: Default::default(),
         },
         joint: true,
         nodes: Vec::new(),

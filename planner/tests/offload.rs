@@ -1,0 +1,313 @@
+//! Offload (docs/cost-and-memory.md, M5): where an offloaded storage leaves the device and
+//! comes back, what the device peak and the host hold, and the storages kept on the device.
+//! Hand-built graphs hold `[4, 4]` float32 tensors: 64 bytes each.
+
+use ir::{
+    plan::{Code, Executor, Keep, Offload, Plan, SavedKind},
+    Graph, ValueId,
+};
+use planner::{
+    config::PlanConfig,
+    cost::HwProfile,
+    memory::{self, simulate_offloaded, OffloadRequest, OffloadWindow},
+    plan::plan,
+};
+use testkit::Builder;
+
+/// Forward: a = op(x) (step 0), c = op(a) (1). Backward: g1 = neg(c) (2), g2 = g1 * g1 (3),
+/// g3 = g2 * g1 (4), g4 = a * g3 (5). Without offload the peak is a, g1, g2, g3 at step 4.
+fn late_read() -> (Graph, ValueId) {
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    let a = b.op(&x);
+    let c = b.op(&a);
+    b.backward();
+    let g1 = b.node("aten.neg.default", &[&c]).1;
+    let g2 = b.node("aten.mul.Tensor", &[&g1, &g1]).1;
+    let g3 = b.node("aten.mul.Tensor", &[&g2, &g1]).1;
+    let g4 = b.node("aten.mul.Tensor", &[&a, &g3]).1;
+    b.output(&g4);
+    let graph = b.build();
+    let a = graph
+        .values()
+        .iter()
+        .find(|(_, v)| v.name == a)
+        .map(|(id, _)| id)
+        .expect("a exists");
+    (graph, a)
+}
+
+fn offloaded(graph: &Graph, values: &[ValueId], prefetch: usize) -> (u64, Vec<OffloadWindow>) {
+    let (sim, windows) = simulate_offloaded(
+        graph,
+        graph.backward_order(),
+        &[],
+        memory::Executed::default(),
+        1,
+        OffloadRequest { values, prefetch },
+    );
+    (sim.peak_bytes, windows)
+}
+
+#[test]
+fn m5_an_offloaded_value_is_off_the_device_from_its_copy_to_its_reload() {
+    let (graph, a) = late_read();
+    let (without, _) = offloaded(&graph, &[], 0);
+    assert_eq!(without, 256);
+    let (with, windows) = offloaded(&graph, &[a], 0);
+    // `a` lives through step 2 (its copy runs beside the step after its last forward read)
+    // and again from step 5, its first backward read: the peak of 4 values at step 4 loses it.
+    assert_eq!(with, 192);
+    assert_eq!(
+        windows,
+        vec![OffloadWindow {
+            value: a,
+            bytes: 64,
+            last_forward_read: 1,
+            first_backward_read: Some(5),
+            reload_at: 5,
+            moved: true,
+        }]
+    );
+}
+
+#[test]
+fn m5_the_reload_comes_prefetch_steps_before_the_first_backward_read() {
+    let (graph, a) = late_read();
+    let (with, windows) = offloaded(&graph, &[a], 1);
+    // Reloaded at step 4, `a` is back on the device for the peak at step 4.
+    assert_eq!(windows[0].reload_at, 4);
+    assert!(windows[0].moved);
+    assert_eq!(with, 256);
+}
+
+#[test]
+fn m5_a_value_the_device_is_never_free_of_stays_on_the_device() {
+    let (graph, a) = late_read();
+    // A reload 3 steps ahead starts with backward, right after the copy: no step without it.
+    let (with, windows) = offloaded(&graph, &[a], 3);
+    assert_eq!(windows[0].reload_at, 2);
+    assert!(!windows[0].moved);
+    assert_eq!(with, 256);
+}
+
+fn offload_config(keep: Keep, kinds: &[SavedKind], executor: Executor) -> PlanConfig {
+    PlanConfig {
+        keep,
+        executor,
+        offload: Offload {
+            kinds: kinds.to_vec(),
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    }
+}
+
+fn golden(name: &str) -> Graph {
+    let path = format!("{}/../tests/golden/{name}.pb", env!("CARGO_MANIFEST_DIR"));
+    ir::io::load(std::path::Path::new(&path)).expect("golden loads")
+}
+
+const GOLDENS: &[&str] = &[
+    "dense",
+    "glm_dsa_ep2",
+    "moe_ep2",
+    "moe_ep2_inplace",
+    "dense_dropout",
+];
+
+/// The offloaded storages' bytes, each once.
+fn offloaded_root_bytes(graph: &Graph, plan: &Plan) -> u64 {
+    let mut roots: Vec<ValueId> = plan
+        .saved
+        .iter()
+        .filter(|s| s.offloaded)
+        .map(|s| graph.storage_root(s.value))
+        .collect();
+    roots.sort_unstable();
+    roots.dedup();
+    roots.iter().map(|&r| graph.value(r).bytes).sum()
+}
+
+#[test]
+fn m5_offload_never_raises_the_device_peak_and_the_host_holds_every_moved_byte() {
+    let hw = HwProfile::default();
+    let kinds = [
+        SavedKind::Kept,
+        SavedKind::LayerInput,
+        SavedKind::NotCheckpointed,
+    ];
+    for name in GOLDENS {
+        let graph = golden(name);
+        for executor in [Executor::Graph, Executor::Eager] {
+            let without = plan(&graph, &offload_config(Keep::All, &[], executor), &hw).unwrap();
+            let with = plan(&graph, &offload_config(Keep::All, &kinds, executor), &hw).unwrap();
+            let (before, after) = (without.memory.peak_bytes, with.memory.peak_bytes);
+            assert!(after <= before, "{name} {executor}: {after:?} > {before:?}");
+            // Every copy leaves forward before every reload: all moved bytes are on the host
+            // at once, after forward.
+            let moved = offloaded_root_bytes(&graph, &with);
+            assert_eq!(with.memory.offloaded_bytes, moved, "{name} {executor}");
+            assert_eq!(with.memory.host_peak_bytes, moved, "{name} {executor}");
+            assert_eq!(without.memory.offloaded_bytes, 0);
+            let exposed = with.cost.exposed_transfer_time_s;
+            assert!(exposed <= with.cost.transfer_time_s, "{name} {executor}");
+            assert_eq!(
+                with.cost.step_time_s,
+                with.cost.forward_time_s
+                    + with.cost.replay_time_s
+                    + with.cost.backward_time_s
+                    + exposed
+            );
+        }
+    }
+}
+
+#[test]
+fn m5_every_reload_lands_before_the_first_backward_read_and_after_forward() {
+    let graph = golden("glm_dsa_ep2");
+    let hw = HwProfile::default();
+    let config = offload_config(
+        Keep::All,
+        &[SavedKind::Kept, SavedKind::LayerInput],
+        Executor::Graph,
+    );
+    let resolved = planner::config::resolve(&graph, &config).unwrap();
+    let policy = planner::policy::apply(&graph, &config, &resolved);
+    let partition = planner::partition::partition(&graph, &policy, config.executor);
+    let selection = planner::offload::select(&graph, &config, &resolved, &policy, &partition);
+    assert!(!selection.roots.is_empty());
+    let (_, windows) = simulate_offloaded(
+        &graph,
+        &partition.order,
+        &partition.replays,
+        partition.executed(),
+        1,
+        OffloadRequest {
+            values: &selection.roots,
+            prefetch: 4,
+        },
+    );
+    let forward_steps = memory::forward_step_count(&graph);
+    for w in windows.iter().filter(|w| w.moved) {
+        let first = w
+            .first_backward_read
+            .expect("a moved value is read after forward");
+        assert!(
+            w.reload_at <= first && w.reload_at >= forward_steps,
+            "{w:?}"
+        );
+        assert!(w.reload_at >= first.saturating_sub(4), "{w:?}");
+        assert!(w.last_forward_read + 2 <= w.reload_at, "{w:?}");
+    }
+    let planned = plan(&graph, &config, &hw).unwrap();
+    assert!(planned.memory.offloaded_bytes > 0);
+}
+
+fn codes(plan: &Plan) -> Vec<Code> {
+    plan.diagnostics.iter().map(|d| d.code).collect()
+}
+
+#[test]
+fn m5_a_storage_written_in_place_stays_on_the_device() {
+    // Outside layers: a = op(x), then written in place; backward reads the written tensor.
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    let a = b.op(&x);
+    let written = b.node("aten.add_.Tensor", &[&a, &x]).1;
+    let t = b.tangent("t");
+    b.backward();
+    let g = b.node("aten.mul.Tensor", &[&written, &t]).1;
+    b.output(&g);
+    let graph = b.build();
+    let config = offload_config(
+        Keep::Nothing,
+        &[SavedKind::NotCheckpointed],
+        Executor::Graph,
+    );
+    let p = plan(&graph, &config, &HwProfile::default()).unwrap();
+    assert!(
+        codes(&p).contains(&Code::OffloadWrittenInPlace),
+        "{:?}",
+        p.diagnostics
+    );
+    assert!(p.saved.iter().all(|s| !s.offloaded));
+    assert_eq!(p.memory.offloaded_bytes, 0);
+}
+
+const ATTN: (&str, &[(&str, &str)]) = ("SAVE_ATTN", &[("attn.begin", "attn.end")]);
+
+#[test]
+fn m5_a_storage_another_saved_value_views_on_the_device_stays_there() {
+    // Layer 0: SAVE_ATTN keeps `a`; between the layers a view of it is made, layer 1's
+    // input, saved for layer 1's replay. Offloading what SAVE_ATTN keeps would leave the view
+    // on the device over the same storage.
+    let mut b = Builder::new(2, &[ATTN]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let m = b.marker("attn.begin", &x);
+    let a = b.op(&m);
+    let e = b.marker("attn.end", &a);
+    let h = b.op(&e);
+    b.layer(None);
+    let view = b.node("aten.view.default", &[&a]).1;
+    b.layer(Some(1));
+    let c = b.op(&view);
+    b.layer(None);
+    b.backward_through("t", &[c, h, a]);
+    let graph = b.build();
+    let config = PlanConfig {
+        keep: Keep::Units(vec!["SAVE_ATTN".into()]),
+        offload: Offload {
+            units: vec!["SAVE_ATTN".into()],
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    };
+    let p = plan(&graph, &config, &HwProfile::default()).unwrap();
+    assert!(
+        codes(&p).contains(&Code::OffloadAliasedOnDevice),
+        "{:?} {:?}",
+        p.diagnostics,
+        p.saved
+    );
+    assert_eq!(p.memory.offloaded_bytes, 0);
+}
+
+#[test]
+fn m5_copies_are_exposed_in_full_without_a_device_queue_and_cost_no_host_sync() {
+    let graph = golden("glm_dsa_ep2");
+    let config = PlanConfig {
+        keep: Keep::Units(vec!["SAVE_DSA_INDEXER".into()]),
+        offload: Offload {
+            units: vec!["SAVE_DSA_INDEXER".into()],
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    };
+    let gpu = HwProfile::default();
+    let p = plan(&graph, &config, &gpu).unwrap();
+    // Each moved storage is copied twice: bytes over the host link plus a launch, no sync.
+    let copies = 2.0 * p.memory.offloaded_bytes as f64 / gpu.host_bytes_per_s;
+    let moved = p.saved.iter().filter(|s| s.offloaded).count() as f64;
+    let expected = copies + 2.0 * moved * gpu.op_overhead_s;
+    assert!((p.cost.transfer_time_s - expected).abs() < 1e-12 * expected.max(1.0));
+    assert!(p.cost.exposed_transfer_time_s < p.cost.transfer_time_s);
+    let cpu = HwProfile {
+        asynchronous: false,
+        ..gpu
+    };
+    let p = plan(&graph, &config, &cpu).unwrap();
+    assert_eq!(p.cost.exposed_transfer_time_s, p.cost.transfer_time_s);
+}
+
+#[test]
+fn m5_the_budget_search_refuses_offload_rather_than_compose_it_wrongly() {
+    let graph = golden("glm_dsa_ep2");
+    let hw = HwProfile::default();
+    let config = offload_config(Keep::Nothing, &[SavedKind::LayerInput], Executor::Graph);
+    assert!(matches!(
+        planner::budget::Search::new(&graph, &config, &hw),
+        Err(planner::budget::BudgetError::Offload)
+    ));
+}
