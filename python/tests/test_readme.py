@@ -7,6 +7,7 @@ docs/huggingface.md: its blocks in order in one namespace, on a stock Llama as c
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -159,3 +160,30 @@ def test_the_readme_runs_a_stock_hf_model(tmp_path, monkeypatch, capsys):
     if printed[4] is None:
         pytest.skip("this planner has no `run` (build it with --features run); the rest passed")
     assert "2 rank(s)" in printed[4] and "\nrank 1\n" in printed[4]
+
+
+def test_the_readmes_save_recompute_offload_table_is_what_the_planner_prints():
+    """Each row of the README's table of the three fates on the DSA golden: the options given
+    to `planner plan`, and the device peak, host bytes, transfer and replay time it predicts."""
+    rows = re.findall(
+        r"^\| (\(none[^|]*\)|`[^`]+`) \| ([\d,]+) B \| ([\d,]+) B \| ([\d.]+) (s|µs) \| "
+        r"([\d.]+) ms \|$",
+        section(),
+        flags=re.M,
+    )
+    assert len(rows) == 3, rows
+    for options, peak, host, transfer, unit, replay in rows:
+        args = [] if options.startswith("(") else shlex.split(options.strip("`"))
+        done = subprocess.run(
+            [planner_bin(), "plan", "tests/golden/glm_dsa_ep2.pb", *args, "--format", "json"],
+            cwd=REPO_ROOT, capture_output=True, text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        plan = json.loads(done.stdout)
+        scale = 1e6 if unit == "µs" else 1.0
+        assert plan["memory"]["peak_bytes"] == int(peak.replace(",", "")), options
+        assert plan["memory"].get("offloaded_bytes", 0) == int(host.replace(",", "")), options
+        decimals = len(transfer.partition(".")[2])
+        printed = round(plan["cost"].get("transfer_time_s", 0.0) * scale, decimals)
+        assert printed == float(transfer), options
+        assert f"{plan['cost']['replay_time_s'] * 1e3:.3f}" == replay, options
