@@ -176,7 +176,12 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
         # (Phi-3), non-gated with bias (Starcoder2), gated with bias, non-gated ReLU² without
         # bias (Arcee), and norms after each block (OLMo 2).
         "phi3": (build(T.Phi3ForCausalLM, T.Phi3Config, pad_token_id=0), DENSE_UNITS),
-        "starcoder2": (build(T.Starcoder2ForCausalLM, T.Starcoder2Config), DENSE_UNITS),
+        # Untied, as every other family here: aot_module's functional call takes no tied
+        # parameters.
+        "starcoder2": (
+            build(T.Starcoder2ForCausalLM, T.Starcoder2Config, tie_word_embeddings=False),
+            DENSE_UNITS,
+        ),
         "llama-mlp-bias": (build(T.LlamaForCausalLM, T.LlamaConfig, mlp_bias=True), DENSE_UNITS),
         "arcee": (build(T.ArceeForCausalLM, T.ArceeConfig), DENSE_UNITS),
         "olmo2": (build(T.Olmo2ForCausalLM, T.Olmo2Config), DENSE_UNITS),
