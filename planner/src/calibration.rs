@@ -630,6 +630,8 @@ pub fn fit(
         "memory_bytes",
         &mut not_measured,
     );
+    // How much host memory offload may take is the user's to say, not a benchmark's.
+    not_measured.push("host_memory_bytes".to_owned());
     // Latencies may be measured as 0 (a host sync on a device that is the host).
     match median(class(timings, "host_sync").map(above)) {
         Some(sync) => profile.host_sync_s = if sync <= f64::MIN_POSITIVE { 0.0 } else { sync },

@@ -67,6 +67,9 @@ pub struct HwProfile {
     pub attention_efficiency: f64,
     /// Host <-> device copy bandwidth per direction (PCIe, C2C), bytes/s.
     pub host_bytes_per_s: f64,
+    /// Host memory one device's offloaded activations may take (pinned; the node's memory
+    /// over its devices), bytes: what the plan's host peak is compared with.
+    pub host_memory_bytes: f64,
     /// Seconds a host synchronisation costs beyond the op that asks for it (a copy to the
     /// host, a scalar read on the host): the device queue drains and the host waits.
     pub host_sync_s: f64,
@@ -152,7 +155,8 @@ impl HwProfile {
     /// and every shipped profile shares them: 5 us per op (PyTorch's dispatch and a kernel
     /// launch; 2 us for a view, which launches nothing), attention at 60% of the matmul rate
     /// (fused attention on H100 reaches about 35% of the bf16 peak with FlashAttention-2, 75%
-    /// with FlashAttention-3), 64 GB/s host <-> device per direction, 20 us per host
+    /// with FlashAttention-3), 64 GB/s host <-> device per direction, 256 GiB of host memory
+    /// per device (a DGX H100's 2 TiB over its 8 GPUs), 20 us per host
     /// synchronisation, 15 us per collective call (NCCL within a node), and 40 us of host time
     /// per op eager selective checkpointing dispatches in a checkpointed layer (measured on an
     /// H200 machine's host: 39 to 47 us, docs/measurements/h200-eager-time.md). `planner
@@ -177,6 +181,7 @@ impl HwProfile {
             reduction_overhead_s: 5e-6,
             attention_efficiency: 0.6,
             host_bytes_per_s: 64e9,
+            host_memory_bytes: GIB * 256.0,
             host_sync_s: 20e-6,
             collective_latency_s: 15e-6,
             checkpoint_op_overhead_s: 40e-6,
@@ -294,6 +299,7 @@ impl HwProfile {
             ("link_bytes_per_s", profile.link_bytes_per_s),
             ("memory_bytes", profile.memory_bytes),
             ("host_bytes_per_s", profile.host_bytes_per_s),
+            ("host_memory_bytes", profile.host_memory_bytes),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return Err(format!(

@@ -19,10 +19,13 @@ use crate::{
     policy::{Demotion, Enclosed, Findings, InplaceWrite, Policy, Unbalance, UnitKey},
 };
 
-/// How bad a diagnosis is: only an in-place write to a kept tensor rejects the configuration.
+/// How bad a diagnosis is: an in-place write a replay cannot reproduce, or offload beyond the
+/// host's memory, rejects the configuration.
 pub fn level_of(code: Code) -> Level {
     match code {
-        Code::InplaceInKeptInterval | Code::EagerReplayUnfaithful => Level::Error,
+        Code::InplaceInKeptInterval
+        | Code::EagerReplayUnfaithful
+        | Code::OffloadExceedsHostMemory => Level::Error,
         Code::KeptOutputWrittenInPlace | Code::RandomOpSaved | Code::RandomOpReplayed => {
             Level::Info
         }
@@ -698,12 +701,14 @@ fn eager_hazards(graph: &Graph, partition: &Partition, out: &mut Collector) {
 /// the device (a saved view of them is not offloaded, they are written in place, or the device
 /// is never free of them before backward needs them back), and those moved whose copy costs
 /// more to launch than to move. One diagnostic per (code, model, unit), naming the first value
-/// and counting the others.
+/// and counting the others. Then whether the most the host holds at once, `host_peak_bytes`,
+/// fits in the profile's host memory.
 pub fn offload(
     graph: &Graph,
     policy: &Policy,
     refused: &[Refused],
     windows: &[OffloadWindow],
+    host_peak_bytes: u64,
     hw: &HwProfile,
 ) -> Vec<Diagnostic> {
     // Per diagnosis: the first value's message and hint, and how many values it stands for.
@@ -732,6 +737,18 @@ pub fn offload(
             k => format!(" ({} more such values)", k - 1),
         };
         out.add(code, (model, unit), format!("{message}{more}"), hint);
+    }
+    let host_memory = hw.host_memory_bytes as u64;
+    if host_peak_bytes > host_memory {
+        out.add(
+            Code::OffloadExceedsHostMemory,
+            (ModelId::from_index(0), None),
+            format!(
+                "the offloaded values take up to {host_peak_bytes} B of host memory at once, more than the {host_memory} B the hardware profile `{}` gives one device (`host_memory_bytes`)",
+                hw.name
+            ),
+            "offload fewer values (--offload, --offload-kinds), or state the host memory one device may use in a profile (`host_memory_bytes`, --hw PROFILE.json)".to_owned(),
+        );
     }
     out.finish()
 }

@@ -160,6 +160,7 @@ fn finish(
             &policy,
             &j.offloaded.selection.refused,
             &j.offloaded.windows,
+            j.memory.host.peak_bytes,
             hw,
         ));
         diagnostics.sort();
@@ -313,6 +314,7 @@ fn memory_figures(
         device: Some(State::of(graph, &config.training).total(&j.memory, hw.memory_bytes as u64)),
         offloaded_bytes: j.memory.host.offloaded_bytes,
         host_peak_bytes: j.memory.host.peak_bytes,
+        host_memory_bytes: hw.host_memory_bytes as u64,
     }
 }
 

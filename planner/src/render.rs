@@ -283,9 +283,10 @@ fn text_offload(w: &mut String, plan: &Plan) {
     let values = plan.saved.iter().filter(|s| s.offloaded).count();
     let _ = writeln!(
         w,
-        "  offloaded to host          {values} values, {} (host peak {}); transfer {}, {} exposed (prefetch {} steps)",
+        "  offloaded to host          {values} values, {} (host peak {} of {}); transfer {}, {} exposed (prefetch {} steps)",
         format_bytes(m.offloaded_bytes),
         format_bytes(m.host_peak_bytes),
+        format_size(m.host_memory_bytes),
         format_seconds(plan.cost.transfer_time_s),
         format_seconds(plan.cost.exposed_transfer_time_s),
         plan.config.offload.prefetch,

@@ -3,7 +3,7 @@
 //! Hand-built graphs hold `[4, 4]` float32 tensors: 64 bytes each.
 
 use ir::{
-    plan::{Code, Executor, Keep, Offload, Plan, SavedKind},
+    plan::{Code, Executor, Keep, Level, Offload, Plan, SavedKind},
     Graph, ValueId,
 };
 use planner::{
@@ -310,4 +310,34 @@ fn m5_the_budget_search_refuses_offload_rather_than_compose_it_wrongly() {
         planner::budget::Search::new(&graph, &config, &hw),
         Err(planner::budget::BudgetError::Offload)
     ));
+}
+
+#[test]
+fn m5_a_host_peak_above_the_profiles_host_memory_rejects_the_plan() {
+    let graph = golden("glm_dsa_ep2");
+    let kinds = [SavedKind::Kept, SavedKind::LayerInput];
+    let config = offload_config(Keep::All, &kinds, Executor::Graph);
+    let roomy = HwProfile::default();
+    let fits = plan(&graph, &config, &roomy).unwrap();
+    let host_peak = fits.memory.host_peak_bytes;
+    assert!(host_peak > 0);
+    assert_eq!(
+        fits.memory.host_memory_bytes,
+        roomy.host_memory_bytes as u64
+    );
+    assert!(!codes(&fits).contains(&Code::OffloadExceedsHostMemory));
+    // One byte short of the host peak: the same plan no longer fits the host.
+    let tight = HwProfile {
+        host_memory_bytes: (host_peak - 1) as f64,
+        ..HwProfile::default()
+    };
+    let over = plan(&graph, &config, &tight).unwrap();
+    let found: Vec<_> = over
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == Code::OffloadExceedsHostMemory)
+        .collect();
+    assert_eq!(found.len(), 1, "{:?}", over.diagnostics);
+    assert_eq!(found[0].level, Level::Error);
+    assert!(found[0].message.contains(&host_peak.to_string()));
 }

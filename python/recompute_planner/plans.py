@@ -116,6 +116,7 @@ class Memory:
     # Offloaded storages (M5): their bytes in all, and the most of them on the host at once.
     offloaded_bytes: int = 0
     host_peak_bytes: int = 0
+    host_memory_bytes: int = 0  # the hardware profile's host memory
 
     def fits(self) -> bool | None:
         """Whether the device total fits in the hardware profile's memory (None without it)."""

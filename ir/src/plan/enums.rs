@@ -210,6 +210,7 @@ spelled! {
         OffloadWrittenInPlace => "offload-written-in-place",
         OffloadNoGap => "offload-no-gap",
         OffloadTooSmall => "offload-too-small",
+        OffloadExceedsHostMemory => "offload-exceeds-host-memory",
     }
 }
 

@@ -237,6 +237,7 @@ fn write_memory(j: &mut Pretty, m: &Memory, names: &dyn PlanNames) {
             .option(part(|d| d.memory_bytes), Pretty::u64);
         j.key("offloaded_bytes").u64(m.offloaded_bytes);
         j.key("host_peak_bytes").u64(m.host_peak_bytes);
+        j.key("host_memory_bytes").u64(m.host_memory_bytes);
     });
 }
 

@@ -267,6 +267,8 @@ pub struct Memory {
     /// once.
     pub offloaded_bytes: u64,
     pub host_peak_bytes: u64,
+    /// The hardware profile's host memory, which the host peak is compared with.
+    pub host_memory_bytes: u64,
 }
 
 /// The peak bytes of one device over a training step (docs/cost-and-memory.md, M4): the

@@ -185,6 +185,7 @@ fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
         device_memory_bytes: m.device.map(|d| d.memory_bytes),
         offloaded_bytes: m.offloaded_bytes,
         host_peak_bytes: m.host_peak_bytes,
+        host_memory_bytes: m.host_memory_bytes,
     }
 }
 
@@ -395,6 +396,7 @@ fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, Plan
         device,
         offloaded_bytes: m.offloaded_bytes,
         host_peak_bytes: m.host_peak_bytes,
+        host_memory_bytes: m.host_memory_bytes,
     })
 }
 
