@@ -78,8 +78,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -161,6 +162,8 @@ class LayerOps:
     random: bool = False  # the layer has random ops (dropout)
     # Per op, whether it runs in a compiled region (none when empty).
     compiled: tuple[bool, ...] = ()
+    # Per kept op, whether the plan offloads its outputs to host memory (none when empty).
+    offload: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> LayerOps:
@@ -181,6 +184,7 @@ class LayerOps:
                 k and any(v in saved for v in outputs[n.name])
                 for k, n in zip(keep, nodes, strict=True)
             ]
+        offloaded = offloaded_nodes(plan)
         return cls(
             model,
             layer,
@@ -189,10 +193,17 @@ class LayerOps:
             tuple(keep),
             random=any(n.reason.startswith("random") for n in nodes),
             compiled=tuple(n.reason == REASON_COMPILED for n in nodes),
+            offload=tuple(k and n.name in offloaded for k, n in zip(keep, nodes, strict=True)),
         )
 
     def kept(self) -> list[str]:
         return [name for name, keep in zip(self.names, self.keep, strict=True) if keep]
+
+
+def offloaded_nodes(plan: Plan) -> set[str]:
+    """The nodes an offloaded saved value of the plan is an output of: a node's outputs are
+    named after it (``topk.out0`` for ``topk``'s first of several, ``bmm`` for ``bmm``'s one)."""
+    return {s.value.rsplit(".out", 1)[0] for s in plan.saved if s.offloaded}
 
 
 # The marker op without its overload: left out of the matching (the module docstring).
@@ -210,6 +221,8 @@ class _Matcher:
         self.ops = [i for i, op in enumerate(layer.ops) if op_packet(op) != MARKER_PACKET]
         self.packets = [op_packet(layer.ops[i]) for i in self.ops]
         self.keep = [layer.keep[i] for i in self.ops]
+        self.offload = [bool(layer.offload) and layer.offload[i] for i in self.ops]
+        self.offload_last = False  # whether the last op matched is kept and offloaded
         self.names = [layer.names[i] for i in self.ops]
         self.compiled = [bool(layer.compiled) and layer.compiled[i] for i in self.ops]
         self.next = 0  # the next graph op to match
@@ -255,6 +268,7 @@ class _Matcher:
                 self._raise(skipped_kept[0], eager_op)
             self.next = index + 1
             self.matched.append(self.names[index])
+            self.offload_last = self.offload[index]
             return self.keep[index]
         if self.first_unmatched is None:
             self.first_unmatched = eager_op
@@ -383,6 +397,7 @@ class LayerRun:
         self.layer = layer
         self.matcher = _Matcher(layer)
         self.decisions: list[tuple[str, bool]] = []  # forward's (op, save), in dispatch order
+        self.offloads: list[bool] = []  # per decision, whether the saved output is offloaded
         self.replayed = 0  # decisions answered in the current recompute
         self.compiled_depth = 0  # compiled calls open in forward (``_CompiledCall``)
 
@@ -391,8 +406,10 @@ class LayerRun:
             save = self._replay(str(op))
         else:
             # An op compiled code dispatches is recomputed with its region, unmatched.
+            self.matcher.offload_last = False
             save = not self.compiled_depth and self.matcher.decide(str(op), op.is_view)
             self.decisions.append((str(op), save))
+            self.offloads.append(save and self.matcher.offload_last)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     def enter_compiled(self, region: str) -> None:
@@ -427,13 +444,58 @@ def _tensor_bytes(out: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class _SavedOutputs(TorchDispatchMode):
-    """Records the (op, output bytes) of every op a forward's policy saves. Entered above SAC's
-    caching mode, it sees each op before the policy decides it and the output after."""
+class _HostCopy:
+    """A tensor SAC's cache holds, moved to host memory as forward makes it and brought back
+    to its device when the recompute asks the cache for it (the cache calls ``get_val``).
 
-    def __init__(self, run: LayerRun) -> None:
+    On a CUDA device the copy is pinned and both transfers are asynchronous on the current
+    stream. On the CPU the copy is a NumPy buffer, outside PyTorch's allocator, so the
+    allocator (and a measurement of it) sees the device free of the tensor until its reload.
+    The planner offloads no storage written in place, so the copy is the tensor the recompute
+    needs."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tensor.shape
+        self.pinned: torch.Tensor | None = None
+        self.buffer: Any = None  # the NumPy copy, on the CPU
+        if tensor.device.type == "cpu":
+            self.buffer = tensor.reshape(-1).view(torch.uint8).numpy().copy()
+        else:
+            self.pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.pinned.copy_(tensor, non_blocking=True)
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        if self.pinned is not None:
+            return self.pinned.to(self.device, non_blocking=True)
+        raw = torch.from_numpy(self.buffer).view(self.dtype).reshape(self.shape)
+        return raw.clone()
+
+
+def _to_host(entry: Any) -> Any:
+    """A cache entry with each contiguous tensor moved to host memory (a view of another
+    storage stays: its bytes are not its own). The entry's tensors are in torch's private
+    ``_VersionWrapper``: offload is the one place this module reads SAC's cache."""
+    wrapper = torch_checkpoint._VersionWrapper
+
+    def move(leaf: Any) -> Any:
+        if isinstance(leaf, wrapper) and isinstance(leaf.val, torch.Tensor):
+            tensor = leaf.val
+            if tensor.is_contiguous() and tensor.storage_offset() == 0:
+                return _HostCopy(tensor)
+        return leaf
+
+    return tree_map(move, entry)
+
+
+class _SavedOutputs(TorchDispatchMode):
+    """Records the (op, output bytes) of every op a forward's policy saves, and moves the
+    cache entry of each op the plan offloads to host memory. Entered above SAC's caching mode,
+    it sees each op before the policy decides it and the output after, once cached."""
+
+    def __init__(self, run: LayerRun, caching: Any) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.run = run
+        self.caching = caching
         self.held: list[tuple[str, int]] = []
 
     @classmethod
@@ -452,7 +514,18 @@ class _SavedOutputs(TorchDispatchMode):
         decisions = self.run.decisions
         if len(decisions) > decided and decisions[-1][1]:
             self.held.append((str(func), _tensor_bytes(out)))
+            if self.run.offloads[-1]:
+                self._offload(func, args)
         return out
+
+    def _offload(self, func: Any, args: Sequence[Any]) -> None:
+        """Moves the entry SAC's caching mode just stored for ``func`` to host memory."""
+        # torch 2.13 keys compiled regions apart; earlier releases key the op alone.
+        storage_key = getattr(torch_checkpoint, "_sac_storage_key", None)
+        key = func if storage_key is None else storage_key(func, args)
+        entries = self.caching.storage[key]
+        index = self.caching.func_counter[key] - 1
+        entries[index] = _to_host(entries[index])
 
 
 @dataclass
@@ -478,7 +551,7 @@ class PlanPolicy:
 
     @contextlib.contextmanager
     def _forward(self, caching: Any, run: LayerRun) -> Iterator[None]:
-        saved = _SavedOutputs(run)
+        saved = _SavedOutputs(run, caching)
         _MATCHING.append(run)
         try:
             with caching, saved:
