@@ -266,6 +266,14 @@ def keeps(case: Case) -> list[tuple[str, Any]]:
     return [("none", None), ("all", case.keep_all)] + [(u, [u]) for u in case.units]
 
 
+def measure_offloaded(case: Case, unit: str) -> dict[str, Any]:
+    """The eager row of keeping `unit` and offloading what it keeps, reloaded as the
+    recompute asks for it (prefetch 0: when eager SAC brings it back)."""
+    return measure_case(
+        case, f"{unit} offloaded", [unit], offload=[unit], offload_prefetch=0
+    )
+
+
 def quiet_plan(graph: Any, keep: Any, **options: Any) -> rp.Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rp.PlannerWarning)
@@ -281,19 +289,20 @@ def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: 
         "executor": executor,
         "predicted_peak": memory.peak_bytes,
         "measured_peak": peak,
-        "predicted_saved": memory.saved_bytes,
+        # On the device when forward ends: offloaded bytes wait on the host.
+        "predicted_saved": memory.saved_bytes - memory.offloaded_bytes,
         "measured_saved": saved,
         "no_checkpoint_peak": memory.no_checkpoint_peak_bytes,
         **extra,
     }
 
 
-def measure_case(case: Case, label: str, keep: Any) -> dict[str, Any]:
-    """The eager row: the eager plan's predictions and the measured step under its SAC
-    policies."""
+def measure_case(case: Case, label: str, keep: Any, **options: Any) -> dict[str, Any]:
+    """The eager row: the eager plan's predictions (`options` for `rp.plan`) and the measured
+    step under its SAC policies."""
     from recompute_planner._zoo.goldens import traced_group
 
-    plan = quiet_plan(case.graph, keep, executor="eager")
+    plan = quiet_plan(case.graph, keep, executor="eager", **options)
     with traced_group(case.world_size):
         loss, params = case.step(plan)
         step = measure.measure_step(loss, params, case.input_bytes)
@@ -424,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         "--hf", nargs="*", default=None, help="HuggingFace families (default: all)"
     )
     parser.add_argument("--executor", nargs="*", choices=EXECUTORS, default=list(EXECUTORS))
+    parser.add_argument(
+        "--no-offload", dest="offload", action="store_false",
+        help="leave out the eager rows that offload what each unit keeps",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", help="also write the summary and the full table here")
     args = parser.parse_args(argv)
@@ -438,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
                 measured = MEASURES[executor](case, label, keep)
                 rows.append(measured)
                 print(table([measured]).splitlines()[-1], file=sys.stderr, flush=True)
+        # Offload runs under eager SAC only (the runtime and the compile stage keep every
+        # saved value on the device).
+        for unit in case.units if args.offload and "eager" in args.executor else ():
+            rows.append(measure_offloaded(case, unit))
+            print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
     print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")

@@ -1,7 +1,7 @@
 //! `planner plan`: config -> policy -> partition -> diagnostics, assembled into the typed
 //! [`Plan`] every output format renders.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use ir::{
     plan::{
@@ -169,6 +169,9 @@ fn finish(
         resolved.is_checkpointed(n.model, n.layer)
     });
     let partition = joint.as_ref().map(|j| &j.partition);
+    let saved = joint
+        .as_ref()
+        .map_or_else(Vec::new, |j| saved_values(graph, j));
     Plan {
         planner_version: PLANNER_VERSION.to_owned(),
         graph: GraphRef {
@@ -187,10 +190,8 @@ fn finish(
             offload: config.offload.clone(),
         },
         joint: partition.is_some(),
-        nodes: node_decisions(graph, &policy),
-        saved: joint
-            .as_ref()
-            .map_or_else(Vec::new, |j| saved_values(graph, j)),
+        nodes: node_decisions(graph, &policy, &saved),
+        saved,
         replay: partition.map_or_else(Vec::new, |p| replays(p, &work)),
         units: unit_summaries(graph, &policy, joint.as_ref(), &work),
         memory: memory_figures(graph, config, joint.as_ref(), hw),
@@ -397,8 +398,14 @@ pub(crate) fn activation_bytes<'s>(
     })
 }
 
-/// One decision per forward node, in node order.
-fn node_decisions(graph: &Graph, policy: &Policy) -> Vec<NodeDecision> {
+/// One decision per forward node, in node order; a node is offloaded when one of its outputs
+/// in the saved set is.
+fn node_decisions(graph: &Graph, policy: &Policy, saved: &[SavedValue]) -> Vec<NodeDecision> {
+    let offloaded: HashSet<NodeId> = saved
+        .iter()
+        .filter(|s| s.offloaded)
+        .filter_map(|s| graph.producer(s.value))
+        .collect();
     policy
         .nodes
         .iter()
@@ -412,6 +419,7 @@ fn node_decisions(graph: &Graph, policy: &Policy) -> Vec<NodeDecision> {
                 decision: p.decision,
                 reason: p.reason,
                 unit: p.unit.filter(|_| p.decision == Decision::Save),
+                offloaded: offloaded.contains(&id),
             })
         })
         .collect()

@@ -43,6 +43,7 @@ class NodeDecision:
     decision: str  # "save", "recompute" or "no-checkpoint"
     reason: str  # "kept-interval", "compiled", "view", ... (docs in proto/plan.proto)
     unit: str | None  # the unit that kept it (decision "save" by a unit)
+    offloaded: bool = False  # an output of it is offloaded to host memory (M5)
 
 
 @dataclass(frozen=True)

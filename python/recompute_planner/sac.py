@@ -184,7 +184,6 @@ class LayerOps:
                 k and any(v in saved for v in outputs[n.name])
                 for k, n in zip(keep, nodes, strict=True)
             ]
-        offloaded = offloaded_nodes(plan)
         return cls(
             model,
             layer,
@@ -193,17 +192,11 @@ class LayerOps:
             tuple(keep),
             random=any(n.reason.startswith("random") for n in nodes),
             compiled=tuple(n.reason == REASON_COMPILED for n in nodes),
-            offload=tuple(k and n.name in offloaded for k, n in zip(keep, nodes, strict=True)),
+            offload=tuple(k and n.offloaded for k, n in zip(keep, nodes, strict=True)),
         )
 
     def kept(self) -> list[str]:
         return [name for name, keep in zip(self.names, self.keep, strict=True) if keep]
-
-
-def offloaded_nodes(plan: Plan) -> set[str]:
-    """The nodes an offloaded saved value of the plan is an output of: a node's outputs are
-    named after it (``topk.out0`` for ``topk``'s first of several, ``bmm`` for ``bmm``'s one)."""
-    return {s.value.rsplit(".out", 1)[0] for s in plan.saved if s.offloaded}
 
 
 # The marker op without its overload: left out of the matching (the module docstring).
@@ -444,44 +437,55 @@ def _tensor_bytes(out: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+# Integer dtypes by element size: a tensor of any dtype viewed as one of them reads as NumPy.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class _HostCopy:
     """A tensor SAC's cache holds, moved to host memory as forward makes it and brought back
-    to its device when the recompute asks the cache for it (the cache calls ``get_val``).
+    to its device, in its layout (shape and strides), when the recompute asks the cache for it
+    (the cache calls ``get_val``).
 
     On a CUDA device the copy is pinned and both transfers are asynchronous on the current
     stream. On the CPU the copy is a NumPy buffer, outside PyTorch's allocator, so the
     allocator (and a measurement of it) sees the device free of the tensor until its reload.
     The planner offloads no storage written in place, so the copy is the tensor the recompute
-    needs."""
+    needs. A view is copied alone (its base, if also offloaded, is copied apart)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tensor.shape
+        self.device, self.dtype = tensor.device, tensor.dtype
+        self.shape, self.stride = tensor.shape, tensor.stride()
         self.pinned: torch.Tensor | None = None
         self.buffer: Any = None  # the NumPy copy, on the CPU
         if tensor.device.type == "cpu":
-            self.buffer = tensor.reshape(-1).view(torch.uint8).numpy().copy()
+            self.buffer = tensor.view(_BITS[tensor.element_size()]).numpy().copy()
         else:
-            self.pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.pinned = torch.empty_strided(
+                self.shape, self.stride, dtype=self.dtype, pin_memory=True
+            )
             self.pinned.copy_(tensor, non_blocking=True)
 
+    @staticmethod
+    def movable(tensor: torch.Tensor) -> bool:
+        return tensor.element_size() in _BITS and not tensor.is_complex()
+
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         if self.pinned is not None:
-            return self.pinned.to(self.device, non_blocking=True)
-        raw = torch.from_numpy(self.buffer).view(self.dtype).reshape(self.shape)
-        return raw.clone()
+            return out.copy_(self.pinned, non_blocking=True)
+        return out.copy_(torch.from_numpy(self.buffer).view(self.dtype))
 
 
 def _to_host(entry: Any) -> Any:
-    """A cache entry with each contiguous tensor moved to host memory (a view of another
-    storage stays: its bytes are not its own). The entry's tensors are in torch's private
-    ``_VersionWrapper``: offload is the one place this module reads SAC's cache."""
+    """A cache entry with each of its tensors moved to host memory. The entry's tensors are in
+    torch's private ``_VersionWrapper``: offload is the one place this module reads SAC's
+    cache."""
     wrapper = torch_checkpoint._VersionWrapper
 
     def move(leaf: Any) -> Any:
         if isinstance(leaf, wrapper) and isinstance(leaf.val, torch.Tensor):
-            tensor = leaf.val
-            if tensor.is_contiguous() and tensor.storage_offset() == 0:
-                return _HostCopy(tensor)
+            if _HostCopy.movable(leaf.val):
+                return _HostCopy(leaf.val)
         return leaf
 
     return tree_map(move, entry)

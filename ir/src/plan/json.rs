@@ -157,6 +157,7 @@ fn write_node(j: &mut Pretty, n: &NodeDecision, names: &dyn PlanNames) {
         j.key("reason").str(n.reason.name());
         j.key("unit")
             .option(n.unit.map(|u| names.unit(n.model, u)), Pretty::str);
+        j.key("offloaded").bool(n.offloaded);
     });
 }
 

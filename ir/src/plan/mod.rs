@@ -193,6 +193,8 @@ pub struct NodeDecision {
     pub reason: Reason,
     /// The unit that kept the op (only for decision [`Decision::Save`] by a unit).
     pub unit: Option<UnitId>,
+    /// Whether an output of the op is offloaded (a [`SavedValue::offloaded`]).
+    pub offloaded: bool,
 }
 
 /// A value resident for backward.

@@ -70,6 +70,7 @@ fn node_to_wire(n: &NodeDecision, names: &dyn PlanNames) -> pb::NodeDecision {
         decision: n.decision.name().to_owned(),
         reason: n.reason.name().to_owned(),
         unit: n.unit.map(|u| names.unit(n.model, u).to_owned()),
+        offloaded: n.offloaded,
     }
 }
 
@@ -329,6 +330,7 @@ fn node_from_wire(
         decision: spelled::<Decision>("decision", &n.decision)?,
         reason: spelled::<Reason>("reason", &n.reason)?,
         unit: n.unit.map(|u| names.unit(model, &u)),
+        offloaded: n.offloaded,
     })
 }
 
