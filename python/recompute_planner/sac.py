@@ -587,8 +587,26 @@ class PlanPolicy:
 def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPolicy:
     """The ``context_fn`` whose policy saves exactly the ops ``plan`` keeps in ``layer`` of
     ``model`` (see the module docstring). With ``graph`` (the plan's graph message) it saves
-    only the kept ops whose outputs the plan's saved set holds."""
+    only the kept ops whose outputs the plan's saved set holds. A plan that offloads what
+    eager SAC does not move (anything but kept outputs) is a ``NotImplementedError``: its
+    predictions would not hold."""
+    _check_offload_runs(plan)
     return PlanPolicy(LayerOps.of(plan, model, layer, graph))
+
+
+def _check_offload_runs(plan: Plan) -> None:
+    """Raises unless every value ``plan`` offloads is a kept output, which SAC's cache holds
+    and this module moves; a checkpoint's inputs and values outside checkpointed layers stay
+    on the device under eager SAC."""
+    others = [s for s in plan.saved if s.offloaded and s.kind != "kept"]
+    if others:
+        kinds = ", ".join(sorted({s.kind for s in others}))
+        raise NotImplementedError(
+            f"the plan offloads {len(others)} values of kinds {kinds} "
+            f"({sum(s.bytes for s in others)} B, `{others[0].value}` first), which eager "
+            "selective checkpointing does not move to host memory yet (it moves kept outputs): "
+            "plan with offload= units or offload_kinds=['kept']"
+        )
 
 
 # The layer forwards whose policy is matching ops now, innermost last (``PlanPolicy``).

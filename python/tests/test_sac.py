@@ -470,3 +470,13 @@ def test_offloaded_kept_outputs_come_back_bit_identical(name):
     plain_loss, plain_grads, _, _ = run_step(name, None)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
+def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
+    """Eager SAC moves kept outputs only: a plan that also offloads a checkpoint's inputs
+    would predict a device saving the step does not make, so checkpointing under it raises,
+    naming the kinds."""
+    plan = planned("dense", "all", executor="eager", offload_kinds=["kept", "layer-input"])
+    assert any(s.offloaded and s.kind == "layer-input" for s in plan.saved)
+    with pytest.raises(NotImplementedError, match="layer-input"):
+        sac.context_fn(plan, *plan.layers()[0])
