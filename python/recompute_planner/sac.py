@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -470,10 +470,14 @@ class _HostCopy:
         return tensor.element_size() in _BITS and not tensor.is_complex()
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        if self.pinned is not None:
-            return out.copy_(self.pinned, non_blocking=True)
-        return out.copy_(torch.from_numpy(self.buffer).view(self.dtype))
+        # Under no dispatch mode: the reload is none of the layer's ops (the recompute's
+        # counter must not see it).
+        with _disable_current_modes():
+            shape, stride = self.shape, self.stride
+            out = torch.empty_strided(shape, stride, dtype=self.dtype, device=self.device)
+            if self.pinned is not None:
+                return out.copy_(self.pinned, non_blocking=True)
+            return out.copy_(torch.from_numpy(self.buffer).view(self.dtype))
 
 
 def _to_host(entry: Any) -> Any:
@@ -529,7 +533,10 @@ class _SavedOutputs(TorchDispatchMode):
         key = func if storage_key is None else storage_key(func, args)
         entries = self.caching.storage[key]
         index = self.caching.func_counter[key] - 1
-        entries[index] = _to_host(entries[index])
+        # Under no dispatch mode: the copy's ops are none of the layer's (the policy would
+        # match them against the plan's next ops).
+        with _disable_current_modes():
+            entries[index] = _to_host(entries[index])
 
 
 @dataclass

@@ -462,14 +462,18 @@ def test_a_dropout_that_draws_nothing_exports_as_eager_runs_it():
 def test_offloaded_kept_outputs_come_back_bit_identical(name):
     """A plan that offloads what its kept units save: SAC's cache holds host copies, the
     recompute brings them back, and the step's loss and gradients are those of the plain
-    step, bit for bit."""
+    step, bit for bit. The copies and reloads are none of the layer's ops: each recompute
+    re-runs exactly the ops it re-runs without offload."""
     keep = ["SAVE_DSA_INDEXER"] if name == "glm_dsa_ep2" else "all"
     plan = planned(name, keep, executor="eager", offload_kinds=["kept"])
     assert any(s.offloaded for s in plan.saved)
-    loss, grads, _, _ = run_step(name, plan)
+    loss, grads, policies, _ = run_step(name, plan)
     plain_loss, plain_grads, _, _ = run_step(name, None)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+    _, _, on_device, _ = run_step(name, planned(name, keep, executor="eager"))
+    for key, policy in policies.items():
+        assert policy.recomputed.counts == on_device[key].recomputed.counts, key
 
 
 def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
