@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -455,6 +456,9 @@ class _HostCopy:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.device, self.dtype = tensor.device, tensor.dtype
         self.shape, self.stride = tensor.shape, tensor.stride()
+        # Written in place after the copy, while still alive, the copy is stale: SAC's own
+        # check, kept (the planner offloads no storage the graph writes in place).
+        self.source, self.version = weakref.ref(tensor), tensor._version
         self.pinned: torch.Tensor | None = None
         self.buffer: Any = None  # the NumPy copy, on the CPU
         if tensor.device.type == "cpu":
@@ -470,6 +474,12 @@ class _HostCopy:
         return tensor.element_size() in _BITS and not tensor.is_complex()
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        source = self.source()
+        if source is not None and source._version != self.version:
+            raise RuntimeError(
+                "a tensor offloaded from the selective-checkpoint cache was written in place "
+                "after its copy to host memory: the copy is stale"
+            )
         # Under no dispatch mode: the reload is none of the layer's ops (the recompute's
         # counter must not see it).
         with _disable_current_modes():

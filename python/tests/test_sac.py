@@ -484,3 +484,15 @@ def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
     assert any(s.offloaded and s.kind == "layer-input" for s in plan.saved)
     with pytest.raises(NotImplementedError, match="layer-input"):
         sac.context_fn(plan, *plan.layers()[0])
+
+
+def test_an_offloaded_cache_entry_written_in_place_after_its_copy_is_refused():
+    """SAC refuses a cached tensor written in place; its host copy keeps that check while the
+    tensor is alive, and otherwise brings back what was copied, in the tensor's layout."""
+    tensor = torch.arange(12.0).reshape(3, 4).t()
+    copy = sac._HostCopy(tensor)
+    back = copy.get_val(False)
+    assert torch.equal(back, tensor) and back.stride() == tensor.stride()
+    tensor.add_(1)
+    with pytest.raises(RuntimeError, match="stale"):
+        copy.get_val(False)
