@@ -251,6 +251,7 @@ fn require_cuda() -> Result<(), String> {
 fn planning_config(args: &RunArgs) -> Result<PlanConfig, String> {
     Ok(PlanConfig {
         keep: config::parse_keep(&args.keep).map_err(|e| e.to_string())?,
+        offload: args.offloading.config()?,
         ..args.planning.config()
     })
 }
@@ -436,6 +437,7 @@ fn rank_text(
             format_seconds(run.seconds)
         );
         *out += &time_line(run);
+        *out += &host_line(run);
         if let Some(peak) = run.allocator_peak_bytes {
             *out += &format!(
                 "  {:<14} CUDA caching allocator peak: {}\n",
@@ -531,6 +533,32 @@ fn time_line(run: &VariantRun) -> String {
             run.predicted_replay_time_s,
             run.stage_seconds.of(Stage::Replay)
         ),
+    )
+}
+
+/// The offloaded storages in host memory against the plan's figures (empty when neither
+/// offloads).
+fn host_line(run: &VariantRun) -> String {
+    if run.predicted_host.is_none() && run.host.bytes.moved == 0 {
+        return String::new();
+    }
+    let predicted = run.predicted_host.unwrap_or_default();
+    let bytes = |measured: u64, predicted: u64| {
+        let diff =
+            diff_percent(measured, predicted).map_or_else(String::new, |d| format!(", {d:+.1}%"));
+        format!(
+            "{} (predicted {}{diff})",
+            format_bytes(measured),
+            format_bytes(predicted)
+        )
+    };
+    format!(
+        "  {:<14} host: offloaded {}, host peak {}; copies {} (predicted {}, synchronous here)\n",
+        "",
+        bytes(run.host.bytes.moved, predicted.offloaded_bytes),
+        bytes(run.host.bytes.peak, predicted.peak_bytes),
+        format_seconds(run.host.seconds),
+        format_seconds(predicted.transfer_time_s),
     )
 }
 
@@ -676,9 +704,15 @@ fn rank_json(rank: &RankReport, graph: &Graph, plan: &Plan, hw: &HwProfile) -> J
                              "forward_time_s": run.stage_seconds.of(Stage::Forward),
                              "replay_time_s": run.stage_seconds.of(Stage::Replay),
                              "backward_time_s": run.stage_seconds.of(Stage::Backward),
-                             "repeat": run.repeat},
+                             "repeat": run.repeat,
+                             "offloaded_bytes": run.host.bytes.moved,
+                             "host_peak_bytes": run.host.bytes.peak,
+                             "transfer_time_s": run.host.seconds},
                 "predicted": {"step_time_s": run.predicted_step_time_s,
-                              "replay_time_s": run.predicted_replay_time_s},
+                              "replay_time_s": run.predicted_replay_time_s,
+                              "offloaded_bytes": run.predicted_host.map(|h| h.offloaded_bytes),
+                              "host_peak_bytes": run.predicted_host.map(|h| h.peak_bytes),
+                              "transfer_time_s": run.predicted_host.map(|h| h.transfer_time_s)},
                 "op_times": op_times(graph, run, hw).iter().map(|t| json!({
                     "op": t.op, "runs": t.runs, "measured_s": t.measured_s,
                     "predicted_s": t.predicted_s})).collect::<Vec<_>>(),

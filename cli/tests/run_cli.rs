@@ -115,6 +115,71 @@ fn the_json_report_carries_peaks_op_counts_and_parity() {
     assert!(tensors.iter().all(|t| t["reference"]["within"] == true));
 }
 
+/// The measured peak and host bytes of rank 0's plan run, with its predictions.
+fn offload_figures(report: &serde_json::Value) -> [u64; 4] {
+    let run = &report["ranks"][0]["runs"][0];
+    let bytes = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    [
+        bytes(&run["measured_peak_bytes"]),
+        bytes(&run["predicted_peak_bytes"]),
+        bytes(&run["measured"]["offloaded_bytes"]),
+        bytes(&run["predicted"]["offloaded_bytes"]),
+    ]
+}
+
+#[test]
+fn an_offloading_plan_runs_with_its_storages_on_the_host_as_predicted() {
+    let graph = golden("glm_dsa_ep2");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", graph.to_str().unwrap(), "--keep", "save_dsa_indexer"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--format", "json"]);
+        let out = planner(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("JSON")
+    };
+    let [kept_peak, _, kept_moved, _] = offload_figures(&run(&[]));
+    let offloaded = run(&["--offload", "save_dsa_indexer", "--offload-prefetch", "0"]);
+    let [peak, predicted_peak, moved, predicted_moved] = offload_figures(&offloaded);
+    assert_eq!(kept_moved, 0);
+    assert_eq!((peak, moved), (predicted_peak, predicted_moved));
+    assert!(
+        moved > 0 && peak < kept_peak,
+        "{peak} B vs {kept_peak} B kept"
+    );
+    let out = planner(&[
+        "run",
+        graph.to_str().unwrap(),
+        "--keep",
+        "save_dsa_indexer",
+        "--offload",
+        "save_dsa_indexer",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("host: offloaded 10.5 KiB (10752 B) (predicted 10.5 KiB (10752 B), +0.0%)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn offload_options_with_a_plan_file_are_refused() {
+    let out = planner(&[
+        "run",
+        golden("dense").to_str().unwrap(),
+        "--plan",
+        "plan.json",
+        "--offload-kinds",
+        "kept",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("cannot be used with"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn an_unsupported_op_is_one_error_line_naming_it_and_its_first_node() {
     let mut b = testkit::Builder::new(1, &[]);

@@ -10,7 +10,7 @@
 use std::{sync::Arc, time::Duration};
 
 use ir::{
-    plan::{Collectives, Decision, Keep, Plan, RandomOps, Stage},
+    plan::{Collectives, Decision, Keep, Offload, Plan, RandomOps, SavedKind, Stage},
     Graph, NodeId,
 };
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
@@ -23,9 +23,10 @@ fn make_plan(graph: &Graph, config: &PlanConfig) -> Plan {
     plan(graph, config, &HwProfile::default()).expect("the golden plans")
 }
 
-/// The configurations every golden runs under: `--keep none`, `all`, the units users keep
-/// most (`SAVE_DSA_INDEXER`, `SAVE_MOE_DISPATCH`), `--collectives save`,
-/// `--recompute-ratio 0.5`, and `--keep all --random-ops replay` for a graph with random ops.
+/// The configurations every golden runs under: `--keep none`, `all`, `all` with every saved
+/// activation offloaded, the units users keep most (`SAVE_DSA_INDEXER`,
+/// `SAVE_MOE_DISPATCH`), `--collectives save`, `--recompute-ratio 0.5`, and `--keep all
+/// --random-ops replay` for a graph with random ops.
 fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
     let base = PlanConfig::default();
     let mut out = vec![
@@ -36,6 +37,10 @@ fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
                 keep: Keep::All,
                 ..base.clone()
             },
+        ),
+        (
+            "keep all, offload every activation".to_owned(),
+            offload_all(),
         ),
     ];
     for unit in ["SAVE_DSA_INDEXER", "SAVE_MOE_DISPATCH"] {
@@ -78,6 +83,22 @@ fn configurations(graph: &Graph) -> Vec<(String, PlanConfig)> {
         ));
     }
     out
+}
+
+/// `--keep all --offload-kinds kept,layer-input,not-checkpointed` at the default prefetch.
+fn offload_all() -> PlanConfig {
+    PlanConfig {
+        keep: Keep::All,
+        offload: Offload {
+            kinds: vec![
+                SavedKind::Kept,
+                SavedKind::LayerInput,
+                SavedKind::NotCheckpointed,
+            ],
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    }
 }
 
 /// Rank `rank`'s graph: its own `NAME.rank<r>.pb` where the ranks' graphs differ, else rank 0's.
@@ -132,10 +153,18 @@ fn run_config(seed: Option<u64>) -> RunConfig {
 }
 
 /// Every run of the rank (the plan, no checkpointing, whole-layer recompute) measures the peak
-/// its plan predicts, and holds the saved activation bytes it predicts when forward ends, to the
-/// byte.
+/// its plan predicts, holds the saved activation bytes it predicts when forward ends (on the
+/// device and in host memory), and moves the bytes to host memory it predicts, to the byte.
 fn assert_peaks_are_predicted(context: &str, rank: &run::RankReport) {
     for run in &rank.runs {
+        let predicted_host = run.predicted_host.unwrap_or_default();
+        assert_eq!(
+            (run.host.bytes.moved, run.host.bytes.peak),
+            (predicted_host.offloaded_bytes, predicted_host.peak_bytes),
+            "{context}, rank {}, {}: bytes offloaded and host peak, measured vs predicted",
+            rank.rank,
+            run.variant.name(),
+        );
         if let Some(predicted) = run.predicted_peak_bytes {
             assert_eq!(
                 run.measured_peak_bytes,
@@ -250,6 +279,12 @@ fn check_golden(golden: &str) {
             "{golden} / {label}: {:?}",
             plan.diagnostics
         );
+        if config.offload.is_asked() && plan.joint {
+            assert!(
+                plan.memory.offloaded_bytes > 0,
+                "{golden} / {label}: something moves to the host"
+            );
+        }
         let kept = kept(&plan);
         let report = run_checked(golden, &config);
         let context = format!("{golden} / {label}");
@@ -378,6 +413,70 @@ fn check_indexer_topk_is_not_replayed(golden: &str) {
             "{golden}: the rest replays"
         );
     }
+}
+
+/// With `--keep save_dsa_indexer --offload save_dsa_indexer` the indexer's top-k is neither
+/// replayed nor held on the device between forward and backward: the runtime moves it to host
+/// memory (the bytes the plan predicts), and the device peaks lower than keeping it there.
+fn check_indexer_topk_is_offloaded(golden: &str) {
+    let graph = rank_graph(golden, 0);
+    let keep = Keep::Units(vec!["SAVE_DSA_INDEXER".to_owned()]);
+    let on_device = PlanConfig {
+        keep: keep.clone(),
+        ..PlanConfig::default()
+    };
+    let offloaded = PlanConfig {
+        keep,
+        offload: Offload {
+            units: vec!["SAVE_DSA_INDEXER".to_owned()],
+            prefetch: 0,
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    };
+    let plan = make_plan(&graph, &offloaded);
+    let topk: Vec<NodeId> = plan
+        .nodes
+        .iter()
+        .filter(|d| graph.node(d.node).op == "aten.topk.default" && d.unit.is_some())
+        .map(|d| d.node)
+        .collect();
+    assert!(!topk.is_empty(), "{golden}: the indexer keeps its top-k");
+    let topk_saved: Vec<_> = plan
+        .saved
+        .iter()
+        .filter(|s| graph.producer(s.value).is_some_and(|p| topk.contains(&p)))
+        .collect();
+    assert!(
+        !topk_saved.is_empty() && topk_saved.iter().all(|s| s.offloaded),
+        "{golden}: the plan offloads the top-k it saves"
+    );
+    let kept_there = run_checked(golden, &on_device);
+    let report = run_checked(golden, &offloaded);
+    for (rank, there) in report.ranks.iter().zip(&kept_there.ranks) {
+        let context = format!("{golden}, rank {}", rank.rank);
+        assert_peaks_are_predicted(&context, rank);
+        let run = &rank.runs[0];
+        assert_eq!(
+            run::replayed(&run.counts, topk.iter().copied()),
+            0,
+            "{context}"
+        );
+        let topk_bytes: u64 = topk_saved.iter().map(|s| s.bytes).sum();
+        assert!(run.host.bytes.moved >= topk_bytes, "{context}");
+        assert!(
+            run.measured_peak_bytes < there.runs[0].measured_peak_bytes,
+            "{context}: {} B offloaded vs {} B kept on the device",
+            run.measured_peak_bytes,
+            there.runs[0].measured_peak_bytes
+        );
+    }
+}
+
+#[test]
+fn indexer_topk_offloaded_is_neither_replayed_nor_held_on_the_device() {
+    check_indexer_topk_is_offloaded("glm_dsa_ep2");
+    check_indexer_topk_is_offloaded("glm_dsa_ep2_compiled");
 }
 
 #[test]

@@ -11,7 +11,11 @@ use ir::plan::{
     Code, Collectives, Executor, Offload, Optimizer, RandomOps, SavedKind, Spelled, StateDtype,
     Training,
 };
-use planner::{budget::Granularity, config::PlanConfig, state::BudgetBasis};
+use planner::{
+    budget::Granularity,
+    config::{self, PlanConfig},
+    state::BudgetBasis,
+};
 
 #[derive(Parser)]
 #[command(
@@ -119,16 +123,9 @@ impl Planning {
     }
 }
 
+/// `--offload`, `--offload-kinds` and `--offload-prefetch`, shared by `plan` and `run`.
 #[derive(Args)]
-pub struct PlanArgs {
-    /// The graph (`.pb` or `.json`)
-    pub graph: PathBuf,
-    /// Units to keep: `none` (default: whole-layer recompute), `all`, or names such as
-    /// `save_attn,save_dsa_indexer` (case-insensitive; repeatable)
-    #[arg(long, value_name = "UNITS")]
-    pub keep: Vec<String>,
-    #[command(flatten)]
-    pub planning: Planning,
+pub struct Offloading {
     /// Kept units whose saved values go to host memory after their last forward read and come
     /// back before backward reads them (case-insensitive; each must be kept by --keep)
     #[arg(long, value_name = "UNITS")]
@@ -145,6 +142,31 @@ pub struct PlanArgs {
         value_parser = clap::value_parser!(u32).range(0..=1_000_000)
     )]
     pub offload_prefetch: u32,
+}
+
+impl Offloading {
+    /// The offload configuration these options ask for.
+    pub fn config(&self) -> Result<Offload, String> {
+        Ok(Offload {
+            units: config::parse_offload_units(&self.offload).map_err(|e| e.to_string())?,
+            kinds: self.offload_kinds.clone(),
+            prefetch: self.offload_prefetch,
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// The graph (`.pb` or `.json`)
+    pub graph: PathBuf,
+    /// Units to keep: `none` (default: whole-layer recompute), `all`, or names such as
+    /// `save_attn,save_dsa_indexer` (case-insensitive; repeatable)
+    #[arg(long, value_name = "UNITS")]
+    pub keep: Vec<String>,
+    #[command(flatten)]
+    pub planning: Planning,
+    #[command(flatten)]
+    pub offloading: Offloading,
     /// Choose the units per layer that minimise replay time with the activation peak within
     /// SIZE (e.g. `40GiB`; the activation peak unless --budget-includes says more); replaces
     /// --keep; offload cannot be combined with it (the search composes plans without it)
@@ -271,7 +293,10 @@ pub struct RunArgs {
     #[arg(
         long,
         value_name = "PLAN",
-        conflicts_with_all = ["keep", "recompute_ratio", "collectives", "random_ops"]
+        conflicts_with_all = [
+            "keep", "recompute_ratio", "collectives", "random_ops",
+            "offload", "offload_kinds", "offload_prefetch",
+        ]
     )]
     pub plan: Option<PathBuf>,
     /// Units to keep (as for `planner plan`): `none` (default), `all`, or unit names
@@ -279,6 +304,8 @@ pub struct RunArgs {
     pub keep: Vec<String>,
     #[command(flatten)]
     pub planning: Planning,
+    #[command(flatten)]
+    pub offloading: Offloading,
     /// `cpu`, `cuda` or `cuda:N` (with several ranks on CUDA, rank r uses the r-th GPU after N)
     #[arg(long, default_value = "cpu")]
     pub device: String,

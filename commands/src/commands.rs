@@ -8,7 +8,7 @@ use std::path::Path;
 use clap::Parser;
 use ir::{
     io::InputKind,
-    plan::{Code, Format as PlanFile, Level, Offload, Plan},
+    plan::{Code, Format as PlanFile, Level, Plan},
 };
 use planner::{
     budget::Search,
@@ -105,11 +105,7 @@ fn run(command: Command, runtime: Runtime<'_>) -> Result<(), Failure> {
 fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     // Configuration errors come before any other work.
     let keep = config::parse_keep(&args.keep).map_err(|e| e.to_string())?;
-    let offload = Offload {
-        units: config::parse_offload_units(&args.offload).map_err(|e| e.to_string())?,
-        kinds: args.offload_kinds.clone(),
-        prefetch: args.offload_prefetch,
-    };
+    let offload = args.offloading.config()?;
     let config = PlanConfig {
         keep,
         offload,

@@ -14,7 +14,7 @@ use crate::{
     comm::{CommError, Communicator, Site},
     ffi,
     inputs::RankInputs,
-    memory::LiveBytes,
+    memory::{HostBytes, LiveBytes},
     program::{Kernel, Program},
     rng::RankRng,
     schedule::Schedule,
@@ -127,6 +127,16 @@ pub struct StepResult {
     pub stage_seconds: StageSeconds,
     /// Wall time per node, summed over the stages that ran it (the same attribution).
     pub node_seconds: Vec<f64>,
+    /// The offloaded storages' host memory and the copies' wall time.
+    pub host: HostFigures,
+}
+
+/// What offloading cost one step: host memory, and the wall time of the copies to the host and
+/// back (synchronous: all of it exposed; counted in its stage's time, in no node's).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostFigures {
+    pub bytes: HostBytes,
+    pub seconds: f64,
 }
 
 /// Seconds per stage of a step.
@@ -164,6 +174,9 @@ pub fn run_step(
     let mut env = Env {
         copies: [empty(n), empty(n), empty(n)],
         memory: LiveBytes::default(),
+        parked: HashMap::new(),
+        roots: HashMap::new(),
+        host: HostFigures::default(),
     };
     let mut resident_bytes = 0u64;
     let input_storages: HashSet<usize> = inputs
@@ -193,6 +206,12 @@ pub fn run_step(
         if stage != Stage::Forward && saved_bytes.is_none() {
             saved_bytes = Some(held_activation_bytes(graph, &env, &input_storages));
         }
+        let reloads = Instant::now();
+        for root in schedule.moves().back_before(step) {
+            env.reload(root, device)
+                .map_err(|m| op_error(program, stage, Some(id), m))?;
+        }
+        env.copied(stage, reloads, &mut stage_seconds);
         let step_started = Instant::now();
         let node = graph.node(id);
         let inputs: Vec<&Tensor> = node
@@ -260,6 +279,9 @@ pub fn run_step(
         }
         counts.count(stage, id);
         for (&v, tensor) in node.outputs.iter().zip(outputs) {
+            if stage == Stage::Forward && schedule.moves().moves(v) {
+                env.made_root(v, &tensor);
+            }
             env.put(Slot(stage, v), tensor);
         }
         env.memory.sample();
@@ -269,6 +291,12 @@ pub fn run_step(
         let elapsed = step_started.elapsed().as_secs_f64();
         stage_seconds.add(stage, elapsed);
         node_seconds[id.index()] += elapsed;
+        let copies = Instant::now();
+        for root in schedule.moves().out_after(step) {
+            env.offload(root, graph)
+                .map_err(|m| op_error(program, stage, Some(id), m))?;
+        }
+        env.copied(stage, copies, &mut stage_seconds);
     }
     if allocator {
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
@@ -299,6 +327,7 @@ pub fn run_step(
         seconds,
         stage_seconds,
         node_seconds,
+        host: env.host,
     })
 }
 
@@ -341,6 +370,26 @@ struct Slot(Stage, ValueId);
 struct Env {
     copies: [Vec<Option<Tensor>>; 3],
     memory: LiveBytes,
+    /// Offloaded storages in host memory, by the value that made them.
+    parked: HashMap<ValueId, Parked>,
+    /// The storage (key) each value to offload was made in.
+    roots: HashMap<ValueId, usize>,
+    host: HostFigures,
+}
+
+/// One storage in host memory, and the copies that viewed it on the device.
+struct Parked {
+    host: Tensor,
+    bytes: u64,
+    views: Vec<View>,
+}
+
+/// A copy of a value as a view of its storage.
+struct View {
+    slot: Slot,
+    size: Vec<i64>,
+    stride: Vec<i64>,
+    offset: i64,
 }
 
 impl Env {
@@ -364,10 +413,103 @@ impl Env {
             self.memory.release(&old);
         }
     }
+
+    /// `root`, a value to offload, was made in `tensor`'s storage.
+    fn made_root(&mut self, root: ValueId, tensor: &Tensor) {
+        if let Some((key, _)) = ffi::storage(tensor) {
+            self.roots.insert(root, key);
+        }
+    }
+
+    /// Copies the storage `root` made to host memory and releases every copy on the device
+    /// that shares it (their views are rebuilt on the reload).
+    fn offload(&mut self, root: ValueId, graph: &ir::Graph) -> Result<(), String> {
+        let name = &graph.value(root).name;
+        let key = self.roots.get(&root).copied();
+        let held: Vec<(Slot, Tensor)> = Stage::ALL
+            .iter()
+            .flat_map(|&stage| {
+                let table = &self.copies[OpCounts::slot(stage)];
+                table.iter().enumerate().filter_map(move |(i, t)| {
+                    let t = t.as_ref()?;
+                    let shares = key.is_some() && ffi::storage(t).map(|(k, _)| k) == key;
+                    shares.then(|| (Slot(stage, ValueId::from_index(i)), t.shallow_clone()))
+                })
+            })
+            .collect();
+        let Some((_, first)) = held.first() else {
+            return Err(format!(
+                "offloaded `{name}` is held by no copy when forward is done with it"
+            ));
+        };
+        let bytes = ffi::storage(first).map_or(0, |(_, b)| b);
+        let kind = first.kind();
+        if held.iter().any(|(_, t)| t.kind() != kind) {
+            return Err(format!(
+                "offloaded `{name}` is viewed with two element types"
+            ));
+        }
+        let elements = i64::try_from(bytes / kind.elt_size_in_bytes() as u64)
+            .map_err(|_| format!("offloaded `{name}` is too large to copy"))?;
+        let whole = first
+            .f_as_strided([elements], [1], 0)
+            .map_err(|e| format!("viewing offloaded `{name}` whole: {e}"))?;
+        let host = copy_to(&whole, Device::Cpu)
+            .map_err(|e| format!("copying offloaded `{name}` to the host: {e}"))?;
+        let views = held
+            .iter()
+            .map(|(slot, t)| View {
+                slot: *slot,
+                size: t.size(),
+                stride: t.stride(),
+                offset: t.storage_offset(),
+            })
+            .collect();
+        for (slot, _) in &held {
+            self.take(*slot);
+        }
+        self.host.bytes.park(bytes);
+        self.parked.insert(root, Parked { host, bytes, views });
+        Ok(())
+    }
+
+    /// Brings the storage `root` made back to `device` and rebuilds the copies that viewed it.
+    fn reload(&mut self, root: ValueId, device: Device) -> Result<(), String> {
+        let Some(parked) = self.parked.remove(&root) else {
+            return Err("a reload of a storage that was never offloaded".into());
+        };
+        let whole = copy_to(&parked.host, device).map_err(|e| format!("reloading: {e}"))?;
+        self.host.bytes.unpark(parked.bytes);
+        for view in parked.views {
+            let tensor = whole
+                .f_as_strided(view.size.as_slice(), view.stride.as_slice(), view.offset)
+                .map_err(|e| format!("rebuilding a view of a reloaded storage: {e}"))?;
+            self.put(view.slot, tensor);
+        }
+        Ok(())
+    }
+
+    /// Adds the time since `since`, spent copying to or from the host, to `stage`'s.
+    fn copied(&mut self, stage: Stage, since: Instant, stages: &mut StageSeconds) {
+        let seconds = since.elapsed().as_secs_f64();
+        self.host.seconds += seconds;
+        stages.add(stage, seconds);
+    }
+}
+
+/// A new copy of `tensor` on `device` (a new storage even on the tensor's own device).
+fn copy_to(tensor: &Tensor, device: Device) -> Result<Tensor, tch::TchError> {
+    if tensor.device() == device {
+        let mut copy = tensor.f_empty_like()?;
+        copy.f_copy_(tensor)?;
+        Ok(copy)
+    } else {
+        tensor.f_to_device(device)
+    }
 }
 
 /// What forward leaves for backward, as the planner's saved activation bytes count it: the
-/// storages of the forward copies still held that ops made (not the storages of the step's
+/// storages offloaded to host memory, and those of the forward copies still held that ops made (not the storages of the step's
 /// inputs, parameters included, which views of them share), the graph's outputs (the loss)
 /// aside. Each storage counts
 /// once, by its real size.
@@ -384,7 +526,7 @@ fn held_activation_bytes(graph: &ir::Graph, env: &Env, inputs: &HashSet<usize>) 
             counted.insert(key, bytes);
         }
     }
-    counted.values().sum()
+    counted.values().sum::<u64>() + env.host.bytes.live()
 }
 
 fn empty(n: usize) -> Vec<Option<Tensor>> {

@@ -11,6 +11,7 @@ pub mod ffi;
 pub mod fingerprint;
 pub mod inputs;
 pub mod memory;
+pub mod offload;
 pub mod program;
 pub mod rng;
 pub mod run;

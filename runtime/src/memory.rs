@@ -69,3 +69,31 @@ impl LiveBytes {
         self.peak
     }
 }
+
+/// Host memory of the offloaded storages: the bytes parked there now, at most at once, and
+/// moved in all (each storage once per move).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct HostBytes {
+    live: u64,
+    pub peak: u64,
+    pub moved: u64,
+}
+
+impl HostBytes {
+    /// A storage of `bytes` arrived in host memory.
+    pub fn park(&mut self, bytes: u64) {
+        self.live += bytes;
+        self.moved += bytes;
+        self.peak = self.peak.max(self.live);
+    }
+
+    /// A storage of `bytes` went back to the device.
+    pub fn unpark(&mut self, bytes: u64) {
+        self.live -= bytes;
+    }
+
+    /// Bytes in host memory now.
+    pub fn live(&self) -> u64 {
+        self.live
+    }
+}

@@ -19,7 +19,7 @@ use std::{
 
 use ir::{
     plan::{Plan, Stage},
-    EntityId, Graph, NodeId, Role,
+    EntityId, Graph, NodeId, Role, ValueId,
 };
 use tch::Device;
 use thiserror::Error;
@@ -32,7 +32,7 @@ use crate::{
         loopback::LoopbackGroup,
         nccl, CommError, Communicator, Identity,
     },
-    exec::{self, Fault, OpCounts, StageSeconds, StepError, StepResult},
+    exec::{self, Fault, HostFigures, OpCounts, StageSeconds, StepError, StepResult},
     fingerprint,
     inputs::{self, InputError, RankInputs},
     program::{PrepareError, Program},
@@ -143,6 +143,20 @@ pub struct VariantRun {
     pub predicted_step_time_s: Option<f64>,
     pub predicted_replay_time_s: Option<f64>,
     pub counts: OpCounts,
+    /// The offloaded storages in host memory (the first step's) and the median time of the
+    /// copies to the host and back.
+    pub host: HostFigures,
+    /// What the plan predicts of them, where it offloads.
+    pub predicted_host: Option<PredictedHost>,
+}
+
+/// A plan's offload figures: bytes moved to host memory (each storage once), the most in host
+/// memory at once, and the copies' time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PredictedHost {
+    pub offloaded_bytes: u64,
+    pub peak_bytes: u64,
+    pub transfer_time_s: f64,
 }
 
 /// One checked output tensor (the loss or a gradient) of one rank.
@@ -265,7 +279,16 @@ pub fn schedule_of(graph: &Graph, plan: &Plan) -> Result<Schedule, RunError> {
             before: r.before,
         })
         .collect();
-    Ok(Schedule::new(graph, &saved, &replays)?)
+    let mut offloaded: Vec<ValueId> = plan
+        .saved
+        .iter()
+        .filter(|s| s.offloaded)
+        .map(|s| graph.storage_root(s.value))
+        .collect();
+    offloaded.sort_unstable();
+    offloaded.dedup();
+    let prefetch = usize::try_from(plan.config.offload.prefetch).unwrap_or(usize::MAX);
+    Ok(Schedule::new(graph, &saved, &replays)?.offloading(graph, &offloaded, prefetch)?)
 }
 
 /// Makes a rank's communicator once it knows what the rank runs (NCCL ranks meet and compare
@@ -734,6 +757,7 @@ fn variants(job: &RankJob, check: bool) -> Result<Vec<(Variant, Schedule, Predic
                 saved: None,
                 step_time_s: Some(cost.forward_time_s + cost.backward_time_s),
                 replay_time_s: Some(0.0),
+                host: None,
             },
         ));
         if let Some(whole) = &job.whole_layer {
@@ -757,6 +781,7 @@ struct Predicted {
     saved: Option<u64>,
     step_time_s: Option<f64>,
     replay_time_s: Option<f64>,
+    host: Option<PredictedHost>,
 }
 
 impl Predicted {
@@ -767,6 +792,11 @@ impl Predicted {
             saved: plan.joint.then_some(plan.memory.saved_bytes),
             step_time_s: Some(plan.cost.step_time_s),
             replay_time_s: Some(plan.cost.replay_time_s),
+            host: (plan.memory.offloaded_bytes > 0).then_some(PredictedHost {
+                offloaded_bytes: plan.memory.offloaded_bytes,
+                peak_bytes: plan.memory.host_peak_bytes,
+                transfer_time_s: plan.cost.transfer_time_s,
+            }),
         }
     }
 }
@@ -846,6 +876,10 @@ fn rank_main(
         }
         let (seconds, stage_seconds) = median_times(&steps);
         let node_seconds = median_node_times(&steps);
+        let host = HostFigures {
+            seconds: median(steps.iter().map(|s| s.host.seconds)),
+            ..steps[0].host
+        };
         let step = steps.swap_remove(0);
         runs.push(VariantRun {
             variant: *variant,
@@ -861,6 +895,8 @@ fn rank_main(
             predicted_step_time_s: predicted.step_time_s,
             predicted_replay_time_s: predicted.replay_time_s,
             counts: step.counts,
+            host,
+            predicted_host: predicted.host,
         });
         outputs.push((*variant, step.outputs));
     }

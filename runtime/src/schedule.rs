@@ -12,10 +12,13 @@
 //! of a forward copy that is not saved means the plan is not closed, which is an error before
 //! anything runs. Every copy is freed right after its last read; graph outputs live to the end.
 //! A graph input nothing reads (a buffer the step never uses) is freed after the first step, as
-//! an output nothing reads is freed after the step that made it.
+//! an output nothing reads is freed after the step that made it. An offloaded storage leaves
+//! the device between forward and backward ([`crate::offload`]).
 
 use ir::{plan::Stage, EntityId, Graph, NodeId, Phase, Role, ValueId};
 use thiserror::Error;
+
+use crate::offload::Moves;
 
 /// One of the (up to) three copies of a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +48,12 @@ pub enum ScheduleError {
     ReplayAnchor { node: String },
     #[error("replay holds `{node}`, which is not a forward node")]
     ReplaysBackward { node: String },
+    #[error(
+        "the plan offloads `{value}`, but in this step its storage is read again before the \
+         device could be free of it (or never after forward): the plan and the runtime disagree \
+         on its window"
+    )]
+    OffloadWithoutGap { value: String },
 }
 
 /// The whole step, ready to run.
@@ -60,6 +69,8 @@ pub struct Schedule {
     free_start: Vec<usize>,
     /// The copies of the graph outputs at the end.
     outputs: Vec<Slot>,
+    /// The storages moved to host memory and back.
+    moves: Moves,
 }
 
 impl Schedule {
@@ -98,6 +109,24 @@ impl Schedule {
     pub fn outputs(&self) -> &[Slot] {
         &self.outputs
     }
+
+    /// This step with the storages of `roots` (forward values that make a storage) moved to
+    /// host memory between forward and backward, each reloaded `prefetch` steps before its
+    /// first read after forward ([`Moves::find`]).
+    pub fn offloading(
+        mut self,
+        graph: &Graph,
+        roots: &[ValueId],
+        prefetch: usize,
+    ) -> Result<Schedule, ScheduleError> {
+        self.moves = Moves::find(graph, &self, roots, prefetch)?;
+        Ok(self)
+    }
+
+    /// The storages this step moves to host memory and back.
+    pub fn moves(&self) -> &Moves {
+        &self.moves
+    }
 }
 
 struct Builder<'a> {
@@ -112,7 +141,8 @@ struct Builder<'a> {
     read_start: Vec<usize>,
 }
 
-fn index(stage: Stage) -> usize {
+/// The position of `stage`'s copy among a value's three.
+pub(crate) fn index(stage: Stage) -> usize {
     match stage {
         Stage::Forward => 0,
         Stage::Replay => 1,
@@ -266,6 +296,7 @@ impl<'a> Builder<'a> {
             frees,
             free_start,
             outputs,
+            moves: Moves::default(),
         }
     }
 }

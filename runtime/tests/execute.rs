@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use ir::{wire::graph as pb, Graph, NodeId};
+use ir::{wire::graph as pb, Graph, NodeId, ValueId};
 use runtime::{
     check,
     comm::loopback::LoopbackGroup,
@@ -29,6 +29,15 @@ fn node(graph: &Graph, name: &str) -> NodeId {
         .find(|(_, n)| n.name == name)
         .map(|(id, _)| id)
         .expect("the node exists")
+}
+
+fn value(graph: &Graph, name: &str) -> ValueId {
+    graph
+        .values()
+        .iter()
+        .find(|(_, v)| v.name == name)
+        .map(|(id, _)| id)
+        .expect("the value exists")
 }
 
 fn seeded_inputs(graph: &Graph) -> RankInputs {
@@ -238,6 +247,77 @@ fn replay_reproduces_the_no_checkpoint_gradients_bit_for_bit() {
     assert!(check::identical(
         &plain.outputs[0].1,
         &replayed.outputs[0].1
+    ));
+}
+
+/// The chain with `a` (made by n1, read by n2 in forward and by n6 last in backward) offloaded:
+/// it leaves after n3 (the step after its last forward read) and is back `prefetch` steps
+/// before n6.
+fn chain_offloading_a(graph: &Graph, prefetch: usize) -> Result<Schedule, ScheduleError> {
+    let a = value(graph, "v1");
+    Schedule::no_checkpoint(graph).offloading(graph, &[a], prefetch)
+}
+
+#[test]
+fn an_offloaded_storage_is_off_the_device_between_the_step_after_its_last_forward_read_and_its_reload(
+) {
+    // Without offload the peak is at n4: t, a, b, c and n4's output. With `a` on the host from
+    // the end of n3 to just before n6, it is t, a, b, c at n3 (4 storages), one fewer.
+    let graph = chain();
+    let inputs = seeded_inputs(&graph);
+    let plain = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
+    let schedule = chain_offloading_a(&graph, 0).expect("a has a gap");
+    let offloaded = step(&graph, &schedule, &inputs);
+    assert_eq!(plain.peak_bytes, 5 * 64);
+    assert_eq!(offloaded.peak_bytes, 4 * 64);
+    assert_eq!(offloaded.host.bytes.moved, 64);
+    assert_eq!(offloaded.host.bytes.peak, 64);
+    assert_eq!(plain.host.bytes.moved, 0);
+    assert!(check::identical(
+        &plain.outputs[0].1,
+        &offloaded.outputs[0].1
+    ));
+}
+
+#[test]
+fn an_offload_whose_reload_would_come_before_its_copy_ends_is_refused() {
+    // Two steps of prefetch bring `a` back before n4, the step right after its copy (beside
+    // n3) ends: the device is never free of it.
+    let graph = chain();
+    assert!(chain_offloading_a(&graph, 1).is_ok());
+    assert_eq!(
+        chain_offloading_a(&graph, 2).unwrap_err(),
+        ScheduleError::OffloadWithoutGap {
+            value: "v1".to_owned()
+        }
+    );
+}
+
+#[test]
+fn an_offloaded_storage_comes_back_with_its_views_strides() {
+    // a = sin(x); v = a.t() (a view: a's storage, transposed strides); b = sin(a); backward
+    // reads b, then v. Offloading a's storage moves v with it; the reload must rebuild v as
+    // the transpose, or the gradient differs from the plain step's.
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    let a = b.op(&x);
+    let (_, v) = b.node_with("aten.t.default", &[&a], view_of_input_0());
+    let c = b.op(&a);
+    let d = b.op(&c);
+    b.backward_through("t", &[d, c, v]);
+    let graph = b.build();
+    let inputs = seeded_inputs(&graph);
+    let plain = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
+    let root = value(&graph, &a);
+    let schedule = Schedule::no_checkpoint(&graph)
+        .offloading(&graph, &[root], 0)
+        .expect("a has a gap");
+    let offloaded = step(&graph, &schedule, &inputs);
+    assert_eq!(offloaded.host.bytes.moved, 64);
+    assert!(offloaded.peak_bytes < plain.peak_bytes);
+    assert!(check::identical(
+        &plain.outputs[0].1,
+        &offloaded.outputs[0].1
     ));
 }
 

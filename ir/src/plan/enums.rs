@@ -159,6 +159,7 @@ spelled! {
         /// A recomputed tensor written in place by an op that cannot replay (it writes or reads
         /// resident tensors): it stays resident, holding the write.
         WrittenUnreplayably => "written-unreplayably",
+        /// A parameter of the model: resident for the whole step anyway.
         Parameter => "parameter",
         /// A graph input other than a parameter (data, buffers, tangents).
         GraphInput => "graph-input",
