@@ -266,12 +266,14 @@ def keeps(case: Case) -> list[tuple[str, Any]]:
     return [("none", None), ("all", case.keep_all)] + [(u, [u]) for u in case.units]
 
 
-def measure_offloaded(case: Case, unit: str) -> dict[str, Any]:
-    """The eager row of keeping `unit` and offloading what it keeps, reloaded as the
-    recompute asks for it (prefetch 0: when eager SAC brings it back)."""
-    return measure_case(
-        case, f"{unit} offloaded", [unit], offload=[unit], offload_prefetch=0
-    )
+OFFLOADING = ("eager", "graph")
+
+
+def measure_offloaded(case: Case, unit: str, executor: str) -> dict[str, Any]:
+    """The row of keeping `unit` and offloading what it keeps, reloaded as the recompute asks
+    for it (prefetch 0: when eager SAC brings it back), under `executor` (eager or graph)."""
+    options = {"offload": [unit], "offload_prefetch": 0}
+    return MEASURES[executor](case, f"{unit} offloaded", [unit], **options)
 
 
 def quiet_plan(graph: Any, keep: Any, **options: Any) -> rp.Plan:
@@ -283,14 +285,16 @@ def quiet_plan(graph: Any, keep: Any, **options: Any) -> rp.Plan:
 def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: int,
         **extra: Any) -> dict[str, Any]:
     memory = plan.memory
+    # Eager and compile rows measure what is on the device when forward ends, where offloaded
+    # bytes are not; the runtime counts them wherever they wait, as the plan's saved bytes do.
+    on_host = 0 if executor == "graph" else memory.offloaded_bytes
     return {
         "case": case.name,
         "keep": label,
         "executor": executor,
         "predicted_peak": memory.peak_bytes,
         "measured_peak": peak,
-        # On the device when forward ends: offloaded bytes wait on the host.
-        "predicted_saved": memory.saved_bytes - memory.offloaded_bytes,
+        "predicted_saved": memory.saved_bytes - on_host,
         "measured_saved": saved,
         "no_checkpoint_peak": memory.no_checkpoint_peak_bytes,
         **extra,
@@ -349,16 +353,21 @@ def planner_bin() -> str:
     return os.environ.get("PLANNER_BIN") or str(REPO_ROOT / "target" / "debug" / "planner")
 
 
-def measure_run(case: Case, label: str, keep: Any) -> dict[str, Any]:
-    """The graph-executor row: `planner run` on the exported step, rank 0's figures."""
-    plan = quiet_plan(case.graph, keep)
+def measure_run(case: Case, label: str, keep: Any, **options: Any) -> dict[str, Any]:
+    """The graph-executor row: `planner run` on the exported step, rank 0's figures; with
+    `offload` and `offload_prefetch` (as `rp.plan` takes them) the bytes it moves to host
+    memory too."""
+    plan = quiet_plan(case.graph, keep, **options)
     keep_list = [keep] if isinstance(keep, str) else keep
-    keep_args = [] if keep_list is None else ["--keep", ",".join(keep_list)]
+    args = [] if keep_list is None else ["--keep", ",".join(keep_list)]
+    if options:
+        args += ["--offload", ",".join(options["offload"]),
+                 "--offload-prefetch", str(options["offload_prefetch"])]
     with tempfile.TemporaryDirectory() as folder:
         graph = Path(folder) / f"{case.name}.pb"
         graph.write_bytes(case.graph.SerializeToString())
         done = subprocess.run(
-            [planner_bin(), "run", str(graph), *keep_args, "--seed", "0", "--format", "json"],
+            [planner_bin(), "run", str(graph), *args, "--seed", "0", "--format", "json"],
             capture_output=True, text=True,
         )
     if done.returncode != 0:
@@ -366,7 +375,11 @@ def measure_run(case: Case, label: str, keep: Any) -> dict[str, Any]:
     run = json.loads(done.stdout)["ranks"][0]["runs"][0]
     if run["predicted_peak_bytes"] != plan.memory.peak_bytes:
         raise RuntimeError(f"{case.name} --keep {label}: planner run planned another peak")
-    return row(case, label, "graph", plan, run["measured_peak_bytes"], run["measured_saved_bytes"])
+    return row(
+        case, label, "graph", plan, run["measured_peak_bytes"], run["measured_saved_bytes"],
+        predicted_offloaded=plan.memory.offloaded_bytes,
+        measured_offloaded=run["measured"]["offloaded_bytes"],
+    )
 
 
 MEASURES = {"eager": measure_case, "compile": measure_compiled, "graph": measure_run}
@@ -398,6 +411,10 @@ def note(r: dict[str, Any]) -> str:
         return "warned: worse than no checkpointing"
     if r.get("same_plan") is False:
         return "stage plan differs from the CLI's"
+    if r.get("predicted_offloaded"):
+        moved, predicted = r["measured_offloaded"], r["predicted_offloaded"]
+        differs = "" if moved == predicted else f", {predicted:,} B predicted"
+        return f"host: {moved:,} B moved{differs}"
     return ""
 
 
@@ -435,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", nargs="*", choices=EXECUTORS, default=list(EXECUTORS))
     parser.add_argument(
         "--no-offload", dest="offload", action="store_false",
-        help="leave out the eager rows that offload what each unit keeps",
+        help="leave out the rows (eager, graph) that offload what each unit keeps",
     )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", help="also write the summary and the full table here")
@@ -451,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                 measured = MEASURES[executor](case, label, keep)
                 rows.append(measured)
                 print(table([measured]).splitlines()[-1], file=sys.stderr, flush=True)
-        # Offload runs under eager SAC only (the runtime and the compile stage keep every
-        # saved value on the device).
-        for unit in case.units if args.offload and "eager" in args.executor else ():
-            rows.append(measure_offloaded(case, unit))
-            print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
+        # The compile stage does not offload yet.
+        offloading = [e for e in args.executor if e in OFFLOADING] if args.offload else []
+        for unit in case.units:
+            for executor in offloading:
+                rows.append(measure_offloaded(case, unit, executor))
+                print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
     print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")

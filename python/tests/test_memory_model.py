@@ -355,11 +355,16 @@ def test_compiled_step_holds_what_the_stage_plan_predicts(prediction_rows):
 
 
 def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows):
-    """`planner run` on each exported step: peak and saved bytes as predicted, to the byte."""
-    for r in rows_of(prediction_rows, "graph"):
+    """`planner run` on each exported step: peak and saved bytes as predicted, to the byte;
+    where a unit's kept outputs are offloaded, the bytes moved to host memory too."""
+    rows = rows_of(prediction_rows, "graph")
+    for r in rows:
         assert (r["measured_peak"], r["measured_saved"]) == (
             r["predicted_peak"], r["predicted_saved"]
         ), r
+        assert r.get("measured_offloaded") == r.get("predicted_offloaded"), r
+    moved = [r for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]]
+    assert len(moved) >= len({r["case"] for r in rows}), "every case offloads a unit"
 
 
 def test_eager_keep_all_worse_than_no_checkpointing_is_flagged(eager_rows):
@@ -468,6 +473,6 @@ def test_eager_offload_copies_are_none_of_the_layers_ops():
     finally:
         sys.path.pop(0)
     case = table.hf_case("llama-eager-attn", 2, 16)
-    r = table.measure_offloaded(case, "SAVE_ATTN")
+    r = table.measure_offloaded(case, "SAVE_ATTN", "eager")
     relative = gap(r["predicted_peak"], r["measured_peak"])
     assert abs(relative) <= EAGER_TOLERANCE, f"{r}: {relative:+.2%}"
