@@ -471,8 +471,7 @@ fn m5_eager_kept_outputs_come_back_one_at_a_time_as_the_recompute_reaches_them()
         big[1].reload_at > big[0].reload_at.map(|r| r + 1),
         "{big:?}"
     );
-    let peak = p.memory.peak_bytes.unwrap();
-    assert!(peak < 2048, "{peak}");
+    assert_eq!(p.memory.peak_bytes, Some(1024 + 4 * 64));
 }
 
 #[test]
@@ -502,7 +501,7 @@ fn m5_eager_a_checkpoint_input_the_cache_also_holds_stays_on_the_device_through_
     // the cache's host copy frees nothing before. Layer 0's recompute reloads it after.
     assert_eq!((w.last_forward_read, w.held_until), (5, 10), "{w:?}");
     assert!(w.moved && w.reload_at > Some(w.held_until + 1), "{w:?}");
-    // k is on the device at backward's first op as without offload: x, t, k, the replayed
+    // k is on the device at backward's first op, as without offload: x, t, k, the replayed
     // r1 and r2, and the gradient.
     assert_eq!(p.memory.peak_bytes, Some(384));
 }
