@@ -776,6 +776,19 @@ fn refused_offload(graph: &Graph, r: &Refused) -> (Code, String, String) {
     }
 }
 
+/// The last step the device keeps an offloaded storage for, in words: its last forward read,
+/// or where a checkpoint's frame lets its device tensor go.
+fn held_through(w: &OffloadWindow) -> String {
+    if w.held_until > w.last_forward_read {
+        format!(
+            "the checkpoint frame holding it on the device (to step {})",
+            w.held_until
+        )
+    } else {
+        format!("its last forward read (step {})", w.last_forward_read)
+    }
+}
+
 /// The diagnosis of an offload that cannot help: the device is never free of the storage
 /// before its reload (kept on the device), or it is moved but smaller than what the copy costs
 /// to launch.
@@ -789,9 +802,9 @@ fn unhelpful_offload(
         return Some((
             Code::OffloadNoGap,
             format!(
-                "`{value}` stays on the device although offload was asked for: its last forward read (step {}) is too close to its reload (step {}, before its first backward read at step {}), so the device is never free of it",
-                w.last_forward_read,
-                w.reload_at,
+                "`{value}` stays on the device although offload was asked for: {} is too close to its reload (step {}, before its first backward read at step {}), so the device is never free of it",
+                held_through(w),
+                w.reload_at.map_or_else(|| "none".to_owned(), |s| s.to_string()),
                 w.first_backward_read.map_or_else(|| "none".to_owned(), |s| s.to_string()),
             ),
             "lower --offload-prefetch, or offload values forward is done with early (a layer's inputs, what its first ops make)".to_owned(),

@@ -23,7 +23,7 @@ use ir::{
     EntityId, Graph, ModelId, Node, NodeId, Phase, ValueId, MARKER_OP,
 };
 
-use crate::partition::{Extra, Hold, Replay, Resized, Until};
+use crate::partition::{Extra, Hold, HoldKind, Replay, Resized, Until};
 
 /// What an executor does to memory beyond running the graph's ops ([`crate::partition`]): the
 /// values it holds past their last read, the values it stores in other bytes, the storages of
@@ -90,12 +90,21 @@ pub struct OffloadWindow {
     /// The last forward step that reads the storage (through any alias, holds included):
     /// the copy to the host runs beside the step after it.
     pub last_forward_read: usize,
-    /// The first step after forward that reads it, if any.
+    /// The last step the device keeps the storage for before it may leave, the step after:
+    /// `last_forward_read`, or later where a checkpoint's frame keeps the device tensor of a
+    /// storage whose host copy eager SAC's cache holds ([`HoldKind::Frame`]).
+    pub held_until: usize,
+    /// The first step after `held_until` (and forward) that reads it, if any: what the reload
+    /// is for.
     pub first_backward_read: Option<usize>,
-    /// The step the reload allocates the storage again at.
-    pub reload_at: usize,
-    /// Whether the storage leaves the device at all: only when the device is free of it for
-    /// at least one step between the copy and the reload.
+    /// The step the reload allocates the storage again at, `prefetch` steps before
+    /// `first_backward_read` and never in forward (for a storage that stays on the device,
+    /// where it would be). None where nothing reads the storage after `held_until`: moved, it
+    /// is copied to the host once and never comes back.
+    pub reload_at: Option<usize>,
+    /// Whether the storage leaves the device at all: when the device is free of it for at
+    /// least one step between the copy and the reload, or, never reloaded, when eager SAC's
+    /// cache holds it past `held_until` (its host copy).
     pub moved: bool,
 }
 
@@ -207,13 +216,19 @@ struct Offloading {
     host: HostMemory,
 }
 
-/// The reads of one requested storage.
-#[derive(Clone, Copy)]
+/// The reads and holds of one requested storage.
+#[derive(Clone)]
 struct Tracked {
     value: ValueId,
     storage: u32,
     last_forward_read: Option<usize>,
-    first_backward_read: Option<usize>,
+    /// The steps after forward that read it (ops and device holds), in order.
+    backward_reads: Vec<usize>,
+    /// The last step eager SAC's cache holds it ([`HoldKind::Cache`]): the host copy where it
+    /// moves, the device tensor where it stays.
+    cache_until: Option<usize>,
+    /// The last step a checkpoint's frame holds it as an input ([`HoldKind::Frame`]).
+    frame_until: Option<usize>,
 }
 
 /// Simulates one training step with backward in `order` (see [`Graph::backward_order`]) under
@@ -256,8 +271,10 @@ pub fn simulate_sharded(
 /// through the step after its last forward read (the copy to the host reads it beside that
 /// step), then again from its reload, `offload.prefetch` backward steps before its first read
 /// after forward (never before the first backward step), to its last read. A storage whose
-/// reload would come before its copy ends stays on the device. Also the windows found, in
-/// the order of `offload.values`.
+/// reload would come before its copy ends stays on the device. Eager SAC's cache holds the
+/// host copy ([`HoldKind`]): a kept output the recompute never takes back is copied and never
+/// reloaded, and a checkpoint input the cache holds stays on the device until the frame lets it
+/// go. Also the windows found ([`OffloadWindow`]), in the order of `offload.values`.
 pub fn simulate_offloaded(
     graph: &Graph,
     order: &[NodeId],
@@ -297,9 +314,9 @@ pub fn forward_step_count(graph: &Graph) -> usize {
 /// The values an executor holds until each step, as reads at that step: by the forward node
 /// whose forward or replay step it is, and by backward position.
 struct HeldUntil {
-    forward: Vec<Vec<ValueId>>,
-    replay: Vec<Vec<ValueId>>,
-    backward: Vec<Vec<ValueId>>,
+    forward: Vec<Vec<(ValueId, HoldKind)>>,
+    replay: Vec<Vec<(ValueId, HoldKind)>>,
+    backward: Vec<Vec<(ValueId, HoldKind)>>,
 }
 
 impl HeldUntil {
@@ -321,13 +338,13 @@ impl HeldUntil {
                 Until::Backward(position) => held.backward.get_mut(position),
             };
             if let Some(list) = list {
-                list.push(h.value);
+                list.push((h.value, h.kind));
             }
         }
         held
     }
 
-    fn at(&self, step: &Step) -> &[ValueId] {
+    fn at(&self, step: &Step) -> &[(ValueId, HoldKind)] {
         let list = match step.stage {
             Stage::Forward => self.forward.get(step.node.index()),
             Stage::Replay => self.replay.get(step.node.index()),
@@ -636,14 +653,17 @@ impl<O: Observer> Simulator<'_, O> {
         }
     }
 
-    /// Keeps `values` alive through the step just run (a read by the executor, not by an op).
-    fn touch(&mut self, stage: Stage, values: &[ValueId]) {
+    /// Keeps `values` alive through the step just run (a read by the executor, not by an op),
+    /// where their holds keep the device tensor ([`Offloading::hold`]).
+    fn touch(&mut self, stage: Stage, values: &[(ValueId, HoldKind)]) {
         let at = self.steps.saturating_sub(1);
-        for &v in values {
-            if let Some((s, copy)) = self.read(stage, v) {
+        for &(v, kind) in values {
+            let Some((s, copy)) = self.read(stage, v) else {
+                continue;
+            };
+            if self.offload.hold(s, kind, stage, at) {
                 let last = &mut self.storages[s as usize].last;
                 *last = (*last).max(at);
-                self.offload.read(s, stage, at);
                 self.observer.read(stage, v, s, copy);
             }
         }
@@ -756,7 +776,9 @@ impl Offloading {
                 value,
                 storage,
                 last_forward_read: None,
-                first_backward_read: None,
+                backward_reads: Vec::new(),
+                cache_until: None,
+                frame_until: None,
             });
         }
     }
@@ -769,48 +791,112 @@ impl Offloading {
         let tracked = &mut self.tracked[i];
         if stage == Stage::Forward {
             tracked.last_forward_read = Some(at);
-        } else if tracked.first_backward_read.is_none() {
-            tracked.first_backward_read = Some(at);
+        } else {
+            tracked.backward_reads.push(at);
         }
     }
 
+    /// Records a hold of kind `kind` on `storage` through step `at` of `stage`, and says
+    /// whether it keeps the device tensor. For a storage not asked to move, every hold but
+    /// [`HoldKind::CacheServe`] does (the cache keeps the device tensor itself). For one asked
+    /// to move, the cache's hold keeps the host copy, recorded apart; the others read the device
+    /// tensor, and a frame's is also recorded, for where the cache holds the same storage
+    /// ([`Tracked::pinned_until`]).
+    fn hold(&mut self, storage: u32, kind: HoldKind, stage: Stage, at: usize) -> bool {
+        let Some(&i) = self.by_storage.get(&storage) else {
+            return kind != HoldKind::CacheServe;
+        };
+        let tracked = &mut self.tracked[i];
+        match kind {
+            HoldKind::Cache => {
+                tracked.cache_until = Some(tracked.cache_until.map_or(at, |c| c.max(at)));
+                return false;
+            }
+            HoldKind::Frame => {
+                tracked.frame_until = Some(tracked.frame_until.map_or(at, |f| f.max(at)));
+            }
+            HoldKind::Device | HoldKind::CacheServe => {}
+        }
+        self.read(storage, stage, at);
+        true
+    }
+
     /// Splits the life of each tracked storage the device can be free of into the part up to
-    /// its copy to the host and the part from its reload (`reloads`), records the windows, and
-    /// the host memory the moved storages hold from their copy to their reload.
+    /// its copy to the host and the part from its reload (`reloads`, none for a storage nothing
+    /// reads again), records the windows, and the host memory the moved storages hold from
+    /// their copy to their reload (or, never reloaded, until eager SAC's cache lets go of
+    /// them).
     fn split(&mut self, storages: &mut [Storage], steps: usize) {
         let mut host = Vec::new();
         for t in &self.tracked {
             let storage = &mut storages[t.storage as usize];
-            let last_forward_read = t.last_forward_read.unwrap_or(storage.alloc);
-            let copy_end = last_forward_read + 1;
-            let reload_at = t
-                .first_backward_read
-                .map_or(0, |first| first.saturating_sub(self.prefetch))
-                .max(self.forward_steps);
-            let moved = t.first_backward_read.is_some() && reload_at > copy_end + 1;
-            if moved {
-                self.reloads.push(Storage {
-                    alloc: reload_at,
-                    ..*storage
-                });
+            let window = t.window(storage, self.prefetch, self.forward_steps);
+            let leaves_after = window.held_until + 1;
+            if window.moved {
+                if let Some(reload_at) = window.reload_at {
+                    self.reloads.push(Storage {
+                        alloc: reload_at,
+                        ..*storage
+                    });
+                }
+                let host_until = window
+                    .reload_at
+                    .unwrap_or_else(|| t.cache_until.map_or(leaves_after, |c| c.max(leaves_after)));
                 host.push(Storage {
                     bytes: storage.bytes,
-                    alloc: copy_end,
-                    last: reload_at,
+                    alloc: window.last_forward_read + 1,
+                    last: host_until,
                 });
-                storage.last = copy_end;
+                storage.last = leaves_after;
                 self.host.offloaded_bytes = self.host.offloaded_bytes.saturating_add(storage.bytes);
+            } else if let Some(cache_until) = t.cache_until {
+                // Left on the device, the storage is what the cache holds.
+                storage.last = storage.last.max(cache_until);
             }
-            self.windows.push(OffloadWindow {
-                value: t.value,
-                bytes: storage.bytes,
-                last_forward_read,
-                first_backward_read: t.first_backward_read,
-                reload_at,
-                moved,
-            });
+            self.windows.push(window);
         }
         self.host.peak_bytes = peak(&host, steps).0;
+    }
+}
+
+impl Tracked {
+    /// Where the storage leaves the device and comes back: it leaves the step after
+    /// `held_until` and is reloaded `prefetch` steps before the first read after that (never in
+    /// forward, the first `forward_steps` steps). It moves when the device is free of it for at
+    /// least one step before the reload, or, read by nothing after `held_until`, when eager
+    /// SAC's cache holds it: the cache holds the host copy and nothing reloads it.
+    fn window(&self, storage: &Storage, prefetch: usize, forward_steps: usize) -> OffloadWindow {
+        let last_forward_read = self.last_forward_read.unwrap_or(storage.alloc);
+        let held_until = self
+            .pinned_until()
+            .map_or(last_forward_read, |p| p.max(last_forward_read));
+        let first_backward_read = self
+            .backward_reads
+            .iter()
+            .copied()
+            .find(|&r| r > held_until);
+        let reload_at =
+            first_backward_read.map(|first| first.saturating_sub(prefetch).max(forward_steps));
+        let moved = match reload_at {
+            Some(reload_at) => reload_at > held_until + 2,
+            None => self.cache_until.is_some(),
+        };
+        OffloadWindow {
+            value: self.value,
+            bytes: storage.bytes,
+            last_forward_read,
+            held_until,
+            first_backward_read,
+            reload_at,
+            moved,
+        }
+    }
+
+    /// The last step a checkpoint's frame keeps the device tensor of a storage eager SAC's
+    /// cache also holds: the cache's host copy does not free the device of the frame's input.
+    /// Reads until then find the device tensor; none of them reloads it.
+    fn pinned_until(&self) -> Option<usize> {
+        self.frame_until.filter(|_| self.cache_until.is_some())
     }
 }
 

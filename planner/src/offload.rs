@@ -153,7 +153,9 @@ pub struct Transfer {
 }
 
 /// Times the copies of the moved windows. `schedule` names each step's node
-/// ([`crate::memory::schedule_nodes`]) and `forward_steps` how many of them are forward's. On an
+/// ([`crate::memory::schedule_nodes`]) and `forward_steps` how many of them are forward's. Each
+/// moved storage is copied to the host once, and back once if it is reloaded (a storage nothing
+/// reads after it leaves, eager SAC's cache holding its host copy, never is). On an
 /// asynchronous profile each copy runs on a side stream beside compute: the copy to the host is
 /// hidden by the forward steps after its last forward read, the reload by the steps of its
 /// prefetch window; what they do not hide is exposed. Elsewhere every copy is exposed in full.
@@ -172,17 +174,20 @@ pub fn transfer(
     let between = |from: usize, to: usize| elapsed[to.min(schedule.len())] - elapsed[from.min(to)];
     moved.iter().fold(Transfer::default(), |acc, w| {
         let copy = copy_seconds(hw, w.bytes);
+        // The compute beside each copy: to the host, then back where it is reloaded.
+        let to_host = between(w.last_forward_read + 1, forward_steps);
+        let back = w
+            .reload_at
+            .zip(w.first_backward_read)
+            .map(|(reload_at, first)| between(reload_at, first));
+        let copies = if back.is_some() { 2.0 } else { 1.0 };
         let exposed = if hw.asynchronous {
-            let offload_hidden = between(w.last_forward_read + 1, forward_steps);
-            let reload_hidden = w
-                .first_backward_read
-                .map_or(0.0, |first| between(w.reload_at, first));
-            (copy - offload_hidden).max(0.0) + (copy - reload_hidden).max(0.0)
+            (copy - to_host).max(0.0) + back.map_or(0.0, |hidden| (copy - hidden).max(0.0))
         } else {
-            2.0 * copy
+            copies * copy
         };
         Transfer {
-            total_s: acc.total_s + 2.0 * copy,
+            total_s: acc.total_s + copies * copy,
             exposed_s: acc.exposed_s + exposed,
         }
     })

@@ -10,6 +10,7 @@ use planner::{
     config::PlanConfig,
     cost::HwProfile,
     memory::{self, simulate_offloaded, OffloadRequest, OffloadWindow},
+    offload::copy_seconds,
     plan::plan,
 };
 use testkit::Builder;
@@ -64,8 +65,9 @@ fn m5_an_offloaded_value_is_off_the_device_from_its_copy_to_its_reload() {
             value: a,
             bytes: 64,
             last_forward_read: 1,
+            held_until: 1,
             first_backward_read: Some(5),
-            reload_at: 5,
+            reload_at: Some(5),
             moved: true,
         }]
     );
@@ -76,7 +78,7 @@ fn m5_the_reload_comes_prefetch_steps_before_the_first_backward_read() {
     let (graph, a) = late_read();
     let (with, windows) = offloaded(&graph, &[a], 1);
     // Reloaded at step 4, `a` is back on the device for the peak at step 4.
-    assert_eq!(windows[0].reload_at, 4);
+    assert_eq!(windows[0].reload_at, Some(4));
     assert!(windows[0].moved);
     assert_eq!(with, 256);
 }
@@ -86,7 +88,7 @@ fn m5_a_value_the_device_is_never_free_of_stays_on_the_device() {
     let (graph, a) = late_read();
     // A reload 3 steps ahead starts with backward, right after the copy: no step without it.
     let (with, windows) = offloaded(&graph, &[a], 3);
-    assert_eq!(windows[0].reload_at, 2);
+    assert_eq!(windows[0].reload_at, Some(2));
     assert!(!windows[0].moved);
     assert_eq!(with, 256);
 }
@@ -193,12 +195,10 @@ fn m5_every_reload_lands_before_the_first_backward_read_and_after_forward() {
         let first = w
             .first_backward_read
             .expect("a moved value is read after forward");
-        assert!(
-            w.reload_at <= first && w.reload_at >= forward_steps,
-            "{w:?}"
-        );
-        assert!(w.reload_at >= first.saturating_sub(4), "{w:?}");
-        assert!(w.last_forward_read + 2 <= w.reload_at, "{w:?}");
+        let reload_at = w.reload_at.expect("a value read after forward is reloaded");
+        assert!(reload_at <= first && reload_at >= forward_steps, "{w:?}");
+        assert!(reload_at >= first.saturating_sub(4), "{w:?}");
+        assert!(w.last_forward_read + 2 <= reload_at, "{w:?}");
     }
     let planned = plan(&graph, &config, &hw).unwrap();
     assert!(planned.memory.offloaded_bytes > 0);
@@ -340,4 +340,168 @@ fn m5_a_host_peak_above_the_profiles_host_memory_rejects_the_plan() {
     assert_eq!(found.len(), 1, "{:?}", over.diagnostics);
     assert_eq!(found[0].level, Level::Error);
     assert!(found[0].message.contains(&host_peak.to_string()));
+}
+
+const SAVE_A: (&str, &[(&str, &str)]) = ("SAVE_A", &[("a.begin", "a.end")]);
+const SAVE_B: (&str, &[(&str, &str)]) = ("SAVE_B", &[("b.begin", "b.end")]);
+
+/// The plan of `graph` under eager SAC keeping and offloading `units`, each reload at its
+/// first read (`--offload-prefetch 0`), and the windows of the offloaded storages.
+fn eager_offloaded(graph: &Graph, units: &[&str]) -> (Plan, Vec<OffloadWindow>) {
+    let units: Vec<String> = units.iter().map(|u| u.to_string()).collect();
+    let config = PlanConfig {
+        keep: Keep::Units(units.clone()),
+        executor: Executor::Eager,
+        offload: Offload {
+            units,
+            prefetch: 0,
+            ..Offload::default()
+        },
+        ..PlanConfig::default()
+    };
+    let resolved = planner::config::resolve(graph, &config).unwrap();
+    let policy = planner::policy::apply(graph, &config, &resolved);
+    let partition = planner::partition::partition(graph, &policy, config.executor);
+    let selection = planner::offload::select(graph, &config, &resolved, &policy, &partition);
+    let (_, windows) = simulate_offloaded(
+        graph,
+        &partition.order,
+        &partition.replays,
+        partition.executed(),
+        1,
+        OffloadRequest {
+            values: &selection.roots,
+            prefetch: 0,
+        },
+    );
+    (
+        plan(graph, &config, &HwProfile::default()).unwrap(),
+        windows,
+    )
+}
+
+/// One layer: p1 = op(x), p2 = op(p1), p3 = op(p2), then SAVE_A keeps a1 = op(p3) and
+/// a2 = op(a1), and h = op(a2). Backward reads p1, p2, p3 only: the recompute stops at p3,
+/// never reaching the kept ops.
+fn unreached_kept_ops() -> Graph {
+    let mut b = Builder::new(1, &[SAVE_A]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let p1 = b.op(&x);
+    let p2 = b.op(&p1);
+    let p3 = b.op(&p2);
+    let m = b.marker("a.begin", &p3);
+    let a1 = b.op(&m);
+    let a2 = b.op(&a1);
+    let e = b.marker("a.end", &a2);
+    b.op(&e);
+    b.layer(None);
+    b.backward_through("t", &[p1, p2, p3]);
+    b.build()
+}
+
+#[test]
+fn m5_eager_a_kept_output_the_recompute_never_reaches_is_copied_to_the_host_and_never_reloaded() {
+    let (p, windows) = eager_offloaded(&unreached_kept_ops(), &["SAVE_A"]);
+    for w in &windows {
+        assert!(w.moved, "{w:?}");
+        assert_eq!((w.first_backward_read, w.reload_at), (None, None), "{w:?}");
+    }
+    // The cache holds both host copies until the recompute returns.
+    assert_eq!(windows.len(), 2);
+    assert_eq!(p.memory.offloaded_bytes, 128);
+    assert_eq!(p.memory.host_peak_bytes, 128);
+    // The peak is backward's first op: x (the frame), t, the replayed p1, p2, p3 and its
+    // gradient. Reloading a1 and a2 as the recompute returns would make it 448 B there.
+    assert_eq!(p.memory.peak_bytes, Some(384));
+}
+
+#[test]
+fn m5_eager_a_storage_copied_to_the_host_and_never_reloaded_costs_one_copy() {
+    let (p, windows) = eager_offloaded(&unreached_kept_ops(), &["SAVE_A"]);
+    assert!(windows.iter().all(|w| w.moved && w.reload_at.is_none()));
+    let hw = HwProfile::default();
+    let expected = 2.0 * copy_seconds(&hw, 64);
+    assert!(
+        (p.cost.transfer_time_s - expected).abs() < 1e-15,
+        "{} {expected}",
+        p.cost.transfer_time_s
+    );
+}
+
+#[test]
+fn m5_eager_kept_outputs_come_back_one_at_a_time_as_the_recompute_reaches_them() {
+    // One layer: r0 = op(x); SAVE_A keeps k1 = op(r0), read by the SAVE_B begin marker; SAVE_B
+    // keeps z = op(r0) and k2 = op(z); r2 = op(k2), which backward reads. k1 and k2 are
+    // 1,024 B, the rest 64 B. The recompute reads k1 last at the SAVE_B begin marker, the
+    // replayed node before z and k2, and reaches k2 only after it.
+    let mut b = Builder::new(1, &[SAVE_A, SAVE_B]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let r0 = b.op(&x);
+    let m = b.marker("a.begin", &r0);
+    let k1 = b.op(&m);
+    let e = b.marker("a.end", &k1);
+    b.marker("b.begin", &e);
+    let z = b.op(&r0);
+    let k2 = b.op(&z);
+    let e = b.marker("b.end", &k2);
+    let r2 = b.op(&e);
+    b.layer(None);
+    b.backward_through("t", &[r2]);
+    let mut wire = b.wire();
+    for v in wire
+        .values
+        .iter_mut()
+        .filter(|v| v.name == k1 || v.name == k2)
+    {
+        v.shape = vec![16, 16];
+    }
+    let graph = Graph::from_wire(wire).unwrap();
+    let (p, windows) = eager_offloaded(&graph, &["SAVE_A", "SAVE_B"]);
+    let big: Vec<&OffloadWindow> = windows.iter().filter(|w| w.bytes == 1024).collect();
+    assert_eq!(big.len(), 2);
+    assert!(
+        big.iter().all(|w| w.moved && w.reload_at.is_some()),
+        "{big:?}"
+    );
+    // k2 comes back after the marker that reads k1 last: the device holds one 1,024 B reload
+    // at a time. Reloaded at the marker, k2 would meet k1 there (2,048 B and more).
+    assert!(
+        big[1].reload_at > big[0].reload_at.map(|r| r + 1),
+        "{big:?}"
+    );
+    assert_eq!(p.memory.peak_bytes, Some(1024 + 4 * 64));
+}
+
+#[test]
+fn m5_eager_a_checkpoint_input_the_cache_also_holds_stays_on_the_device_through_the_frame() {
+    // Layer 0: r0 = op(x), SAVE_A keeps k = op(r0), then q = op(k). Layer 1 reads k: r1 =
+    // op(k), r2 = op(r1). Backward reads r2, r1 (layer 1), then q (layer 0's recompute, which
+    // takes k back from the cache).
+    let mut b = Builder::new(2, &[SAVE_A]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let r0 = b.op(&x);
+    let m = b.marker("a.begin", &r0);
+    let k = b.op(&m);
+    let e = b.marker("a.end", &k);
+    let q = b.op(&e);
+    b.layer(Some(1));
+    let r1 = b.op(&e);
+    let r2 = b.op(&r1);
+    b.layer(None);
+    b.backward_through("t", &[r2, r1, q]);
+    let graph = b.build();
+    let (p, windows) = eager_offloaded(&graph, &["SAVE_A"]);
+    let [w] = windows.as_slice() else {
+        panic!("{windows:?}")
+    };
+    // Layer 1's frame holds k's device tensor until layer 1's last backward read (step 10):
+    // the cache's host copy frees nothing before. Layer 0's recompute reloads it after.
+    assert_eq!((w.last_forward_read, w.held_until), (5, 10), "{w:?}");
+    assert!(w.moved && w.reload_at > Some(w.held_until + 1), "{w:?}");
+    // k is on the device at backward's first op, as without offload: x, t, k, the replayed
+    // r1 and r2, and the gradient.
+    assert_eq!(p.memory.peak_bytes, Some(384));
 }

@@ -23,7 +23,8 @@ use ir::{
 };
 
 use super::{
-    Builder, Extra, Hazard, HazardKind, Hold, Partition, Replay, Resized, Saved, Source, Until,
+    Builder, Extra, Hazard, HazardKind, Hold, HoldKind, Partition, Replay, Resized, Saved, Source,
+    Until,
 };
 use crate::policy::{traced_on_host, Policy, EAGER_HOST_UNCACHED_RANDOM};
 
@@ -320,9 +321,11 @@ fn prefix<'a>(nodes: &'a [NodeId], r: &Recompute) -> impl Iterator<Item = NodeId
 ///   reaches that op (the entry is consumed: from then on the tensor lives as long as
 ///   something reads it), or, for a kept op after the recompute stops, until the recompute
 ///   returns: the cache belongs to the policy's context managers (`recompute_planner.sac`),
-///   not to the checkpoint's frame, and the recompute's is the last to let it go;
+///   not to the checkpoint's frame, and the recompute's is the last to let it go
+///   ([`HoldKind::Cache`]); where the recompute reaches the op it takes the outputs back
+///   ([`HoldKind::CacheServe`]: the reload of an offloaded one);
 /// - the checkpoint holds the layer's inputs until its frame is freed after the layer's last
-///   backward read.
+///   backward read ([`HoldKind::Frame`]).
 ///
 /// A layer backward never reads is never recomputed: its cache and frame live to the end of
 /// the step.
@@ -338,7 +341,8 @@ fn holds(
     for (at, nodes) in layers {
         let recompute = recomputes.get(at);
         let frame_freed = Until::Backward(recompute.map_or(end, |r| r.last_read));
-        let mut hold = |value: ValueId, until: Until| holds.push(Hold { value, until });
+        let mut hold =
+            |value: ValueId, until: Until, kind: HoldKind| holds.push(Hold { value, until, kind });
         // Kept ops the recompute reaches release their cache entry when it does: just after
         // the replayed node before them (the first one if none is), else at the recompute.
         let mut consumed_at = recompute.map(|r| {
@@ -363,8 +367,14 @@ fn holds(
                         Some(until) if reached(n) => until,
                         _ => recompute_returns,
                     };
+                    let served = recompute
+                        .filter(|_| reached(n))
+                        .map(|r| served_at(policy, nodes, r, n, until));
                     for &v in &node.outputs {
-                        hold(v, until);
+                        hold(v, until, HoldKind::Cache);
+                        if let Some(served) = served {
+                            hold(v, served, HoldKind::CacheServe);
+                        }
                     }
                 }
                 _ => {}
@@ -375,12 +385,28 @@ fn holds(
                     (p.model, p.layer) == (at.model, Some(at.layer))
                 });
                 if !inside {
-                    hold(v, frame_freed);
+                    hold(v, frame_freed, HoldKind::Frame);
                 }
             }
         }
     }
     holds
+}
+
+/// Where the recompute `r` takes the kept op `kept`'s outputs from the cache, as the step
+/// they must be on the device again by: the first replayed node after `kept` (the recompute
+/// reaches the kept op just before it), else `consumed`, where its cache entry is let go.
+/// Each kept output comes back when the recompute gets to it, not all at its start.
+fn served_at(
+    policy: &Policy,
+    nodes: &[NodeId],
+    r: &Recompute,
+    kept: NodeId,
+    consumed: Until,
+) -> Until {
+    prefix(nodes, r)
+        .find(|&m| m > kept && policy.decision(m) == Some(Decision::Recompute))
+        .map_or(consumed, Until::Replay)
 }
 
 /// What the model's Python code keeps referenced in forward past the last forward read (a
@@ -396,6 +422,7 @@ pub(super) fn python_holds(graph: &Graph) -> Vec<Hold> {
             node.python_releases().iter().map(move |&value| Hold {
                 value,
                 until: Until::Forward(id),
+                kind: HoldKind::Device,
             })
         })
         .collect()
@@ -435,6 +462,7 @@ fn recompute_python_holds(
                 holds.push(Hold {
                     value,
                     until: Until::Replay(last_run),
+                    kind: HoldKind::Device,
                 });
             }
         }
@@ -493,6 +521,7 @@ pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
         .map(|(&value, &position)| Hold {
             value,
             until: after(position),
+            kind: HoldKind::Device,
         })
         .collect();
     for (_, node) in graph.nodes().iter() {
@@ -507,6 +536,7 @@ pub(super) fn autograd_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
                 holds.push(Hold {
                     value,
                     until: after(position),
+                    kind: HoldKind::Device,
                 });
             }
         }
@@ -551,6 +581,7 @@ fn formula_temporary_holds(graph: &Graph, order: &[NodeId]) -> Vec<Hold> {
                 holds.extend(std::iter::once(temporary).chain(saved).map(|value| Hold {
                     value,
                     until: Until::Backward(at),
+                    kind: HoldKind::Device,
                 }));
             }
         }

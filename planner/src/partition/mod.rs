@@ -100,6 +100,26 @@ pub struct Extra {
 pub struct Hold {
     pub value: ValueId,
     pub until: Until,
+    pub kind: HoldKind,
+}
+
+/// Which tensor a [`Hold`] keeps, which matters only for a storage the plan offloads
+/// (docs/cost-and-memory.md, M5): eager SAC's cache then holds the host copy, while everything
+/// else holds the device tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldKind {
+    /// The device tensor: autograd's saved tensors, the model's Python references.
+    Device,
+    /// Eager SAC's cache entry of a kept op's output. For an offloaded storage the cache holds
+    /// the host copy: the hold keeps nothing on the device and asks for no reload.
+    Cache,
+    /// The recompute taking an offloaded kept output back from the cache: a read of the device
+    /// tensor, which the reload brings back. Nothing for a storage left on the device, which
+    /// its [`HoldKind::Cache`] hold keeps.
+    CacheServe,
+    /// A checkpoint's input, held by its frame: the device tensor, even where eager SAC's cache
+    /// also holds a host copy of it.
+    Frame,
 }
 
 /// A step of the schedule: the last step at which a [`Hold`] keeps its value, or where an
