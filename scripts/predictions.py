@@ -285,16 +285,16 @@ def quiet_plan(graph: Any, keep: Any, **options: Any) -> rp.Plan:
 def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: int,
         **extra: Any) -> dict[str, Any]:
     memory = plan.memory
-    # Eager and compile rows measure what is on the device when forward ends, where offloaded
-    # bytes are not; the runtime counts them wherever they wait, as the plan's saved bytes do.
-    on_host = 0 if executor == "graph" else memory.offloaded_bytes
+    # Eager and compile rows measure what is on the device when forward ends; the runtime
+    # counts offloaded bytes wherever they wait, as the plan's saved bytes do.
+    saved = memory.saved_bytes if executor == "graph" else memory.saved_on_device_bytes
     return {
         "case": case.name,
         "keep": label,
         "executor": executor,
         "predicted_peak": memory.peak_bytes,
         "measured_peak": peak,
-        "predicted_saved": memory.saved_bytes - on_host,
+        "predicted_saved": saved,
         "measured_saved": saved,
         "no_checkpoint_peak": memory.no_checkpoint_peak_bytes,
         **extra,

@@ -70,6 +70,9 @@ pub struct Simulation {
 pub struct HostMemory {
     pub offloaded_bytes: u64,
     pub peak_bytes: u64,
+    /// The moved storages that leave the device before forward ends (the others leave in
+    /// backward, where a checkpoint's frame held them).
+    pub left_in_forward_bytes: u64,
 }
 
 /// Values to move to host memory after their last forward read, each reloaded `prefetch`
@@ -849,6 +852,9 @@ impl Offloading {
                 });
                 storage.last = leaves_after;
                 self.host.offloaded_bytes = self.host.offloaded_bytes.saturating_add(storage.bytes);
+                if leaves_after < self.forward_steps {
+                    self.host.left_in_forward_bytes += storage.bytes;
+                }
             } else if let Some(cache_until) = t.cache_until {
                 // Left on the device, the storage is what the cache holds.
                 storage.last = storage.last.max(cache_until);

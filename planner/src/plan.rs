@@ -304,9 +304,10 @@ fn memory_figures(
             ..Memory::default()
         };
     };
+    let saved = saved_activation_bytes(graph, &j.partition);
     Memory {
         peak_bytes: Some(j.memory.peak_bytes),
-        saved_bytes: saved_activation_bytes(graph, &j.partition),
+        saved_bytes: saved,
         no_checkpoint_peak_bytes: Some(j.baselines.no_checkpoint.peak_bytes),
         full_recompute_peak_bytes: Some(j.baselines.full_recompute_memory.peak_bytes),
         peak: j.memory.peak,
@@ -316,6 +317,7 @@ fn memory_figures(
         offloaded_bytes: j.memory.host.offloaded_bytes,
         host_peak_bytes: j.memory.host.peak_bytes,
         host_memory_bytes: hw.host_memory_bytes as u64,
+        saved_on_device_bytes: saved.saturating_sub(j.memory.host.left_in_forward_bytes),
     }
 }
 

@@ -152,6 +152,14 @@ fn m5_offload_never_raises_the_device_peak_and_the_host_holds_every_moved_byte()
             assert_eq!(with.memory.offloaded_bytes, moved, "{name} {executor}");
             assert_eq!(with.memory.host_peak_bytes, moved, "{name} {executor}");
             assert_eq!(without.memory.offloaded_bytes, 0);
+            // On the device when forward ends: the saved set less what has left it.
+            let m = &with.memory;
+            let on_device = m.saved_on_device_bytes;
+            assert!(m.saved_bytes - moved <= on_device && on_device <= m.saved_bytes);
+            assert_eq!(
+                without.memory.saved_on_device_bytes,
+                without.memory.saved_bytes
+            );
             let exposed = with.cost.exposed_transfer_time_s;
             assert!(exposed <= with.cost.transfer_time_s, "{name} {executor}");
             assert_eq!(
@@ -411,6 +419,9 @@ fn m5_eager_a_kept_output_the_recompute_never_reaches_is_copied_to_the_host_and_
     assert_eq!(windows.len(), 2);
     assert_eq!(p.memory.offloaded_bytes, 128);
     assert_eq!(p.memory.host_peak_bytes, 128);
+    // a1 leaves the device in forward; a2, which the last forward op reads through the end
+    // marker, beside backward's first step.
+    assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes - 64);
     // The peak is backward's first op: x (the frame), t, the replayed p1, p2, p3 and its
     // gradient. Reloading a1 and a2 as the recompute returns would make it 448 B there.
     assert_eq!(p.memory.peak_bytes, Some(384));
@@ -504,4 +515,7 @@ fn m5_eager_a_checkpoint_input_the_cache_also_holds_stays_on_the_device_through_
     // k is on the device at backward's first op, as without offload: x, t, k, the replayed
     // r1 and r2, and the gradient.
     assert_eq!(p.memory.peak_bytes, Some(384));
+    // When forward ends, k is offloaded yet still on the device.
+    assert_eq!(p.memory.offloaded_bytes, w.bytes);
+    assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes);
 }

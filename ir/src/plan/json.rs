@@ -239,6 +239,7 @@ fn write_memory(j: &mut Pretty, m: &Memory, names: &dyn PlanNames) {
         j.key("offloaded_bytes").u64(m.offloaded_bytes);
         j.key("host_peak_bytes").u64(m.host_peak_bytes);
         j.key("host_memory_bytes").u64(m.host_memory_bytes);
+        j.key("saved_on_device_bytes").u64(m.saved_on_device_bytes);
     });
 }
 

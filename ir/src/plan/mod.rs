@@ -271,6 +271,10 @@ pub struct Memory {
     pub host_peak_bytes: u64,
     /// The hardware profile's host memory, which the host peak is compared with.
     pub host_memory_bytes: u64,
+    /// The saved activation bytes on the device when forward ends: `saved_bytes` less the
+    /// offloaded storages that have left it by then (one a checkpoint's frame holds to its
+    /// recompute leaves in backward).
+    pub saved_on_device_bytes: u64,
 }
 
 /// The peak bytes of one device over a training step (docs/cost-and-memory.md, M4): the

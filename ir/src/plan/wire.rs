@@ -187,6 +187,7 @@ fn memory_to_wire(m: &Memory, names: &dyn PlanNames) -> pb::Memory {
         offloaded_bytes: m.offloaded_bytes,
         host_peak_bytes: m.host_peak_bytes,
         host_memory_bytes: m.host_memory_bytes,
+        saved_on_device_bytes: Some(m.saved_on_device_bytes),
     }
 }
 
@@ -399,6 +400,9 @@ fn memory_from_wire(m: pb::Memory, names: &mut NameTable) -> Result<Memory, Plan
         offloaded_bytes: m.offloaded_bytes,
         host_peak_bytes: m.host_peak_bytes,
         host_memory_bytes: m.host_memory_bytes,
+        saved_on_device_bytes: m
+            .saved_on_device_bytes
+            .unwrap_or_else(|| m.saved_bytes.saturating_sub(m.offloaded_bytes)),
     })
 }
 
