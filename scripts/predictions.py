@@ -287,14 +287,16 @@ def row(case: Case, label: str, executor: str, plan: rp.Plan, peak: int, saved: 
     memory = plan.memory
     # Eager and compile rows measure what is on the device when forward ends; the runtime
     # counts offloaded bytes wherever they wait, as the plan's saved bytes do.
-    saved = memory.saved_bytes if executor == "graph" else memory.saved_on_device_bytes
+    predicted_saved = (
+        memory.saved_bytes if executor == "graph" else memory.saved_on_device_bytes
+    )
     return {
         "case": case.name,
         "keep": label,
         "executor": executor,
         "predicted_peak": memory.peak_bytes,
         "measured_peak": peak,
-        "predicted_saved": saved,
+        "predicted_saved": predicted_saved,
         "measured_saved": saved,
         "no_checkpoint_peak": memory.no_checkpoint_peak_bytes,
         **extra,

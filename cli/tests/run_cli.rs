@@ -163,6 +163,26 @@ fn an_offloading_plan_runs_with_its_storages_on_the_host_as_predicted() {
 }
 
 #[test]
+fn an_eager_plans_offload_is_refused_before_running() {
+    let out = planner(&[
+        "run",
+        golden("dense").to_str().unwrap(),
+        "--keep",
+        "all",
+        "--offload-kinds",
+        "kept",
+        "--executor",
+        "eager",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("offloads for the eager executor") && stderr.contains("--executor graph"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn offload_options_with_a_plan_file_are_refused() {
     let out = planner(&[
         "run",

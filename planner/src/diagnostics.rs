@@ -789,6 +789,21 @@ fn held_through(w: &OffloadWindow) -> String {
     }
 }
 
+/// Why the device is never free of `value`'s storage: its reload comes too soon after it may
+/// leave, or, with no reload, it is held to the end of the step.
+fn no_gap(value: &str, w: &OffloadWindow) -> String {
+    match (w.reload_at, w.first_backward_read) {
+        (Some(reload_at), Some(first)) => format!(
+            "`{value}` stays on the device although offload was asked for: {} is too close to its reload (step {reload_at}, before its first backward read at step {first}), so the device is never free of it",
+            held_through(w),
+        ),
+        _ => format!(
+            "`{value}` stays on the device although offload was asked for: {} lasts to the end of the step, so the device is never free of it",
+            held_through(w),
+        ),
+    }
+}
+
 /// The diagnosis of an offload that cannot help: the device is never free of the storage
 /// before its reload (kept on the device), or it is moved but smaller than what the copy costs
 /// to launch.
@@ -799,16 +814,7 @@ fn unhelpful_offload(
 ) -> Option<(Code, String, String)> {
     let value = shown(&graph.value(w.value).name);
     if !w.moved {
-        return Some((
-            Code::OffloadNoGap,
-            format!(
-                "`{value}` stays on the device although offload was asked for: {} is too close to its reload (step {}, before its first backward read at step {}), so the device is never free of it",
-                held_through(w),
-                w.reload_at.map_or_else(|| "none".to_owned(), |s| s.to_string()),
-                w.first_backward_read.map_or_else(|| "none".to_owned(), |s| s.to_string()),
-            ),
-            "lower --offload-prefetch, or offload values forward is done with early (a layer's inputs, what its first ops make)".to_owned(),
-        ));
+        return Some((Code::OffloadNoGap, no_gap(&value.to_string(), w), "lower --offload-prefetch, or offload values forward is done with early (a layer's inputs, what its first ops make)".to_owned()));
     }
     offload::too_small(hw, w.bytes).then(|| {
         (

@@ -833,7 +833,7 @@ impl Offloading {
         let mut host = Vec::new();
         for t in &self.tracked {
             let storage = &mut storages[t.storage as usize];
-            let window = t.window(storage, self.prefetch, self.forward_steps);
+            let window = t.window(storage, self.prefetch, self.forward_steps, steps);
             let leaves_after = window.held_until + 1;
             if window.moved {
                 if let Some(reload_at) = window.reload_at {
@@ -870,8 +870,15 @@ impl Tracked {
     /// `held_until` and is reloaded `prefetch` steps before the first read after that (never in
     /// forward, the first `forward_steps` steps). It moves when the device is free of it for at
     /// least one step before the reload, or, read by nothing after `held_until`, when eager
-    /// SAC's cache holds it: the cache holds the host copy and nothing reloads it.
-    fn window(&self, storage: &Storage, prefetch: usize, forward_steps: usize) -> OffloadWindow {
+    /// SAC's cache holds it and the device is free of it for a step before the step's `steps`
+    /// end: the cache holds the host copy and nothing reloads it.
+    fn window(
+        &self,
+        storage: &Storage,
+        prefetch: usize,
+        forward_steps: usize,
+        steps: usize,
+    ) -> OffloadWindow {
         let last_forward_read = self.last_forward_read.unwrap_or(storage.alloc);
         let held_until = self
             .pinned_until()
@@ -885,7 +892,7 @@ impl Tracked {
             first_backward_read.map(|first| first.saturating_sub(prefetch).max(forward_steps));
         let moved = match reload_at {
             Some(reload_at) => reload_at > held_until + 2,
-            None => self.cache_until.is_some(),
+            None => self.cache_until.is_some() && held_until + 2 < steps,
         };
         OffloadWindow {
             value: self.value,

@@ -519,3 +519,27 @@ fn m5_eager_a_checkpoint_input_the_cache_also_holds_stays_on_the_device_through_
     assert_eq!(p.memory.offloaded_bytes, w.bytes);
     assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes);
 }
+
+#[test]
+fn m5_eager_a_kept_output_a_never_recomputed_layers_frame_holds_to_the_end_stays_on_the_device() {
+    // Layer 0 keeps k and makes q = op(k); layer 1 reads k (r1 = op(k)), but backward reads
+    // nothing of layer 1, so its frame holds k's device tensor to the end of the step: the
+    // device is never free of k, which stays (and planning does not run past the last step).
+    let mut b = Builder::new(2, &[SAVE_A]);
+    let x = b.input("x");
+    b.layer(Some(0));
+    let r0 = b.op(&x);
+    let m = b.marker("a.begin", &r0);
+    let k = b.op(&m);
+    let e = b.marker("a.end", &k);
+    let q = b.op(&e);
+    b.layer(Some(1));
+    b.op(&e);
+    b.layer(None);
+    b.backward_through("t", &[q]);
+    let graph = b.build();
+    let (p, windows) = eager_offloaded(&graph, &["SAVE_A"]);
+    assert!(windows.iter().all(|w| !w.moved), "{windows:?}");
+    assert_eq!(p.memory.offloaded_bytes, 0);
+    assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes);
+}

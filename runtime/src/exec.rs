@@ -206,12 +206,15 @@ pub fn run_step(
         if stage != Stage::Forward && saved_bytes.is_none() {
             saved_bytes = Some(held_activation_bytes(graph, &env, &input_storages));
         }
-        let reloads = Instant::now();
-        for root in schedule.moves().back_before(step) {
-            env.reload(root, device)
-                .map_err(|m| op_error(program, stage, Some(id), m))?;
+        let back: Vec<ValueId> = schedule.moves().back_before(step).collect();
+        if !back.is_empty() {
+            let started = drained(device).map_err(|m| op_error(program, stage, Some(id), m))?;
+            for root in back {
+                env.reload(root, device)
+                    .map_err(|m| op_error(program, stage, Some(id), m))?;
+            }
+            env.copied(stage, started, &mut stage_seconds);
         }
-        env.copied(stage, reloads, &mut stage_seconds);
         let step_started = Instant::now();
         let node = graph.node(id);
         let inputs: Vec<&Tensor> = node
@@ -291,12 +294,16 @@ pub fn run_step(
         let elapsed = step_started.elapsed().as_secs_f64();
         stage_seconds.add(stage, elapsed);
         node_seconds[id.index()] += elapsed;
-        let copies = Instant::now();
-        for root in schedule.moves().out_after(step) {
-            env.offload(root, graph)
-                .map_err(|m| op_error(program, stage, Some(id), m))?;
+        let out: Vec<ValueId> = schedule.moves().out_after(step).collect();
+        if !out.is_empty() {
+            let started = drained(device).map_err(|m| op_error(program, stage, Some(id), m))?;
+            for root in out {
+                env.offload(root, graph)
+                    .map_err(|m| op_error(program, stage, Some(id), m))?;
+            }
+            env.copied(stage, started, &mut stage_seconds);
         }
-        env.copied(stage, copies, &mut stage_seconds);
+        env.host.bytes.sample();
     }
     if allocator {
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
@@ -497,6 +504,15 @@ impl Env {
     }
 }
 
+/// Now, once `device` has run what was queued on it (on CUDA: a copy to or from the host timed
+/// from here is the copy's time, not the queued kernels' a blocking copy waits for).
+fn drained(device: Device) -> Result<Instant, String> {
+    if matches!(device, Device::Cuda(_)) {
+        ffi::synchronize(device)?;
+    }
+    Ok(Instant::now())
+}
+
 /// A new copy of `tensor` on `device` (a new storage even on the tensor's own device).
 fn copy_to(tensor: &Tensor, device: Device) -> Result<Tensor, tch::TchError> {
     if tensor.device() == device {
@@ -509,10 +525,9 @@ fn copy_to(tensor: &Tensor, device: Device) -> Result<Tensor, tch::TchError> {
 }
 
 /// What forward leaves for backward, as the planner's saved activation bytes count it: the
-/// storages offloaded to host memory, and those of the forward copies still held that ops made (not the storages of the step's
-/// inputs, parameters included, which views of them share), the graph's outputs (the loss)
-/// aside. Each storage counts
-/// once, by its real size.
+/// storages offloaded to host memory, and those of the forward copies still held that ops made
+/// (not the storages of the step's inputs, parameters included, which views of them share),
+/// the graph's outputs (the loss) aside. Each storage counts once, by its real size.
 fn held_activation_bytes(graph: &ir::Graph, env: &Env, inputs: &HashSet<usize>) -> u64 {
     let forward = &env.copies[OpCounts::slot(Stage::Forward)];
     let storage_of = |v: ValueId| forward[v.index()].as_ref().and_then(ffi::storage);

@@ -70,11 +70,15 @@ impl LiveBytes {
     }
 }
 
-/// Host memory of the offloaded storages: the bytes parked there now, at most at once, and
-/// moved in all (each storage once per move).
+/// Host memory of the offloaded storages: the bytes parked there now, at most during one step,
+/// and moved in all (each storage once per move). A storage counts at the step its copy to
+/// the host runs after, and at the step its reload runs before (the host buffer a copy fills or
+/// drains exists during the step the copy goes with), as the planner counts it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct HostBytes {
     live: u64,
+    /// Reloaded before the step running now: in host memory until it ends.
+    reloading: u64,
     pub peak: u64,
     pub moved: u64,
 }
@@ -84,16 +88,42 @@ impl HostBytes {
     pub fn park(&mut self, bytes: u64) {
         self.live += bytes;
         self.moved += bytes;
-        self.peak = self.peak.max(self.live);
     }
 
-    /// A storage of `bytes` went back to the device.
+    /// A storage of `bytes` went back to the device for the step about to run.
     pub fn unpark(&mut self, bytes: u64) {
         self.live -= bytes;
+        self.reloading += bytes;
+    }
+
+    /// The step has run, and its copies to the host too: records the bytes it used as a
+    /// candidate peak.
+    pub fn sample(&mut self) {
+        self.peak = self.peak.max(self.live + self.reloading);
+        self.reloading = 0;
     }
 
     /// Bytes in host memory now.
     pub fn live(&self) -> u64 {
         self.live
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostBytes;
+
+    #[test]
+    fn a_storage_reloaded_for_a_step_and_one_copied_after_it_share_that_steps_host_peak() {
+        let mut host = HostBytes::default();
+        host.park(100);
+        host.sample();
+        // A comes back before the step, B goes out after it: both buffers exist during it.
+        host.unpark(100);
+        host.park(30);
+        host.sample();
+        host.unpark(30);
+        host.sample();
+        assert_eq!((host.peak, host.moved, host.live()), (130, 130, 0));
     }
 }

@@ -14,13 +14,13 @@ use crate::schedule::{index, Schedule, ScheduleError};
 
 /// One storage the step moves to the host and back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Move {
+struct Move {
     /// The forward value that made the storage.
-    pub root: ValueId,
+    root: ValueId,
     /// The storage leaves the device once this step has run (its frees included).
-    pub out_after: usize,
+    out_after: usize,
     /// It is back on the device before this step runs.
-    pub back_before: usize,
+    back_before: usize,
 }
 
 /// The moves of one step, found in step order.
@@ -72,10 +72,6 @@ impl Moves {
     /// Whether the storage `value` makes is moved.
     pub fn moves(&self, value: ValueId) -> bool {
         self.moves.iter().any(|m| m.root == value)
-    }
-
-    pub fn as_slice(&self) -> &[Move] {
-        &self.moves
     }
 }
 

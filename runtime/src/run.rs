@@ -18,7 +18,7 @@ use std::{
 };
 
 use ir::{
-    plan::{Plan, Stage},
+    plan::{Executor, Plan, Stage},
     EntityId, Graph, NodeId, Role, ValueId,
 };
 use tch::Device;
@@ -287,7 +287,13 @@ pub fn schedule_of(graph: &Graph, plan: &Plan) -> Result<Schedule, RunError> {
         .collect();
     offloaded.sort_unstable();
     offloaded.dedup();
-    let prefetch = usize::try_from(plan.config.offload.prefetch).unwrap_or(usize::MAX);
+    if !offloaded.is_empty() && plan.config.executor != Executor::Graph {
+        return Err(ScheduleError::OffloadForAnotherExecutor {
+            executor: plan.config.executor.name().to_owned(),
+        }
+        .into());
+    }
+    let prefetch = plan.config.offload.prefetch as usize;
     Ok(Schedule::new(graph, &saved, &replays)?.offloading(graph, &offloaded, prefetch)?)
 }
 

@@ -54,6 +54,11 @@ pub enum ScheduleError {
          on its window"
     )]
     OffloadWithoutGap { value: String },
+    #[error(
+        "the plan offloads for the {executor} executor, whose offload (held by what that \
+         executor holds) the runtime does not run: plan it with `--executor graph`"
+    )]
+    OffloadForAnotherExecutor { executor: String },
 }
 
 /// The whole step, ready to run.

@@ -322,6 +322,55 @@ fn an_offloaded_storage_comes_back_with_its_views_strides() {
 }
 
 #[test]
+fn an_offloaded_storage_comes_back_with_a_views_storage_offset() {
+    // a = sin(x) of [8, 4]; v = a[4:8] (a view 16 elements into a's storage); c = sin(v),
+    // d = sin(c); backward reads d, c, then v. Offloading a's storage moves v with it; the
+    // reload must rebuild v at its offset, or the gradient reads a's first rows.
+    let mut b = Builder::new(1, &[]);
+    let x = b.input("x");
+    let a = b.op(&x);
+    let (_, v) = b.node_with("aten.slice.Tensor", &[&a], view_of_input_0());
+    let c = b.op(&v);
+    let d = b.op(&c);
+    b.backward_through("t", &[d, c, v.clone()]);
+    let mut wire = b.wire();
+    for value in wire
+        .values
+        .iter_mut()
+        .filter(|w| w.name == x || w.name == a)
+    {
+        value.shape = vec![8, 4];
+    }
+    let int = |name: &str, i| pb::Attribute {
+        name: name.to_owned(),
+        value: Some(pb::attribute::Value::Int(i)),
+    };
+    let slice = wire
+        .nodes
+        .iter_mut()
+        .find(|n| n.outputs == [v.clone()])
+        .expect("the slice");
+    slice.attributes = vec![
+        int("dim", 0),
+        int("start", 4),
+        int("end", 8),
+        int("step", 1),
+    ];
+    let graph = Graph::from_wire(wire).expect("valid");
+    let inputs = seeded_inputs(&graph);
+    let plain = step(&graph, &Schedule::no_checkpoint(&graph), &inputs);
+    let schedule = Schedule::no_checkpoint(&graph)
+        .offloading(&graph, &[value(&graph, &a)], 0)
+        .expect("a has a gap");
+    let offloaded = step(&graph, &schedule, &inputs);
+    assert_eq!(offloaded.host.bytes.moved, 128);
+    assert!(check::identical(
+        &plain.outputs[0].1,
+        &offloaded.outputs[0].1
+    ));
+}
+
+#[test]
 fn measured_peak_follows_the_schedule_one_storage_per_value() {
     // Every value is one 64-byte storage. Without checkpointing the peak is at the first
     // backward op: t, a, b, c and its output (5 storages). With the replay it is the same
