@@ -363,7 +363,9 @@ def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows
             r["predicted_peak"], r["predicted_saved"]
         ), r
         assert r.get("measured_offloaded") == r.get("predicted_offloaded"), r
-    moved = {r["case"] for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]}
+    moved = {
+        r["case"] for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]
+    }
     assert moved == {r["case"] for r in rows}, "every case moves a unit's kept outputs"
 
 
