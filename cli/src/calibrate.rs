@@ -1,7 +1,11 @@
 //! `planner calibrate`: times the op classes the cost model uses on this device, each as a
 //! small graph of one op repeated, executed by the same runtime as `planner run` (so an op's
 //! overhead is what this executor pays per op), and writes the hardware profile fitted to
-//! the timings (`planner::calibration`), with the timings inside it.
+//! the timings (`planner::calibration`), with the timings inside it. Under a launcher
+//! (`torchrun`: `RANK` and `WORLD_SIZE` set) every rank times the all-to-all through the
+//! launched process group (gloo on the CPU, NCCL on CUDA), as `planner run` exchanges under
+//! it, then every rank times the rest at once, sharing the machine as a launched job's ranks
+//! do, and rank 0 writes the profile.
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
 
@@ -13,8 +17,9 @@ use planner::{
     plan,
 };
 use runtime::{
+    comm::launch::Launch,
     program,
-    run::{RankJob, RunConfig, RunReport},
+    run::{self as runtime_run, RankJob, RunConfig, RunReport},
 };
 
 use planner_commands::{args::CalibrateArgs, load_hw, output::Output, Failure};
@@ -35,16 +40,34 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         fault: None,
         repeat: args.repeat,
     };
+    let launch = Launch::from_env()?;
+    let (mut timings, collectives) = match &launch {
+        Some(launch) => {
+            let world = u32::try_from(launch.world).map_err(|e| e.to_string())?;
+            let timed = time_launched(cuda, world, launch, &config, &base)?;
+            let backend = if cuda { "nccl" } else { "gloo" };
+            let group = format!("{backend}, {world} ranks launched as processes");
+            (timed, Some(group))
+        }
+        None => (Vec::new(), None),
+    };
     // The interleaved benchmarks come first and hold no collective (tested), so node
-    // `round * mixed.len() + i` of their graph is benchmark `i`'s.
+    // `round * mixed.len() + i` of their graph is benchmark `i`'s. A launched job's
+    // collectives are timed above, through its process group.
     let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) = benchmarks(cuda)
         .into_iter()
-        .filter(|b| !b.checkpointed)
+        .filter(|b| !(b.checkpointed || launch.is_some() && b.world > 1))
         .partition(|b| b.mixed);
-    let mut timings = time_mixed(&mixed, &config, &base)?;
+    timings.extend(time_mixed(&mixed, &config, &base)?);
     for bench in &alone {
         timings.push(time(bench, &config, &base)?);
     }
+    let collectives = collectives.or_else(|| {
+        alone
+            .iter()
+            .find(|b| b.world > 1)
+            .map(|b| format!("loopback, {} ranks as threads of one process", b.world))
+    });
     for timing in &timings {
         let shape: Vec<String> = timing.shape.iter().map(u64::to_string).collect();
         eprintln!(
@@ -63,6 +86,7 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         threads,
         timings,
         not_measured: Vec::new(),
+        collectives,
     };
     let name = args
         .name
@@ -73,6 +97,13 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         .flatten()
         .map(|bytes| bytes as f64);
     let profile = calibration::fit(&base, &name, memory, calibration).map_err(|e| e.to_string())?;
+    if let Some(launch) = launch.as_ref().filter(|l| l.rank != 0) {
+        eprintln!(
+            "calibrate: rank {} ran every benchmark beside the others; rank 0 writes the profile",
+            launch.rank
+        );
+        return Ok(());
+    }
     let mut json = serde_json::to_string_pretty(&profile).map_err(|e| e.to_string())?;
     json.push('\n');
     output.write(json.as_bytes())?;
@@ -101,6 +132,55 @@ fn time_mixed(
         .map(|(i, bench)| {
             let total: f64 = run.node_seconds.iter().skip(i).step_by(mixed.len()).sum();
             let median = (total / mixed[0].repeats as f64).max(f64::MIN_POSITIVE);
+            Ok(bench.timing(median, config.repeat)?)
+        })
+        .collect()
+}
+
+/// The all-to-all of each size timed through the launched job's process group, in one graph
+/// (one rendezvous): each op's median with the `wait_tensor` after it, per op.
+fn time_launched(
+    cuda: bool,
+    world: u32,
+    launch: &Launch,
+    config: &RunConfig,
+    hw: &HwProfile,
+) -> Result<Vec<Timing>, Failure> {
+    let benches = calibration::launched_collectives(cuda, world);
+    let graph = Arc::new(
+        Graph::from_wire(calibration::graph_of(&benches))
+            .map_err(|e| format!("a calibration graph is not valid: {e}"))?,
+    );
+    let plan = Arc::new(plan::plan(&graph, &PlanConfig::default(), hw).map_err(|e| e.to_string())?);
+    let job = RankJob {
+        graph,
+        plan,
+        whole_layer: None,
+        inputs: PathBuf::from("/nonexistent/calibrate.safetensors"),
+    };
+    let report = runtime_run::run_launched(job, launch, config).map_err(|e| e.to_string())?;
+    if let Some(failure) = report.first_failure() {
+        return Err(Failure::Error(format!(
+            "the collectives' calibration failed: {failure}"
+        )));
+    }
+    let run = report
+        .ranks
+        .first()
+        .and_then(|rank| rank.runs.first())
+        .ok_or_else(|| "the calibration run reported nothing".to_owned())?;
+    // Each round holds every benchmark's collective and its wait, in order.
+    let per_round = 2 * benches.len();
+    benches
+        .iter()
+        .enumerate()
+        .map(|(i, bench)| {
+            let total: f64 = run
+                .node_seconds
+                .chunks_exact(per_round)
+                .map(|round| round[2 * i..2 * i + 2].iter().sum::<f64>())
+                .sum();
+            let median = (total / bench.repeats as f64).max(f64::MIN_POSITIVE);
             Ok(bench.timing(median, config.repeat)?)
         })
         .collect()

@@ -1,5 +1,5 @@
 //! `planner calibrate` end to end: the profile it measures is one `--hw` reads, and it predicts
-//! the step `planner run` measures far better than a GPU datasheet does on the same machine.
+//! the step `planner run` measures on the same machine within a factor of 3.
 
 #![cfg(feature = "run")]
 
@@ -71,14 +71,12 @@ fn a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step() {
     let step = &run["ranks"][0]["runs"][0];
     let measured = step["measured"]["step_time_s"].as_f64().unwrap();
     let calibrated = step["predicted"]["step_time_s"].as_f64().unwrap();
-    let plan = planner(&["plan", graph, "--keep", "SAVE_MLP", "--format", "json"]);
-    let datasheet = plan["cost"]["step_time_s"].as_f64().unwrap();
-    // The H200 datasheet times this CPU's step a thousand times too fast; the calibrated
-    // profile within a factor of 3 (tiny shapes: the executor's overhead decides).
+    // Within a factor of 3 (tiny shapes: the executor's fixed cost per op decides). No
+    // comparison with a datasheet here: the H200's launch overhead per op, not its rates,
+    // decides its time of this step, and lands as near as this machine's noise.
     assert!(
-        off(calibrated, measured) < 3f64.ln()
-            && off(calibrated, measured) < off(datasheet, measured),
-        "measured {measured} s, calibrated {calibrated} s, datasheet {datasheet} s"
+        off(calibrated, measured) < 3f64.ln(),
+        "measured {measured} s, calibrated {calibrated} s"
     );
     let cost = &planner(&[
         "plan",

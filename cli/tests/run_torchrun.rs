@@ -116,6 +116,11 @@ fn launch(name: &str, args: &[&str]) -> Launched {
 
 /// [`launch`] with `ranks` processes.
 fn launch_ranks(name: &str, ranks: usize, args: &[&str]) -> Launched {
+    launch_command(name, ranks, "run", args)
+}
+
+/// `planner COMMAND ARGS` on `ranks` processes launched by torchrun.
+fn launch_command(name: &str, ranks: usize, command: &str, args: &[&str]) -> Launched {
     let logs = scratch(name);
     let started = Instant::now();
     let output = without_launch(&mut Command::new("timeout"))
@@ -125,7 +130,7 @@ fn launch_ranks(name: &str, ranks: usize, args: &[&str]) -> Launched {
         .arg(ranks.to_string())
         .arg("--log-dir")
         .arg(&logs)
-        .args(["--redirects", "3", planner_bin(), "run"])
+        .args(["--redirects", "3", planner_bin(), command])
         .args(args)
         .output()
         .expect("torchrun starts (scripts/env.sh puts the venv's torchrun on PATH)");
@@ -489,4 +494,56 @@ fn a_launched_rank_loads_no_other_ranks_graph() {
     );
     assert!(stderr.starts_with(&waited), "{stderr}");
     assert!(stderr.contains("1/2 clients joined"), "{stderr}");
+}
+
+/// `planner calibrate` under torchrun times the all-to-all through the launched gloo group, not
+/// through threads of one process: the profile names the group, its collectives are slower
+/// than the loopback ones a plain calibration times (processes exchange through sockets), and
+/// only rank 0 writes the profile.
+#[test]
+fn a_launched_calibration_times_the_collectives_through_its_process_group() {
+    let dir = scratch("calibrate");
+    let profile = dir.join("profile.json");
+    let launched = launch_command(
+        "calibrate",
+        RANKS,
+        "calibrate",
+        &["-o", profile.to_str().unwrap(), "--repeat", "3"],
+    );
+    assert!(launched.output.status.success(), "{}", launched.describe());
+    assert!(
+        launched.stderr[1].contains("rank 0 writes the profile"),
+        "{}",
+        launched.describe()
+    );
+    let read = |bytes: &[u8]| -> Value { serde_json::from_slice(bytes).expect("a JSON profile") };
+    let gloo = read(&std::fs::read(&profile).expect("rank 0 wrote the profile"));
+    let calibration = &gloo["calibration"];
+    assert_eq!(
+        calibration["collectives"],
+        "gloo, 2 ranks launched as processes"
+    );
+    let not_measured = calibration["not_measured"].to_string();
+    assert!(
+        !not_measured.contains("collective_latency_s"),
+        "{not_measured}"
+    );
+
+    let plain = without_launch(&mut Command::new(planner_bin()))
+        .args(["calibrate", "--repeat", "3"])
+        .output()
+        .expect("the planner runs");
+    assert!(plain.status.success(), "{}", text(&plain.stderr));
+    let loopback = read(&plain.stdout);
+    assert_eq!(
+        loopback["calibration"]["collectives"],
+        "loopback, 2 ranks as threads of one process"
+    );
+    let latency = |p: &Value| p["collective_latency_s"].as_f64().expect("a latency");
+    assert!(
+        latency(&gloo) > latency(&loopback),
+        "gloo {} s, loopback {} s",
+        latency(&gloo),
+        latency(&loopback)
+    );
 }

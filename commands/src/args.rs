@@ -50,6 +50,11 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Measure this device's op rates and overheads with the runtime: a profile for `--hw`;
     /// needs a build with `--features run`
+    ///
+    /// Launched as a job's ranks are (`torchrun --no-python ... planner calibrate -o FILE`),
+    /// it times collectives through the launched process group (gloo on the CPU, NCCL on
+    /// CUDA) and every other op while all ranks share the machine, as they will in
+    /// `planner run`; rank 0 writes the profile.
     Calibrate(Box<CalibrateArgs>),
 }
 

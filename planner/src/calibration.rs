@@ -266,14 +266,18 @@ fn node(
 
 /// Sizes for this device: a GPU needs larger ops than a CPU to leave its overhead behind. On
 /// a GPU, attention (its kernels take arguments a one-op graph does not express yet) and
-/// collectives (two ranks need two GPUs) keep the base profile's figures.
+/// collectives of ranks run as threads (two ranks need two GPUs) keep the base profile's
+/// figures; ranks launched apart, each with its GPU, time theirs.
 struct Sizes {
     matmul: &'static [i64],
     matmul_bf16: &'static [i64],
     elements: &'static [i64],
     transcendental: &'static [i64],
     attention_seq: &'static [i64],
+    /// All-to-all rows of two ranks that are threads of one process (loopback).
     collective_rows: &'static [i64],
+    /// ... of ranks launched as processes (`torchrun`), through their real process group.
+    launched_collective_rows: &'static [i64],
     /// FLOPs or bytes each benchmark graph holds.
     work: f64,
     /// Bytes (read and written) each host copy's graph counts: a copy to the host crosses
@@ -289,6 +293,7 @@ const CPU: Sizes = Sizes {
     transcendental: &[1 << 14, 1 << 16, 1 << 18],
     attention_seq: &[128, 256, 512],
     collective_rows: &[16, 1024, 16384],
+    launched_collective_rows: &[16, 1024, 16384],
     work: 1.5e9,
     host_copy_work: 1.5e8,
 };
@@ -300,6 +305,7 @@ const CUDA: Sizes = Sizes {
     transcendental: &[1 << 22, 1 << 24],
     attention_seq: &[],
     collective_rows: &[],
+    launched_collective_rows: &[1 << 12, 1 << 16, 1 << 20],
     work: 2e12,
     host_copy_work: 2e9,
 };
@@ -457,35 +463,58 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         );
     }
 
-    for &rows in sizes.collective_rows {
-        let half = rows / 2;
-        all.push(
-            Benchmark {
-                world: 2,
+    all.extend(all_to_alls(sizes.collective_rows, 2, work));
+    all
+}
+
+/// The all-to-all benchmarks of a process group of `world` ranks launched apart (`torchrun`:
+/// gloo on the CPU, NCCL on CUDA), at the device's sizes, all with the same repeats so that
+/// [`graph_of`] can interleave them in one graph: a launched job rendezvouses once.
+pub fn launched_collectives(cuda: bool, world: u32) -> Vec<Benchmark> {
+    let sizes = if cuda { &CUDA } else { &CPU };
+    let mut all = all_to_alls(sizes.launched_collective_rows, world, sizes.work);
+    let repeats = all.iter().map(|b| b.repeats).min().unwrap_or(3);
+    for bench in &mut all {
+        bench.repeats = repeats;
+    }
+    all
+}
+
+/// `all_to_all_single` over `world` ranks of `[rows, 64]` fp32 for each of `rows` (at least one
+/// row per rank), split as evenly as the rows allow, each repeated for a tenth of `work` bytes.
+fn all_to_alls(rows: &[i64], world: u32, work: f64) -> Vec<Benchmark> {
+    let ranks = i64::from(world.max(1));
+    rows.iter()
+        .map(|&rows| {
+            let rows = rows.max(ranks);
+            let splits: Vec<i64> = (0..ranks)
+                .map(|r| rows / ranks + i64::from(r < rows % ranks))
+                .collect();
+            let split = |name: &str| {
+                (
+                    name.to_owned(),
+                    AttrValue::Ints(pb::IntList {
+                        values: splits.clone(),
+                    }),
+                )
+            };
+            let mut bench = Benchmark {
+                world,
                 ..Benchmark::new(
                     "collective",
                     "_c10d_functional.all_to_all_single.default",
-                    F32,
+                    pb::Dtype::Float32,
                     &[&[rows, 64]],
                 )
+            };
+            for (name, value) in [split("output_split_sizes"), split("input_split_sizes")] {
+                bench = bench.attribute(&name, value);
             }
-            .attribute(
-                "output_split_sizes",
-                AttrValue::Ints(pb::IntList {
-                    values: vec![half, rows - half],
-                }),
-            )
-            .attribute(
-                "input_split_sizes",
-                AttrValue::Ints(pb::IntList {
-                    values: vec![half, rows - half],
-                }),
-            )
-            .attribute("group_name", AttrValue::Str("0".to_owned()))
-            .repeated_for((rows * 64 * 4) as f64, work / 10.0),
-        );
-    }
-    all
+            bench
+                .attribute("group_name", AttrValue::Str("0".to_owned()))
+                .repeated_for((rows * 64 * 4) as f64, work / 10.0)
+        })
+        .collect()
 }
 
 /// The timings of an executor that ran [`benchmarks`]`(cuda)` elsewhere (eager PyTorch):
@@ -759,6 +788,38 @@ mod tests {
         }
     }
 
+    /// A launched job's all-to-alls split their rows over every rank (the remainder to the
+    /// first ones, at least a row each) and share one repeat count, so one graph interleaves
+    /// them.
+    #[test]
+    fn launched_all_to_alls_split_over_the_world_with_one_repeat_count() {
+        for (cuda, world) in [(false, 2), (false, 3), (false, 64), (true, 8)] {
+            let all = launched_collectives(cuda, world);
+            assert_eq!(all.len(), 3);
+            for bench in &all {
+                assert_eq!(bench.world, world);
+                assert_eq!(bench.repeats, all[0].repeats);
+                let rows = bench.inputs[0][0];
+                for name in ["input_split_sizes", "output_split_sizes"] {
+                    let splits = bench
+                        .attributes
+                        .iter()
+                        .find(|a| a.name == name)
+                        .and_then(|a| match &a.value {
+                            Some(AttrValue::Ints(l)) => Some(l.values.clone()),
+                            _ => None,
+                        })
+                        .expect("split sizes");
+                    assert_eq!(splits.len(), world as usize);
+                    assert_eq!(splits.iter().sum::<i64>(), rows);
+                    assert!(splits.iter().all(|&s| s >= 1), "{splits:?}");
+                }
+            }
+            let graph = Graph::from_wire(graph_of(&all)).expect("a valid graph");
+            assert_eq!(graph.nodes().len(), 2 * 3 * all[0].repeats);
+        }
+    }
+
     fn calibration(timings: Vec<Timing>) -> Calibration {
         Calibration {
             device: "cpu".to_owned(),
@@ -766,6 +827,7 @@ mod tests {
             threads: 2,
             timings,
             not_measured: Vec::new(),
+            collectives: None,
         }
     }
 

@@ -104,6 +104,10 @@ pub struct Calibration {
     /// The profile's fields no benchmark measured: they keep the base profile's figures.
     #[serde(default)]
     pub not_measured: Vec<String>,
+    /// The process group the `collective` timings went through and its ranks (`gloo, 2
+    /// ranks launched as processes`); absent where none was timed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collectives: Option<String>,
 }
 
 /// One benchmark of one op class at one size.

@@ -70,6 +70,7 @@ def calibrate(
         memory_bytes=_memory_bytes(device),
         base_json=hw_profile(base),
         name=name or f"calibrated {device} (eager)",
+        collectives=_group_description(group),
     )
     profile: dict[str, Any] = json.loads(profile_json)
     if out is not None:
@@ -192,6 +193,17 @@ def _collective(op: Any, x: torch.Tensor, group: Any) -> Callable[[], Any]:
         return wait(op(x, splits, splits, group.group_name))
 
     return call
+
+
+def _group_description(group: Any) -> str | None:
+    """Which process group the collectives were timed through, as the profile records it."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    ranks = "rank" if world == 1 else "ranks"
+    return f"{dist.get_backend(group)}, {world} {ranks} (torch.distributed)"
 
 
 def _sync(device: torch.device) -> None:

@@ -35,10 +35,24 @@ def test_every_benchmark_of_the_command_runs_but_collectives_without_a_group(pro
     ]
     not_measured = profile["calibration"]["not_measured"]
     assert "collective_latency_s" in not_measured
+    assert "collectives" not in profile["calibration"]
     for field in ("op_overhead_s", "matmul_f32_flops_per_s", "hbm_bytes_per_s", "memory_bytes"):
         assert field not in not_measured
     assert profile["name"] == "calibrated cpu (eager)"
     assert 0 < profile["op_overhead_s"] < 1e-3
+
+
+def test_a_group_times_the_collectives_and_the_profile_names_it():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        profile = rp.calibrate("cpu", repeat=3, group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    calibration = profile["calibration"]
+    assert calibration["collectives"] == "gloo, 1 rank (torch.distributed)"
+    assert any(t["class"] == "collective" for t in calibration["timings"])
 
 
 def test_a_plan_with_the_profile_states_its_step_time(profile):

@@ -612,9 +612,10 @@ fn calibration_benchmarks(cuda: bool) -> String {
 }
 
 /// The profile fitted to the medians of `calibration_benchmarks(cuda)` (`None` for one not
-/// run), with the device's memory where known, over the base profile `base_json`, as JSON.
+/// run), with the device's memory where known, over the base profile `base_json`, as JSON;
+/// `collectives` says which process group the collectives' medians went through.
 #[pyfunction]
-#[pyo3(signature = (*, cuda, medians, runs, device, description, threads, memory_bytes, base_json, name))]
+#[pyo3(signature = (*, cuda, medians, runs, device, description, threads, memory_bytes, base_json, name, collectives=None))]
 #[allow(clippy::too_many_arguments)]
 fn fit_calibration(
     py: Python<'_>,
@@ -627,6 +628,7 @@ fn fit_calibration(
     memory_bytes: Option<f64>,
     base_json: &str,
     name: &str,
+    collectives: Option<&str>,
 ) -> PyResult<String> {
     let fitted = (|| -> Result<String, String> {
         let base = HwProfile::from_json(base_json.as_bytes(), "base profile")?;
@@ -636,6 +638,7 @@ fn fit_calibration(
             threads,
             timings: planner::calibration::timings_of(cuda, &medians, runs)?,
             not_measured: Vec::new(),
+            collectives: collectives.map(str::to_owned),
         };
         let profile = planner::calibration::fit(&base, name, memory_bytes, calibration)
             .map_err(|e| e.to_string())?;
