@@ -119,8 +119,8 @@ class Memory:
     host_peak_bytes: int = 0
     host_memory_bytes: int = 0  # the hardware profile's host memory
     # Saved activation bytes on the device when forward ends: saved_bytes less the offloaded
-    # storages that have left it by then.
-    saved_on_device_bytes: int = 0
+    # storages that have left it by then (None only in a plan written before the field).
+    saved_on_device_bytes: int | None = None
 
     def fits(self) -> bool | None:
         """Whether the device total fits in the hardware profile's memory (None without it)."""

@@ -461,6 +461,7 @@ def test_eager_offload_of_the_dsa_indexer_frees_the_device_as_the_plan_predicts(
     relative = gap(memory.peak_bytes, step.peak_bytes)
     assert abs(relative) <= 0.005, f"{memory.peak_bytes} B vs {step.peak_bytes} B: {relative:+.2%}"
     on_device = memory.saved_on_device_bytes
+    assert on_device is not None
     assert abs(step.saved_bytes - on_device) <= 0.001 * on_device, (step.saved_bytes, on_device)
 
 
