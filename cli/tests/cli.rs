@@ -1143,6 +1143,15 @@ fn malformed_cases() -> Vec<Case> {
             &["`hbm_bytes_per_s` must be a positive number"],
         ),
         hw_case(
+            "hardware profile with a collective's latency out of range",
+            Some(f(
+                "hw.json",
+                br#"{"collectives": [{"op": "_c10d_functional.all_gather_into_tensor.default", "latency_s": 5, "link_bytes_per_s": 1e9}]}"#,
+            )),
+            "hw.json",
+            &["`latency_s` must be a number of seconds from 0 to 1"],
+        ),
+        hw_case(
             "hardware profile that is a character device",
             None,
             "/dev/urandom",

@@ -15,7 +15,7 @@ use ir::{
     EntityId, Graph, NodeId,
 };
 
-use crate::cost::{Calibration, HwProfile, Timing};
+use crate::cost::{Calibration, CollectiveRates, HwProfile, Timing};
 
 /// The classes of benchmark a calibration may hold (docs/cost-and-memory.md says which field
 /// each one sets).
@@ -463,16 +463,16 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         );
     }
 
-    all.extend(all_to_alls(sizes.collective_rows, 2, work));
+    all.extend(collectives(sizes.collective_rows, 2, work));
     all
 }
 
-/// The all-to-all benchmarks of a process group of `world` ranks launched apart (`torchrun`:
+/// The collective benchmarks of a process group of `world` ranks launched apart (`torchrun`:
 /// gloo on the CPU, NCCL on CUDA), at the device's sizes, all with the same repeats so that
 /// [`graph_of`] can interleave them in one graph: a launched job rendezvouses once.
 pub fn launched_collectives(cuda: bool, world: u32) -> Vec<Benchmark> {
     let sizes = if cuda { &CUDA } else { &CPU };
-    let mut all = all_to_alls(sizes.launched_collective_rows, world, sizes.work);
+    let mut all = collectives(sizes.launched_collective_rows, world, sizes.work);
     let repeats = all.iter().map(|b| b.repeats).min().unwrap_or(3);
     for bench in &mut all {
         bench.repeats = repeats;
@@ -480,41 +480,49 @@ pub fn launched_collectives(cuda: bool, world: u32) -> Vec<Benchmark> {
     all
 }
 
-/// `all_to_all_single` over `world` ranks of `[rows, 64]` fp32 for each of `rows` (at least one
-/// row per rank), split as evenly as the rows allow, each repeated for a tenth of `work` bytes.
-fn all_to_alls(rows: &[i64], world: u32, work: f64) -> Vec<Benchmark> {
+/// The functional collectives a model's graph holds, over `world` ranks, each of `[rows, 64]`
+/// fp32 for each of `rows` (rounded up to a multiple of the ranks): `all_to_all_single`
+/// (split evenly), `all_gather_into_tensor` and `reduce_scatter_tensor` (a sum), each repeated
+/// for a tenth of `work` bytes.
+fn collectives(rows: &[i64], world: u32, work: f64) -> Vec<Benchmark> {
+    use pb::Dtype::Float32 as F32;
     let ranks = i64::from(world.max(1));
-    rows.iter()
-        .map(|&rows| {
-            let rows = rows.max(ranks);
-            let splits: Vec<i64> = (0..ranks)
-                .map(|r| rows / ranks + i64::from(r < rows % ranks))
-                .collect();
-            let split = |name: &str| {
-                (
-                    name.to_owned(),
-                    AttrValue::Ints(pb::IntList {
-                        values: splits.clone(),
-                    }),
-                )
-            };
-            let mut bench = Benchmark {
-                world,
-                ..Benchmark::new(
-                    "collective",
-                    "_c10d_functional.all_to_all_single.default",
-                    pb::Dtype::Float32,
-                    &[&[rows, 64]],
-                )
-            };
-            for (name, value) in [split("output_split_sizes"), split("input_split_sizes")] {
-                bench = bench.attribute(&name, value);
-            }
-            bench
-                .attribute("group_name", AttrValue::Str("0".to_owned()))
-                .repeated_for((rows * 64 * 4) as f64, work / 10.0)
-        })
-        .collect()
+    let ints = |values: Vec<i64>| AttrValue::Ints(pb::IntList { values });
+    let group = || AttrValue::Str("0".to_owned());
+    let mut all = Vec::new();
+    for &rows in rows {
+        let rows = (rows.max(ranks) + ranks - 1) / ranks * ranks;
+        let input: &[i64] = &[rows, 64];
+        let bytes = (rows * 64 * 4) as f64;
+        let collective = |op: &'static str| Benchmark {
+            world,
+            ..Benchmark::new("collective", op, F32, &[input])
+        };
+        let splits = vec![rows / ranks; ranks as usize];
+        all.push(
+            collective("_c10d_functional.all_to_all_single.default")
+                .attribute("output_split_sizes", ints(splits.clone()))
+                .attribute("input_split_sizes", ints(splits))
+                .attribute("group_name", group())
+                .repeated_for(bytes, work / 10.0),
+        );
+        all.push(
+            collective("_c10d_functional.all_gather_into_tensor.default")
+                .output(vec![(F32, vec![rows * ranks, 64])])
+                .attribute("group_size", AttrValue::Int(ranks))
+                .attribute("group_name", group())
+                .repeated_for(bytes, work / 10.0),
+        );
+        all.push(
+            collective("_c10d_functional.reduce_scatter_tensor.default")
+                .output(vec![(F32, vec![rows / ranks, 64])])
+                .attribute("reduce_op", AttrValue::Str("sum".to_owned()))
+                .attribute("group_size", AttrValue::Int(ranks))
+                .attribute("group_name", group())
+                .repeated_for(bytes, work / 10.0),
+        );
+    }
+    all
 }
 
 /// The timings of an executor that ran [`benchmarks`]`(cuda)` elsewhere (eager PyTorch):
@@ -681,7 +689,8 @@ pub fn fit(
         None => not_measured.push("checkpoint_op_overhead_s".to_owned()),
     }
     profile.asynchronous = asynchronous;
-    match collective_fit(timings, &profile) {
+    let collective = |t: &&Timing| t.class == "collective";
+    match collective_fit(timings.iter().filter(collective), &profile) {
         Some((latency, link)) => {
             profile.collective_latency_s = latency;
             profile.link_bytes_per_s = link;
@@ -691,6 +700,28 @@ pub fn fit(
             "link_bytes_per_s".to_owned(),
         ]),
     }
+    // Each collective op timed at two sizes or more gets its own line too: gloo's all-gather
+    // and reduce-scatter cost about twice its all-to-all of the same bytes.
+    let mut ops: Vec<&str> = timings
+        .iter()
+        .filter(collective)
+        .map(|t| t.op.as_str())
+        .collect();
+    ops.sort_unstable();
+    ops.dedup();
+    profile.collectives = ops
+        .iter()
+        .filter(|_| ops.len() > 1)
+        .filter_map(|&op| {
+            let (latency_s, link_bytes_per_s) =
+                collective_fit(timings.iter().filter(|t| t.op == op), &profile)?;
+            Some(CollectiveRates {
+                op: op.to_owned(),
+                latency_s,
+                link_bytes_per_s,
+            })
+        })
+        .collect();
     not_measured.extend(["matmul_f64_flops_per_s", "matmul_f8_flops_per_s"].map(str::to_owned));
     profile.calibration = Some(Calibration {
         not_measured,
@@ -700,11 +731,14 @@ pub fn fit(
 }
 
 /// Latency and bandwidth of collectives: the least-squares line through (bytes sent, seconds)
-/// of the `collective` timings, each less what the model times apart from latency and link
+/// of `timings`, each less what the model times apart from latency and link
 /// (the op's overhead and its bytes through memory, and the `wait_tensor` after it, a view);
 /// `None` without two sizes that tell a slope.
-fn collective_fit(timings: &[Timing], profile: &HwProfile) -> Option<(f64, f64)> {
-    let points: Vec<(f64, f64)> = class(timings, "collective")
+fn collective_fit<'t>(
+    timings: impl Iterator<Item = &'t Timing>,
+    profile: &HwProfile,
+) -> Option<(f64, f64)> {
+    let points: Vec<(f64, f64)> = timings
         .map(|t| {
             let apart = profile.op_overhead_s
                 + t.bytes as f64 / profile.hbm_bytes_per_s
@@ -772,6 +806,8 @@ fn median(values: impl IntoIterator<Item = f64>) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+
     use super::*;
 
     fn timing(class: &str, flops: u64, bytes: u64, comm_bytes: u64, median_s: f64) -> Timing {
@@ -788,35 +824,25 @@ mod tests {
         }
     }
 
-    /// A launched job's all-to-alls split their rows over every rank (the remainder to the
-    /// first ones, at least a row each) and share one repeat count, so one graph interleaves
-    /// them.
+    /// A launched job's collectives (an all-to-all, an all-gather and a reduce-scatter at each
+    /// size) hold a whole number of rows per rank, at least one, and share one repeat count,
+    /// so one graph interleaves them; each op's work is what the knowledge base counts for it.
     #[test]
-    fn launched_all_to_alls_split_over_the_world_with_one_repeat_count() {
+    fn launched_collectives_split_over_the_world_with_one_repeat_count() {
         for (cuda, world) in [(false, 2), (false, 3), (false, 64), (true, 8)] {
             let all = launched_collectives(cuda, world);
-            assert_eq!(all.len(), 3);
-            for bench in &all {
-                assert_eq!(bench.world, world);
-                assert_eq!(bench.repeats, all[0].repeats);
-                let rows = bench.inputs[0][0];
-                for name in ["input_split_sizes", "output_split_sizes"] {
-                    let splits = bench
-                        .attributes
-                        .iter()
-                        .find(|a| a.name == name)
-                        .and_then(|a| match &a.value {
-                            Some(AttrValue::Ints(l)) => Some(l.values.clone()),
-                            _ => None,
-                        })
-                        .expect("split sizes");
-                    assert_eq!(splits.len(), world as usize);
-                    assert_eq!(splits.iter().sum::<i64>(), rows);
-                    assert!(splits.iter().all(|&s| s >= 1), "{splits:?}");
-                }
-            }
+            assert_eq!(all.len(), 9);
             let graph = Graph::from_wire(graph_of(&all)).expect("a valid graph");
-            assert_eq!(graph.nodes().len(), 2 * 3 * all[0].repeats);
+            assert_eq!(graph.nodes().len(), 2 * all.len() * all[0].repeats);
+            for bench in &all {
+                assert_eq!((bench.world, bench.repeats), (world, all[0].repeats));
+                let rows = bench.inputs[0][0];
+                assert!(rows >= i64::from(world) && rows % i64::from(world) == 0);
+                let timing = bench.timing(1e-3, 3).expect("a timing");
+                assert!(timing.comm_bytes > 0, "{}", bench.op);
+            }
+            let ops: HashSet<&str> = all.iter().map(|b| b.op).collect();
+            assert_eq!(ops.len(), 3);
         }
     }
 
@@ -871,6 +897,58 @@ mod tests {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    /// Collective ops timed apart get a line each (the general one runs through all of them),
+    /// and the cost model times each op by its own.
+    #[test]
+    fn each_collective_op_timed_apart_is_fitted_and_timed_by_its_own_line() {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        let gather = "_c10d_functional.all_gather_into_tensor.default";
+        let all_to_all = "_c10d_functional.all_to_all_single.default";
+        for (op, latency, link) in [(all_to_all, 20e-6, 1e9), (gather, 80e-6, 5e8)] {
+            for bytes in [1e3, 1e6] {
+                let seconds = 2.0 * overhead + latency + bytes / link;
+                timings.push(Timing {
+                    op: op.to_owned(),
+                    ..timing("collective", 0, 0, bytes as u64, seconds)
+                });
+            }
+        }
+        let base = HwProfile::shipped("h100").unwrap();
+        let profile = fit(&base, "test", None, calibration(timings)).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs();
+        let rates = |op: &str| {
+            let c = profile.collectives.iter().find(|c| c.op == op).unwrap();
+            (c.latency_s, c.link_bytes_per_s)
+        };
+        let (latency, link) = rates(gather);
+        assert!(
+            close(latency, 80e-6) && close(link, 5e8),
+            "{latency} {link}"
+        );
+        let (latency, link) = rates(all_to_all);
+        assert!(
+            close(latency, 20e-6) && close(link, 1e9),
+            "{latency} {link}"
+        );
+
+        // An all-gather of 4 x 64 fp32 on 2 ranks, timed by the gather's line, not the
+        // general one.
+        let bench = &collectives(&[4], 2, 1.0)[1];
+        assert_eq!(bench.op, gather);
+        let graph = Graph::from_wire(bench.graph()).unwrap();
+        let node = NodeId::from_index(0);
+        let comm = graph.node_cost(node).comm_bytes as f64;
+        let general = HwProfile {
+            collectives: Vec::new(),
+            ..profile.clone()
+        };
+        let own = profile.node_seconds(&graph, node) - general.node_seconds(&graph, node);
+        let expected =
+            80e-6 + comm / 5e8 - profile.collective_latency_s - comm / profile.link_bytes_per_s;
+        assert!((own - expected).abs() < 1e-9, "{own} vs {expected}");
     }
 
     #[test]

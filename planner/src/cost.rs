@@ -84,9 +84,24 @@ pub struct HwProfile {
     /// overhead then overlaps the device's work on earlier ops, and a host synchronisation
     /// waits for the queue to drain. Without it (a CPU) every op finishes before the next.
     pub asynchronous: bool,
+    /// Latency and bandwidth of the collective ops a calibration timed apart (a ring
+    /// all-gather and an all-to-all differ); any other collective takes
+    /// `collective_latency_s` and `link_bytes_per_s`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub collectives: Vec<CollectiveRates>,
     /// What `planner calibrate` measured to make this profile; absent in datasheet profiles.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<Calibration>,
+}
+
+/// One collective op's fitted cost: `latency_s + comm_bytes / link_bytes_per_s` a call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CollectiveRates {
+    /// The op as the knowledge base names it (`_c10d_functional.all_gather_into_tensor.default`).
+    pub op: String,
+    pub latency_s: f64,
+    pub link_bytes_per_s: f64,
 }
 
 /// How a calibrated profile was measured: the device, and every timing its rates were fitted
@@ -190,6 +205,7 @@ impl HwProfile {
             collective_latency_s: 15e-6,
             checkpoint_op_overhead_s: 40e-6,
             asynchronous: true,
+            collectives: Vec::new(),
             calibration: None,
         }
     }
@@ -327,6 +343,23 @@ impl HwProfile {
                 ));
             }
         }
+        for c in &profile.collectives {
+            let op = display::name(&c.op);
+            if !(0.0..=1.0).contains(&c.latency_s) {
+                return Err(format!(
+                    "{origin}: `collectives` `{op}`: `latency_s` must be a number of seconds \
+                     from 0 to 1, got {}",
+                    c.latency_s
+                ));
+            }
+            if !(c.link_bytes_per_s.is_finite() && c.link_bytes_per_s > 0.0) {
+                return Err(format!(
+                    "{origin}: `collectives` `{op}`: `link_bytes_per_s` must be a positive \
+                     number, got {}",
+                    c.link_bytes_per_s
+                ));
+            }
+        }
         let efficiency = profile.attention_efficiency;
         if !(efficiency > 0.0 && efficiency <= 1.0) {
             return Err(format!(
@@ -396,8 +429,8 @@ impl HwProfile {
             sync_s: None,
         };
         if n.effects.collective.is_some() {
-            time.device_s +=
-                self.collective_latency_s + cost.comm_bytes as f64 / self.link_bytes_per_s;
+            let (latency, link) = self.collective_rates(&n.op);
+            time.device_s += latency + cost.comm_bytes as f64 / link;
         }
         if n.is_device_to_host_copy() {
             let moved: u64 = n.outputs.iter().map(|&v| graph.value(v).bytes).sum();
@@ -407,6 +440,16 @@ impl HwProfile {
             time.sync_s = Some(self.host_sync_s);
         }
         time
+    }
+
+    /// Latency and link bandwidth of the collective `op`: its own where calibrated apart.
+    fn collective_rates(&self, op: &str) -> (f64, f64) {
+        self.collectives
+            .iter()
+            .find(|c| c.op == op)
+            .map_or((self.collective_latency_s, self.link_bytes_per_s), |c| {
+                (c.latency_s, c.link_bytes_per_s)
+            })
     }
 
     /// The fixed seconds of one run of `node`, by its class.

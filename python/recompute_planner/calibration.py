@@ -180,19 +180,23 @@ def _call(bench: dict[str, Any], device: torch.device, group: Any) -> Callable[[
 
 
 def _collective(op: Any, x: torch.Tensor, group: Any) -> Callable[[], Any]:
-    """An all-to-all of ``x`` over ``group``, split evenly, and its wait."""
+    """``op`` (an all-to-all split evenly, an all-gather or a sum reduce-scatter) of ``x``
+    over ``group``, and its wait."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
     rows = x.shape[0] // world * world
     x = x[:rows].contiguous()
-    splits = [rows // world] * world
     wait = torch.ops._c10d_functional.wait_tensor.default
-
-    def call() -> Any:
-        return wait(op(x, splits, splits, group.group_name))
-
-    return call
+    name = group.group_name
+    if op is torch.ops._c10d_functional.all_to_all_single.default:
+        splits = [rows // world] * world
+        return lambda: wait(op(x, splits, splits, name))
+    if op is torch.ops._c10d_functional.reduce_scatter_tensor.default:
+        return lambda: wait(op(x, "sum", world, name))
+    if op is torch.ops._c10d_functional.all_gather_into_tensor.default:
+        return lambda: wait(op(x, world, name))
+    raise ValueError(f"no calibration call for the collective {op}")
 
 
 def _group_description(group: Any) -> str | None:
