@@ -2,9 +2,9 @@
 //! small graph of one op repeated, executed by the same runtime as `planner run` (so an op's
 //! overhead is what this executor pays per op), and writes the hardware profile fitted to
 //! the timings (`planner::calibration`), with the timings inside it. Under a launcher
-//! (`torchrun`: `RANK` and `WORLD_SIZE` set) every rank times the all-to-all through the
-//! launched process group (gloo on the CPU, NCCL on CUDA), as `planner run` exchanges under
-//! it, then every rank times the rest at once, sharing the machine as a launched job's ranks
+//! (`torchrun`: `RANK` and `WORLD_SIZE` set) every rank times the collectives through the
+//! launched gloo group, as `planner run` exchanges under it (a CUDA launch is refused: NCCL's
+//! queued collectives need timing on the device), then every rank times the rest at once, sharing the machine as a launched job's ranks
 //! do, and rank 0 writes the profile.
 
 use std::{path::PathBuf, sync::Arc, time::Duration};
@@ -41,12 +41,22 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         repeat: args.repeat,
     };
     let launch = Launch::from_env()?;
+    if launch.is_some() && cuda {
+        // NCCL queues a collective on the device's stream and returns: timing it per node
+        // would time its launch, not the exchange.
+        return Err(Failure::Error(
+            "calibrating collectives through a launched NCCL group is not supported yet: \
+             launch `planner calibrate --device cpu` (gloo), or calibrate one GPU without a \
+             launcher"
+                .to_owned(),
+        ));
+    }
     let (mut timings, collectives) = match &launch {
         Some(launch) => {
             let world = u32::try_from(launch.world).map_err(|e| e.to_string())?;
             let timed = time_launched(cuda, world, launch, &config, &base)?;
-            let backend = if cuda { "nccl" } else { "gloo" };
-            let group = format!("{backend}, {world} ranks launched as processes");
+            let ranks = if world == 1 { "rank" } else { "ranks" };
+            let group = format!("gloo, {world} {ranks} launched as processes");
             (timed, Some(group))
         }
         None => (Vec::new(), None),
@@ -54,7 +64,7 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     // The interleaved benchmarks come first and hold no collective (tested), so node
     // `round * mixed.len() + i` of their graph is benchmark `i`'s. A launched job's
     // collectives are timed above, through its process group.
-    let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) = benchmarks(cuda)
+    let (mixed, alone): (Vec<Benchmark>, Vec<Benchmark>) = benchmarks(cuda, 2)
         .into_iter()
         .filter(|b| !(b.checkpointed || launch.is_some() && b.world > 1))
         .partition(|b| b.mixed);
@@ -78,6 +88,13 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
             timing.median_s * 1e6
         );
     }
+    if let Some(launch) = launch.as_ref().filter(|l| l.rank != 0) {
+        eprintln!(
+            "calibrate: rank {} ran every benchmark beside the others; rank 0 writes the profile",
+            launch.rank
+        );
+        return Ok(());
+    }
     let device_name = program::device_name(device);
     let threads = u32::try_from(runtime::cpu_threads()).unwrap_or(0);
     let calibration = Calibration {
@@ -97,13 +114,6 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         .flatten()
         .map(|bytes| bytes as f64);
     let profile = calibration::fit(&base, &name, memory, calibration).map_err(|e| e.to_string())?;
-    if let Some(launch) = launch.as_ref().filter(|l| l.rank != 0) {
-        eprintln!(
-            "calibrate: rank {} ran every benchmark beside the others; rank 0 writes the profile",
-            launch.rank
-        );
-        return Ok(());
-    }
     let mut json = serde_json::to_string_pretty(&profile).map_err(|e| e.to_string())?;
     json.push('\n');
     output.write(json.as_bytes())?;
@@ -137,7 +147,7 @@ fn time_mixed(
         .collect()
 }
 
-/// The all-to-all of each size timed through the launched job's process group, in one graph
+/// The collectives of each size timed through the launched job's process group, in one graph
 /// (one rendezvous): each op's median with the `wait_tensor` after it, per op.
 fn time_launched(
     cuda: bool,

@@ -1152,6 +1152,15 @@ fn malformed_cases() -> Vec<Case> {
             &["`latency_s` must be a number of seconds from 0 to 1"],
         ),
         hw_case(
+            "hardware profile with two lines for one collective",
+            Some(f(
+                "hw.json",
+                br#"{"collectives": [{"op": "a", "latency_s": 0, "link_bytes_per_s": 1}, {"op": "a", "latency_s": 0, "link_bytes_per_s": 2}]}"#,
+            )),
+            "hw.json",
+            &["`collectives` names `a` twice"],
+        ),
+        hw_case(
             "hardware profile that is a character device",
             None,
             "/dev/urandom",

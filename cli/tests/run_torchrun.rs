@@ -547,3 +547,26 @@ fn a_launched_calibration_times_the_collectives_through_its_process_group() {
         latency(&loopback)
     );
 }
+
+/// A launched CUDA calibration is refused before anything runs: NCCL queues a collective and
+/// returns, so its time per node would be its launch's.
+#[test]
+fn a_launched_cuda_calibration_is_refused() {
+    let port = free_port().to_string();
+    let out = without_launch(&mut Command::new(planner_bin()))
+        .args(["calibrate", "--device", "cuda"])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ])
+        .output()
+        .expect("the planner runs");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: calibrating collectives through a launched NCCL group"),
+        "{stderr}"
+    );
+}

@@ -52,8 +52,8 @@ pub enum Command {
     /// needs a build with `--features run`
     ///
     /// Launched as a job's ranks are (`torchrun --no-python ... planner calibrate -o FILE`),
-    /// it times collectives through the launched process group (gloo on the CPU, NCCL on
-    /// CUDA) and every other op while all ranks share the machine, as they will in
+    /// it times collectives through the launched gloo group (CPU; a CUDA launch is refused
+    /// for now) and every other op while all ranks share the machine, as they will in
     /// `planner run`; rank 0 writes the profile.
     Calibrate(Box<CalibrateArgs>),
 }

@@ -333,9 +333,9 @@ fn cpu_attention(qkv: &[&[i64]; 3]) -> Benchmark {
     )
 }
 
-/// The benchmarks for a device (`cuda` or not): the interleaved ones (`mixed`) first, as one
-/// group, then those that run alone.
-pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
+/// The benchmarks for a device (`cuda` or not), collectives over `world` ranks: the
+/// interleaved ones (`mixed`) first, as one group, then those that run alone.
+pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
     use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
     let sizes = if cuda { &CUDA } else { &CPU };
     let work = sizes.work;
@@ -463,7 +463,7 @@ pub fn benchmarks(cuda: bool) -> Vec<Benchmark> {
         );
     }
 
-    all.extend(collectives(sizes.collective_rows, 2, work));
+    all.extend(collectives(sizes.collective_rows, world, work));
     all
 }
 
@@ -480,10 +480,12 @@ pub fn launched_collectives(cuda: bool, world: u32) -> Vec<Benchmark> {
     all
 }
 
-/// The functional collectives a model's graph holds, over `world` ranks, each of `[rows, 64]`
-/// fp32 for each of `rows` (rounded up to a multiple of the ranks): `all_to_all_single`
-/// (split evenly), `all_gather_into_tensor` and `reduce_scatter_tensor` (a sum), each repeated
-/// for a tenth of `work` bytes.
+/// The functional collectives a model's graph holds, over `world` ranks, for each of `rows`
+/// (rounded up to a multiple of the ranks) in fp32 rows of 64: `all_to_all_single` of
+/// `[rows, 64]` split evenly, `all_gather_into_tensor` of each rank's `[rows / world, 64]`
+/// into `[rows, 64]`, and `reduce_scatter_tensor` (a sum) of `[rows, 64]` into
+/// `[rows / world, 64]`; each repeated for a tenth of `work` bytes sent, so that no size
+/// grows with the world.
 fn collectives(rows: &[i64], world: u32, work: f64) -> Vec<Benchmark> {
     use pb::Dtype::Float32 as F32;
     let ranks = i64::from(world.max(1));
@@ -492,44 +494,57 @@ fn collectives(rows: &[i64], world: u32, work: f64) -> Vec<Benchmark> {
     let mut all = Vec::new();
     for &rows in rows {
         let rows = (rows.max(ranks) + ranks - 1) / ranks * ranks;
-        let input: &[i64] = &[rows, 64];
-        let bytes = (rows * 64 * 4) as f64;
-        let collective = |op: &'static str| Benchmark {
+        let (whole, share): (&[i64], &[i64]) = (&[rows, 64], &[rows / ranks, 64]);
+        let collective = |op: &'static str, input: &[i64]| Benchmark {
             world,
             ..Benchmark::new("collective", op, F32, &[input])
         };
         let splits = vec![rows / ranks; ranks as usize];
         all.push(
-            collective("_c10d_functional.all_to_all_single.default")
+            collective("_c10d_functional.all_to_all_single.default", whole)
                 .attribute("output_split_sizes", ints(splits.clone()))
                 .attribute("input_split_sizes", ints(splits))
-                .attribute("group_name", group())
-                .repeated_for(bytes, work / 10.0),
+                .attribute("group_name", group()),
         );
         all.push(
-            collective("_c10d_functional.all_gather_into_tensor.default")
-                .output(vec![(F32, vec![rows * ranks, 64])])
+            collective("_c10d_functional.all_gather_into_tensor.default", share)
+                .output(vec![(F32, whole.to_vec())])
                 .attribute("group_size", AttrValue::Int(ranks))
-                .attribute("group_name", group())
-                .repeated_for(bytes, work / 10.0),
+                .attribute("group_name", group()),
         );
         all.push(
-            collective("_c10d_functional.reduce_scatter_tensor.default")
-                .output(vec![(F32, vec![rows / ranks, 64])])
+            collective("_c10d_functional.reduce_scatter_tensor.default", whole)
+                .output(vec![(F32, share.to_vec())])
                 .attribute("reduce_op", AttrValue::Str("sum".to_owned()))
                 .attribute("group_size", AttrValue::Int(ranks))
-                .attribute("group_name", group())
-                .repeated_for(bytes, work / 10.0),
+                .attribute("group_name", group()),
         );
     }
-    all
+    all.into_iter()
+        .map(|b| {
+            let sent = bytes_sent(&b);
+            b.repeated_for(sent, work / 10.0)
+        })
+        .collect()
 }
 
-/// The timings of an executor that ran [`benchmarks`]`(cuda)` elsewhere (eager PyTorch):
-/// `medians[i]` is the median seconds of one op of benchmark `i`, `None` where it did not run
-/// (a collective without a process group).
-pub fn timings_of(cuda: bool, medians: &[Option<f64>], runs: u32) -> Result<Vec<Timing>, String> {
-    let all = benchmarks(cuda);
+/// The bytes a collective benchmark's op sends, by the knowledge base (0 for another op).
+fn bytes_sent(bench: &Benchmark) -> f64 {
+    Graph::from_wire(bench.graph()).map_or(0.0, |g| {
+        g.node_cost(NodeId::from_index(0)).comm_bytes as f64
+    })
+}
+
+/// The timings of an executor that ran [`benchmarks`]`(cuda, world)` elsewhere (eager
+/// PyTorch): `medians[i]` is the median seconds of one op of benchmark `i`, `None` where it did
+/// not run (a collective without a process group).
+pub fn timings_of(
+    cuda: bool,
+    world: u32,
+    medians: &[Option<f64>],
+    runs: u32,
+) -> Result<Vec<Timing>, String> {
+    let all = benchmarks(cuda, world);
     if medians.len() != all.len() {
         return Err(format!(
             "{} medians for the {} benchmarks of this device",
@@ -825,8 +840,9 @@ mod tests {
     }
 
     /// A launched job's collectives (an all-to-all, an all-gather and a reduce-scatter at each
-    /// size) hold a whole number of rows per rank, at least one, and share one repeat count,
-    /// so one graph interleaves them; each op's work is what the knowledge base counts for it.
+    /// size) hold a whole number of rows per rank, at least one, send the same bytes at one
+    /// size whatever the world (no gathered output grows with it), and share one repeat count,
+    /// so one graph interleaves them.
     #[test]
     fn launched_collectives_split_over_the_world_with_one_repeat_count() {
         for (cuda, world) in [(false, 2), (false, 3), (false, 64), (true, 8)] {
@@ -834,12 +850,15 @@ mod tests {
             assert_eq!(all.len(), 9);
             let graph = Graph::from_wire(graph_of(&all)).expect("a valid graph");
             assert_eq!(graph.nodes().len(), 2 * all.len() * all[0].repeats);
-            for bench in &all {
-                assert_eq!((bench.world, bench.repeats), (world, all[0].repeats));
-                let rows = bench.inputs[0][0];
+            for sizes in all.chunks(3) {
+                // One size: the same bytes cross the wire whatever the op and the world.
+                let rows = sizes[0].inputs[0][0];
                 assert!(rows >= i64::from(world) && rows % i64::from(world) == 0);
-                let timing = bench.timing(1e-3, 3).expect("a timing");
-                assert!(timing.comm_bytes > 0, "{}", bench.op);
+                for bench in sizes {
+                    assert_eq!((bench.world, bench.repeats), (world, all[0].repeats));
+                    let timing = bench.timing(1e-3, 3).expect("a timing");
+                    assert_eq!(timing.comm_bytes, rows as u64 * 64 * 4, "{}", bench.op);
+                }
             }
             let ops: HashSet<&str> = all.iter().map(|b| b.op).collect();
             assert_eq!(ops.len(), 3);
@@ -1012,7 +1031,7 @@ mod tests {
     #[test]
     fn the_interleaved_benchmarks_come_first_and_hold_no_collective() {
         for cuda in [false, true] {
-            let all = benchmarks(cuda);
+            let all = benchmarks(cuda, 2);
             let mixed = all.iter().take_while(|b| b.mixed).count();
             assert!(mixed >= 5, "{mixed}");
             assert!(all[mixed..].iter().all(|b| !b.mixed));

@@ -343,8 +343,13 @@ impl HwProfile {
                 ));
             }
         }
-        for c in &profile.collectives {
+        for (i, c) in profile.collectives.iter().enumerate() {
             let op = display::name(&c.op);
+            if profile.collectives[..i].iter().any(|d| d.op == c.op) {
+                return Err(format!(
+                    "{origin}: `collectives` names `{op}` twice: give each op one line"
+                ));
+            }
             if !(0.0..=1.0).contains(&c.latency_s) {
                 return Err(format!(
                     "{origin}: `collectives` `{op}`: `latency_s` must be a number of seconds \

@@ -37,8 +37,9 @@ def calibrate(
     """Measures ``device`` and returns its hardware profile (a dict ``plan(hw=...)`` takes).
 
     - ``repeat``: runs of each benchmark (at least 3); each timing is their median;
-    - ``group``: a ``torch.distributed`` process group whose all-to-all is timed (latency and
-      bandwidth of collectives); without one they keep ``base``'s figures;
+    - ``group``: a ``torch.distributed`` process group whose all-to-all, all-gather and
+      reduce-scatter are timed on a CPU (latency and bandwidth of collectives, a line per op);
+      without one, and on a GPU, they keep ``base``'s figures;
     - ``base``: the profile whose figures stand for what is not measured (default: the H200);
     - ``name``: the profile's name (default ``calibrated <device>``);
     - ``out``: also write the profile there as JSON (what ``planner plan --hw FILE`` reads).
@@ -50,7 +51,8 @@ def calibrate(
         raise ValueError(f"repeat must be at least 3, got {repeat}")
     device = torch.device(device)
     cuda = device.type == "cuda"
-    benchmarks = json.loads(_native.calibration_benchmarks(cuda))
+    world = _world(group)
+    benchmarks = json.loads(_native.calibration_benchmarks(cuda, world))
     mixed = [bench for bench in benchmarks if bench["mixed"]]
     medians: list[float | None] = list(_time_mixed(mixed, device, repeat))
     # A collective's timing includes the wait after it: the fit takes that off.
@@ -60,8 +62,13 @@ def calibrate(
         else _time(bench, device, repeat, group)
         for bench in benchmarks[len(mixed) :]
     ]
+    timed_collectives = any(
+        median is not None and bench["op"].startswith("_c10d_functional.")
+        for bench, median in zip(benchmarks, medians, strict=True)
+    )
     profile_json = _native.fit_calibration(
         cuda=cuda,
+        world=world,
         medians=medians,
         runs=repeat,
         device=str(device),
@@ -70,7 +77,7 @@ def calibrate(
         memory_bytes=_memory_bytes(device),
         base_json=hw_profile(base),
         name=name or f"calibrated {device} (eager)",
-        collectives=_group_description(group),
+        collectives=_group_description(group) if timed_collectives else None,
     )
     profile: dict[str, Any] = json.loads(profile_json)
     if out is not None:
@@ -185,8 +192,7 @@ def _collective(op: Any, x: torch.Tensor, group: Any) -> Callable[[], Any]:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    rows = x.shape[0] // world * world
-    x = x[:rows].contiguous()
+    rows = x.shape[0]
     wait = torch.ops._c10d_functional.wait_tensor.default
     name = group.group_name
     if op is torch.ops._c10d_functional.all_to_all_single.default:
@@ -197,6 +203,15 @@ def _collective(op: Any, x: torch.Tensor, group: Any) -> Callable[[], Any]:
     if op is torch.ops._c10d_functional.all_gather_into_tensor.default:
         return lambda: wait(op(x, world, name))
     raise ValueError(f"no calibration call for the collective {op}")
+
+
+def _world(group: Any) -> int:
+    """The ranks of ``group``; 2 without one (the benchmarks' collectives are then not run)."""
+    if group is None:
+        return 2
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))
 
 
 def _group_description(group: Any) -> str | None:

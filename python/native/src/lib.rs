@@ -601,21 +601,22 @@ fn hw_profile(
 }
 
 /// The benchmarks `planner calibrate` times, as JSON, for an executor that runs them itself
-/// (`recompute_planner.calibrate`, in eager PyTorch).
+/// (`recompute_planner.calibrate`, in eager PyTorch), collectives over `world` ranks.
 #[pyfunction]
-fn calibration_benchmarks(cuda: bool) -> String {
-    let all: Vec<_> = planner::calibration::benchmarks(cuda)
+#[pyo3(signature = (cuda, world=2))]
+fn calibration_benchmarks(cuda: bool, world: u32) -> String {
+    let all: Vec<_> = planner::calibration::benchmarks(cuda, world)
         .iter()
         .map(|b| b.describe())
         .collect();
     serde_json::Value::from(all).to_string()
 }
 
-/// The profile fitted to the medians of `calibration_benchmarks(cuda)` (`None` for one not
+/// The profile fitted to the medians of `calibration_benchmarks(cuda, world)` (`None` for one not
 /// run), with the device's memory where known, over the base profile `base_json`, as JSON;
 /// `collectives` says which process group the collectives' medians went through.
 #[pyfunction]
-#[pyo3(signature = (*, cuda, medians, runs, device, description, threads, memory_bytes, base_json, name, collectives=None))]
+#[pyo3(signature = (*, cuda, medians, runs, device, description, threads, memory_bytes, base_json, name, world=2, collectives=None))]
 #[allow(clippy::too_many_arguments)]
 fn fit_calibration(
     py: Python<'_>,
@@ -628,6 +629,7 @@ fn fit_calibration(
     memory_bytes: Option<f64>,
     base_json: &str,
     name: &str,
+    world: u32,
     collectives: Option<&str>,
 ) -> PyResult<String> {
     let fitted = (|| -> Result<String, String> {
@@ -636,7 +638,7 @@ fn fit_calibration(
             device: device.to_owned(),
             description: description.to_owned(),
             threads,
-            timings: planner::calibration::timings_of(cuda, &medians, runs)?,
+            timings: planner::calibration::timings_of(cuda, world, &medians, runs)?,
             not_measured: Vec::new(),
             collectives: collectives.map(str::to_owned),
         };
