@@ -450,6 +450,23 @@ fn ranks_launched_by_hand_meet_at_rank_0s_store() {
     }
 }
 
+/// `planner ARGS` as rank 0 of a launch of 2 whose rank 1 never starts, its store on a free
+/// port: the port and what the planner did.
+fn alone_as_rank_0_of_2(args: &[&str]) -> (String, Output) {
+    let port = free_port().to_string();
+    let out = without_launch(&mut Command::new(planner_bin()))
+        .args(args)
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ])
+        .output()
+        .expect("the planner runs");
+    (port, out)
+}
+
 /// A launched rank loads and plans its own graph only: rank 0 of a launch never reads rank 1's
 /// graph (here not a graph at all, which a run of every rank as threads refuses); it serves
 /// the store and says so when rank 1 never joins.
@@ -475,17 +492,7 @@ fn a_launched_rank_loads_no_other_ranks_graph() {
         text(&threads.stderr)
     );
 
-    let port = free_port().to_string();
-    let out = without_launch(&mut Command::new(planner_bin()))
-        .args(["run", graph, "--timeout", "1"])
-        .envs([
-            ("RANK", "0"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", port.as_str()),
-        ])
-        .output()
-        .expect("the planner runs");
+    let (port, out) = alone_as_rank_0_of_2(&["run", graph, "--timeout", "1"]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let waited = format!(
@@ -496,7 +503,7 @@ fn a_launched_rank_loads_no_other_ranks_graph() {
     assert!(stderr.contains("1/2 clients joined"), "{stderr}");
 }
 
-/// `planner calibrate` under torchrun times the all-to-all through the launched gloo group, not
+/// `planner calibrate` under torchrun times the collectives through the launched gloo group, not
 /// through threads of one process: the profile names the group, its collectives are slower
 /// than the loopback ones a plain calibration times (processes exchange through sockets), and
 /// only rank 0 writes the profile.
@@ -552,17 +559,7 @@ fn a_launched_calibration_times_the_collectives_through_its_process_group() {
 /// returns, so its time per node would be its launch's.
 #[test]
 fn a_launched_cuda_calibration_is_refused() {
-    let port = free_port().to_string();
-    let out = without_launch(&mut Command::new(planner_bin()))
-        .args(["calibrate", "--device", "cuda"])
-        .envs([
-            ("RANK", "0"),
-            ("WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", port.as_str()),
-        ])
-        .output()
-        .expect("the planner runs");
+    let (_, out) = alone_as_rank_0_of_2(&["calibrate", "--device", "cuda"]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
