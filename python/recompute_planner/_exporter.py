@@ -156,6 +156,16 @@ _COLLECTIVE_KINDS: dict[str | None, int] = {
 
 
 @dataclass(frozen=True)
+class UnitModules:
+    """Where an annotated model's unit submodules are (``recompute_planner.annotate`` fills it):
+    what the torch.compile planning stage needs to put their markers into the joint graph
+    after Dynamo traced the step without them."""
+
+    layer_paths: tuple[str, ...]  # each layer's module path from the annotated root
+    stems: tuple[str, ...]  # unit paths naming a submodule of a layer (``<stem>.begin``/``.end``)
+
+
+@dataclass(frozen=True)
 class ModelDecl:
     """A model the graph holds: its layer count and recompute units (the graph's model metadata)."""
 
@@ -163,6 +173,7 @@ class ModelDecl:
     num_layers: int
     units: dict[str, list[tuple[str, str]]]  # unit -> [(begin_marker, end_marker)], in order
     parent: str | None = None  # enclosing model for a nested one (MTP)
+    unit_modules: UnitModules | None = None  # set by annotate: unit submodules' places
 
 
 @dataclass

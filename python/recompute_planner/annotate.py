@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._exporter import ModelDecl
+from ._exporter import ModelDecl, UnitModules
 from .markers import checkpoint_record, layer_tags, tag_scope, tentative_marker
 
 # A model's decoder layers, as ``layers=`` names them.
@@ -173,16 +173,17 @@ def annotate(
         raise ValueError("the model is annotated already: call .remove() on its annotation first")
     layer_list = _layer_list(model, layers)
     declared = {unit.upper(): list(parts) for unit, parts in (units or {}).items()}
-    annotation = Annotation(
-        models=[ModelDecl(name, len(layer_list), _unit_intervals(declared), parent)],
-        root=model,
-        layers=layer_list,
-    )
     targets = {
         (unit, part): _unit_targets(layer_list, unit, part)
         for unit, parts in declared.items()
         for part in parts
     }
+    modules = UnitModules(_layer_paths(model, layers, layer_list), _module_stems(targets))
+    annotation = Annotation(
+        models=[ModelDecl(name, len(layer_list), _unit_intervals(declared), parent, modules)],
+        root=model,
+        layers=layer_list,
+    )
     for (unit, part), found in targets.items():
         missing = [i for i, target in enumerate(found) if target is None]
         if missing:
@@ -214,6 +215,23 @@ def annotate(
 def annotation_of(model: nn.Module) -> Annotation | None:
     """The annotation ``annotate`` installed on ``model``, if any."""
     return getattr(model, ANNOTATION_ATTR, None)
+
+
+def _layer_paths(model: nn.Module, path: str, layer_list: LayerList) -> tuple[str, ...]:
+    """Each layer's module path from ``model``: ``path.<child>`` in a list, ``path`` for one
+    layer."""
+    if _attribute(model, path) is layer_list:
+        return tuple(f"{path}.{child}" for child, _ in layer_list.named_children())
+    return (path,)
+
+
+def _module_stems(targets: dict[tuple[str, UnitPart], list[_Target]]) -> tuple[str, ...]:
+    """The unit paths that name a submodule in some layer, in declaration order."""
+    stems = (
+        part for (_, part), found in targets.items()
+        if isinstance(part, str) and any(isinstance(t, nn.Module) for t in found)
+    )
+    return tuple(dict.fromkeys(stems))
 
 
 def _label(part: UnitPart) -> str:
@@ -391,7 +409,17 @@ class _AnnotatedModule:
     def run(self, forward: Any, owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``forward(owner, *args, **kwargs)`` inside the scope, with each unit's begin marker
         on its input and end marker on its outputs, in the order the units were declared (as
-        hooks would run). One function, not several: Dynamo traces each call it inlines."""
+        hooks would run). One function, not several: Dynamo traces each call it inlines.
+
+        While Dynamo traces, the unit markers are left out: they would be Python Dynamo
+        traces and nodes it records in every layer, and the torch.compile planning stage puts
+        them into the joint graph after tracing, from the module each op ran in
+        (``_unit_markers``); without a stage, markers stay out of compiled graphs anyway."""
+        if torch.compiler.is_dynamo_compiling():
+            if self.scope is None:
+                return forward(owner, *args, **kwargs)
+            with tag_scope(self.scope):
+                return forward(owner, *args, **kwargs)
         scope = contextlib.nullcontext() if self.scope is None else tag_scope(self.scope)
         with scope:
             for path in self.marks:

@@ -97,6 +97,7 @@ from ._exporter import (
     require_tracing_torch,
     traced_as_exported,
 )
+from ._unit_markers import place_unit_markers
 from .api import HwLike, check_plan
 from .api import plan as plan_graph
 from .plans import DECISION_NO_CHECKPOINT, Plan
@@ -151,15 +152,18 @@ def build_joint_graph(
             1 for desc in output_descs if desc is not None and not isinstance(desc, GradAOTOutput)
         )
     world_size, rank = _world()
+    flat_inputs = _flat_inputs(graph_module, output_descs)
+    parameters = {i.name for i in flat_inputs if i and i.role == graph_pb2.ROLE_PARAMETER}
     tag_untraced_nodes(graph_module.graph)
-    if markers.resolve_tentative_markers(graph_module.graph):
+    placed = place_unit_markers(graph_module.graph, models, parameters)
+    if markers.resolve_tentative_markers(graph_module.graph) or placed:
         graph_module.recompile()
     forward = forward_nodes(graph_module, num_fwd_outputs)
     mark_functionalized_writes(graph_module.graph, forward)
     return build_graph(
         graph_module,
         forward,
-        _flat_inputs(graph_module, output_descs),
+        flat_inputs,
         name=name,
         models=models,
         metadata=graph_metadata(EXPORTER_VERSION, world_size, rank),

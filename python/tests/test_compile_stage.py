@@ -53,7 +53,13 @@ from recompute_planner._exporter import ModelDecl
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.goldens import GOLDENS, golden, traced_group
 from recompute_planner._zoo.model import CausalLM
-from recompute_planner.markers import MARKER_OP, MARKER_OVERLOAD, checkpoint_record, layer_scope
+from recompute_planner.markers import (
+    MARKER_NAME_ATTR,
+    MARKER_OP,
+    MARKER_OVERLOAD,
+    checkpoint_record,
+    layer_scope,
+)
 from recompute_planner.model_export import _Step
 from recompute_planner.proto import graph_pb2
 
@@ -244,20 +250,44 @@ def replay_ops(plan: rp.Plan) -> dict[tuple[str, int], list[str]]:
     }
 
 
-def replay_names(plan: rp.Plan, written_in_place: set[str]) -> dict[tuple[str, int], set[str]]:
+def replay_names(
+    ir: graph_pb2.Graph, plan: rp.Plan, written_in_place: set[str]
+) -> dict[tuple[str, int], set[str]]:
     """Each layer's replayed nodes by name, but for the ops ``written_in_place`` names in their
-    functional form (functionalization renames ``index_put_`` nodes ``index_put``)."""
+    functional form (functionalization renames ``index_put_`` nodes ``index_put``), and a
+    marker by its marker name and occurrence in the layer: the stage places the markers of
+    annotated submodules after Dynamo traced the step, so FX numbers their nodes otherwise
+    (a trace also counts the markers on outputs nothing reads, which it drops)."""
+    labels = marker_labels(ir)
     return {
-        layer: {n for n in nodes if functional_op(plan.decision(n).op) not in written_in_place}
+        layer: {
+            labels.get(n, n) for n in nodes
+            if functional_op(plan.decision(n).op) not in written_in_place
+        }
         for layer, nodes in replay_by_layer(plan).items()
     }
+
+
+def marker_labels(ir: graph_pb2.Graph) -> dict[str, str]:
+    """Marker node -> ``<marker name>#<occurrence in its layer>``."""
+    seen: Counter = Counter()
+    labels = {}
+    for node in ir.nodes:
+        if node.op == MARKER_OP:
+            name = next(a.str for a in node.attributes if a.name == MARKER_NAME_ATTR)
+            key = (node.model, node.layer, name)
+            labels[node.name] = f"{name}#{seen[key]}"
+            seen[key] += 1
+    return labels
 
 
 def assert_same_plan(stage_ir, planned: rp.Plan, exported_ir, exported: rp.Plan) -> None:
     assert_same_memory(stage_ir, planned, exported_ir, exported)
     assert replay_ops(planned) == replay_ops(exported)
     in_place = {functional_op(n.op) for n in exported_ir.nodes if n.schema.mutates}
-    assert replay_names(planned, in_place) == replay_names(exported, in_place)
+    assert replay_names(stage_ir, planned, in_place) == replay_names(
+        exported_ir, exported, in_place
+    )
 
 
 def assert_same_functional_plan(
