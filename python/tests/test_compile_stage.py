@@ -551,6 +551,66 @@ def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise()
         torch._dynamo.reset()
 
 
+class AnnotatedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)
+        )
+
+    def forward(self, x):
+        return x + self.mlp(x.tanh())
+
+
+class AnnotatedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([AnnotatedLayer() for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_an_annotated_step_is_traced_again_once_per_stage_and_its_units_are_marked():
+    """An ``rp.annotate``d model, whose unit markers the stage places after Dynamo: a second
+    call does not trace again, a stage that plans otherwise traces once more, and the unit
+    the stage keeps is found in the compiled step (its ops are kept)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    def active_stage_backend(graph_module, example_inputs):
+        partition = stage_mod.active_stage().partition_fn
+        compile_with = aot_autograd(
+            fw_compiler=nop_compiler, bw_compiler=nop_compiler, partition_fn=partition
+        )
+        return compile_with(graph_module, example_inputs)
+
+    torch.manual_seed(0)
+    model, x = AnnotatedModel(), torch.randn(4, 8, 16)
+    models = rp.annotate(model, layers="layers", units={"SAVE_MLP": ["mlp"]}).models
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=active_stage_backend)
+
+    def traced_graphs_after_two_steps(keep):
+        with stage_mod.planning(models, keep) as stage, warnings.catch_warnings():
+            warnings.simplefilter("ignore", rp.PlannerWarning)
+            for _ in range(2):
+                compiled(x).backward()
+        return counters["stats"]["unique_graphs"], stage.plans
+
+    try:
+        assert traced_graphs_after_two_steps(None)[0] == 1
+        graphs, plans = traced_graphs_after_two_steps(["SAVE_MLP"])
+        assert graphs == 2 and len(plans) == 1
+        assert [(u.unit, u.kept_ops > 0) for u in plans[0].units] == [("SAVE_MLP", True)]
+        assert traced_graphs_after_two_steps(None) == (2, [])
+    finally:
+        torch._dynamo.reset()
+
+
 def test_whole_layer_recompute_follows_the_plan():
     subject = golden_subject("moe_ep2")
     for keep in (None, ["SAVE_MOE_DISPATCH"]):
