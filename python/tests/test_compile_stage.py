@@ -509,11 +509,10 @@ def test_stage_plans_in_place_writes_of_a_model_outside_the_zoo_as_the_cli(backe
     assert_saves_and_replays_the_plan(staged)
 
 
-def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise():
-    """A step compiled while one stage was installed is traced again, exactly once, when a
-    stage with other options is installed (its plan differs: the old compiled code would
-    silently keep the old plan), and not again for later calls with the same shapes, nor for
-    a stage that plans alike."""
+def compiled_under_stages(model, models, x):
+    """``model`` compiled afresh (Dynamo reset, counters cleared) with a backend that
+    partitions by the active stage; returns ``keep -> (graphs Dynamo traced so far, plans)``
+    after two steps under a stage planning ``models`` with ``keep``."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
 
@@ -524,12 +523,9 @@ def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise()
         )
         return compile_with(graph_module, example_inputs)
 
-    torch.manual_seed(0)
-    units = {"SAVE_GATE": [("gate.begin", "gate.end")], "SAVE_MLP": [("mlp.begin", "mlp.end")]}
-    models, x = [ModelDecl("main", 2, units)], torch.randn(4, 8, 16)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(WritingModel(), backend=active_stage_backend)
+    compiled = torch.compile(model, backend=active_stage_backend)
 
     def traced_graphs_after_two_steps(keep):
         with stage_mod.planning(models, keep) as stage, warnings.catch_warnings():
@@ -538,6 +534,18 @@ def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise()
                 compiled(x).backward()
         return counters["stats"]["unique_graphs"], stage.plans
 
+    return traced_graphs_after_two_steps
+
+
+def test_a_compiled_step_is_traced_again_once_for_a_stage_that_plans_otherwise():
+    """A step compiled while one stage was installed is traced again, exactly once, when a
+    stage with other options is installed (its plan differs: the old compiled code would
+    silently keep the old plan), and not again for later calls with the same shapes, nor for
+    a stage that plans alike."""
+    torch.manual_seed(0)
+    units = {"SAVE_GATE": [("gate.begin", "gate.end")], "SAVE_MLP": [("mlp.begin", "mlp.end")]}
+    models, x = [ModelDecl("main", 2, units)], torch.randn(4, 8, 16)
+    traced_graphs_after_two_steps = compiled_under_stages(WritingModel(), models, x)
     try:
         assert traced_graphs_after_two_steps(None)[0] == 1
         graphs, mlp_plans = traced_graphs_after_two_steps(["SAVE_MLP"])
@@ -577,30 +585,10 @@ def test_an_annotated_step_is_traced_again_once_per_stage_and_its_units_are_mark
     """An ``rp.annotate``d model, whose unit markers the stage places after Dynamo: a second
     call does not trace again, a stage that plans otherwise traces once more, and the unit
     the stage keeps is found in the compiled step (its ops are kept)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.utils import counters
-
-    def active_stage_backend(graph_module, example_inputs):
-        partition = stage_mod.active_stage().partition_fn
-        compile_with = aot_autograd(
-            fw_compiler=nop_compiler, bw_compiler=nop_compiler, partition_fn=partition
-        )
-        return compile_with(graph_module, example_inputs)
-
     torch.manual_seed(0)
     model, x = AnnotatedModel(), torch.randn(4, 8, 16)
     models = rp.annotate(model, layers="layers", units={"SAVE_MLP": ["mlp"]}).models
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend=active_stage_backend)
-
-    def traced_graphs_after_two_steps(keep):
-        with stage_mod.planning(models, keep) as stage, warnings.catch_warnings():
-            warnings.simplefilter("ignore", rp.PlannerWarning)
-            for _ in range(2):
-                compiled(x).backward()
-        return counters["stats"]["unique_graphs"], stage.plans
-
+    traced_graphs_after_two_steps = compiled_under_stages(model, models, x)
     try:
         assert traced_graphs_after_two_steps(None)[0] == 1
         graphs, plans = traced_graphs_after_two_steps(["SAVE_MLP"])
