@@ -153,7 +153,7 @@ def _regions(graph: fx.Graph, layouts: _Layouts) -> list[_Region]:
     regions: list[_Region] = []
     scope: tuple[Any, Any, Any] = (None, None, None)
     for node in graph.nodes:
-        if node.op != "call_function" or node.meta.get(_PASS_TAG) == BACKWARD_PASS:
+        if node.op != "call_function" or _is_backward(node):
             continue
         model, micro_batch, layer, stems = layouts.stems_of(node, "nn_module_stack")
         if (model, micro_batch, layer) != scope:
@@ -224,7 +224,6 @@ Inside = Callable[[fx.Node], bool]
 
 
 def _inside_backward(region: _Region, layouts: _Layouts) -> Inside:
-    """Whether a backward node is the backward of an op of the unit's submodule."""
 
     def inside(node: fx.Node) -> bool:
         model, _, layer, stems = layouts.stems_of(node, "fwd_nn_module_stack")
@@ -246,7 +245,7 @@ def _begin(
     data.replace_all_uses_with(
         marker,
         delete_user_cb=lambda user: user in members
-        or (user.meta.get(_PASS_TAG) == BACKWARD_PASS and inside_backward(user)),
+        or (_is_backward(user) and inside_backward(user)),
         propagate_meta=False,
     )
     return marker
@@ -307,8 +306,9 @@ def _marker(
     graph: fx.Graph, value: fx.Node, name: str, anchor: fx.Node, *, before: bool
 ) -> fx.Node:
     """A marker node on ``value`` next to ``anchor`` (an op of the region), with the metadata
-    a traced marker has: the region's layer scope, its module stack down to the unit's
-    submodule, the forward pass tag."""
+    the IR reads from a traced marker: ``value``'s tensor, the region's layer scope (no
+    compiled region: a marker placed here never counts as inside one), the forward pass tag,
+    the anchor's stack trace."""
     insert = graph.inserting_before(anchor) if before else graph.inserting_after(anchor)
     with insert:
         marker = graph.create_node(
