@@ -135,8 +135,21 @@ def tag_scope(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it. In a trace for
     a planning stage the ops also record its number (``STAGE_KEY``): reading it makes it a
     guard of the code Dynamo compiles, in every model (one without markers too)."""
-    if _in_compiled_graphs > 0:
-        tags = {**tags, STAGE_KEY: _in_compiled_graphs}
+    return annotated(staged_tags(tags, compiled_stage()))
+
+
+def compiled_stage() -> int:
+    """The planning stage traces are made for (0: none; see ``_in_compiled_graphs``)."""
+    return _in_compiled_graphs
+
+
+def staged_tags(tags: dict[str, Any], stage: int) -> dict[str, Any]:
+    """``tags``, plus planning stage number ``stage`` in a trace for one (``stage > 0``)."""
+    return {**tags, STAGE_KEY: stage} if stage > 0 else tags
+
+
+def annotated(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it."""
     if hasattr(fx_traceback, "annotate"):
         return fx_traceback.annotate(tags)
     return contextlib.nullcontext()
