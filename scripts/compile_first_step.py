@@ -20,7 +20,8 @@ Dynamo (the forward's first call less the backend), AOTAutograd's trace (the bac
 partition), the partition and the first backward, each with the garbage collector's share (a
 full collection of a compile's heap takes tenths of a second and lands in whichever phase
 triggers it); then the median of ``--steps`` later steps, and whether those later steps
-recompiled. Every figure is the median of ``--runs`` processes per variant, run interleaved (one
+recompiled; then the ratios, and which of the stage's targets (``TARGETS``) they meet. Every
+figure is the median of ``--runs`` processes per variant, run interleaved (one
 process's first step varies by 10% or more on a shared machine). Loss and gradients are compared
 bitwise across the three variants (each process computes the same ones).
 
@@ -308,7 +309,44 @@ def report(layers: int, rows: dict[str, dict[str, Any]], equal: str) -> str:
         f"Dynamo: stage / plain = {stage['dynamo_s'] / plain['dynamo_s']:.2f}; "
         f"partition: torch-ckpt / stage = {ckpt['partition_s'] / stage['partition_s']:.1f}x"
     )
+    lines.append(targets(rows))
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio of two variants' times of one phase, and the bound the stage is meant to keep."""
+
+    phase: str  # a row key: "first_step_s", ...
+    over: str  # the variant divided
+    under: str  # the variant it is divided by
+    bound: float
+    at_most: bool  # the ratio must be at most the bound (else at least)
+
+    def verdict(self, rows: dict[str, dict[str, Any]]) -> str:
+        ratio = rows[self.over][self.phase] / rows[self.under][self.phase]
+        met = ratio <= self.bound if self.at_most else ratio >= self.bound
+        return (
+            f"{self.phase.removesuffix('_s')} {self.over} / {self.under} "
+            f"{'<=' if self.at_most else '>='} {self.bound:g}: "
+            f"{'met' if met else 'MISSED'} ({ratio:.2f})"
+        )
+
+
+# First step within 5% of plain torch.compile, Dynamo within 10%, at least 1.3x faster than
+# torch.compile over torch's checkpointing (meant at 60 layers and more), partition at least
+# 10x faster than min-cut.
+TARGETS = (
+    Target("first_step_s", "stage", "plain", 1.05, at_most=True),
+    Target("dynamo_s", "stage", "plain", 1.10, at_most=True),
+    Target("first_step_s", "torch-ckpt", "stage", 1.3, at_most=False),
+    Target("partition_s", "torch-ckpt", "stage", 10.0, at_most=False),
+)
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> str:
+    """Each target, met or missed, at one depth."""
+    return "targets: " + "; ".join(target.verdict(rows) for target in TARGETS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -375,7 +375,7 @@ class _AnnotatedModule:
             module.__dict__["forward"] = self.instance_forward
         else:
             self.replaced = type(module)
-            module.__class__ = _annotated_class(type(module))
+            module.__class__ = _annotated_class(type(module), scoped=False)
         module.__dict__[_STATE_ATTR] = self
 
     @classmethod
@@ -391,7 +391,7 @@ class _AnnotatedModule:
                 "first one before annotating its model again"
             )
         self.scope = layer_tags(model, index)
-        _scopes_changed()
+        self._scope_changed()
         return _Removal(self, None)
 
     def add_marks(self, path: str) -> _Removal:
@@ -402,25 +402,49 @@ class _AnnotatedModule:
         """Takes a scope (None) or a unit's markers off; restores the module once bare."""
         if path is None:
             self.scope = None
-            _scopes_changed()
+            self._scope_changed()
         elif path in self.marks:
             self.marks.remove(path)
         if self.scope is not None or self.marks:
             return
         module = self.module
         if isinstance(self.replaced, type):
-            if type(module) is _annotated_class(self.replaced):  # else a subclass was made of it
+            if self._has_annotated_class():  # else a subclass was made of it
                 module.__class__ = self.replaced
                 del module.__dict__[_STATE_ATTR]
         elif module.__dict__.get("forward") is self.instance_forward:
             module.__dict__["forward"] = self.replaced
             del module.__dict__[_STATE_ATTR]
 
+    def _scope_changed(self) -> None:
+        """Gives the module the annotated class for a layer or for a unit's submodule, as its
+        scope now is, and makes code Dynamo compiled before trace again."""
+        global _scope_epoch
+        _scope_epoch += 1
+        if not isinstance(self.replaced, type):
+            return
+        if self._has_annotated_class():
+            self.module.__class__ = _annotated_class(self.replaced, self.scope is not None)
+        elif self.scope is not None:
+            # A subclass was made of the unit's class since (a framework's wrapper): its
+            # forward would leave the scope out of compiled graphs.
+            self.scope = None
+            raise ValueError(
+                f"`{type(self.module).__name__}` is a unit's submodule whose class was "
+                "replaced by a subclass after it was annotated; it cannot become a layer now: "
+                "annotate the model it is a layer of before wrapping it"
+            )
+
+    def _has_annotated_class(self) -> bool:
+        return type(self.module) in (
+            _annotated_class(self.replaced, scoped) for scoped in (False, True)
+        )
+
     def run(self, forward: Any, owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``forward(owner, *args, **kwargs)`` inside the scope, with each unit's begin marker
         on its input and end marker on its outputs, in the order the units were declared (as
-        hooks would run). One function, not several: Dynamo traces each call it inlines.
-        While Dynamo traces, the forward runs in ``_traced_scope`` alone."""
+        hooks would run). Eager and under a tracer other than Dynamo; under Dynamo the
+        forward runs in ``_traced_scope``'s tags alone."""
         scope = contextlib.nullcontext() if self.scope is None else tag_scope(self.scope)
         with scope:
             for path in self.marks:
@@ -451,28 +475,25 @@ class _Removal:
 
 # Where an annotated module keeps its ``_AnnotatedModule``.
 _STATE_ATTR = "_recompute_planner_annotated"
-# Each annotated class's subclass, made once.
-_ANNOTATED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# Each annotated class's two subclasses (``_annotated_class``), made once.
+_ANNOTATED_CLASSES: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
 
 
-def _annotated_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """``cls``'s subclass whose forward runs an ``_AnnotatedModule`` around ``cls.forward``."""
+def _annotated_class(cls: type[nn.Module], scoped: bool) -> type[nn.Module]:
+    """``cls``'s subclass whose forward runs an ``_AnnotatedModule`` around ``cls.forward``:
+    one for modules with a layer scope (``scoped``), one for those with unit markers alone.
+
+    Two, so that while Dynamo traces, the forward of a unit's submodule is a bare call of
+    ``cls.forward`` (the stage places unit markers after tracing; see ``_traced_scope``):
+    Dynamo's cost per inlined call and per guard, at two or three annotated modules a layer,
+    is a tenth of an annotated model's compile time."""
     if getattr(cls, "_recompute_planner_base", None) is not None:
         return cls
-    if cls not in _ANNOTATED_CLASSES:
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_dynamo_compiling():  # see _traced_scope
-                if torch.compiler.is_exporting():
-                    tags = _exported_tags(self)
-                else:  # in line, not in a helper: Dynamo's cost per inlined call adds up
-                    tags = _traced_scope(self, _scope_epoch, _markers._in_compiled_graphs)
-                with contextlib.nullcontext() if tags is None else annotated(tags):
-                    return cls.forward(self, *args, **kwargs)
-            return _annotated_state(self).run(cls.forward, self, args, kwargs)
-
+    key = (cls, scoped)
+    if key not in _ANNOTATED_CLASSES:
+        forward = _scoped_forward(cls) if scoped else _unit_forward(cls)
         metaclass: Any = type(cls)  # the class's own (``type`` for most modules)
-        _ANNOTATED_CLASSES[cls] = metaclass(
+        _ANNOTATED_CLASSES[key] = metaclass(
             cls.__name__,
             (cls,),
             {
@@ -482,7 +503,30 @@ def _annotated_class(cls: type[nn.Module]) -> type[nn.Module]:
                 "_recompute_planner_base": cls,
             },
         )
-    return _ANNOTATED_CLASSES[cls]
+    return _ANNOTATED_CLASSES[key]
+
+
+def _scoped_forward(cls: type[nn.Module]) -> Any:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # see _traced_scope
+            if torch.compiler.is_exporting():
+                tags = _exported_tags(self)
+            else:  # in line, not in a helper: Dynamo's cost per inlined call adds up
+                tags = _traced_scope(self, _scope_epoch, _markers._in_compiled_graphs)
+            with contextlib.nullcontext() if tags is None else annotated(tags):
+                return cls.forward(self, *args, **kwargs)
+        return _annotated_state(self).run(cls.forward, self, args, kwargs)
+
+    return forward
+
+
+def _unit_forward(cls: type[nn.Module]) -> Any:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # see _traced_scope
+            return cls.forward(self, *args, **kwargs)
+        return _annotated_state(self).run(cls.forward, self, args, kwargs)
+
+    return forward
 
 
 class _InstanceForward:
@@ -550,14 +594,10 @@ def _assume_constant_result(fn: Any) -> None:
 
 _assume_constant_result(_traced_scope)
 
-# Changed whenever a module's layer scope is set or taken off (``_scopes_changed``): code
-# Dynamo compiled guards on it, since it does not guard on the scopes themselves.
+# Changed whenever a module's layer scope is set or taken off
+# (``_AnnotatedModule._scope_changed``): code Dynamo compiled guards on it, since it does not
+# guard on the scopes themselves.
 _scope_epoch = 0
-
-
-def _scopes_changed() -> None:
-    global _scope_epoch
-    _scope_epoch += 1
 
 
 def _enter_scope(layer: nn.Module, name: str, index: int) -> list[_Removal]:

@@ -135,12 +135,7 @@ def tag_scope(tags: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     """``torch.fx.traceback.annotate(tags)``, or nothing on a torch without it. In a trace for
     a planning stage the ops also record its number (``STAGE_KEY``): reading it makes it a
     guard of the code Dynamo compiles, in every model (one without markers too)."""
-    return annotated(staged_tags(tags, compiled_stage()))
-
-
-def compiled_stage() -> int:
-    """The planning stage traces are made for (0: none; see ``_in_compiled_graphs``)."""
-    return _in_compiled_graphs
+    return annotated(staged_tags(tags, _in_compiled_graphs))
 
 
 def staged_tags(tags: dict[str, Any], stage: int) -> dict[str, Any]:

@@ -28,3 +28,4 @@ def test_script_compiles_each_variant_once_with_the_same_results():
         assert all(row[phase] > 0 for phase in phases)
     report = printed.getvalue()
     assert "first step: stage / plain = " in report and "torch-ckpt / stage = " in report
+    assert report.count(": met (") + report.count(": MISSED (") == len(script.TARGETS)

@@ -136,6 +136,19 @@ def test_a_forward_replaced_on_the_instance_is_annotated_around_and_given_back()
     assert all(mlp.__dict__["forward"] is wrapper for mlp, wrapper in wrappers.items())
 
 
+def test_a_units_module_subclassed_since_cannot_become_a_layer_of_another_annotation():
+    """A unit's submodule whose class a framework replaced by a subclass after the annotation
+    (as FSDP2's ``fully_shard`` does) keeps the unit's forward, which leaves a layer scope out
+    of compiled graphs: making it a layer of a second annotation is refused, by name."""
+    model = llama()
+    outer = rp.annotate(model, layers="model.layers", units=DENSE_UNITS)
+    mlp = model.model.layers[0].mlp
+    mlp.__class__ = type(f"Wrapped{type(mlp).__name__}", (type(mlp),), {})
+    with pytest.raises(ValueError, match="WrappedLlamaMLP.*annotate the model it is a layer of"):
+        rp.annotate(model.model.layers[0], layers="mlp", name="inner")
+    outer.remove()
+
+
 def test_the_grouped_experts_buffer_written_in_place_is_recomputed():
     """Qwen3-MoE's grouped-matmul experts fill a fresh buffer with `index_put_`: keeping the
     unit saves its ops but not that buffer, which replays with its writer (and says so)."""
