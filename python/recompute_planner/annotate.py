@@ -354,8 +354,9 @@ class _AnnotatedModule:
     annotation) and the unit markers it puts on its input and outputs (a unit's submodule).
 
     Both are run by a forward on the module's class: the module's class becomes a subclass of
-    it, made once per class and named as it (``type(m).__name__``, ``isinstance`` and the
-    module's ``repr`` are unchanged), whose forward runs them around the class's own. Module
+    it, made once per class for layers and once for units' submodules (``_annotated_class``)
+    and named as it (``type(m).__name__``, ``isinstance`` and the module's ``repr`` are
+    unchanged), whose forward runs them around the class's own. Module
     hooks would run the same code, but Dynamo traces a module with hooks through the whole of
     ``nn.Module.__call__`` and the hooks' bodies op by op; a forward on the class is traced as
     a plain call, so ``torch.compile`` of an annotated model takes about as long as of the
