@@ -8,9 +8,9 @@
   marker ``<path>.begin`` on the module's (first) tensor input and ``<path>.end`` on its
   tensor outputs, so the unit's interval encloses exactly that module's ops.
 
-Both run in a forward set on the module's class (a subclass per class, named as it; see
-``_AnnotatedModule``), which ``torch.compile`` traces as cheaply as the plain model; module
-hooks would double Dynamo's time. Also:
+Both run in a forward set on the module's class (a subclass of it named as it, one for layers
+and one for units' submodules; see ``_AnnotatedModule``), which ``torch.compile`` traces as
+cheaply as the plain model; module hooks would double Dynamo's time. Also:
 
 - on each unit's methods (a path whose last part names a method of a submodule, or of an
   object a module holds: ``"mlp.route_tokens_to_experts"``, ``"dispatcher.dispatch"``), the
@@ -200,6 +200,29 @@ def annotate(
     for (unit, part), found in targets.items():
         if isinstance(part, OpInterval):
             intervals.append(_IntervalRecord(unit, part, annotation, found))
+    try:
+        _install(annotation, layer_list, name, targets)
+        for record in intervals:
+            annotation.handles += record.install()
+    except BaseException:
+        annotation.remove()  # what was installed before the error
+        raise
+    if intervals:
+        annotation.handles.append(
+            model.register_forward_hook(lambda *_: _check_intervals(intervals), always_call=True)
+        )
+    setattr(model, ANNOTATION_ATTR, annotation)
+    return annotation
+
+
+def _install(
+    annotation: Annotation,
+    layer_list: LayerList,
+    name: str,
+    targets: dict[tuple[str, UnitPart], list[_Target]],
+) -> None:
+    """Each layer's scope and its units' markers (op intervals aside), their handles added to
+    ``annotation`` as they are installed."""
     for index, layer in enumerate(layer_list):
         annotation.handles += _enter_scope(layer, name, index)
         for (_unit, part), found in targets.items():
@@ -210,14 +233,6 @@ def annotate(
                 annotation.handles += _put_markers(target, part)
             else:
                 annotation.handles.append(_MethodWrapper(target[0], target[1], part))
-    for record in intervals:
-        annotation.handles += record.install()
-    if intervals:
-        annotation.handles.append(
-            model.register_forward_hook(lambda *_: _check_intervals(intervals), always_call=True)
-        )
-    setattr(model, ANNOTATION_ATTR, annotation)
-    return annotation
 
 
 def annotation_of(model: nn.Module) -> Annotation | None:
@@ -375,8 +390,9 @@ class _AnnotatedModule:
             self.instance_forward = _InstanceForward(self, instance_forward)
             module.__dict__["forward"] = self.instance_forward
         else:
-            self.replaced = type(module)
-            module.__class__ = _annotated_class(type(module), scoped=False)
+            # An instance made from an annotated class (``type(layer)(config)``) unwraps it.
+            self.replaced = _base_class(type(module))
+            module.__class__ = _annotated_class(self.replaced, scoped=False)
         module.__dict__[_STATE_ATTR] = self
 
     @classmethod
@@ -390,6 +406,12 @@ class _AnnotatedModule:
             raise ValueError(
                 f"`{type(self.module).__name__}` is a layer of two annotations: remove the "
                 "first one before annotating its model again"
+            )
+        if not self._can_take_scope():
+            raise ValueError(
+                f"`{type(self.module).__name__}` is a unit's submodule whose class was "
+                "replaced by a subclass after it was annotated; it cannot become a layer now: "
+                "annotate the model it is a layer of before wrapping it"
             )
         self.scope = layer_tags(model, index)
         self._scope_changed()
@@ -419,26 +441,27 @@ class _AnnotatedModule:
 
     def _scope_changed(self) -> None:
         """Gives the module the annotated class for a layer or for a unit's submodule, as its
-        scope now is, and makes code Dynamo compiled before trace again."""
+        scope now is (unless a subclass was made of it since), and makes code Dynamo compiled
+        before trace again."""
         global _scope_epoch
         _scope_epoch += 1
-        if not isinstance(self.replaced, type):
-            return
         if self._has_annotated_class():
             self.module.__class__ = _annotated_class(self.replaced, self.scope is not None)
-        elif self.scope is not None:
-            # A subclass was made of the unit's class since (a framework's wrapper): its
-            # forward would leave the scope out of compiled graphs.
-            self.scope = None
-            raise ValueError(
-                f"`{type(self.module).__name__}` is a unit's submodule whose class was "
-                "replaced by a subclass after it was annotated; it cannot become a layer now: "
-                "annotate the model it is a layer of before wrapping it"
-            )
 
     def _has_annotated_class(self) -> bool:
-        return type(self.module) in (
-            _annotated_class(self.replaced, scoped) for scoped in (False, True)
+        """The module's class is one ``_annotated_class`` made (not a subclass of one)."""
+        return isinstance(self.replaced, type) and (
+            type(self.module).__dict__.get(_BASE_ATTR) is self.replaced
+        )
+
+    def _can_take_scope(self) -> bool:
+        """A scope would be entered under Dynamo: the module's class is ours, or a subclass a
+        framework made of a layer's (as FSDP2's ``fully_shard`` does), not of a unit's, whose
+        forward would leave the scope out of compiled graphs."""
+        return (
+            not isinstance(self.replaced, type)
+            or self._has_annotated_class()
+            or getattr(type(self.module), _SCOPED_ATTR, False)
         )
 
     def run(self, forward: Any, owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -476,20 +499,22 @@ class _Removal:
 
 # Where an annotated module keeps its ``_AnnotatedModule``.
 _STATE_ATTR = "_recompute_planner_annotated"
-# Each annotated class's two subclasses (``_annotated_class``), made once.
+# Each annotated class's two subclasses (``_annotated_class``), made once, and the attributes
+# each has: the class it was made of, and whether it is a layer's.
+_BASE_ATTR = "_recompute_planner_base"
+_SCOPED_ATTR = "_recompute_planner_scoped"
 _ANNOTATED_CLASSES: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
 
 
 def _annotated_class(cls: type[nn.Module], scoped: bool) -> type[nn.Module]:
-    """``cls``'s subclass whose forward runs an ``_AnnotatedModule`` around ``cls.forward``:
-    one for modules with a layer scope (``scoped``), one for those with unit markers alone.
+    """``cls``'s subclass whose forward runs the module's ``_AnnotatedModule`` around
+    ``cls.forward`` (eager and under tracers other than Dynamo): one for modules with a layer
+    scope (``scoped``), one for those with unit markers alone.
 
     Two, so that while Dynamo traces, the forward of a unit's submodule is a bare call of
     ``cls.forward`` (the stage places unit markers after tracing; see ``_traced_scope``):
     Dynamo's cost per inlined call and per guard, at two or three annotated modules a layer,
     is a tenth of an annotated model's compile time."""
-    if getattr(cls, "_recompute_planner_base", None) is not None:
-        return cls
     key = (cls, scoped)
     if key not in _ANNOTATED_CLASSES:
         forward = _scoped_forward(cls) if scoped else _unit_forward(cls)
@@ -501,18 +526,27 @@ def _annotated_class(cls: type[nn.Module], scoped: bool) -> type[nn.Module]:
                 "forward": forward,
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
-                "_recompute_planner_base": cls,
+                _BASE_ATTR: cls,
+                _SCOPED_ATTR: scoped,
             },
         )
     return _ANNOTATED_CLASSES[key]
 
 
+def _base_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The model's own class behind ``cls``: ``cls`` itself unless ``_annotated_class`` made
+    it."""
+    base: type[nn.Module] = cls.__dict__.get(_BASE_ATTR, cls)
+    return base
+
+
 def _scoped_forward(cls: type[nn.Module]) -> Any:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # see _traced_scope
+            # ``_traced_tags`` in line: Dynamo's cost per inlined call adds up.
             if torch.compiler.is_exporting():
-                tags = _exported_tags(self)
-            else:  # in line, not in a helper: Dynamo's cost per inlined call adds up
+                tags = _staged_scope(self, _markers._in_compiled_graphs)
+            else:
                 tags = _traced_scope(self, _scope_epoch, _markers._in_compiled_graphs)
             with contextlib.nullcontext() if tags is None else annotated(tags):
                 return cls.forward(self, *args, **kwargs)
@@ -538,12 +572,7 @@ class _InstanceForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # as the annotated class's forward
-            module = self.state.module
-            if torch.compiler.is_exporting():
-                tags = _exported_tags(module)
-            else:
-                tags = _traced_scope(module, _scope_epoch, _markers._in_compiled_graphs)
-            with contextlib.nullcontext() if tags is None else annotated(tags):
+            with _traced_tags(self.state.module):
                 return self.forward(*args, **kwargs)
         return self.state.run(_call, self.forward, args, kwargs)
 
@@ -552,29 +581,39 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
-def _traced_scope(module: nn.Module, epoch: int, stage: int) -> dict[str, Any] | None:
-    """What an annotated module runs its forward in while Dynamo traces it: the tags of its
-    layer scope (None for a unit's submodule) in a trace for planning stage ``stage``.
+def _traced_tags(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """What an annotated module runs its forward in while Dynamo traces it: its layer scope,
+    if it has one, and nothing else (see ``_traced_scope``)."""
+    if torch.compiler.is_exporting():
+        tags = _staged_scope(module, _markers._in_compiled_graphs)
+    else:
+        tags = _traced_scope(module, _scope_epoch, _markers._in_compiled_graphs)
+    return contextlib.nullcontext() if tags is None else annotated(tags)
 
-    The unit markers are left out: they would be Python that Dynamo traces and nodes it
+
+def _traced_scope(module: nn.Module, epoch: int, stage: int) -> dict[str, Any] | None:
+    """``_staged_scope(module, stage)``, evaluated by Dynamo rather than traced.
+
+    While Dynamo traces, an annotated module runs its forward in its layer scope and nothing
+    else. The unit markers are left out: they would be Python that Dynamo traces and nodes it
     records in every layer, and the torch.compile planning stage puts them into the joint
     graph after tracing, from the module each op ran in (``_unit_markers``); without a stage,
-    compiled graphs have no use for them. Dynamo runs this function instead of tracing it
-    (``_assume_constant_result``), so the compiled code guards on the module's identity and
-    on the two globals passed, ``_scope_epoch`` (unused here: code compiled before a scope
+    compiled graphs have no use for them. And Dynamo runs this function instead of tracing
+    it (``_evaluated_by_dynamo``), so the compiled code guards on the module's identity and
+    on the two globals passed, ``_scope_epoch`` (unused here: code compiled before any scope
     changed is traced again) and the stage, not on each key and value of each layer's scope:
     those guards made compiling an annotated model about 15% slower than compiling the plain
     one. ``torch.export`` cannot pass a module to such a function and has no guards to save:
-    it reads the scope by ``_exported_tags``."""
+    it traces ``_staged_scope``."""
     del epoch
+    return _staged_scope(module, stage)
+
+
+def _staged_scope(module: nn.Module, stage: int) -> dict[str, Any] | None:
+    """The tags of annotated ``module``'s layer scope in a trace for planning stage ``stage``
+    (None for a unit's submodule)."""
     scope = _annotated_state(module).scope
     return None if scope is None else staged_tags(scope, stage)
-
-
-def _exported_tags(module: nn.Module) -> dict[str, Any] | None:
-    """``_traced_scope`` as ``torch.export`` traces it."""
-    scope = _annotated_state(module).scope
-    return None if scope is None else staged_tags(scope, _markers._in_compiled_graphs)
 
 
 def _annotated_state(module: nn.Module) -> _AnnotatedModule:
@@ -584,20 +623,21 @@ def _annotated_state(module: nn.Module) -> _AnnotatedModule:
     return state
 
 
-def _assume_constant_result(fn: Any) -> None:
-    """``torch.compiler.assume_constant_result(fn)`` without its import of ``torch._dynamo``
-    (a second, which users of ``annotate`` who never compile would pay): Dynamo calls ``fn``
-    while tracing and records the result as a constant, with no guard on what ``fn`` read
-    (torch marks its own ``justknobs_check`` so). A test of the compiled code's guards fails
-    if Dynamo stops honouring the mark."""
+def _evaluated_by_dynamo(fn: Any) -> None:
+    """Has Dynamo call ``fn`` while tracing and record its result as a constant, with no guard
+    on what ``fn`` read: ``torch.compiler.assume_constant_result(fn)``, without that
+    function's import of ``torch._dynamo`` (a second, which users of ``annotate`` who never
+    compile would pay). torch marks its own ``justknobs_check`` so; a test of the compiled
+    code's guards fails if Dynamo stops honouring the mark."""
     fn._dynamo_marked_constant = True
 
 
-_assume_constant_result(_traced_scope)
+_evaluated_by_dynamo(_traced_scope)
 
 # Changed whenever a module's layer scope is set or taken off
 # (``_AnnotatedModule._scope_changed``): code Dynamo compiled guards on it, since it does not
-# guard on the scopes themselves.
+# guard on the scopes themselves. One for the process: annotating or removing any model
+# makes every compiled annotated model trace once more on its next call.
 _scope_epoch = 0
 
 
@@ -785,11 +825,8 @@ def _op_names(func: Any) -> tuple[str, ...] | None:
     return (bare, f"{module}.{bare}") if module else (bare,)
 
 
-def _evaluated_by_dynamo(fn: Any) -> None:
-    """Has Dynamo evaluate ``fn``, not trace it (it cannot trace the introspection of a torch
-    function). Done when an interval is installed, not at import: the mark imports Dynamo,
-    seconds that a package import without op intervals does not pay."""
-    torch.compiler.assume_constant_result(fn)  # sets a flag on ``fn`` itself
+# Dynamo cannot trace the introspection of a torch function.
+_evaluated_by_dynamo(_op_names)
 
 
 def _writes_in_place(func: Any, names: tuple[str, ...], kwargs: dict[str, Any]) -> bool:
@@ -853,7 +890,6 @@ class _IntervalRecord:
     ops: dict[int, list[str]] = field(default_factory=dict)  # layer -> ops its module ran
 
     def install(self) -> list[RemovableHandle]:
-        _evaluated_by_dynamo(_op_names)
         handles = []
         for index, module in enumerate(self.modules):
             if isinstance(module, nn.Module):

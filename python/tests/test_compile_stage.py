@@ -636,6 +636,7 @@ def test_compiled_code_of_an_annotated_model_guards_on_no_layer_scope_value():
         _, graphs = traced_forward(model, torch.randn(4, 8, 16))
         [entry] = _debug_get_cache_entry_list(AnnotatedModel.forward.__code__)
         guards = str(entry.guard_manager).splitlines()
+        assert [line for line in guards if "_scope_epoch" in line]  # what it guards on instead
         assert not [line for line in guards if "_recompute_planner_annotated" in line]
         assert not [line for line in guards if LAYER_KEY in line or MODEL_KEY in line]
         assert scopes_in(graphs[0]) == {("main", 0), ("main", 1)}
@@ -664,6 +665,51 @@ def test_code_compiled_before_a_layer_scope_changed_is_traced_again():
         inner.remove()
         outer.remove()
         torch._dynamo.reset()
+
+
+def test_a_layer_whose_forward_a_framework_replaced_keeps_its_scope_under_dynamo():
+    """A layer whose forward is replaced on the instance (accelerate's hooks) is annotated
+    around that forward, and its ops carry its scope in the graph Dynamo traces too."""
+    model = AnnotatedModel()
+    for layer in model.layers:
+        layer.forward = functools.partial(AnnotatedLayer.forward, layer)
+    annotation = rp.annotate(model, layers="layers", units={"SAVE_MLP": ["mlp"]})
+    try:
+        _, graphs = traced_forward(model, torch.randn(4, 8, 16))
+        assert scopes_in(graphs[0]) == {("main", 0), ("main", 1)}
+    finally:
+        annotation.remove()
+        torch._dynamo.reset()
+
+
+def test_a_layer_subclassed_by_a_framework_is_annotated_again_after_remove():
+    """A layer whose class a framework replaced by a subclass after the annotation (as FSDP2's
+    ``fully_shard`` does) keeps its annotated forward after ``remove``; annotating its model
+    again works, and the traced ops carry the new scope."""
+    model = AnnotatedModel()
+    rp.annotate(model, layers="layers").remove()
+    first = rp.annotate(model, layers="layers")
+    for layer in model.layers:
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    first.remove()
+    again = rp.annotate(model, layers="layers", name="again")
+    try:
+        _, graphs = traced_forward(model, torch.randn(4, 8, 16))
+        assert scopes_in(graphs[0]) == {("again", 0), ("again", 1)}
+    finally:
+        again.remove()
+        torch._dynamo.reset()
+
+
+def test_a_strict_export_of_an_annotated_model_carries_each_layers_scope():
+    """``torch.export`` traces the scope's read (it cannot run it as Dynamo does)."""
+    model = AnnotatedModel()
+    annotation = rp.annotate(model, layers="layers", units={"SAVE_MLP": ["mlp"]})
+    try:
+        exported = torch.export.export(model, (torch.randn(4, 8, 16),), strict=True)
+        assert scopes_in(exported.graph_module) == {("main", 0), ("main", 1)}
+    finally:
+        annotation.remove()
 
 
 def test_whole_layer_recompute_follows_the_plan():

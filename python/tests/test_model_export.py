@@ -142,11 +142,28 @@ def test_a_units_module_subclassed_since_cannot_become_a_layer_of_another_annota
     of compiled graphs: making it a layer of a second annotation is refused, by name."""
     model = llama()
     outer = rp.annotate(model, layers="model.layers", units=DENSE_UNITS)
-    mlp = model.model.layers[0].mlp
-    mlp.__class__ = type(f"Wrapped{type(mlp).__name__}", (type(mlp),), {})
-    with pytest.raises(ValueError, match="WrappedLlamaMLP.*annotate the model it is a layer of"):
-        rp.annotate(model.model.layers[0], layers="mlp", name="inner")
-    outer.remove()
+    try:
+        mlp = model.model.layers[0].mlp
+        mlp.__class__ = type(f"Wrapped{type(mlp).__name__}", (type(mlp),), {})
+        with pytest.raises(ValueError, match="WrappedLlamaMLP.*annotate the model it is a layer"):
+            rp.annotate(model.model.layers[0], layers="mlp", name="inner")
+        assert mlp.__dict__["_recompute_planner_annotated"].scope is None
+    finally:
+        outer.remove()
+
+
+def test_an_annotation_that_fails_half_way_takes_off_what_it_installed():
+    """An error while installing (here, a layer that is a layer of another annotation) leaves
+    no scope or marker behind: the model can be annotated once the cause is gone."""
+    model = llama()
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([model.model.layers[1]])
+    blocker = rp.annotate(holder, layers="layers", name="blocker")
+    with pytest.raises(ValueError, match="layer of two annotations"):
+        rp.annotate(model, layers="model.layers", units={"SAVE_ATTN": ["self_attn"]})
+    assert "_recompute_planner_annotated" not in model.model.layers[0].__dict__
+    blocker.remove()
+    rp.annotate(model, layers="model.layers", units={"SAVE_ATTN": ["self_attn"]}).remove()
 
 
 def test_the_grouped_experts_buffer_written_in_place_is_recomputed():
