@@ -31,8 +31,9 @@ fn off(predicted: f64, measured: f64) -> f64 {
     (predicted / measured).ln().abs()
 }
 
-#[test]
-fn a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step() {
+/// A profile calibrated now, checked for the classes it measured, written where `--hw` reads
+/// it.
+fn calibrated_profile() -> PathBuf {
     // Without `-o` the profile goes to stdout; `--hw` reads it from a file.
     let profile = planner(&["calibrate", "--repeat", "3"]);
     let path = scratch("cpu.json");
@@ -53,30 +54,45 @@ fn a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step() {
     }
     assert!(profile["op_overhead_s"].as_f64().unwrap() > 0.0);
     assert_eq!(profile["name"], "calibrated cpu");
+    path
+}
 
-    let graph = testkit::golden_graph("dense");
-    let graph = graph.to_str().unwrap();
+/// The step `planner run` measures and the one the profile at `hw` predicts, in seconds.
+fn measured_and_predicted_step(graph: &str, hw: &str) -> (f64, f64) {
     let run = planner(&[
-        "run",
-        graph,
-        "--keep",
-        "SAVE_MLP",
-        "--repeat",
-        "5",
-        "--hw",
-        path.to_str().unwrap(),
-        "--format",
-        "json",
+        "run", graph, "--keep", "SAVE_MLP", "--repeat", "5", "--hw", hw, "--format", "json",
     ]);
     let step = &run["ranks"][0]["runs"][0];
-    let measured = step["measured"]["step_time_s"].as_f64().unwrap();
-    let calibrated = step["predicted"]["step_time_s"].as_f64().unwrap();
+    (
+        step["measured"]["step_time_s"].as_f64().unwrap(),
+        step["predicted"]["step_time_s"].as_f64().unwrap(),
+    )
+}
+
+#[test]
+fn a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step() {
+    let graph = testkit::golden_graph("dense");
+    let graph = graph.to_str().unwrap();
     // Within a factor of 3 (tiny shapes: the executor's fixed cost per op decides). No
     // comparison with a datasheet here: the H200's launch overhead per op, not its rates,
-    // decides its time of this step, and lands as near as this machine's noise.
+    // decides its time of this step, and lands as near as this machine's noise. Calibration
+    // and run are timed seconds apart: another job starting between them (another test
+    // binary, on a 2-core machine) skews one against the other, so a pair off by more is
+    // calibrated and run once more before the test fails.
+    let mut pairs = Vec::new();
+    let mut path = PathBuf::new();
+    for _attempt in 0..2 {
+        path = calibrated_profile();
+        let (measured, calibrated) = measured_and_predicted_step(graph, path.to_str().unwrap());
+        pairs.push((measured, calibrated));
+        if off(calibrated, measured) < 3f64.ln() {
+            break;
+        }
+    }
+    let &(_, calibrated) = pairs.last().unwrap();
     assert!(
-        off(calibrated, measured) < 3f64.ln(),
-        "measured {measured} s, calibrated {calibrated} s"
+        pairs.iter().any(|&(m, c)| off(c, m) < 3f64.ln()),
+        "(measured s, calibrated s) off by more than 3x in each try: {pairs:?}"
     );
     let cost = &planner(&[
         "plan",
