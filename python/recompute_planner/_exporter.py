@@ -903,7 +903,7 @@ def op_nodes(graph_module: fx.GraphModule) -> list[fx.Node]:
 
 
 # Node meta key under which AOTAutograd records the pass that traced a joint-graph node.
-_PASS_TAG = "partitioner_tag"
+PASS_TAG = "partitioner_tag"
 FORWARD_PASS = "is_forward"
 BACKWARD_PASS = "is_backward"
 
@@ -932,12 +932,12 @@ def _forward_prefix(nodes: list[fx.Node]) -> set[fx.Node]:
     forward: set[fx.Node] = set()
     first_backward: fx.Node | None = None
     for node in nodes:
-        tag = node.meta.get(_PASS_TAG)
+        tag = node.meta.get(PASS_TAG)
         if tag == BACKWARD_PASS:
             first_backward = first_backward or node
         elif tag != FORWARD_PASS:
             raise RuntimeError(
-                f"node `{node.name}` ({node.target}) has no pass tag ({_PASS_TAG}={tag!r}): "
+                f"node `{node.name}` ({node.target}) has no pass tag ({PASS_TAG}={tag!r}): "
                 "cannot tell whether the forward or the backward pass ran it"
             )
         elif first_backward is not None:

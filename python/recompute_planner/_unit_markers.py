@@ -5,9 +5,9 @@ first floating-point input and ``<path>.end`` on its floating-point outputs. Und
 ``torch.compile`` those markers would be Python Dynamo traces call by call, and graph nodes it
 records, in every layer: a third more Dynamo time for a decoder. Dynamo already records which
 module each op ran in (``node.meta["nn_module_stack"]``; a backward node carries its forward
-op's as ``fwd_nn_module_stack``), so while Dynamo traces a planning stage's step the annotated
-modules run their forward alone (``annotate._AnnotatedModule.run``) and this pass puts the
-markers into the joint graph AOTAutograd built, where the traced ones would have been:
+op's as ``fwd_nn_module_stack``), so while Dynamo traces, an annotated unit's submodule runs
+its forward alone (``annotate._traced_scope``) and this pass puts the markers into the joint
+graph AOTAutograd built, where the traced ones would have been:
 
 - a unit's region is a run of consecutive forward ops of one layer (``node.meta["custom"]``,
   the layer scope) whose module stack holds the unit's submodule of that layer;
@@ -38,9 +38,8 @@ import torch.fx as fx
 
 from . import markers
 from ._compiled_regions import plain_path
-from ._exporter import BACKWARD_PASS, FORWARD_PASS, ModelDecl
+from ._exporter import BACKWARD_PASS, FORWARD_PASS, PASS_TAG, ModelDecl
 
-_PASS_TAG = "partitioner_tag"
 # The name of a marker node (FX numbers the repeats).
 _MARKER_NODE = "checkpoint_record"
 _LAYER_KEYS = (markers.MODEL_KEY, markers.LAYER_KEY, markers.MICRO_BATCH_KEY)
@@ -224,7 +223,6 @@ Inside = Callable[[fx.Node], bool]
 
 
 def _inside_backward(region: _Region, layouts: _Layouts) -> Inside:
-
     def inside(node: fx.Node) -> bool:
         model, _, layer, stems = layouts.stems_of(node, "fwd_nn_module_stack")
         return model == region.model and layer == region.layer and region.stem in stems
@@ -299,7 +297,7 @@ def _ends(
 
 
 def _is_backward(node: fx.Node) -> bool:
-    return node.meta.get(_PASS_TAG) == BACKWARD_PASS
+    return node.meta.get(PASS_TAG) == BACKWARD_PASS
 
 
 def _marker(
@@ -319,7 +317,7 @@ def _marker(
     })
     custom = anchor.meta.get("custom") or {}
     marker.meta["custom"] = {key: custom[key] for key in _LAYER_KEYS if key in custom}
-    marker.meta[_PASS_TAG] = FORWARD_PASS
+    marker.meta[PASS_TAG] = FORWARD_PASS
     if "stack_trace" in anchor.meta:
         marker.meta["stack_trace"] = anchor.meta["stack_trace"]
     return marker

@@ -86,6 +86,7 @@ from ._exporter import (
     BACKWARD_PASS,
     EXPORTER_VERSION,
     FORWARD_PASS,
+    PASS_TAG,
     BuiltGraph,
     FlatInput,
     ModelDecl,
@@ -106,10 +107,9 @@ from .proto import graph_pb2
 # Key of node.meta the partitioner reads for the checkpointed layer a node belongs to.
 AC_GRAPH_ID = "ac_graph_id"
 RECOMPUTE = "recompute"
-# Backward nodes stay in backward, as in eager autograd: the partitioner may otherwise move a
-# backward op that reads only forward values (`exp` of the log-softmax) into forward and save
-# its output instead of what the plan saves.
-PARTITIONER_TAG = "partitioner_tag"
+# Backward nodes stay in backward (``PASS_TAG``), as in eager autograd: the partitioner may
+# otherwise move a backward op that reads only forward values (`exp` of the log-softmax) into
+# forward and save its output instead of what the plan saves.
 MUST_BE_IN_BACKWARD = "must_be_in_backward"
 
 
@@ -182,11 +182,11 @@ def tag_untraced_nodes(graph: fx.Graph) -> None:
             backward.add(node)
         if node.op != "call_function":
             continue
-        tag = node.meta.get(PARTITIONER_TAG)
+        tag = node.meta.get(PASS_TAG)
         if tag is None:
             reads_backward = any(i in backward for i in node.all_input_nodes)
             tag = BACKWARD_PASS if in_backward or reads_backward else FORWARD_PASS
-            node.meta[PARTITIONER_TAG] = tag
+            node.meta[PASS_TAG] = tag
         if tag != FORWARD_PASS:
             in_backward = True
             backward.add(node)
@@ -280,7 +280,7 @@ def tag_joint_graph(graph: fx.Graph, ir: graph_pb2.Graph, plan: Plan) -> None:
         tag = tags.get(source.name) if isinstance(source, fx.Node) else None
         if tag is None:
             if node.name in backward:
-                node.meta[PARTITIONER_TAG] = MUST_BE_IN_BACKWARD
+                node.meta[PASS_TAG] = MUST_BE_IN_BACKWARD
             continue
         node.meta[RECOMPUTE] = tag.policy
         if tag.ac_graph_id is None:

@@ -616,6 +616,17 @@ def traced_forward(model: torch.nn.Module, x: torch.Tensor):
     return compiled, graphs
 
 
+def traced_scopes_then_removed(model: torch.nn.Module, annotation) -> set[tuple[str, int]]:
+    """The (model, layer) scopes in the graph Dynamo traces of annotated ``model``'s forward;
+    the annotation is removed afterwards."""
+    try:
+        _, graphs = traced_forward(model, torch.randn(4, 8, 16))
+        return scopes_in(graphs[0])
+    finally:
+        annotation.remove()
+        torch._dynamo.reset()
+
+
 def scopes_in(graph: torch.fx.GraphModule) -> set[tuple[str, int]]:
     return {
         (node.meta["custom"][MODEL_KEY], node.meta["custom"][LAYER_KEY])
@@ -674,12 +685,7 @@ def test_a_layer_whose_forward_a_framework_replaced_keeps_its_scope_under_dynamo
     for layer in model.layers:
         layer.forward = functools.partial(AnnotatedLayer.forward, layer)
     annotation = rp.annotate(model, layers="layers", units={"SAVE_MLP": ["mlp"]})
-    try:
-        _, graphs = traced_forward(model, torch.randn(4, 8, 16))
-        assert scopes_in(graphs[0]) == {("main", 0), ("main", 1)}
-    finally:
-        annotation.remove()
-        torch._dynamo.reset()
+    assert traced_scopes_then_removed(model, annotation) == {("main", 0), ("main", 1)}
 
 
 def test_a_layer_subclassed_by_a_framework_is_annotated_again_after_remove():
@@ -693,12 +699,7 @@ def test_a_layer_subclassed_by_a_framework_is_annotated_again_after_remove():
         layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
     first.remove()
     again = rp.annotate(model, layers="layers", name="again")
-    try:
-        _, graphs = traced_forward(model, torch.randn(4, 8, 16))
-        assert scopes_in(graphs[0]) == {("again", 0), ("again", 1)}
-    finally:
-        again.remove()
-        torch._dynamo.reset()
+    assert traced_scopes_then_removed(model, again) == {("again", 0), ("again", 1)}
 
 
 def test_a_strict_export_of_an_annotated_model_carries_each_layers_scope():
