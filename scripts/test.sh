@@ -31,21 +31,43 @@ echo "== mypy --strict (the package)" >&2
 echo "== stubtest (the native extension's stub against the built module)" >&2
 (cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)
 phase "ruff+mypy+stubtest"
-echo "== cargo test" >&2
+echo "== cargo build (the planner, its runtime library, every Rust test)" >&2
 # `planner run` loads the runtime library, which `cargo test` does not build (nothing links
 # a cdylib): build it, with the binary, first.
 cargo build -p planner-cli --features run --quiet
-cargo test --workspace --features planner-cli/run --quiet
-phase "cargo-test"
+cargo test --workspace --features planner-cli/run --no-run --quiet
+phase "rust-build"
+
+# The Rust tests run in the background beside pytest: pytest keeps about one of this
+# machine's cores busy, and the Rust tests fill much of the other. Their output follows
+# pytest's. The one test that compares a calibrated prediction with a time it measures runs
+# afterwards, alone, so a neighbour's load cannot skew one of its two timings.
+TIMED_RUST_TEST=a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step
+rust_log="$(mktemp)"
+trap 'rm -f "$rust_log"' EXIT
+echo "== cargo test (in the background; its output follows pytest's)" >&2
+cargo test --workspace --features planner-cli/run --quiet -- --skip "$TIMED_RUST_TEST" \
+    >"$rust_log" 2>&1 &
+rust_tests=$!
 
 echo "== pytest" >&2
 # setup.sh installed the package editable from this clone, native extension included, so a
 # fresh clone reusing the cached venv tests its own sources.
-# The planner the Rust tests built (a plain `cargo build -p planner-cli` would replace the
+# The planner the Rust build made (a plain `cargo build -p planner-cli` would replace the
 # runtime library with one without `planner run`).
 # One process: a test that leaves a torch.fx.traceback annotation open (which would tag every
 # later trace in the process) fails by name (tests/conftest.py).
 export PLANNER_BIN="$PWD/target/debug/planner"
-python -m pytest -q --durations=15 python/tests
-phase "pytest"
+pytest_status=0
+python -m pytest -q --durations=15 python/tests || pytest_status=$?
+rust_status=0
+wait "$rust_tests" || rust_status=$?
+echo "== cargo test (output)" >&2
+cat "$rust_log"
+cargo test -p planner-cli --features run --quiet --test calibrate -- "$TIMED_RUST_TEST"
+phase "cargo-test+pytest"
 echo "== phases (seconds): ${PHASES[*]}" >&2
+if [ "$pytest_status" != 0 ] || [ "$rust_status" != 0 ]; then
+    echo "error: pytest exited $pytest_status, cargo test $rust_status" >&2
+    exit 1
+fi

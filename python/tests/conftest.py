@@ -5,7 +5,20 @@ from collections.abc import Iterator
 
 import pytest
 
+import background
 import export_support
+
+
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected tests
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Starts the background jobs (``background.py``) of every module with a selected test,
+    in the order the tests run."""
+    modules = dict.fromkeys(item.module for item in items if isinstance(item, pytest.Function))
+    background.queue(job for module in modules for job in getattr(module, "BACKGROUND_JOBS", ()))
+
+
+def pytest_sessionfinish() -> None:
+    background.stop()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ import pytest
 import torch
 from google.protobuf import json_format
 
+import background
 import recompute_planner as rp
 from export_support import REPO_ROOT, run_planner, script_module
 from graph_walk import GOLDEN_DIR, load_graph
@@ -186,31 +187,23 @@ def test_a_hardware_profile_changes_the_times():
         rp.plan(GLM, hw={"link_bytes_per_s": -1})
 
 
+DEEP_GRAPH = background.Job(
+    "deep_graph",
+    lambda out: [
+        "cargo", "run", "-q", "-p", "testkit", "--example", "deepen_file", "--",
+        str(GOLDEN_DIR / "moe_ep2.pb"), str(out / "moe_ep2_deep.pb"), "1000",
+    ],
+)
+BACKGROUND_JOBS = (DEEP_GRAPH,)
+
+
 @pytest.fixture(scope="module")
-def deep_graph(tmp_path_factory) -> Path:
+def deep_graph() -> Path:
     """`moe_ep2` with its decoder layer repeated 1,000 times (testkit's `deepen_file`): a graph
     whose `budget` search takes about a second even with the optimised extension."""
-    deep = tmp_path_factory.mktemp("deep") / "moe_ep2_deep.pb"
-    done = subprocess.run(
-        [
-            "cargo",
-            "run",
-            "-q",
-            "-p",
-            "testkit",
-            "--example",
-            "deepen_file",
-            "--",
-            str(GOLDEN_DIR / "moe_ep2.pb"),
-            str(deep),
-            "1000",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+    done, out = background.finished(DEEP_GRAPH)
     assert done.returncode == 0, done.stderr
-    return deep
+    return out / "moe_ep2_deep.pb"
 
 
 def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -46,6 +45,8 @@ import pytest
 import torch
 from torch import nn
 
+import background
+import export_support
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, load_graph
 from recompute_planner import _measure as measure
@@ -302,20 +303,25 @@ COMPILE_TOLERANCE = 0.02
 FUNCTIONALIZED = {"dsv3_kv_expand", "mixtral"}
 
 
+PREDICTIONS = background.Job(
+    "predictions",
+    lambda out: [
+        sys.executable, str(PREDICTIONS_SCRIPT), *SMALL_SHAPE, "--zoo", "dense", "dsv3_kv_expand",
+        "moe_ep2", "--hf", *HF_CASES, "--json", str(out / "rows.json"),
+    ],
+    env=lambda: {"PLANNER_BIN": str(export_support.planner_bin())},
+)
+BACKGROUND_JOBS = (PREDICTIONS,)
+
+
 @pytest.fixture(scope="module")
-def prediction_rows(tmp_path_factory, planner_bin) -> list[dict]:
+def prediction_rows() -> list[dict]:
     """The script's rows for three zoo goldens, HuggingFace Llama and Mixtral (bf16) at the
     small shape, every executor."""
-    out = tmp_path_factory.mktemp("predictions") / "rows.json"
-    done = subprocess.run(
-        [sys.executable, str(PREDICTIONS_SCRIPT), *SMALL_SHAPE, "--zoo", "dense",
-         "dsv3_kv_expand", "moe_ep2", "--hf", *HF_CASES, "--json", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True,
-        env={**os.environ, "PLANNER_BIN": planner_bin},
-    )
+    done, out = background.finished(PREDICTIONS)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| dense | all | eager |" in done.stdout  # the Markdown table the docs show
-    return json.loads(out.read_text())["rows"]
+    return json.loads((out / "rows.json").read_text())["rows"]
 
 
 def rows_of(rows: list[dict], executor: str) -> list[dict]:

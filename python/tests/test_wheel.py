@@ -24,20 +24,19 @@ from pathlib import Path
 
 import pytest
 
-from export_support import REPO_ROOT
+import background
 from recompute_planner import _native
 from test_readme import blocks
 
+WHEEL = background.Job(
+    "wheel", lambda out: ["bash", "scripts/build_wheel.sh", "--profile", "dev", "--out", str(out)]
+)
+BACKGROUND_JOBS = (WHEEL,)
+
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run(
-        ["bash", "scripts/build_wheel.sh", "--profile", "dev", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    )
+def wheel() -> Path:
+    build, out = background.finished(WHEEL)
     assert build.returncode == 0, build.stderr
     (built,) = out.glob("recompute_planner-*.whl")
     assert build.stdout.strip() == str(built)
