@@ -5,8 +5,19 @@
 # torch version, so a fresh clone (CI) reuses it; the package is reinstalled from the clone
 # that runs this, which costs an incremental cargo build. Prints nothing but progress on
 # stderr; safe to run any number of times.
+#
+#     bash scripts/setup.sh              # the venv, then the package
+#     bash scripts/setup.sh --venv-only  # the venv alone (scripts/test.sh builds the package
+#                                        # beside its first Rust checks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+venv_only=false
+case "${1:-}" in
+  "") ;;
+  --venv-only) venv_only=true ;;
+  *) echo "usage: $0 [--venv-only]" >&2; exit 2 ;;
+esac
 
 TORCH_VERSION=2.13.0  # keep in sync with scripts/env.sh and tch in Cargo.toml
 VENV="${PLANNER_VENV:-$HOME/.cache/recompute-planner/venv-torch-$TORCH_VERSION}"
@@ -28,6 +39,10 @@ if ! { [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(want_stamp)" ] && [ -x "$VENV
   "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__" >&2
   want_stamp > "$STAMP"
   echo "setup: venv done" >&2
+fi
+
+if "$venv_only"; then
+  exit 0
 fi
 
 # The package of this clone, with the planner as its native extension (maturin builds

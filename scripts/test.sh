@@ -12,18 +12,32 @@ phase() {
     phase_start=$SECONDS
 }
 
-bash scripts/setup.sh
+bash scripts/setup.sh --venv-only
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 
-phase "setup"
+# The package (its native extension: a release build) installs beside fmt and clippy (a check
+# build, in another profile's folder): each leaves a core idle for long stretches (one crate
+# compiling at a time). Its output follows clippy's.
+setup_log="$(mktemp)"
+trap 'rm -f "$setup_log"' EXIT
+bash scripts/setup.sh >"$setup_log" 2>&1 &
+package_setup=$!
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 # `--features planner-cli/run` builds `planner run` and the runtime (libtorch) and runs their
 # tests too; a plain `cargo build` / `cargo test` at the root needs neither.
 echo "== cargo clippy --all-targets -D warnings" >&2
 cargo clippy --workspace --all-targets --features planner-cli/run --quiet -- -D warnings
-phase "fmt+clippy"
+echo "== setup (the package, built beside clippy)" >&2
+setup_status=0
+wait "$package_setup" || setup_status=$?
+cat "$setup_log" >&2
+if [ "$setup_status" != 0 ]; then
+    echo "error: scripts/setup.sh exited $setup_status" >&2
+    exit 1
+fi
+phase "setup+fmt+clippy"
 echo "== ruff check (lint, every Python file)" >&2
 ruff check
 echo "== mypy --strict (the package)" >&2
@@ -44,7 +58,7 @@ phase "rust-build"
 # afterwards, alone, so a neighbour's load cannot skew one of its two timings.
 TIMED_RUST_TEST=a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step
 rust_log="$(mktemp)"
-trap 'rm -f "$rust_log"' EXIT
+trap 'rm -f "$setup_log" "$rust_log"' EXIT
 echo "== cargo test (in the background; its output follows pytest's)" >&2
 cargo test --workspace --features planner-cli/run --quiet -- --skip "$TIMED_RUST_TEST" \
     >"$rust_log" 2>&1 &

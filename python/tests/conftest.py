@@ -11,14 +11,17 @@ import export_support
 
 @pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected tests
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Starts the background jobs (``background.py``) of every module with a selected test,
-    in the order the tests run."""
+    """Moves the tests marked ``timed`` (those that compare times measured apart) to the end,
+    when the background jobs have ended; then starts the background jobs (``background.py``)
+    of every module with a selected test, in the order the tests run."""
+    items.sort(key=lambda item: item.get_closest_marker("timed") is not None)  # stable
     modules = dict.fromkeys(item.module for item in items if isinstance(item, pytest.Function))
-    background.queue(job for module in modules for job in getattr(module, "BACKGROUND_JOBS", ()))
+    jobs = (job for module in modules for job in getattr(module, "BACKGROUND_JOBS", ()))
+    background.SESSION.queue(jobs)
 
 
 def pytest_sessionfinish() -> None:
-    background.stop()
+    background.SESSION.stop()
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +32,9 @@ def planner_bin() -> str:
 
 @pytest.fixture
 def builders_agree(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
-    """Every graph the test exports is built by the native builder, without a decline, and
-    by the Python builder, with the same bytes (``export_support.check_builders_agree``)."""
+    """Every graph the test exports is built by the native builder and by the Python builder
+    the tests keep as its reference, with the same bytes
+    (``export_support.check_builders_agree``)."""
     built = export_support.check_builders_agree(monkeypatch)
     yield built
     assert built, "the test built no graph"

@@ -201,11 +201,12 @@ BACKGROUND_JOBS = (DEEP_GRAPH,)
 def deep_graph() -> Path:
     """`moe_ep2` with its decoder layer repeated 1,000 times (testkit's `deepen_file`): a graph
     whose `budget` search takes about a second even with the optimised extension."""
-    done, out = background.finished(DEEP_GRAPH)
+    done, out = background.SESSION.finished(DEEP_GRAPH)
     assert done.returncode == 0, done.stderr
     return out / "moe_ep2_deep.pb"
 
 
+@pytest.mark.timed
 def test_ctrl_c_interrupts_a_budget_search_at_once(deep_graph):
     """SIGINT during `plan(..., budget=...)` raises KeyboardInterrupt from the search itself,
     long before the search would have finished (not when it returns)."""

@@ -1,22 +1,31 @@
 """The background jobs fixtures wait for (background.py): run one at a time in the order
-queued, each once, and what a job could not start with is raised in the fixture."""
+queued, each once, and what a job could not start with is raised in the fixture. Each test
+has a queue of its own, apart from the session's."""
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 
 import background
 
 
+@pytest.fixture
+def jobs() -> Iterator[background.JobQueue]:
+    queue = background.JobQueue()
+    yield queue
+    queue.stop()
+
+
 def _job(name: str, code: str) -> background.Job:
     return background.Job(name, lambda out: [sys.executable, "-c", code])
 
 
-def test_jobs_run_once_each_one_at_a_time_in_the_order_queued(tmp_path):
+def test_jobs_run_once_each_one_at_a_time_in_the_order_queued(jobs, tmp_path):
     log = tmp_path / "log"
     # Each job notes its start and end: a job started before the previous one ended would
     # interleave the lines.
-    jobs = [
+    queued = [
         _job(
             f"order-{i}",
             f"import time; f = open({str(log)!r}, 'a'); f.write('start {i}\\n'); f.flush(); "
@@ -24,10 +33,10 @@ def test_jobs_run_once_each_one_at_a_time_in_the_order_queued(tmp_path):
         )
         for i in range(3)
     ]
-    background.queue(jobs)
-    background.queue(jobs[:1])  # queued again: not run again
-    for job in jobs:
-        done, out = background.finished(job)
+    jobs.queue(queued)
+    jobs.queue(queued[:1])  # queued again: not run again
+    for job in queued:
+        done, out = jobs.finished(job)
         assert done.returncode == 0, done.stderr
         assert out.is_dir()
     assert log.read_text().split("\n")[:-1] == [
@@ -35,14 +44,14 @@ def test_jobs_run_once_each_one_at_a_time_in_the_order_queued(tmp_path):
     ]
 
 
-def test_a_job_nothing_queued_runs_when_its_fixture_asks_for_it():
-    done, _ = background.finished(_job("unqueued", "print('ran')"))
+def test_a_job_nothing_queued_runs_when_its_fixture_asks_for_it(jobs):
+    done, _ = jobs.finished(_job("unqueued", "print('ran')"))
     assert done.stdout.strip() == "ran"
 
 
-def test_a_skip_while_making_the_command_skips_the_waiting_fixture():
+def test_a_skip_while_making_the_command_skips_the_waiting_fixture(jobs):
     def skipped(out):
         pytest.skip("no tool")
 
     with pytest.raises(pytest.skip.Exception, match="no tool"):
-        background.finished(background.Job("skipped", skipped))
+        jobs.finished(background.Job("skipped", skipped))

@@ -18,6 +18,10 @@ from recompute_planner import _native
 GLM = Path(__file__).resolve().parents[2] / "tests" / "golden" / "glm_dsa_ep2.pb"
 
 
+# Calibrations and timings: run last (conftest.py), on a machine no background job loads.
+pytestmark = pytest.mark.timed
+
+
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("calibration") / "eager.json"

@@ -318,7 +318,7 @@ BACKGROUND_JOBS = (PREDICTIONS,)
 def prediction_rows() -> list[dict]:
     """The script's rows for three zoo goldens, HuggingFace Llama and Mixtral (bf16) at the
     small shape, every executor."""
-    done, out = background.finished(PREDICTIONS)
+    done, out = background.SESSION.finished(PREDICTIONS)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| dense | all | eager |" in done.stdout  # the Markdown table the docs show
     return json.loads((out / "rows.json").read_text())["rows"]

@@ -36,7 +36,7 @@ BACKGROUND_JOBS = (WHEEL,)
 
 @pytest.fixture(scope="module")
 def wheel() -> Path:
-    build, out = background.finished(WHEEL)
+    build, out = background.SESSION.finished(WHEEL)
     assert build.returncode == 0, build.stderr
     (built,) = out.glob("recompute_planner-*.whl")
     assert build.stdout.strip() == str(built)
