@@ -19,19 +19,18 @@ value (the mutated tensor after the write), but later readers may read the tenso
 name (a slice assignment writes a view, and readers read its base), so what a reader sees
 depends on the writes before it in execution order.
 
-Two builders apply the mapping below. The native one (``_native.build_fx_graph``, in
-``python/native/src/fx.rs``) reads each op node through the C API and builds its IR node and
-values in Rust, which the planner plans as they are (``BuiltGraph.plannable``): no Python code
-of this package runs per node (fx's own ``args``/``kwargs`` getters and a fake tensor's
-``shape``/``dtype`` do) and nothing is encoded or decoded between the builder and the
-planner (the few values declared before the nodes, one per input, come as a message). What it
-knows of an operator (name, binding of a call shape, written and viewed arguments, randomness,
+The native builder (``_native.build_fx_graph``, in ``python/native/src/fx.rs``) applies the
+mapping below. It reads each op node through the C API and builds its IR node and values in
+Rust, which the planner plans as they are (``BuiltGraph.plannable``): no Python code of this
+package runs per node (fx's own ``args``/``kwargs`` getters and a fake tensor's
+``shape``/``dtype`` do) and nothing is encoded or decoded between the builder and the planner
+(the few values declared before the nodes, one per input, come as a message). What it knows of
+an operator (name, binding of a call shape, written and viewed arguments, randomness,
 collective kind) it asks of this module once per call shape, so torch's schemas are read in
-one place. The Python builder (``build_graph_in_python``) is its
-reference: on any graph the native one accepts, both give the same bytes (tests
-test_native_export.py and the ``builders_agree`` fixture); anything the native one does not
-convert itself (an argument or dtype of no IR form, a symbolic shape, an undeclared model or
-layer) it declines, and the Python builder builds the graph or reports what is wrong.
+one place. What has no IR form (an argument or dtype of no IR form, a symbolic shape, an
+undeclared model or layer) is a ``ValueError`` or ``TypeError`` naming the node. The tests keep
+a Python builder of the same mapping as its reference (``python/tests/python_fx_builder.py``):
+on every graph the tests export, both give the same bytes, or the same error.
 
 IR mapping (the contract the Rust loader and planner rely on):
 
@@ -954,76 +953,6 @@ def _forward_prefix(nodes: list[fx.Node]) -> set[fx.Node]:
 # Value names
 
 
-class _ValueNames:
-    """Maps FX nodes to IR value names; folds ``getitem`` chains into their op's outputs."""
-
-    def __init__(self, inputs: dict[fx.Node, str]):
-        self._names: dict[fx.Node, list[str]] = {node: [name] for node, name in inputs.items()}
-
-    def add_op(self, node: fx.Node) -> list[tuple[str, torch.Tensor]]:
-        """Names ``node``'s output slots; returns (name, fake tensor) per slot, in order.
-
-        A ``getitem`` reading a list inside the result (``c10d`` ops return ``(Tensor[],
-        Work)``) stands for the slots under its index path.
-        """
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):  # one output, read by name (most ops)
-            self._names[node] = [node.name]
-            return [(node.name, val)]
-        readers = _getitem_paths(node)
-        slots = []  # (index path into the result, value name, fake tensor)
-        for index, (path, leaf) in enumerate(_tensor_leaves(val)):
-            reader = readers.get(path)
-            name = reader.name if reader is not None else _unread_output_name(node, path, index)
-            slots.append((path, name, leaf))
-        self._names[node] = [name for _, name, _ in slots]
-        for reader, prefix in _all_getitems(node):
-            self._names[reader] = [n for p, n, _ in slots if p[: len(prefix)] == prefix]
-        return [(name, val) for _, name, val in slots]
-
-    def of(self, node: fx.Node) -> list[str]:
-        """The value names an argument node stands for (several for a list of tensors)."""
-        if node not in self._names:
-            raise ValueError(
-                f"`{node.name}` ({node.op} {node.target}) is read before it is produced"
-            )
-        return self._names[node]
-
-
-def _unread_output_name(node: fx.Node, path: tuple[int, ...], index: int) -> str:
-    return node.name if path == () else f"{node.name}.out{index}"
-
-
-def _tensor_leaves(
-    val: object, path: tuple[int, ...] = ()
-) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """Tensor leaves of an op result with their index paths; None and non-tensors skipped."""
-    if isinstance(val, torch.Tensor):
-        yield path, val
-    elif isinstance(val, (tuple, list)):
-        for i, item in enumerate(val):
-            yield from _tensor_leaves(item, path + (i,))
-
-
-def _all_getitems(node: fx.Node) -> Iterator[tuple[fx.Node, tuple[int, ...]]]:
-    """Every ``getitem`` node reading (transitively) from ``node``, with its index path."""
-    for user in node.users:
-        if _is_getitem(user):
-            index = user.args[1]
-            assert isinstance(index, int), index  # an op's results are a tuple or a list
-            yield user, (index,)
-            for inner, path in _all_getitems(user):
-                yield inner, (index,) + path
-
-
-def _getitem_paths(node: fx.Node) -> dict[tuple[int, ...], fx.Node]:
-    """For each index path read by a ``getitem`` chain, the first node reading it."""
-    readers: dict[tuple[int, ...], fx.Node] = {}
-    for reader, path in _all_getitems(node):
-        readers.setdefault(path, reader)
-    return readers
-
-
 # --------------------------------------------------------------------------------------------
 # Graph building
 
@@ -1039,21 +968,29 @@ def build_graph(
 ) -> BuiltGraph:
     """Maps the captured FX graph to the IR (see the module docstring).
 
-    The native builder converts the op nodes (``_native.build_fx_graph``: the per-node work
-    without Python's cost per node). A graph it declines (something it does not convert
-    itself: an argument of no IR form, a symbolic shape, an undeclared model, ...) is built
-    by ``build_graph_in_python``, the reference both give the same bytes as, which reports
-    what is wrong in its own words.
+    The exporter declares the graph's inputs, constants and models; the native builder
+    (``_native.build_fx_graph``) converts the op nodes, without Python's cost per node, and
+    raises a ``ValueError`` or ``TypeError`` naming the node for what has no IR form (an
+    argument of no IR form, a symbolic shape, an undeclared model, a layer past the model's).
     """
     _check_models(models)
-    try:
-        return _build_natively(
-            graph_module, forward, flat, name=name, models=models, metadata=metadata
-        )
-    except _native.NativeDeclined:
-        return build_graph_in_python(
-            graph_module, forward, flat, name=name, models=models, metadata=metadata
-        )
+    header, inputs, constants = _header(
+        graph_module, flat, name=name, models=models, metadata=metadata
+    )
+    wire, listed = _native.build_fx_graph(
+        header=header.SerializeToString(deterministic=True),
+        inputs=inputs,
+        ops=op_nodes(graph_module),
+        forward=forward if isinstance(forward, set) else set(forward),
+        # Read after the op nodes, so that a node's error comes before one of the outputs.
+        loss_and_outputs=lambda: (_loss_node(graph_module), _output_nodes(graph_module)),
+        context=_native_context(models),
+    )
+    return BuiltGraph(
+        wire,
+        grad_sources={value: index for value, index in listed if index is not None},
+        constants=constants,
+    )
 
 
 def _header(
@@ -1071,38 +1008,6 @@ def _header(
     inputs = _declare_inputs(graph, graph_module, flat)
     constants = _declare_constants(graph, graph_module)
     return graph, {**inputs, **{node: node.name for node in constants}}, constants
-
-
-def _build_natively(
-    graph_module: fx.GraphModule,
-    forward: set[fx.Node],
-    flat: list[FlatInput],
-    *,
-    name: str,
-    models: list[ModelDecl],
-    metadata: graph_pb2.Metadata,
-) -> BuiltGraph:
-    header, inputs, constants = _header(
-        graph_module, flat, name=name, models=models, metadata=metadata
-    )
-    try:  # the Python builder reads these after the nodes: its errors come first
-        loss, outputs = _loss_node(graph_module), _output_nodes(graph_module)
-    except Exception as e:
-        raise _native.NativeDeclined(f"the graph's outputs: {e}") from e
-    wire, listed = _native.build_fx_graph(
-        header=header.SerializeToString(deterministic=True),
-        inputs=inputs,
-        ops=op_nodes(graph_module),
-        forward=forward if isinstance(forward, set) else set(forward),
-        loss=loss,
-        outputs=outputs,
-        context=_native_context(models),
-    )
-    return BuiltGraph(
-        wire,
-        grad_sources={value: index for value, index in listed if index is not None},
-        constants=constants,
-    )
 
 
 def _native_context(models: list[ModelDecl]) -> Any:
@@ -1139,63 +1044,6 @@ def _call_binding(
     return facts.name, facts.random, facts.collective, facts.written, facts.view_of, binding
 
 
-def build_graph_in_python(
-    graph_module: fx.GraphModule,
-    forward: set[fx.Node],
-    flat: list[FlatInput],
-    *,
-    name: str,
-    models: list[ModelDecl],
-    metadata: graph_pb2.Metadata,
-) -> BuiltGraph:
-    """``build_graph`` in Python, node by node: the reference of the native builder."""
-    _check_models(models)
-    graph, inputs, constants = _header(
-        graph_module, flat, name=name, models=models, metadata=metadata
-    )
-    names = _ValueNames(inputs)
-    add_ops_in_python(graph, op_nodes(graph_module), forward, names, models)
-    _mark_loss(graph, names.of(_loss_node(graph_module)))
-    outputs = _graph_outputs(graph_module, names)
-    graph.outputs.extend(value for value, _ in outputs)
-    _check_unique_value_names(graph)
-    return BuiltGraph(
-        graph,
-        grad_sources={value: index for value, index in outputs if index is not None},
-        constants=constants,
-    )
-
-
-def add_ops_in_python(
-    graph: graph_pb2.Graph,
-    ops: list[fx.Node],
-    forward: set[fx.Node],
-    names: _ValueNames,
-    models: list[ModelDecl],
-) -> None:
-    """Adds the IR node of each op in ``ops`` and the values it produces to ``graph``."""
-    models_by_name = {m.name: m for m in models}
-    # AOTAutograd has already removed dead nodes (FX dead-code elimination, which keeps
-    # mutating ops), so every op node is emitted, in the graph's (execution) order. Each
-    # message is made in place (``add``) from its fields: building it apart and appending it
-    # would copy it. The loop runs once per op: what it reads each time is read before it.
-    add_node, add_value = graph.nodes.add, graph.values.add
-    default_model = models[0].name
-    for node in ops:
-        is_forward = node in forward
-        produced = names.add_op(node)
-        add_node(
-            **_node_fields(node, names, is_forward, models_by_name, default_model=default_model)
-        )
-        role = _ROLE_ACTIVATION if is_forward else _ROLE_GRADIENT
-        for value, val in produced:
-            add_value(**_value_fields(value, val, role, node))
-
-
-_ROLE_ACTIVATION = graph_pb2.ROLE_ACTIVATION
-_ROLE_GRADIENT = graph_pb2.ROLE_GRADIENT
-
-
 class BuiltGraph:
     """A built graph and what the export result needs besides it.
 
@@ -1206,7 +1054,7 @@ class BuiltGraph:
 
     def __init__(
         self,
-        graph: graph_pb2.Graph | _native.WireGraph,
+        graph: _native.WireGraph,
         *,
         grad_sources: dict[str, int],
         constants: dict[fx.Node, torch.Tensor],
@@ -1217,8 +1065,6 @@ class BuiltGraph:
 
     @functools.cached_property
     def graph(self) -> graph_pb2.Graph:
-        if isinstance(self.plannable, graph_pb2.Graph):
-            return self.plannable
         return graph_pb2.Graph.FromString(self.plannable.pb())
 
 
@@ -1287,20 +1133,6 @@ def _declare_constants(
     return constants
 
 
-def _mark_loss(graph: graph_pb2.Graph, loss_names: list[str]) -> None:
-    """Gives the loss value its role (it was declared as an activation when produced)."""
-    for value in graph.values:
-        if value.name in loss_names:
-            value.role = graph_pb2.ROLE_LOSS
-
-
-def _graph_outputs(
-    graph_module: fx.GraphModule, names: _ValueNames
-) -> list[tuple[str, int | None]]:
-    """The value names of ``_output_nodes``, each with its flat input index."""
-    return [(n, index) for out, index in _output_nodes(graph_module) for n in names.of(out)]
-
-
 def _output_nodes(graph_module: fx.GraphModule) -> list[tuple[fx.Node, int | None]]:
     """The loss, the step's other outputs (a model output's logits: the caller holds them
     through backward), then every gradient in the joint graph's output order (absent ones
@@ -1315,17 +1147,6 @@ def _output_nodes(graph_module: fx.GraphModule) -> list[tuple[fx.Node, int | Non
         if out is not None and isinstance(desc, GradAOTOutput):
             outputs.append((out, _plain_input_index(desc.grad_of)))
     return outputs
-
-
-def _check_unique_value_names(graph: graph_pb2.Graph) -> None:
-    seen: set[str] = set()
-    for value in graph.values:
-        if value.name in seen:
-            raise ValueError(
-                f"two IR values are named `{value.name}` "
-                "(a parameter or buffer name clashes with a graph node name)"
-            )
-        seen.add(value.name)
 
 
 def _value_fields(name: str, val: object, role: int, node: fx.Node) -> dict[str, Any]:
@@ -1352,36 +1173,6 @@ def _value_fields(name: str, val: object, role: int, node: fx.Node) -> dict[str,
 
 # --------------------------------------------------------------------------------------------
 # Nodes
-
-
-def _node_fields(
-    node: fx.Node,
-    names: _ValueNames,
-    is_forward: bool,
-    models: dict[str, ModelDecl],
-    *,
-    default_model: str,
-) -> dict[str, Any]:
-    """The fields of the IR node of ``node`` (its attributes and schema facts as field
-    dicts, which the message constructor reads as it reads messages)."""
-    facts = _node_op_facts(node)
-    inputs, positions, attributes = _inputs_and_attributes(node, facts, names)
-    fields = {
-        "name": node.name,
-        "op": facts.name,
-        "inputs": inputs,
-        "outputs": names.of(node),
-        "attributes": attributes,
-        "phase": graph_pb2.PHASE_FORWARD if is_forward else graph_pb2.PHASE_BACKWARD,
-        "schema": facts.schema_fields(positions),
-        **_annotation_fields(node, models, default_model),
-    }
-    # Only Dynamo-traced graphs (torch.compile's) carry stack traces; ``aot_module`` in torch
-    # 2.13 (the exporter's) records none.
-    trace = node.meta.get("stack_trace")
-    if trace:
-        fields["stack_trace"] = trim_stack_trace(trace)
-    return fields
 
 
 def _op_overload(node: fx.Node) -> torch._ops.OpOverload:
@@ -1653,101 +1444,6 @@ def _is_tensor_type(schema_type: Any) -> bool:
     return isinstance(schema_type, torch.TensorType)
 
 
-def _inputs_and_attributes(
-    node: fx.Node, facts: _OpFacts, names: _ValueNames
-) -> tuple[list[str], dict[str, list[int]], list[dict[str, Any]]]:
-    """Splits the arguments into IR inputs (tensors) and attributes (the rest, as
-    ``Attribute`` fields).
-
-    A Python number passed for a tensor argument (``add.Tensor(x, 1)``: a wrapped scalar) is
-    an attribute. Also returns the positions in the input list of the tensor arguments the
-    schema facts read (``_OpFacts.positioned``).
-    """
-    inputs: list[str] = []
-    positions: dict[str, list[int]] = {}
-    attributes: list[dict[str, Any]] = []
-    absent: list[str] = []
-    args, kwargs = node.args, node.kwargs
-    for name, source, is_tensor, positioned in _binding(node, facts):
-        if source >= 0:
-            value = args[source]
-        else:
-            value = kwargs[name] if source == _KEYWORD else None
-        if not is_tensor or isinstance(value, (bool, int, float)):
-            if value is not None:
-                attributes.append(_attribute(node, name, value))
-            continue
-        start = len(inputs)
-        if isinstance(value, fx.Node):  # one tensor (most arguments)
-            inputs.extend(names.of(value))
-        else:
-            for slot, item in _tensor_argument_items(node, name, value):
-                if item is None:
-                    absent.append(name if slot is None else f"{name}.{slot}")
-                else:
-                    inputs.extend(names.of(item))
-        if positioned:
-            positions[name] = list(range(start, len(inputs)))
-    if absent:
-        attributes.append({"name": ABSENT_TENSOR_ARGS, "strs": {"values": absent}})
-    return inputs, positions, attributes
-
-
-def _tensor_argument_items(
-    node: fx.Node, arg_name: str, value: Any
-) -> Iterator[tuple[int | None, fx.Node | None]]:
-    """(list slot or None for a single tensor, FX node or None) for a tensor argument."""
-    items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
-    for slot, item in items:
-        if item is not None and not isinstance(item, fx.Node):
-            raise TypeError(
-                f"node `{node.name}` ({node.target}): tensor argument `{arg_name}` holds a "
-                f"constant {type(item).__name__}"
-            )
-        yield slot, item
-
-
-def _attribute(node: fx.Node, name: str, value: Any) -> dict[str, Any]:
-    """A non-tensor argument as the fields of an IR attribute; unsupported kinds are errors
-    naming the node."""
-    if isinstance(value, bool):
-        return {"name": name, "bool": value}
-    if isinstance(value, int):
-        return {"name": name, "int": value}
-    if isinstance(value, float):
-        return {"name": name, "float": value}
-    if isinstance(value, str):
-        return {"name": name, "str": value}
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return {"name": name, "str": str(value)}
-    if isinstance(value, fx.Node) and value.op == "get_attr":
-        return {"name": name, "str": _script_object_type(node, value)}
-    if isinstance(value, (list, tuple)):
-        return {"name": name, **_list_attribute(node, name, value)}
-    raise TypeError(
-        f"node `{node.name}` ({node.target}): argument `{name}` = {value!r} "
-        f"({type(value).__name__}) has no IR attribute form"
-    )
-
-
-def _list_attribute(
-    node: fx.Node, name: str, values: list[Any] | tuple[Any, ...]
-) -> dict[str, Any]:
-    """Ints (bools as 0/1), floats (ints widened when mixed) or strings; empty lists are ints
-    (set even when empty: the field dict makes the list present)."""
-    kinds = {type(v) for v in values}
-    if kinds <= {bool, int}:
-        return {"ints": {"values": [int(v) for v in values]}}
-    if kinds <= {int, float}:
-        return {"floats": {"values": [float(v) for v in values]}}
-    if kinds == {str}:
-        return {"strs": {"values": list(values)}}
-    raise TypeError(
-        f"node `{node.name}` ({node.target}): list argument `{name}` = {list(values)!r} "
-        "has no IR attribute form (symbolic sizes are not supported)"
-    )
-
-
 def _script_object_type(node: fx.Node, attr: fx.Node) -> str:
     """A TorchBind argument (process group, reduce op) as its qualified type name."""
     obj = getattr(attr.graph.owning_module, str(attr.target))
@@ -1811,34 +1507,6 @@ def collective_kind(op: str) -> int:
 
 # --------------------------------------------------------------------------------------------
 # Annotations
-
-
-def _annotation_fields(
-    node: fx.Node, models: dict[str, ModelDecl], default_model: str
-) -> dict[str, Any]:
-    """Model, layer, micro-batch, compiled region and module path from ``meta["custom"]``, as
-    node fields."""
-    custom = node.meta.get("custom") or {}
-    model = custom.get(markers.MODEL_KEY, default_model)
-    if model not in models:
-        raise ValueError(
-            f"node `{node.name}` ({node.target}) belongs to undeclared model `{model}`"
-        )
-    fields = {
-        "model": model,
-        "micro_batch": custom.get(markers.MICRO_BATCH_KEY, 0),
-        "compiled_region": custom.get(markers.COMPILED_REGION_KEY, ""),
-        "module_path": custom.get(markers.MODULE_PATH_KEY, ""),
-    }
-    layer = custom.get(markers.LAYER_KEY)
-    if layer is not None:
-        if not 0 <= layer < models[model].num_layers:
-            raise ValueError(
-                f"node `{node.name}` ({node.target}) is in layer {layer} of model `{model}`, "
-                f"which declares {models[model].num_layers} layers"
-            )
-        fields["layer"] = layer
-    return fields
 
 
 def trim_stack_trace(trace: str, frames: int = STACK_TRACE_FRAMES) -> list[str]:

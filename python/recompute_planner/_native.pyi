@@ -1,13 +1,13 @@
 """Types of the native extension ``recompute_planner._native`` (PyO3, python/native/src/lib.rs).
 ``stubtest`` in scripts/test.sh checks them against the built module."""
 
+from collections.abc import Callable
 from typing import Any, final
 
 __all__ = [
     "plan",
     "PlannedGraph",
     "WireGraph",
-    "NativeDeclined",
     "build_fx_graph",
     "convert_plan",
     "read_plan_file",
@@ -79,17 +79,13 @@ class WireGraph:
     def name(self) -> str: ...
     def pb(self) -> bytes: ...
 
-class NativeDeclined(Exception):
-    """The native FX -> IR builder met something it leaves to the Python builder."""
-
 def build_fx_graph(
     *,
     header: bytes,
     inputs: dict[Any, str],
     ops: list[Any],
     forward: set[Any],
-    loss: Any,
-    outputs: list[tuple[Any, int | None]],
+    loss_and_outputs: Callable[[], tuple[Any, list[tuple[Any, int | None]]]],
     context: Any,
 ) -> tuple[WireGraph, list[tuple[str, int | None]]]: ...
 def read_plan_file(path: str, from_format: str, to_format: str) -> bytes: ...

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import python_fx_builder
 from recompute_planner._exporter import ModelDecl
 from recompute_planner.markers import checkpoint_record, compiled_region, layer_scope
 from recompute_planner.proto import graph_pb2
@@ -201,29 +202,27 @@ def planner_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def check_builders_agree(monkeypatch: pytest.MonkeyPatch) -> list:
-    """From now on, every graph the exporter builds goes through the native builder, which
-    must not decline it, and is built again by the Python builder, its reference: both must
-    give the same bytes (and the native graph's own encoding, which its fingerprint hashes,
-    too). Returns the list of graphs built, which grows as they are."""
+    """From now on, the op nodes of every graph the exporter builds are converted by the
+    native builder and again by the Python builder the tests keep as its reference
+    (python_fx_builder.py): both must give the same bytes (and the native graph's own encoding,
+    which its fingerprint hashes, too) and the same outputs. Returns the list of graphs built,
+    which grows as they are."""
     from recompute_planner import _exporter, _native
 
-    native, built = _exporter._build_natively, []
+    native, built = _native.build_fx_graph, []
 
-    def checked(graph_module, forward, flat, **kwargs):
-        try:
-            result = native(graph_module, forward, flat, **kwargs)
-        except _native.NativeDeclined as declined:
-            pytest.fail(f"the native builder declined the graph: {declined}")
-        reference = _exporter.build_graph_in_python(graph_module, forward, flat, **kwargs)
-        expected = reference.graph.SerializeToString(deterministic=True)
-        assert result.plannable.pb() == expected
-        assert result.graph.SerializeToString(deterministic=True) == expected
-        assert result.grad_sources == reference.grad_sources
-        assert list(result.constants) == list(reference.constants)
-        built.append(result)
-        return result
+    def checked(*, context, **arguments):
+        wire, listed = native(context=context, **arguments)
+        models = [_exporter.ModelDecl(name, num_layers=layers, units={})
+                  for name, layers in context.models.items()]
+        reference, outputs = python_fx_builder.build_fx_graph(**arguments, models=models)
+        expected = reference.SerializeToString(deterministic=True)
+        assert wire.pb() == expected
+        assert listed == outputs
+        built.append(wire)
+        return wire, listed
 
-    monkeypatch.setattr(_exporter, "_build_natively", checked)
+    monkeypatch.setattr(_native, "build_fx_graph", checked)
     return built
 
 

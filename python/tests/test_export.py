@@ -13,6 +13,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import python_fx_builder
 from export_support import (
     MAIN,
     ONE_LAYER,
@@ -431,11 +432,12 @@ def test_stack_traces_keep_the_innermost_three_frames():
 
 def mapped_nodes(calls):
     """The IR node fields of ``calls`` ((target, args, kwargs, written_as) each) on two float
-    inputs ``x`` (4 x 6) and ``src`` (2 x 6), mapped in order by the exporter's node mapping."""
+    inputs ``x`` (4 x 6) and ``src`` (2 x 6), mapped in order by the exporter's node mapping
+    (the Python builder's, which the native one is held to)."""
     graph = torch.fx.Graph()
     inputs = {name: graph.placeholder(name) for name in ("x", "src")}
     inputs["x"].meta["val"], inputs["src"].meta["val"] = torch.zeros(4, 6), torch.zeros(2, 6)
-    names = _exporter._ValueNames({node: node.name for node in inputs.values()})
+    names = python_fx_builder.ValueNames({node: node.name for node in inputs.values()})
     model = _exporter.ModelDecl("m", num_layers=1, units={})
     mapped = []
 
@@ -450,7 +452,7 @@ def mapped_nodes(calls):
             node.meta[_exporter.WRITTEN_AS_KEY] = written_as
         names.add_op(node)
         mapped.append(
-            _exporter._node_fields(node, names, True, {"m": model}, default_model="m")
+            python_fx_builder.node_fields(node, names, True, {"m": model}, default_model="m")
         )
     return mapped
 

@@ -1,19 +1,22 @@
-"""The native FX -> IR builder (``_native.build_fx_graph``) against the exporter's Python
-builder, which is its reference: the same graph built both ways gives the same bytes.
+"""The native FX -> IR builder (``_native.build_fx_graph``) against the Python builder the
+tests keep as its reference (python_fx_builder.py): the same graph built both ways gives the
+same bytes, and a broken graph the same error.
 
 Whole exports are compared in the golden, compile-stage and HF tests that use the
 ``builders_agree`` fixture (conftest.py); here, call shapes and node metadata one graph at a
-time, what the native builder leaves to the Python one, and planning a built graph.
+time, what has no IR form, and planning a built graph.
 """
 
 from __future__ import annotations
 
 import operator
+import re
 
 import pytest
 import torch
 import torch.fx as fx
 
+import python_fx_builder
 import recompute_planner as rp
 from export_support import MAIN, Lambda
 from recompute_planner import _exporter, _native, markers
@@ -67,20 +70,32 @@ class Calls:
 
     def both_ways(self, forward: set[fx.Node] | None = None) -> tuple[bytes, bytes]:
         """The graph's bytes from the native builder and from the Python builder."""
-        forward = set(self.ops) if forward is None else forward
+        return self.natively(forward), self.in_python(forward)
+
+    def natively(self, forward: set[fx.Node] | None = None) -> bytes:
         loss = self.ops[-1]
-        inputs = {node: name for name, node in self.inputs.items()}
         wire, _ = _native.build_fx_graph(
             header=self.header().SerializeToString(deterministic=True),
-            inputs=inputs, ops=self.ops, forward=forward, loss=loss,
-            outputs=[(loss, None)], context=_exporter._native_context(MODELS),
+            inputs=self._input_names(), ops=self.ops, forward=self._forward(forward),
+            loss_and_outputs=lambda: (loss, [(loss, None)]),
+            context=_exporter._native_context(MODELS),
         )
-        graph = self.header()
-        names = _exporter._ValueNames(inputs)
-        _exporter.add_ops_in_python(graph, self.ops, forward, names, MODELS)
-        _exporter._mark_loss(graph, names.of(loss))
-        graph.outputs.extend(names.of(loss))
-        return wire.pb(), graph.SerializeToString(deterministic=True)
+        return wire.pb()
+
+    def in_python(self, forward: set[fx.Node] | None = None) -> bytes:
+        loss = self.ops[-1]
+        graph, _ = python_fx_builder.build_fx_graph(
+            header=self.header().SerializeToString(deterministic=True),
+            inputs=self._input_names(), ops=self.ops, forward=self._forward(forward),
+            loss_and_outputs=lambda: (loss, [(loss, None)]), models=MODELS,
+        )
+        return graph.SerializeToString(deterministic=True)
+
+    def _input_names(self) -> dict[fx.Node, str]:
+        return {node: name for name, node in self.inputs.items()}
+
+    def _forward(self, forward: set[fx.Node] | None) -> set[fx.Node]:
+        return set(self.ops) if forward is None else forward
 
 
 def _value_of(arg):
@@ -164,34 +179,160 @@ def test_stack_traces_are_trimmed_alike(trace):
     assert_same_bytes(calls)
 
 
-def test_a_graph_the_native_builder_declines_is_reported_by_the_python_builder(monkeypatch):
-    built_in_python = []
-    in_python = _exporter.build_graph_in_python
+def _error(build) -> tuple[type, str]:
+    with pytest.raises(Exception) as raised:
+        build()
+    return raised.type, str(raised.value)
 
-    def recorded(*args, **kwargs):
-        built_in_python.append(True)
-        return in_python(*args, **kwargs)
 
-    monkeypatch.setattr(_exporter, "build_graph_in_python", recorded)
-    to_complex = Lambda(lambda self, x: self.lin(x).to(torch.complex128).abs().sum())
-    with pytest.raises(ValueError, match=r"node `_to_copy` .*complex128 of `_to_copy` has no"):
-        _exporter.export_forward(to_complex, (torch.randn(2, 4),), name="e", models=MAIN)
-    assert built_in_python == [True]
+def _relu_with(custom=None, **meta) -> Calls:
     calls = Calls()
-    calls.call(aten.relu.default, "x", meta={"custom": {markers.MODEL_KEY: "undeclared"}})
-    with pytest.raises(_native.NativeDeclined, match="undeclared model"):
-        calls.both_ways()
+    calls.call(aten.relu.default, "x", meta={"custom": custom, **meta})
+    return calls
 
 
-def test_the_python_builder_errors_come_in_its_own_order(monkeypatch):
-    """A step whose output is no scalar loss and whose op belongs to an undeclared model: the
-    Python builder reads the nodes before the outputs, and says so whichever builder tried."""
+def _with_args(target, args, *call_args) -> Calls:
+    """A call of `target` on `call_args`, then given `args` instead (no op runs on those)."""
+    calls = Calls()
+    node = calls.call(target, *call_args)
+    node.args = tuple(calls._node_of(a) for a in args)
+    return calls
+
+
+def _read_before_produced() -> Calls:
+    calls = Calls()
+    first = calls.call(aten.relu.default, "x")
+    calls.call(aten.neg.default, first)
+    calls.ops.remove(first)
+    return calls
+
+
+def _named_as_an_input() -> Calls:
+    calls = Calls()
+    calls.call(aten.relu.default, "x").name = "src"
+    return calls
+
+
+# Graphs with something of no IR form; both builders raise the same error.
+BROKEN_ALIKE = {
+    "undeclared model": (
+        lambda: _relu_with({markers.MODEL_KEY: "undeclared"}),
+        ValueError,
+        r"node `relu_default` \(aten.relu.default\) belongs to undeclared model `undeclared`",
+    ),
+    "layer past the model's": (
+        lambda: _relu_with({markers.MODEL_KEY: "draft", markers.LAYER_KEY: 1}),
+        ValueError,
+        r"node `relu_default` .* is in layer 1 of model `draft`, which declares 1 layers",
+    ),
+    "negative layer": (
+        lambda: _relu_with({markers.LAYER_KEY: -1}),
+        ValueError, r"is in layer -1 of model `m`, which declares 2 layers",
+    ),
+    "dtype of no IR dtype": (
+        lambda: _with_args(aten.neg.default, ["x"], torch.zeros(2, dtype=torch.complex128)),
+        ValueError,
+        r"node `neg_default` .*: dtype torch.complex128 of `neg_default` has no IR dtype",
+    ),
+    "tensor argument holding a constant": (
+        lambda: _with_args(aten.cat.default, [["x", "s"]], ["x", "src"]),
+        TypeError,
+        r"node `cat_default` \(aten.cat.default\): tensor argument `tensors` holds a constant str",
+    ),
+    "tensor argument that is a constant": (
+        lambda: _with_args(aten.neg.default, ["s"], "x"),
+        TypeError, r"node `neg_default` .*: tensor argument `self` holds a constant str",
+    ),
+    "argument of no IR attribute form": (
+        lambda: _with_args(aten.sum.dim_IntList, ["x", {"a": 1}], "x", [0]),
+        TypeError, r"argument `dim` = \{'a': 1\} \(immutable_dict\) has no IR attribute form",
+    ),
+    "list of no IR attribute form": (
+        lambda: _with_args(aten.sum.dim_IntList, ["x", [0, "a"]], "x", [0]),
+        TypeError, r"list argument `dim` = \[0, 'a'\] has no IR attribute form",
+    ),
+    "two values of one name": (
+        _named_as_an_input,
+        ValueError, r"two IR values are named `src` \(a parameter or buffer name clashes",
+    ),
+    "node read before it is produced": (
+        _read_before_produced,
+        ValueError,
+        r"`relu_default` \(call_function aten.relu.default\) is read before it is produced",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_ALIKE)
+def test_what_has_no_ir_form_is_the_same_error_from_both_builders(case):
+    make, kind, message = BROKEN_ALIKE[case]
+    native, python = _error(make().natively), _error(make().in_python)
+    assert native == python
+    assert native[0] is kind
+    assert re.search(message, native[1]), native[1]
+
+
+# Graphs both builders refuse, the Python one in protobuf's or Python's words (or, for a bool
+# layer, taken as 0 or 1): the native builder's error names the node.
+BROKEN_NATIVELY = {
+    "bad micro-batch": (
+        lambda: _relu_with({markers.MICRO_BATCH_KEY: -1}),
+        ValueError, r"node `relu_default` .*: micro-batch -1 is not an int from 0 to 4294967295",
+    ),
+    "bool layer": (
+        lambda: _relu_with({markers.LAYER_KEY: True}),
+        TypeError, r"node `relu_default` .*: layer True is not an int",
+    ),
+    "annotation of no str": (
+        lambda: _relu_with({markers.MODULE_PATH_KEY: 5}),
+        TypeError, r"node `relu_default` .*: annotation `.*` = 5 is not a str",
+    ),
+    "annotations of no dict": (
+        lambda: _relu_with(["a"]),
+        TypeError, r"node `relu_default` .*: its annotations \(meta\[\"custom\"\]\) are a list",
+    ),
+    "stack trace of no str": (
+        lambda: _relu_with(None, stack_trace=b"trace"),
+        TypeError, r"node `relu_default` .*: its stack trace .* is a bytes, not a str",
+    ),
+    "int past 64 bits": (
+        lambda: _with_args(aten.add.Tensor, ["x", 2**70], "x", 1),
+        ValueError, r"node `add_tensor` .*: argument `other` = 1180591620717411303424 does not fit",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_NATIVELY)
+def test_what_has_no_ir_form_is_an_error_naming_the_node(case):
+    make, kind, message = BROKEN_NATIVELY[case]
+    native = _error(make().natively)
+    assert native[0] is kind
+    assert re.search(message, native[1]), native[1]
+
+
+def test_an_error_of_a_node_comes_before_an_error_of_the_outputs():
+    """A step whose output is no scalar loss and whose op belongs to an undeclared model."""
     def step(self, x):
         with markers.layer_scope(model="undeclared", layer=0):
             return self.lin(x)
 
     with pytest.raises(ValueError, match="undeclared model `undeclared`"):
         _exporter.export_forward(Lambda(step), (torch.randn(2, 4),), name="e", models=MAIN)
+
+
+def test_an_error_of_the_outputs_is_raised_as_it_is():
+    with pytest.raises(ValueError, match="must return the scalar loss, `addmm` is not 0-dim"):
+        _exporter.export_forward(
+            Lambda(lambda self, x: self.lin(x)), (torch.randn(2, 4),), name="e", models=MAIN
+        )
+
+
+def test_annotations_set_to_none_are_as_if_absent():
+    calls = _relu_with({markers.MICRO_BATCH_KEY: None, markers.MODULE_PATH_KEY: None,
+                        markers.COMPILED_REGION_KEY: None, markers.LAYER_KEY: None})
+    assert_same_bytes(calls)
+    plain = _relu_with({})
+    assert calls.natively() == plain.natively()
 
 
 def captured_step():
@@ -206,17 +347,6 @@ def captured_step():
 def build(graph_module, forward, flat) -> _exporter.BuiltGraph:
     return _exporter.build_graph(graph_module, forward, flat, name="e", models=MAIN,
                                  metadata=_exporter.graph_metadata("test", 1, 0))
-
-
-def test_a_graph_the_native_builder_declines_but_the_python_one_maps_is_built_in_python():
-    """A micro-batch of None is no index to the native builder; protobuf leaves the field at
-    its default."""
-    graph_module, forward, flat = captured_step()
-    tanh = next(n for n in _exporter.op_nodes(graph_module) if "tanh" in str(n.target))
-    tanh.meta["custom"] = {markers.MICRO_BATCH_KEY: None}
-    built = build(graph_module, forward, flat)
-    assert isinstance(built.plannable, graph_pb2.Graph)
-    assert {n.micro_batch for n in built.graph.nodes} == {0}
 
 
 def test_a_built_graph_is_planned_as_its_bytes_are():

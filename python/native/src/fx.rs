@@ -4,19 +4,19 @@
 //! plans the message as it is, with nothing encoded or decoded between them.
 //!
 //! `recompute_planner._exporter.build_graph` declares the graph's inputs, constants and models
-//! (a few per parameter) and hands the op nodes over; this module does what its Python builder
-//! does per op: names the op's outputs (folding `getitem` chains into them), splits its
-//! arguments into tensor inputs and attributes by the op's schema binding, writes its schema
-//! facts and annotations, and declares the values it produces. What it reads of an operator's
+//! (a few per parameter) and hands the op nodes over; per op, this module names the op's
+//! outputs (folding `getitem` chains into them), splits its arguments into tensor inputs and
+//! attributes by the op's schema binding, writes its schema facts and annotations, and
+//! declares the values it produces. What it reads of an operator's
 //! schema (its name, binding, written and viewed arguments, randomness, collective kind) comes
 //! from the exporter once per distinct call shape, so the one place that knows torch's schemas
 //! stays in Python.
 //!
-//! Whatever this module does not convert itself (an argument of no IR form, a symbolic shape,
-//! an undeclared model, a bad layer, ...) raises `NativeDeclined`, and the exporter
-//! builds the graph with its Python builder, which reports the problem in its own words: the
-//! two builders give the same bytes for every graph this one accepts (python/tests
-//! test_native_export.py).
+//! What has no IR form (an argument of no IR form, a symbolic shape, an undeclared model, a
+//! bad layer, ...) raises a `ValueError` or `TypeError` naming the node, as the exporter's
+//! errors do; an error the exporter's callbacks raise goes through as it is. The Python builder
+//! the tests keep (python/tests/python_fx_builder.py) gives the same bytes for every graph,
+//! and the same error for every graph the tests break (python/tests test_native_export.py).
 
 use std::{collections::hash_map::Entry, rc::Rc};
 
@@ -26,35 +26,26 @@ use ir::{
 };
 use prost::Message;
 use pyo3::{
-    create_exception,
-    exceptions::PyException,
+    exceptions::{PyRuntimeError, PyTypeError, PyValueError},
     intern,
     prelude::*,
     types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PySet, PyString, PyTuple},
 };
 use rustc_hash::FxHashMap;
 
-create_exception!(
-    recompute_planner._native,
-    NativeDeclined,
-    PyException,
-    "The native FX -> IR builder met something it leaves to the Python builder."
-);
-
-fn declined(why: impl Into<String>) -> PyErr {
-    NativeDeclined::new_err(why.into())
+/// How an error names the node it is about: ``node `NAME` (TARGET)``, as the exporter's do.
+fn culprit(node: &Bound<'_, PyAny>) -> PyResult<String> {
+    let py = node.py();
+    Ok(format!(
+        "node `{}` ({})",
+        node.getattr(intern!(py, "name"))?.str()?,
+        node.getattr(intern!(py, "target"))?.str()?
+    ))
 }
 
-/// An error met while building (a node's, or a callback's) as a decline: the Python builder
-/// raises it again, in its own order. Anything but an `Exception` (Ctrl-C) goes through.
-fn declined_on<T>(py: Python<'_>, result: PyResult<T>) -> PyResult<T> {
-    result.map_err(|e| {
-        if e.is_instance_of::<PyException>(py) {
-            declined(format!("the exporter raised: {e}"))
-        } else {
-            e
-        }
-    })
+/// The name of `value`'s type, as an error states it.
+fn type_name(value: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(value.get_type().name()?.to_string())
 }
 
 /// An exported graph built in-process: the `graph.proto` message, held decoded, with the
@@ -144,9 +135,11 @@ impl Binding {
                 let source = match source {
                     -1 => ArgSource::Keyword,
                     -2 => ArgSource::AbsentTensor,
-                    index => ArgSource::Positional(
-                        usize::try_from(index).map_err(|_| declined("a bad argument source"))?,
-                    ),
+                    index => ArgSource::Positional(usize::try_from(index).map_err(|_| {
+                        PyRuntimeError::new_err(format!(
+                            "the exporter's binding gave argument source {index}"
+                        ))
+                    })?),
                 };
                 Ok(BoundArgument {
                     name_text: name.to_str()?.to_owned(),
@@ -253,11 +246,33 @@ impl Names {
     }
 
     fn of(&self, node: &Bound<'_, PyAny>) -> PyResult<&[String]> {
-        self.0
-            .get(&(node.as_ptr() as usize))
-            .map(Vec::as_slice)
-            .ok_or_else(|| declined("a node is read before it is produced"))
+        match self.0.get(&(node.as_ptr() as usize)) {
+            Some(names) => Ok(names),
+            None => Err(read_before_produced(node)?),
+        }
     }
+}
+
+/// The error of a node read before a node produces it (or of an output that is no node).
+fn read_before_produced(node: &Bound<'_, PyAny>) -> PyResult<PyErr> {
+    let py = node.py();
+    let (Ok(name), Ok(op), Ok(target)) = (
+        node.getattr(intern!(py, "name")),
+        node.getattr(intern!(py, "op")),
+        node.getattr(intern!(py, "target")),
+    ) else {
+        return Ok(PyTypeError::new_err(format!(
+            "the graph reads {} ({}), which is no node",
+            node.repr()?,
+            type_name(node)?
+        )));
+    };
+    Ok(PyValueError::new_err(format!(
+        "`{}` ({} {}) is read before it is produced",
+        name.str()?,
+        op.str()?,
+        target.str()?
+    )))
 }
 
 /// The builder: the graph so far and what it knows of the FX graph.
@@ -271,11 +286,12 @@ struct Builder<'py> {
 
 impl<'py> Builder<'py> {
     /// The graph with its loss marked and its outputs listed (each output node's value names,
-    /// with the flat input index its gradient belongs to); two values of one name decline.
+    /// with the flat input index its gradient belongs to); two values of one name are an
+    /// error.
     fn finish(
         self,
         loss: &Bound<'py, PyAny>,
-        outputs: Vec<(Bound<'py, PyAny>, Option<i64>)>,
+        outputs: OutputNodes<'py>,
     ) -> PyResult<(pb::Graph, ListedOutputs)> {
         let loss_names = self.names.of(loss)?;
         let mut listed = Vec::new();
@@ -291,8 +307,12 @@ impl<'py> Builder<'py> {
         }
         graph.outputs = listed.iter().map(|(n, _)| n.clone()).collect();
         let mut seen = rustc_hash::FxHashSet::default();
-        if !graph.values.iter().all(|v| seen.insert(v.name.as_str())) {
-            return Err(declined("two values share a name"));
+        if let Some(twice) = graph.values.iter().find(|v| !seen.insert(v.name.as_str())) {
+            return Err(PyValueError::new_err(format!(
+                "two IR values are named `{}` (a parameter or buffer name clashes with a graph \
+                 node name)",
+                twice.name
+            )));
         }
         Ok((graph, listed))
     }
@@ -314,7 +334,7 @@ impl<'py> Builder<'py> {
             pb::Role::Gradient
         };
         for (value, tensor) in produced {
-            let value = self.value(value, &tensor, role)?;
+            let value = self.value(node, value, &tensor, role)?;
             self.graph.values.push(value);
         }
         Ok(())
@@ -386,8 +406,12 @@ impl<'py> Builder<'py> {
             }
             let args: Bound<'py, PyTuple> = user.getattr(intern!(self.py, "args"))?.cast_into()?;
             let index = args.get_item(1)?;
-            if !index.is_exact_instance_of::<PyInt>() {
-                return Err(declined("a getitem with an index that is not an int"));
+            if !index.is_instance_of::<PyInt>() {
+                return Err(PyTypeError::new_err(format!(
+                    "{}: index {} is not an int",
+                    culprit(&user)?,
+                    index.repr()?
+                )));
             }
             prefix.push(index.extract()?);
             out.push((user.clone(), prefix.clone()));
@@ -471,11 +495,11 @@ impl<'py> Builder<'py> {
                         } else if item.is_instance(&self.cx.node_type)? {
                             inputs.extend_from_slice(self.names.of(&item)?);
                         } else {
-                            return Err(declined("a tensor argument holds a constant"));
+                            return Err(holds_a_constant(node, arg_text, &item)?);
                         }
                     }
                 }
-                Some(_) => return Err(declined("a tensor argument holds a constant")),
+                Some(v) => return Err(holds_a_constant(node, arg_text, &v)?),
                 None => absent.push(arg_text.clone()),
             }
             if argument.positioned {
@@ -517,13 +541,19 @@ impl<'py> Builder<'py> {
             schema: Some(schema),
             ..pb::Node::default()
         };
-        self.annotate(&mut ir_node, meta)?;
-        ir_node.stack_trace = self.stack_trace(meta)?;
+        self.annotate(&mut ir_node, node, meta)?;
+        ir_node.stack_trace = self.stack_trace(node, meta)?;
         Ok(ir_node)
     }
 
-    /// Model, layer, micro-batch, compiled region and module path from `meta["custom"]`.
-    fn annotate(&self, ir_node: &mut pb::Node, meta: &Bound<'py, PyDict>) -> PyResult<()> {
+    /// Model, layer, micro-batch, compiled region and module path from `meta["custom"]` (a key
+    /// set to None is as if absent).
+    fn annotate(
+        &self,
+        ir_node: &mut pb::Node,
+        node: &Bound<'py, PyAny>,
+        meta: &Bound<'py, PyDict>,
+    ) -> PyResult<()> {
         let custom = meta
             .get_item(intern!(self.py, "custom"))?
             .map(|c| c.is_truthy().map(|truthy| truthy.then_some(c)))
@@ -533,55 +563,106 @@ impl<'py> Builder<'py> {
             ir_node.model = self.cx.default_model.clone();
             return Ok(());
         };
-        let custom: Bound<'py, PyDict> = custom
-            .cast_into()
-            .map_err(|_| declined("meta[\"custom\"] is not a dict"))?;
-        let field = |key: &Bound<'py, PyString>| custom.get_item(key);
+        let custom: Bound<'py, PyDict> = match custom.cast_into() {
+            Ok(custom) => custom,
+            Err(e) => {
+                return Err(PyTypeError::new_err(format!(
+                    "{}: its annotations (meta[\"custom\"]) are a {}, not a dict",
+                    culprit(node)?,
+                    type_name(&e.into_inner())?
+                )))
+            }
+        };
+        let field = |key: &Bound<'py, PyString>| -> PyResult<Option<Bound<'py, PyAny>>> {
+            Ok(custom.get_item(key)?.filter(|v| !v.is_none()))
+        };
         let text = |key: &Bound<'py, PyString>| -> PyResult<String> {
-            field(key)?.map_or(Ok(String::new()), |v| {
-                v.extract()
-                    .map_err(|_| declined("an annotation is not a str"))
+            let Some(value) = field(key)? else {
+                return Ok(String::new());
+            };
+            value.extract().map_err(|_| {
+                culprit(node).map_or_else(
+                    |e| e,
+                    |culprit| {
+                        let value = value.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+                        PyTypeError::new_err(format!(
+                            "{culprit}: annotation `{key}` = {value} is not a str"
+                        ))
+                    },
+                )
             })
         };
         let model = match field(&self.cx.model_key)? {
-            Some(m) => m.extract().map_err(|_| declined("a model is not a str"))?,
+            Some(m) => m.str()?.to_str()?.to_owned(),
             None => self.cx.default_model.clone(),
         };
-        let Some(&layers) = self.cx.models.get(&model) else {
-            return Err(declined("an undeclared model"));
+        let declared = field(&self.cx.model_key)?.is_none_or(|m| m.is_instance_of::<PyString>());
+        let Some(&layers) = self.cx.models.get(&model).filter(|_| declared) else {
+            return Err(PyValueError::new_err(format!(
+                "{} belongs to undeclared model `{model}`",
+                culprit(node)?
+            )));
         };
         ir_node.micro_batch = match field(&self.cx.micro_batch_key)? {
-            Some(m) => index(&m).ok_or_else(|| declined("a bad micro-batch"))?,
+            Some(m) => index(&m).ok_or_else(|| -> PyErr {
+                match (culprit(node), m.repr()) {
+                    (Ok(culprit), Ok(m)) => PyValueError::new_err(format!(
+                        "{culprit}: micro-batch {m} is not an int from 0 to {}",
+                        u32::MAX
+                    )),
+                    (Err(e), _) | (_, Err(e)) => e,
+                }
+            })?,
             None => 0,
         };
         ir_node.compiled_region = text(&self.cx.compiled_region_key)?;
         ir_node.module_path = text(&self.cx.module_path_key)?;
-        if let Some(layer) = field(&self.cx.layer_key)?.filter(|l| !l.is_none()) {
-            let layer = index(&layer).ok_or_else(|| declined("a bad layer"))?;
-            if layer >= layers {
-                return Err(declined("a layer past the model's layers"));
+        if let Some(layer) = field(&self.cx.layer_key)? {
+            if !layer.is_instance_of::<PyInt>() || layer.is_instance_of::<PyBool>() {
+                return Err(PyTypeError::new_err(format!(
+                    "{}: layer {} is not an int",
+                    culprit(node)?,
+                    layer.repr()?
+                )));
             }
-            ir_node.layer = Some(layer);
+            match index(&layer).filter(|&l| l < layers) {
+                Some(layer) => ir_node.layer = Some(layer),
+                None => {
+                    return Err(PyValueError::new_err(format!(
+                        "{} is in layer {layer} of model `{model}`, which declares {layers} layers",
+                        culprit(node)?
+                    )))
+                }
+            }
         }
         ir_node.model = model;
         Ok(())
     }
 
     /// The innermost frames of the node's stack trace (Dynamo-traced graphs carry one).
-    fn stack_trace(&self, meta: &Bound<'py, PyDict>) -> PyResult<Vec<String>> {
+    fn stack_trace(
+        &self,
+        node: &Bound<'py, PyAny>,
+        meta: &Bound<'py, PyDict>,
+    ) -> PyResult<Vec<String>> {
         let trace = meta.get_item(intern!(self.py, "stack_trace"))?;
         let trace = trace.map(|t| t.is_truthy().map(|truthy| truthy.then_some(t)));
         let Some(trace) = trace.transpose()?.flatten() else {
             return Ok(Vec::new());
         };
-        let text: Bound<'py, PyString> = trace
-            .cast_into()
-            .map_err(|_| declined("a stack trace that is not a str"))?;
+        if !trace.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(format!(
+                "{}: its stack trace (meta[\"stack_trace\"]) is a {}, not a str",
+                culprit(node)?,
+                type_name(&trace)?
+            )));
+        }
+        let text = trace.str()?;
         let text = text.to_str()?;
         if text.is_ascii() {
             return Ok(trim_ascii_stack_trace(text, self.cx.stack_trace_frames));
         }
-        declined_on(self.py, self.cx.trim_stack_trace.call1((text,)))?.extract()
+        self.cx.trim_stack_trace.call1((text,))?.extract()
     }
 
     /// A non-tensor argument as an IR attribute (the exporter's `_attribute`).
@@ -591,27 +672,47 @@ impl<'py> Builder<'py> {
         name: &str,
         value: &Bound<'py, PyAny>,
     ) -> PyResult<pb::Attribute> {
-        let bad = |_| declined(format!("argument `{name}` has no IR attribute form here"));
         let value = if value.is_instance_of::<PyBool>() {
             AttrValue::Bool(value.extract()?)
         } else if value.is_instance_of::<PyInt>() {
-            AttrValue::Int(value.extract().map_err(bad)?)
+            AttrValue::Int(value.extract().map_err(|_| -> PyErr {
+                match culprit(node) {
+                    Ok(culprit) => PyValueError::new_err(format!(
+                        "{culprit}: argument `{name}` = {value} does not fit a 64-bit int"
+                    )),
+                    Err(e) => e,
+                }
+            })?)
         } else if value.is_instance_of::<PyFloat>() {
             AttrValue::Float(value.extract()?)
         } else if value.is_instance_of::<PyString>() {
             AttrValue::Str(value.extract()?)
         } else if value.is_instance(&self.cx.named_types)? {
             AttrValue::Str(value.str()?.to_str()?.to_owned())
-        } else if value.is_instance(&self.cx.node_type)? {
-            if !value.getattr(intern!(self.py, "op"))?.eq("get_attr")? {
-                return Err(declined("a node passed as a non-tensor argument"));
-            }
-            let answer = self.cx.script_object_type.call1((node, value));
-            AttrValue::Str(declined_on(self.py, answer)?.extract()?)
+        } else if value.is_instance(&self.cx.node_type)?
+            && value.getattr(intern!(self.py, "op"))?.eq("get_attr")?
+        {
+            AttrValue::Str(self.cx.script_object_type.call1((node, value))?.extract()?)
         } else if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
-            list_attribute(value).ok_or_else(|| declined("a list of no IR attribute form"))?
+            match list_attribute(value) {
+                Some(list) => list,
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "{}: list argument `{name}` = {} has no IR attribute form (symbolic \
+                         sizes are not supported)",
+                        culprit(node)?,
+                        PyList::new(self.py, value.try_iter()?.collect::<PyResult<Vec<_>>>()?)?
+                            .repr()?
+                    )))
+                }
+            }
         } else {
-            return Err(declined("an argument of no IR attribute form"));
+            return Err(PyTypeError::new_err(format!(
+                "{}: argument `{name}` = {} ({}) has no IR attribute form",
+                culprit(node)?,
+                value.repr()?,
+                type_name(value)?
+            )));
         };
         Ok(pb::Attribute {
             name: name.to_owned(),
@@ -619,30 +720,45 @@ impl<'py> Builder<'py> {
         })
     }
 
-    /// A produced value, with dtype and static shape from its fake tensor (a tensor leaf).
+    /// A value `node` produces, with dtype and static shape from its fake tensor (a tensor
+    /// leaf).
     fn value(
         &self,
+        node: &Bound<'py, PyAny>,
         name: String,
         tensor: &Bound<'py, PyAny>,
         role: pb::Role,
     ) -> PyResult<pb::Value> {
         let py = self.py;
         let dtype = tensor.getattr(intern!(py, "dtype"))?;
-        let dtype: i32 = match self.cx.dtypes.get_item(dtype)? {
+        let dtype: i32 = match self.cx.dtypes.get_item(&dtype)? {
             Some(d) => d.extract()?,
-            None => return Err(declined("a dtype with no IR dtype")),
+            None => {
+                return Err(PyValueError::new_err(format!(
+                    "{}: dtype {} of `{name}` has no IR dtype",
+                    culprit(node)?,
+                    dtype.str()?
+                )))
+            }
         };
-        let shape = tensor.getattr(intern!(py, "shape"))?;
-        let shape = shape
+        let sizes = tensor.getattr(intern!(py, "shape"))?;
+        let shape = sizes
             .try_iter()?
             .map(|size| {
                 let size = size?;
                 if !size.is_exact_instance_of::<PyInt>() {
-                    return Err(declined("a symbolic shape"));
+                    return Ok(None);
                 }
-                size.extract::<i64>()
+                size.extract::<i64>().map(Some)
             })
-            .collect::<PyResult<Vec<i64>>>()?;
+            .collect::<PyResult<Option<Vec<i64>>>>()?;
+        let Some(shape) = shape else {
+            return Err(PyValueError::new_err(format!(
+                "{}: `{name}` has symbolic shape {}; export with static shapes",
+                culprit(node)?,
+                PyTuple::new(py, sizes.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.str()?
+            )));
+        };
         Ok(pb::Value {
             name,
             dtype,
@@ -673,10 +789,23 @@ fn binding<'py>(
     Ok(match bindings.entry(shape) {
         Entry::Occupied(known) => Rc::clone(known.get()),
         Entry::Vacant(new) => {
-            let answer = declined_on(py, cx.binding_of.call1((node,)))?;
+            let answer = cx.binding_of.call1((node,))?;
             Rc::clone(new.insert(Rc::new(Binding::read(&answer)?)))
         }
     })
+}
+
+/// The error of a tensor argument of `node` holding `item`, which is no node.
+fn holds_a_constant(
+    node: &Bound<'_, PyAny>,
+    argument: &str,
+    item: &Bound<'_, PyAny>,
+) -> PyResult<PyErr> {
+    Ok(PyTypeError::new_err(format!(
+        "{}: tensor argument `{argument}` holds a constant {}",
+        culprit(node)?,
+        type_name(item)?
+    )))
 }
 
 /// A micro-batch or layer index: an int (not a bool) that fits a `u32`.
@@ -749,44 +878,45 @@ fn trim_ascii_stack_trace(trace: &str, frames: usize) -> Vec<String> {
 /// Each output's value name, with the flat input index its gradient belongs to.
 type ListedOutputs = Vec<(String, Option<i64>)>;
 
+/// Each output node, with the flat input index its gradient belongs to.
+type OutputNodes<'py> = Vec<(Bound<'py, PyAny>, Option<i64>)>;
+
 /// Converts the op nodes of a captured graph (joint or forward) into the IR graph `header`
 /// (its name, metadata, models, inputs and constants, encoded), then marks the loss and lists
 /// the outputs.
 ///
 /// `inputs` maps each placeholder and constant node to its value name; `forward` holds the
-/// forward op nodes; `loss` is the loss node; `outputs` lists the output nodes, each with the
-/// flat input index its gradient belongs to (None for the loss and the other outputs).
-/// Returns the graph and its outputs' value names with those indices. Raises
-/// `NativeDeclined` for what it leaves to the Python builder: whatever it does not convert
-/// itself, and any error a node raises on the way (the Python builder raises it again, after
-/// the errors its own order meets first).
+/// forward op nodes; `loss_and_outputs`, called once the op nodes are converted (so that a
+/// node's error comes before an error of the graph's outputs), returns the loss node and the
+/// output nodes, each with the flat input index its gradient belongs to (None for the loss and
+/// the other outputs). Returns the graph and its outputs' value names with those indices.
+/// What has no IR form is a `ValueError` or `TypeError` naming the node; what the exporter's
+/// callbacks raise goes through.
 #[pyfunction]
-#[pyo3(signature = (*, header, inputs, ops, forward, loss, outputs, context))]
-#[allow(clippy::too_many_arguments)] // one keyword each, from one caller
+#[pyo3(signature = (*, header, inputs, ops, forward, loss_and_outputs, context))]
 pub fn build_fx_graph<'py>(
     py: Python<'py>,
     header: &[u8],
     inputs: Bound<'py, PyDict>,
     ops: Bound<'py, PyList>,
     forward: Bound<'py, PySet>,
-    loss: Bound<'py, PyAny>,
-    outputs: Vec<(Bound<'py, PyAny>, Option<i64>)>,
+    loss_and_outputs: Bound<'py, PyAny>,
     context: Bound<'py, PyAny>,
 ) -> PyResult<(WireGraph, ListedOutputs)> {
-    let graph = pb::Graph::decode(header).map_err(|e| declined(format!("header: {e}")))?;
-    let built = (|| {
-        let mut builder = Builder {
-            py,
-            cx: Context::read(&context, forward)?,
-            names: Names::of_inputs(&inputs)?,
-            bindings: FxHashMap::default(),
-            graph,
-        };
-        for node in ops.iter() {
-            builder.add_op(&node)?;
-        }
-        builder.finish(&loss, outputs)
-    })();
-    let (graph, listed) = declined_on(py, built)?;
+    let graph = pb::Graph::decode(header)
+        .map_err(|e| PyValueError::new_err(format!("the graph's header does not decode: {e}")))?;
+    let mut builder = Builder {
+        py,
+        cx: Context::read(&context, forward)?,
+        names: Names::of_inputs(&inputs)?,
+        bindings: FxHashMap::default(),
+        graph,
+    };
+    for node in ops.iter() {
+        builder.add_op(&node)?;
+    }
+    let (loss, outputs): (Bound<'py, PyAny>, OutputNodes<'py>) =
+        loss_and_outputs.call0()?.extract()?;
+    let (graph, listed) = builder.finish(&loss, outputs)?;
     Ok((py.detach(|| WireGraph::new(graph)), listed))
 }

@@ -747,7 +747,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PlannedGraph>()?;
     m.add_class::<WireGraph>()?;
     m.add_function(wrap_pyfunction!(fx::build_fx_graph, m)?)?;
-    m.add("NativeDeclined", m.py().get_type::<fx::NativeDeclined>())?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_function(wrap_pyfunction!(read_plan_file, m)?)?;
     m.add_function(wrap_pyfunction!(collective_kind, m)?)?;
