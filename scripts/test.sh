@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Every test of the project, Rust and Python, plus the format and lint gates. This is the
 # README's test command and what CI runs (.ci/run). Sets up the venv first (idempotent).
+#
+# Steps that leave a core idle run beside each other (a build compiles one crate at a time for
+# long stretches; pytest and the linters keep one core busy): each one started with `beside`
+# writes to a log of its own, which `joined` prints once it has ended. The script fails if any
+# step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,76 +17,96 @@ phase() {
     phase_start=$SECONDS
 }
 
+LOGS="$(mktemp -d)"
+trap 'rm -rf "$LOGS"' EXIT
+declare -A STARTED
+FAILED=()
+
+# beside NAME COMMAND...: runs COMMAND in the background, its output in NAME's log.
+beside() {
+    local name="$1"
+    shift
+    echo "== $name (in the background; its output follows when it ends)" >&2
+    "$@" >"$LOGS/$name" 2>&1 &
+    STARTED[$name]=$!
+}
+
+# joined NAME: waits for NAME, prints its output and notes whether it failed.
+joined() {
+    local name="$1" status=0
+    wait "${STARTED[$name]}" || status=$?
+    echo "== $name (output)" >&2
+    cat "$LOGS/$name" >&2
+    if [ "$status" != 0 ]; then
+        echo "error: $name exited $status" >&2
+        FAILED+=("$name")
+    fi
+}
+
+# stop_if_failed: ends the script when a step it depends on failed.
+stop_if_failed() {
+    if [ "${#FAILED[@]}" != 0 ]; then
+        echo "error: failed: ${FAILED[*]}" >&2
+        exit 1
+    fi
+}
+
+lint() {
+    echo "== ruff check (lint, every Python file)"
+    ruff check
+    echo "== mypy --strict (the package)"
+    (cd python && mypy)
+    echo "== stubtest (the native extension's stub against the built module)"
+    (cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)
+}
+
 bash scripts/setup.sh --venv-only
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 
 # The package (its native extension: a release build) installs beside fmt and clippy (a check
-# build, in another profile's folder): each leaves a core idle for long stretches (one crate
-# compiling at a time). Its output follows clippy's.
-setup_log="$(mktemp)"
-trap 'rm -f "$setup_log"' EXIT
-bash scripts/setup.sh >"$setup_log" 2>&1 &
-package_setup=$!
+# build, in another profile's folder, so neither waits for the other's lock).
+beside setup bash scripts/setup.sh
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 # `--features planner-cli/run` builds `planner run` and the runtime (libtorch) and runs their
 # tests too; a plain `cargo build` / `cargo test` at the root needs neither.
 echo "== cargo clippy --all-targets -D warnings" >&2
 cargo clippy --workspace --all-targets --features planner-cli/run --quiet -- -D warnings
-echo "== setup (the package, built beside clippy)" >&2
-setup_status=0
-wait "$package_setup" || setup_status=$?
-cat "$setup_log" >&2
-if [ "$setup_status" != 0 ]; then
-    echo "error: scripts/setup.sh exited $setup_status" >&2
-    exit 1
-fi
+joined setup
+stop_if_failed
 phase "setup+fmt+clippy"
-echo "== ruff check (lint, every Python file)" >&2
-ruff check
-echo "== mypy --strict (the package)" >&2
-(cd python && mypy)
-echo "== stubtest (the native extension's stub against the built module)" >&2
-(cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)
-phase "ruff+mypy+stubtest"
-echo "== cargo build (the planner, its runtime library, every Rust test)" >&2
+
+# The linters read the built package; they run beside the planner's build.
+beside lint lint
+echo "== cargo build (the planner and its runtime library)" >&2
 # `planner run` loads the runtime library, which `cargo test` does not build (nothing links
 # a cdylib): build it, with the binary, first.
 cargo build -p planner-cli --features run --quiet
-cargo test --workspace --features planner-cli/run --no-run --quiet
-phase "rust-build"
+# pytest runs a copy: the Rust tests' build beside it may write the binary again.
+mkdir -p target/pytest-planner
+cp target/debug/planner target/debug/libplanner_run.so target/pytest-planner/
+joined lint
+stop_if_failed
+phase "lint+build"
 
-# The Rust tests run in the background beside pytest: pytest keeps about one of this
-# machine's cores busy, and the Rust tests fill much of the other. Their output follows
-# pytest's. The one test that compares a calibrated prediction with a time it measures runs
-# afterwards, alone, so a neighbour's load cannot skew one of its two timings.
+# The Rust tests (their build first) run beside pytest. The one test that compares a
+# calibrated prediction with a time it measures runs afterwards, alone, so a neighbour's load
+# cannot skew one of its two timings.
 TIMED_RUST_TEST=a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step
-rust_log="$(mktemp)"
-trap 'rm -f "$setup_log" "$rust_log"' EXIT
-echo "== cargo test (in the background; its output follows pytest's)" >&2
-cargo test --workspace --features planner-cli/run --quiet -- --skip "$TIMED_RUST_TEST" \
-    >"$rust_log" 2>&1 &
-rust_tests=$!
-
+beside cargo-test cargo test --workspace --features planner-cli/run --quiet -- \
+    --skip "$TIMED_RUST_TEST"
 echo "== pytest" >&2
 # setup.sh installed the package editable from this clone, native extension included, so a
-# fresh clone reusing the cached venv tests its own sources.
-# The planner the Rust build made (a plain `cargo build -p planner-cli` would replace the
-# runtime library with one without `planner run`).
-# One process: a test that leaves a torch.fx.traceback annotation open (which would tag every
-# later trace in the process) fails by name (tests/conftest.py).
-export PLANNER_BIN="$PWD/target/debug/planner"
-pytest_status=0
-python -m pytest -q --durations=15 python/tests || pytest_status=$?
-rust_status=0
-wait "$rust_tests" || rust_status=$?
-echo "== cargo test (output)" >&2
-cat "$rust_log"
-cargo test -p planner-cli --features run --quiet --test calibrate -- "$TIMED_RUST_TEST"
+# fresh clone reusing the cached venv tests its own sources. One process: a test that leaves a
+# torch.fx.traceback annotation open (which would tag every later trace in the process) fails
+# by name (tests/conftest.py).
+export PLANNER_BIN="$PWD/target/pytest-planner/planner"
+python -m pytest -q --durations=15 python/tests || FAILED+=(pytest)
+joined cargo-test
+echo "== cargo test (the timed test, alone)" >&2
+cargo test -p planner-cli --features run --quiet --test calibrate -- --exact "$TIMED_RUST_TEST" \
+    || FAILED+=(timed-cargo-test)
 phase "cargo-test+pytest"
 echo "== phases (seconds): ${PHASES[*]}" >&2
-if [ "$pytest_status" != 0 ] || [ "$rust_status" != 0 ]; then
-    echo "error: pytest exited $pytest_status, cargo test $rust_status" >&2
-    exit 1
-fi
+stop_if_failed
