@@ -84,7 +84,7 @@ fn unknown_enum_spellings_are_errors_naming_the_field_and_the_valid_ones() {
     );
 }
 
-/// The JSON writer (`ir::plan::json`, written by hand for speed) writes every field of
+/// The JSON writer (`ir::plan::json`: serde, through views of the typed plan) writes every field of
 /// `plan.proto` and no other, in every message: a field added to the schema fails here until
 /// the writer writes it.
 #[test]

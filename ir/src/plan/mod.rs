@@ -240,7 +240,8 @@ pub struct UnitSummary {
     pub layers: Vec<UnitLayer>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Serialized as it is in the plan's JSON (`json.rs`): its fields are the proto's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct UnitLayer {
     pub layer: u32,
     pub kept_ops: u64,
@@ -311,8 +312,9 @@ pub struct Peak {
     pub node: NodeId,
 }
 
-/// What replay costs, on a hardware profile.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// What replay costs, on a hardware profile. Serialized as it is in the plan's JSON
+/// (`json.rs`): its fields are the proto's.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct Cost {
     pub replay_flops: u64,
     pub replay_bytes: u64,
