@@ -53,5 +53,9 @@ echo "setup: installing recompute_planner from $PWD/python" >&2
 # The extension is built for the stable ABI (`_native.abi3.so`); an older checkout's
 # interpreter-specific build would shadow it on import.
 rm -f python/recompute_planner/_native.cpython-*.so
-PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-release}" \
+# Linked through zig for glibc 2.28, as scripts/build_wheel.sh links the wheel: the same cargo
+# build, so the wheel of the same profile (tests/test_wheel.py) reuses it instead of compiling
+# every crate again.
+PATH="$VENV/bin:$PATH" \
+  MATURIN_PEP517_ARGS="--profile ${PLANNER_NATIVE_PROFILE:-release} --zig --compatibility manylinux_2_28" \
   "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e python >&2

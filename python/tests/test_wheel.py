@@ -7,13 +7,16 @@ The fresh venv sees the test venv's site-packages (torch, protobuf, pip, ...) th
 `.pth` line instead of installing a 5 GB torch again; a path added that way is not a site folder, so
 the test venv's editable install of this package (its own `.pth`) does not reach the fresh
 one. pip still resolves the wheel's declared requirements against those packages, offline.
-The wheel is built with the dev profile (the release one takes minutes longer to compile).
+The wheel is built with the profile scripts/setup.sh built the package's extension with
+(release unless ``PLANNER_NATIVE_PROFILE`` says otherwise), through the same zig linker, so
+cargo reuses that build instead of compiling every crate again.
 """
 
 from __future__ import annotations
 
 import configparser
 import email.parser
+import os
 import re
 import shlex
 import subprocess
@@ -29,7 +32,11 @@ from recompute_planner import _native
 from test_readme import blocks
 
 WHEEL = background.Job(
-    "wheel", lambda out: ["bash", "scripts/build_wheel.sh", "--profile", "dev", "--out", str(out)]
+    "wheel",
+    lambda out: [
+        "bash", "scripts/build_wheel.sh",
+        "--profile", os.environ.get("PLANNER_NATIVE_PROFILE", "release"), "--out", str(out),
+    ],
 )
 BACKGROUND_JOBS = (WHEEL,)
 
