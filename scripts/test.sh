@@ -18,16 +18,26 @@ phase() {
 }
 
 LOGS="$(mktemp -d)"
-trap 'rm -rf "$LOGS"' EXIT
 declare -A STARTED
 FAILED=()
+# On any exit (a failed step under `set -e`, Ctrl-C), the steps still running in the background
+# end too, with every process they started (each runs in a session of its own).
+end_started() {
+    local pid
+    for pid in "${STARTED[@]}"; do
+        kill -- -"$pid" 2>/dev/null || true
+    done
+    rm -rf "$LOGS"
+}
+trap end_started EXIT
+trap 'exit 130' INT TERM
 
 # beside NAME COMMAND...: runs COMMAND in the background, its output in NAME's log.
 beside() {
     local name="$1"
     shift
     echo "== $name (in the background; its output follows when it ends)" >&2
-    "$@" >"$LOGS/$name" 2>&1 &
+    setsid -w "$@" >"$LOGS/$name" 2>&1 &
     STARTED[$name]=$!
 }
 
@@ -51,14 +61,13 @@ stop_if_failed() {
     fi
 }
 
-lint() {
-    echo "== ruff check (lint, every Python file)"
-    ruff check
-    echo "== mypy --strict (the package)"
-    (cd python && mypy)
-    echo "== stubtest (the native extension's stub against the built module)"
-    (cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)
-}
+# The linters: ruff (every Python file), mypy --strict (the package), stubtest (the native
+# extension's stub against the built module).
+LINT='set -e
+echo "== ruff check"; ruff check
+echo "== mypy"; (cd python && mypy)
+echo "== stubtest"
+(cd python && python -m mypy.stubtest --mypy-config-file stubtest.ini recompute_planner._native)'
 
 bash scripts/setup.sh --venv-only
 # shellcheck source=scripts/env.sh
@@ -78,7 +87,7 @@ stop_if_failed
 phase "setup+fmt+clippy"
 
 # The linters read the built package; they run beside the planner's build.
-beside lint lint
+beside lint bash -c "$LINT"
 echo "== cargo build (the planner and its runtime library)" >&2
 # `planner run` loads the runtime library, which `cargo test` does not build (nothing links
 # a cdylib): build it, with the binary, first.
@@ -102,7 +111,13 @@ echo "== pytest" >&2
 # torch.fx.traceback annotation open (which would tag every later trace in the process) fails
 # by name (tests/conftest.py).
 export PLANNER_BIN="$PWD/target/pytest-planner/planner"
-python -m pytest -q --durations=15 python/tests || FAILED+=(pytest)
+pytest_status=0
+python -m pytest -q --durations=15 python/tests || pytest_status=$?
+case "$pytest_status" in
+    0) ;;
+    2) exit 130 ;;  # interrupted (Ctrl-C)
+    *) FAILED+=(pytest) ;;
+esac
 joined cargo-test
 echo "== cargo test (the timed test, alone)" >&2
 cargo test -p planner-cli --features run --quiet --test calibrate -- --exact "$TIMED_RUST_TEST" \

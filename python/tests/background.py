@@ -14,8 +14,10 @@ raised again there, in the fixture.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -61,6 +63,8 @@ class JobQueue:
         """Runs `jobs`, in order, after those queued before (each once however often it is
         queued)."""
         with self._lock:
+            if self._stopping:
+                raise RuntimeError("the background jobs were stopped")
             for job in jobs:
                 if job not in self._runs:
                     self._runs[job] = _Run(out=self._fresh_folder(job))
@@ -87,15 +91,20 @@ class JobQueue:
         return run.result, run.out
 
     def stop(self) -> None:
-        """Ends the jobs (killing a running one) and removes their folders."""
+        """Ends the jobs (killing a running one with every process it started), fails the
+        waits of those that never ran, and removes their folders."""
         with self._lock:
             self._stopping = True
+            for job in self._queue:
+                self._runs[job].error = RuntimeError("the background jobs were stopped")
+                self._runs[job].done.set()
             self._queue.clear()
             running = [r.process for r in self._runs.values()
                        if r.process and r.process.poll() is None]
             self._wake.notify()
         for process in running:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):  # it may have just ended
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: cargo, rustc, ...
             process.wait()
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
@@ -131,8 +140,9 @@ class JobQueue:
         stdout, stderr = run.out / "stdout.txt", run.out / "stderr.txt"
         with stdout.open("w") as out, stderr.open("w") as err, self._lock:
             if self._stopping:
-                return
-            run.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=err)
+                raise RuntimeError("the background jobs were stopped")
+            run.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=err,
+                                           start_new_session=True)
         run.process.wait()
         run.result = subprocess.CompletedProcess(
             argv, run.process.returncode, stdout.read_text(), stderr.read_text()

@@ -18,7 +18,8 @@ from recompute_planner import _native
 GLM = Path(__file__).resolve().parents[2] / "tests" / "golden" / "glm_dsa_ep2.pb"
 
 
-# Calibrations and timings: run last (conftest.py), on a machine no background job loads.
+# Calibrations and timings: run last (conftest.py), after pytest's background jobs (the
+# Rust tests scripts/test.sh runs beside pytest end minutes before).
 pytestmark = pytest.mark.timed
 
 

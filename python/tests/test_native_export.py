@@ -220,6 +220,10 @@ BROKEN_ALIKE = {
         ValueError,
         r"node `relu_default` \(aten.relu.default\) belongs to undeclared model `undeclared`",
     ),
+    "model set to None": (
+        lambda: _relu_with({markers.MODEL_KEY: None}),
+        ValueError, r"node `relu_default` .* belongs to undeclared model `None`",
+    ),
     "layer past the model's": (
         lambda: _relu_with({markers.MODEL_KEY: "draft", markers.LAYER_KEY: 1}),
         ValueError,

@@ -228,7 +228,7 @@ impl<'py> Context<'py> {
     }
 }
 
-/// The value names of the FX nodes converted so far (the exporter's `_ValueNames`), keyed by
+/// The value names of the FX nodes converted so far (the test oracle's `ValueNames`), keyed by
 /// node identity.
 #[derive(Default)]
 struct Names(FxHashMap<usize, Vec<String>>);
@@ -447,7 +447,7 @@ impl<'py> Builder<'py> {
         Ok(())
     }
 
-    /// The IR node of `node` (the exporter's `_node_fields`).
+    /// The IR node of `node` (the test oracle's `node_fields`).
     fn node(
         &mut self,
         node: &Bound<'py, PyAny>,
@@ -547,7 +547,7 @@ impl<'py> Builder<'py> {
     }
 
     /// Model, layer, micro-batch, compiled region and module path from `meta["custom"]` (a key
-    /// set to None is as if absent).
+    /// set to None is as if absent, but for the model).
     fn annotate(
         &self,
         ir_node: &mut pb::Node,
@@ -592,11 +592,14 @@ impl<'py> Builder<'py> {
                 )
             })
         };
-        let model = match field(&self.cx.model_key)? {
+        // A model set to None is an undeclared model, not the default one: a node must not
+        // silently join another model's layers.
+        let model_field = custom.get_item(&self.cx.model_key)?;
+        let model = match &model_field {
             Some(m) => m.str()?.to_str()?.to_owned(),
             None => self.cx.default_model.clone(),
         };
-        let declared = field(&self.cx.model_key)?.is_none_or(|m| m.is_instance_of::<PyString>());
+        let declared = model_field.is_none_or(|m| m.is_instance_of::<PyString>());
         let Some(&layers) = self.cx.models.get(&model).filter(|_| declared) else {
             return Err(PyValueError::new_err(format!(
                 "{} belongs to undeclared model `{model}`",
@@ -665,7 +668,7 @@ impl<'py> Builder<'py> {
         self.cx.trim_stack_trace.call1((text,))?.extract()
     }
 
-    /// A non-tensor argument as an IR attribute (the exporter's `_attribute`).
+    /// A non-tensor argument as an IR attribute (the test oracle's `_attribute`).
     fn attribute(
         &self,
         node: &Bound<'py, PyAny>,
