@@ -73,6 +73,52 @@ bash scripts/setup.sh --venv-only
 # shellcheck source=scripts/env.sh
 source scripts/env.sh
 
+# The build folder. A fresh clone's own `target/` compiles every dependency again in each of the
+# four builds below (clippy's check, the dev build, the tests, the extension's release build),
+# several CPU-minutes of this suite. The test command builds in a folder kept beside the venv
+# instead, keyed by Cargo.lock and the compiler, so a later clone (CI's, every time) compiles only
+# this workspace's crates. Those always compile again: their fingerprints are removed first, so
+# no clone can be handed another clone's build of its own sources whatever the files' times
+# (cargo judges a path crate by modification times); dependencies are pinned by Cargo.lock and
+# reused. One run holds the folder at a time (a lock); a run that finds it busy, or runs with
+# CARGO_TARGET_DIR set, builds where cargo would. Other keys' folders are removed when free.
+shared_build_folder() {
+    local root="$HOME/.cache/recompute-planner" key dir lock old
+    key="$({ cat Cargo.lock; rustc -vV; } | sha256sum | cut -c1-16)"
+    dir="$root/cargo-target-$key"
+    mkdir -p "$dir"
+    exec 9>"$dir.lock"
+    if ! flock -n 9; then
+        echo "== build folder $dir is in use by another run: building in ./target" >&2
+        exec 9>&-
+        return
+    fi
+    for lock in "$root"/cargo-target-*.lock; do
+        old="${lock%.lock}"
+        [ "$old" = "$dir" ] && continue
+        (flock -n 8 && rm -rf "$old" "$lock") 8>>"$lock" || true
+    done
+    forget_workspace_builds "$dir"
+    export CARGO_TARGET_DIR="$dir"
+    echo "== build folder: $dir (dependencies reused, this workspace compiled again)" >&2
+}
+
+# forget_workspace_builds DIR: removes the fingerprints of this workspace's crates (library,
+# binaries, tests, build scripts, in every profile) from DIR, so cargo compiles them again.
+forget_workspace_builds() {
+    local names
+    names="$(cargo metadata --no-deps --offline --format-version 1 \
+        | python -c 'import json, sys; print("|".join(p["name"] for p in json.load(sys.stdin)["packages"]))')"
+    find "$1" -mindepth 2 -maxdepth 4 -type d -name .fingerprint -print0 \
+        | xargs -0 -I{} find {} -mindepth 1 -maxdepth 1 -type d -regextype posix-extended \
+            -regex ".*/($names)-[0-9a-f]{16}" -exec rm -rf {} +
+}
+
+if [ -z "${CARGO_TARGET_DIR:-}" ]; then
+    shared_build_folder
+fi
+TARGET="${CARGO_TARGET_DIR:-target}"
+
 # The package (its native extension: a release build) installs beside fmt and clippy (a check
 # build, in another profile's folder, so neither waits for the other's lock).
 beside setup bash scripts/setup.sh
@@ -94,7 +140,7 @@ echo "== cargo build (the planner and its runtime library)" >&2
 cargo build -p planner-cli --features run --quiet
 # pytest runs a copy: the Rust tests' build beside it may write the binary again.
 mkdir -p target/pytest-planner
-cp target/debug/planner target/debug/libplanner_run.so target/pytest-planner/
+cp "$TARGET/debug/planner" "$TARGET/debug/libplanner_run.so" target/pytest-planner/
 joined lint
 stop_if_failed
 phase "lint+build"
