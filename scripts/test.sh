@@ -109,9 +109,9 @@ forget_workspace_builds() {
     local names
     names="$(cargo metadata --no-deps --offline --format-version 1 \
         | python -c 'import json, sys; print("|".join(p["name"] for p in json.load(sys.stdin)["packages"]))')"
-    find "$1" -mindepth 2 -maxdepth 4 -type d -name .fingerprint -print0 \
-        | xargs -0 -I{} find {} -mindepth 1 -maxdepth 1 -type d -regextype posix-extended \
-            -regex ".*/($names)-[0-9a-f]{16}" -exec rm -rf {} +
+    find "$1" -mindepth 3 -maxdepth 5 -type d -path '*/.fingerprint/*' \
+        -regextype posix-extended -regex ".*/\.fingerprint/($names)-[0-9a-f]{16}" \
+        -prune -exec rm -rf {} +
 }
 
 if [ -z "${CARGO_TARGET_DIR:-}" ]; then
