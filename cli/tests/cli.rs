@@ -600,6 +600,80 @@ fn a_pareto_point_is_reproduced_by_plan_choices() {
     );
 }
 
+/// A `--budget-offload` answer states its per-layer offload in `layer_offload`, and `plan
+/// --choices` on that plan reproduces it: the same device peak, bytes offloaded and choices.
+/// Choices that offload a unit their layer does not keep are an error naming it.
+#[test]
+fn a_budget_offload_answer_is_reproduced_by_plan_choices() {
+    let graph = golden_graph("glm_dsa_ep2");
+    let hw = Scratch::new(
+        "fast-host-link.json",
+        br#"{"name": "fast-host-link", "host_bytes_per_s": 1e15, "asynchronous": true}"#,
+    );
+    let front = planner(&[&"pareto", &graph, &"--hw", &hw.0, &"--format", &"json"]);
+    assert!(front.status.success(), "{}", stderr(&front));
+    let doc: serde_json::Value = serde_json::from_slice(&front.stdout).unwrap();
+    let fastest = doc["points"].as_array().unwrap().last().unwrap()["peak_bytes"]
+        .as_u64()
+        .unwrap();
+    let budget = (fastest - 1).to_string();
+    let answer = Scratch::empty_path("answer.json");
+    let planned = planner(&[
+        &"plan",
+        &graph,
+        &"--budget",
+        &budget,
+        &"--budget-offload",
+        &"--hw",
+        &hw.0,
+        &"-q",
+        &"-o",
+        &answer.0,
+    ]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let answer_doc: serde_json::Value =
+        serde_json::from_slice(&fs::read(&answer.0).unwrap()).unwrap();
+    assert!(
+        !answer_doc["config"]["layer_offload"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "the answer just below the fastest point offloads"
+    );
+    let again = planner(&[
+        &"plan",
+        &graph,
+        &"--choices",
+        &answer.0,
+        &"--hw",
+        &hw.0,
+        &"--format",
+        &"json",
+    ]);
+    assert!(again.status.success(), "{}", stderr(&again));
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    for field in ["peak_bytes", "offloaded_bytes", "host_peak_bytes"] {
+        assert_eq!(
+            again["memory"][field], answer_doc["memory"][field],
+            "{field}"
+        );
+    }
+    for field in ["layer_keep", "layer_offload"] {
+        assert_eq!(
+            again["config"][field], answer_doc["config"][field],
+            "{field}"
+        );
+    }
+    let not_kept = Scratch::new(
+        "not-kept.json",
+        br#"{"layer_keep": [], "layer_offload": [{"model": "main", "layer": 0, "offload": ["SAVE_DSA_INDEXER"]}]}"#,
+    );
+    assert_clean_error(
+        &planner(&[&"plan", &graph, &"--choices", &not_kept.0]),
+        &["offload `SAVE_DSA_INDEXER` in layer 0 of model `main`, which that layer does not keep"],
+    );
+}
+
 #[test]
 fn allow_waives_named_warnings_under_deny_warnings() {
     let compiled = golden_graph("moe_ep2_compiled");
@@ -1183,6 +1257,12 @@ fn malformed_cases() -> Vec<Case> {
             vec![Make::Fifo("old.pb"), Make::Fifo("new.pb")],
             &["diff", "old.pb", "new.pb"],
             &["cannot read plan old.pb: it is a FIFO"],
+        ),
+        case(
+            "a budget's option beside --keep, with no budget",
+            vec![Make::File("g.pb", fs::read(golden_graph("dense")).unwrap())],
+            &["plan", "g.pb", "--keep", "all", "--budget-offload"],
+            &["--budget-offload chooses within a budget: give --budget SIZE too"],
         ),
         case(
             "choices file that is a character device",

@@ -174,7 +174,7 @@ pub struct PlanArgs {
     pub offloading: Offloading,
     /// Choose the units per layer that minimise replay time with the activation peak within
     /// SIZE (e.g. `40GiB`; the activation peak unless --budget-includes says more); replaces
-    /// --keep; offload cannot be combined with it (the search composes plans without it)
+    /// --keep; takes no --offload or --offload-kinds (--budget-offload lets it offload)
     #[arg(
         long,
         value_name = "SIZE",
@@ -190,8 +190,13 @@ pub struct PlanArgs {
     /// With --budget: choose whole units per layer, or also single ops
     #[arg(long, value_parser = spelled::<Granularity>(), default_value_t, requires = "budget")]
     pub granularity: Granularity,
+    /// With --budget: also choose, per layer, which kept units' saved values go to host memory
+    /// (--offload-prefetch applies), where that fits the budget with less replay plus exposed
+    /// transfer time than recomputing; whole units only (--granularity unit)
+    #[arg(long, requires = "budget")]
+    pub budget_offload: bool,
     /// Keep per layer the units a `pareto --format json` point (or a plan's JSON) lists in its
-    /// `layer_keep`; other layers follow --keep
+    /// `layer_keep`, and offload those its `layer_offload` lists; other layers follow --keep
     #[arg(long, value_name = "FILE.json")]
     pub choices: Option<PathBuf>,
     /// Output format [default: from the -o extension (.json, .pb, .dot), else text]
@@ -212,6 +217,26 @@ pub struct PlanArgs {
 }
 
 impl PlanArgs {
+    /// An option that only means something under `--budget`, given without it. clap checks
+    /// their `requires = "budget"` only when no option `--budget` conflicts with is given
+    /// (`--keep`, `--choices`, `--offload`); an option at its default value cannot be told
+    /// from one not given, and passes.
+    pub fn budget_option_without_budget(&self) -> Option<&'static str> {
+        if self.budget.is_some() {
+            return None;
+        }
+        [
+            (self.budget_offload, "--budget-offload"),
+            (self.granularity != Granularity::default(), "--granularity"),
+            (
+                self.budget_includes != BudgetBasis::default(),
+                "--budget-includes",
+            ),
+        ]
+        .into_iter()
+        .find_map(|(given, option)| given.then_some(option))
+    }
+
     /// The files the command reads, which no output may overwrite.
     pub fn inputs(&self) -> Vec<&Path> {
         let mut inputs = vec![self.graph.as_path()];

@@ -104,6 +104,9 @@ fn run(command: Command, runtime: Runtime<'_>) -> Result<(), Failure> {
 
 fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     // Configuration errors come before any other work.
+    if let Some(option) = args.budget_option_without_budget() {
+        return Err(format!("{option} chooses within a budget: give --budget SIZE too").into());
+    }
     let keep = config::parse_keep(&args.keep).map_err(|e| e.to_string())?;
     let offload = args.offloading.config()?;
     let config = PlanConfig {
@@ -155,7 +158,7 @@ fn make_plan(
         let bar = progress::Bar::new(args.quiet);
         let search = Search::with_progress(graph, config, hw, &bar).map_err(|e| e.to_string())?;
         return Ok(search
-            .answer(activations, args.granularity)
+            .answer(activations, args.granularity, args.budget_offload)
             .map_err(|e| e.to_string())?);
     }
     let mut resolved = config::resolve(graph, config).map_err(|e| e.to_string())?;
@@ -163,7 +166,9 @@ fn make_plan(
         let bytes = output::read_file(path, InputKind::Choices)?;
         let choices = config::parse_choices(graph, &bytes)
             .map_err(|e| format!("{}: {e}", ir::display::path(path)))?;
-        resolved = resolved.with_layer_units(choices);
+        resolved = resolved
+            .with_choices(graph, choices)
+            .map_err(|e| format!("{}: {e}", ir::display::path(path)))?;
     }
     Ok(plan::plan_resolved(graph, config, resolved, hw).map_err(|e| e.to_string())?)
 }

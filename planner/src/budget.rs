@@ -77,8 +77,10 @@ pub enum BudgetError {
     TooManyUnits { model: String, units: usize },
     #[error("the search was interrupted")]
     Interrupted,
-    #[error("--budget does not search over offload: plan without --offload and --offload-kinds, or offload without --budget")]
+    #[error("--budget takes no --offload or --offload-kinds: with --budget-offload it chooses per layer which kept units to offload itself; or offload without --budget")]
     Offload,
+    #[error("--budget-offload chooses whole units per layer: use it with --granularity unit")]
+    OffloadOps,
 }
 
 /// Stops a search its caller interrupted.
@@ -371,6 +373,11 @@ impl<'g> Search<'g> {
 
     /// The plan keeping, in each searched layer, the units of its option.
     fn plan_of(&self, choice: &[u8]) -> Result<Plan, BudgetError> {
+        self.plan_resolved(self.resolved_of(choice))
+    }
+
+    /// The configuration keeping, in each searched layer, the units of its option.
+    fn resolved_of(&self, choice: &[u8]) -> Resolved {
         let layer_units = self
             .layers
             .at
@@ -378,7 +385,7 @@ impl<'g> Search<'g> {
             .zip(choice)
             .map(|(&at, &o)| (at, subset(usize::from(o))))
             .collect();
-        self.plan_resolved(self.resolved.clone().with_layer_units(layer_units))
+        self.resolved.clone().with_layer_units(layer_units)
     }
 
     fn plan_resolved(&self, resolved: Resolved) -> Result<Plan, BudgetError> {
@@ -416,6 +423,112 @@ impl<'g> Search<'g> {
             budget,
             smallest: nothing.memory.peak_bytes.unwrap_or(0),
         })
+    }
+
+    /// `--budget-offload`: the fastest plan that fits `budget` when the saved values of kept
+    /// units may also go to host memory, chosen per layer and unit.
+    ///
+    /// Time is the plan's replay time plus its exposed transfer time (the copies compute does
+    /// not hide). Offload changes no replay, so a frontier point can only gain by it where its
+    /// peak is above the budget, and it never gets faster than its own replay time: the points
+    /// above the budget are tried fastest first, until one's replay time alone is no faster
+    /// than the best answer found (the answer without offload first, when one fits).
+    ///
+    /// For one point, its (layer, unit) pairs are offloaded in layer order: an early layer's
+    /// values stay saved the longest, and the most compute follows their copy to the host and
+    /// precedes their first read in backward, so their copies are the easiest to hide. The
+    /// shortest prefix of that order whose full plan fits is found by binary search, after
+    /// checking the whole order fits (about `log2(pairs) + 1` plans per point). Optimality gap:
+    /// a prefix in layer order is not the cheapest subset in general (a later layer's smaller
+    /// values may fit with less exposed time), and the binary search assumes that offloading
+    /// more never raises the device peak.
+    pub fn within_offloading(&self, budget: u64) -> Result<Plan, BudgetError> {
+        let front = self.frontier(DEFAULT_STEPS)?;
+        let mut best = match self.within(budget) {
+            Ok(plan) => Some(plan),
+            Err(BudgetError::Infeasible { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        self.stage("offload", None);
+        // The smallest peak seen, for the error when nothing fits.
+        let mut smallest = self.floor()?;
+        for point in front.iter().rev().filter(|p| p.figures.peak_bytes > budget) {
+            if best
+                .as_ref()
+                .is_some_and(|b| point.figures.replay_time_s >= step_cost(b))
+            {
+                break;
+            }
+            match self.offloaded_within(point, budget)? {
+                Ok(plan) => {
+                    if best
+                        .as_ref()
+                        .is_none_or(|b| step_cost(&plan) < step_cost(b))
+                    {
+                        best = Some(plan);
+                    }
+                }
+                Err(peak) => smallest = smallest.min(peak),
+            }
+        }
+        best.ok_or(BudgetError::Infeasible { budget, smallest })
+    }
+
+    /// The plan of `point` with the shortest prefix of its (layer, unit) pairs, in layer order,
+    /// offloaded that fits `budget`; else the peak with all of them offloaded (the point's own
+    /// if it keeps nothing).
+    fn offloaded_within(
+        &self,
+        point: &Point,
+        budget: u64,
+    ) -> Result<Result<Plan, u64>, BudgetError> {
+        let pairs: Vec<(LayerRef, UnitId)> = self
+            .layers
+            .at
+            .iter()
+            .zip(&point.choice)
+            .flat_map(|(&at, &o)| subset(usize::from(o)).into_iter().map(move |u| (at, u)))
+            .collect();
+        if pairs.is_empty() {
+            return Ok(Err(point.figures.peak_bytes));
+        }
+        let plan_with = |k: usize| self.plan_offloading(&point.choice, &pairs[..k]);
+        let all = plan_with(pairs.len())?;
+        if !fits(&all, budget) {
+            // Above the budget, or rejected (the host memory overflows): the point stands.
+            let peak = match all.has_errors() {
+                true => point.figures.peak_bytes,
+                false => all.memory.peak_bytes.unwrap_or(0),
+            };
+            return Ok(Err(peak));
+        }
+        // Invariant: the prefix of `hi` pairs fits; `lo` pairs or fewer do not (none offloaded
+        // is the point itself, above the budget).
+        let (mut lo, mut hi, mut fitting) = (0usize, pairs.len(), all);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            let plan = plan_with(mid)?;
+            if fits(&plan, budget) {
+                (hi, fitting) = (mid, plan);
+            } else {
+                lo = mid;
+            }
+        }
+        Ok(Ok(fitting))
+    }
+
+    /// The plan keeping, in each searched layer, the units of its option, with the saved
+    /// values of `offloaded` (layer, unit) pairs on the host.
+    fn plan_offloading(
+        &self,
+        choice: &[u8],
+        offloaded: &[(LayerRef, UnitId)],
+    ) -> Result<Plan, BudgetError> {
+        let mut layer_offload: BTreeMap<LayerRef, Vec<UnitId>> = BTreeMap::new();
+        for &(at, unit) in offloaded {
+            layer_offload.entry(at).or_default().push(unit);
+        }
+        self.plan_resolved(self.resolved_of(choice).with_layer_offload(layer_offload))
     }
 
     fn check_floor(&self, budget: u64) -> Result<(), BudgetError> {
@@ -640,12 +753,21 @@ ir::spelled! {
 }
 
 impl Search<'_> {
-    /// The answer to `--budget budget` at `granularity`, its configuration stating the budget:
-    /// what `planner plan --budget` and the Python `plan(budget=...)` return.
-    pub fn answer(&self, budget: u64, granularity: Granularity) -> Result<Plan, BudgetError> {
-        let mut plan = match granularity {
-            Granularity::Unit => self.within(budget),
-            Granularity::Op => self.within_ops(budget),
+    /// The answer to `--budget budget` at `granularity`, with kept units' saved values also
+    /// offloaded where that is faster when `offload` (`--budget-offload`), its configuration
+    /// stating the budget: what `planner plan --budget` and the Python `plan(budget=...)`
+    /// return.
+    pub fn answer(
+        &self,
+        budget: u64,
+        granularity: Granularity,
+        offload: bool,
+    ) -> Result<Plan, BudgetError> {
+        let mut plan = match (granularity, offload) {
+            (Granularity::Unit, false) => self.within(budget),
+            (Granularity::Unit, true) => self.within_offloading(budget),
+            (Granularity::Op, false) => self.within_ops(budget),
+            (Granularity::Op, true) => Err(BudgetError::OffloadOps),
         }?;
         plan.config.budget_bytes = Some(budget);
         Ok(plan)
@@ -668,6 +790,12 @@ fn subset(o: usize) -> Vec<UnitId> {
         .filter(|i| o >> i & 1 == 1)
         .map(UnitId::from_index)
         .collect()
+}
+
+/// What a budget answer with offload minimises: replay time plus the transfer time compute
+/// does not hide.
+fn step_cost(plan: &Plan) -> f64 {
+    plan.cost.replay_time_s + plan.cost.exposed_transfer_time_s
 }
 
 /// Less replay time, or as much with a lower peak.

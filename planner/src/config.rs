@@ -115,6 +115,12 @@ pub enum ConfigError {
     ChoicesFormat { reason: String },
     #[error("the choices name {what}, which this graph does not have")]
     ChoicesUnknown { what: String },
+    #[error("the choices offload `{unit}` in layer {layer} of model `{model}`, which that layer does not keep: offload moves what a kept unit saves (keep it there too)")]
+    ChoicesOffloadNotKept {
+        model: String,
+        layer: u32,
+        unit: String,
+    },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -167,6 +173,9 @@ pub struct Resolved {
     pub chosen_ops: BTreeSet<NodeId>,
     /// Per model, the kept units whose saved values `--offload` moves to the host.
     pub offload_units: IdVec<ModelId, Vec<UnitId>>,
+    /// Per-layer offload choices (the budget solver's, or `--choices`) that replace the
+    /// model's offloaded units there.
+    pub layer_offload: BTreeMap<LayerRef, Vec<UnitId>>,
 }
 
 impl Resolved {
@@ -185,6 +194,43 @@ impl Resolved {
     pub fn with_layer_units(mut self, layer_units: BTreeMap<LayerRef, Vec<UnitId>>) -> Self {
         self.layer_units = layer_units;
         self
+    }
+
+    /// The kept units whose saved values go to the host in `layer` of `model`.
+    pub fn offloaded_at(&self, at: LayerRef) -> &[UnitId] {
+        self.layer_offload
+            .get(&at)
+            .unwrap_or(&self.offload_units[at.model])
+    }
+
+    /// Whether a unit's saved values go to the host anywhere.
+    pub fn offloads_units(&self) -> bool {
+        self.offload_units.values().any(|units| !units.is_empty())
+            || self.layer_offload.values().any(|units| !units.is_empty())
+    }
+
+    /// Replaces the offloaded units of single layers.
+    pub fn with_layer_offload(mut self, layer_offload: BTreeMap<LayerRef, Vec<UnitId>>) -> Self {
+        self.layer_offload = layer_offload;
+        self
+    }
+
+    /// Applies a `--choices` file: its layers' kept units, then their offloaded units, each of
+    /// which the layer must keep (a unit not kept saves nothing to move).
+    pub fn with_choices(self, graph: &Graph, choices: Choices) -> Result<Self, ConfigError> {
+        let resolved = self.with_layer_units(choices.keep);
+        for (&at, units) in &choices.offload {
+            let kept = resolved.kept_at(at);
+            if let Some(&unit) = units.iter().find(|u| !kept.contains(u)) {
+                let model = graph.model(at.model);
+                return Err(ConfigError::ChoicesOffloadNotKept {
+                    unit: model.units[unit].name.clone(),
+                    model: model.name.clone(),
+                    layer: at.layer,
+                });
+            }
+        }
+        Ok(resolved.with_layer_offload(choices.offload))
     }
 
     /// Keeps these ops too, wherever they are (when eligible: eager, not mutable, ...).
@@ -244,6 +290,7 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
         checkpointed_layers,
         chosen_ops: BTreeSet::new(),
         offload_units,
+        layer_offload: BTreeMap::new(),
     })
 }
 
@@ -299,34 +346,73 @@ pub fn checkpointed_layer_count(ratio: f64, num_layers: u32) -> u32 {
     (ratio * f64::from(num_layers)).floor() as u32
 }
 
-/// Per-layer unit choices from JSON: a `pareto --format json` point, or a plan, whose
-/// `layer_keep` (top level, or under `config`) lists `{"model", "layer", "keep": [units]}`.
-/// Unit names match case-insensitively; every model, layer and unit must exist.
-pub fn parse_choices(
-    graph: &Graph,
-    json: &[u8],
-) -> Result<BTreeMap<LayerRef, Vec<UnitId>>, ConfigError> {
-    let format = |reason: String| ConfigError::ChoicesFormat { reason };
-    let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| format(e.to_string()))?;
-    let list = doc
-        .get("layer_keep")
-        .or_else(|| doc.get("config").and_then(|c| c.get("layer_keep")))
-        .ok_or_else(|| format("no `layer_keep`".to_owned()))?;
-    let entries: Vec<ChoiceEntry> =
-        serde_json::from_value(list.clone()).map_err(|e| format(e.to_string()))?;
-    entries
-        .into_iter()
-        .map(|entry| entry.resolve(graph))
-        .collect()
+/// Per-layer choices a `--choices` file states: the units each listed layer keeps, and the
+/// kept units each listed layer offloads.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Choices {
+    pub keep: BTreeMap<LayerRef, Vec<UnitId>>,
+    pub offload: BTreeMap<LayerRef, Vec<UnitId>>,
 }
 
-/// One layer's choice as the JSON spells it.
+/// Per-layer choices from JSON: a `pareto --format json` point, or a plan, whose `layer_keep`
+/// (top level, or under `config`) lists `{"model", "layer", "keep": [units]}` and whose
+/// optional `layer_offload` lists `{"model", "layer", "offload": [units]}`. Unit names match
+/// case-insensitively; every model, layer and unit must exist.
+pub fn parse_choices(graph: &Graph, json: &[u8]) -> Result<Choices, ConfigError> {
+    let format = |reason: String| ConfigError::ChoicesFormat { reason };
+    let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| format(e.to_string()))?;
+    let field = |name: &str| {
+        doc.get(name)
+            .or_else(|| doc.get("config").and_then(|c| c.get(name)))
+    };
+    let keep: Vec<ChoiceEntry> = serde_json::from_value(
+        field("layer_keep")
+            .ok_or_else(|| format("no `layer_keep`".to_owned()))?
+            .clone(),
+    )
+    .map_err(|e| format(e.to_string()))?;
+    let offload: Vec<OffloadEntry> = match field("layer_offload") {
+        Some(list) => serde_json::from_value(list.clone()).map_err(|e| format(e.to_string()))?,
+        None => Vec::new(),
+    };
+    Ok(Choices {
+        keep: keep
+            .into_iter()
+            .map(|entry| entry.resolve(graph))
+            .collect::<Result<_, _>>()?,
+        offload: offload
+            .into_iter()
+            .map(|entry| ChoiceEntry::from(entry).resolve(graph))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
+/// One layer's kept units as the JSON spells them.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ChoiceEntry {
     model: String,
     layer: u32,
     keep: Vec<String>,
+}
+
+/// One layer's offloaded units as the JSON spells them.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OffloadEntry {
+    model: String,
+    layer: u32,
+    offload: Vec<String>,
+}
+
+impl From<OffloadEntry> for ChoiceEntry {
+    fn from(e: OffloadEntry) -> Self {
+        ChoiceEntry {
+            model: e.model,
+            layer: e.layer,
+            keep: e.offload,
+        }
+    }
 }
 
 impl ChoiceEntry {

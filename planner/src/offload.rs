@@ -9,7 +9,7 @@
 //! and comes back; [`transfer`] times the copies.
 
 use ir::{
-    plan::{Decision, SavedKind},
+    plan::{Decision, LayerRef, SavedKind},
     EntityId, Graph, ModelId, NodeId, UnitId, ValueId,
 };
 
@@ -56,7 +56,7 @@ pub fn select(
     policy: &Policy,
     partition: &Partition,
 ) -> Selection {
-    if !config.offload.is_asked() {
+    if config.offload.kinds.is_empty() && !resolved.offloads_units() {
         return Selection::default();
     }
     let asked = |value: ValueId, kind: SavedKind| {
@@ -84,7 +84,8 @@ pub fn select(
     selection
 }
 
-/// Whether `value` is the output of an op kept by a unit `--offload` names.
+/// Whether `value` is the output of an op kept by a unit offloaded in its layer (`--offload`,
+/// or a per-layer choice).
 fn kept_by_offloaded_unit(
     graph: &Graph,
     resolved: &Resolved,
@@ -94,11 +95,18 @@ fn kept_by_offloaded_unit(
     let Some(producer) = graph.producer(value) else {
         return false;
     };
-    let model = graph.node(producer).model;
+    let node = graph.node(producer);
+    let offloaded = match node.layer {
+        Some(layer) => resolved.offloaded_at(LayerRef {
+            model: node.model,
+            layer,
+        }),
+        None => &resolved.offload_units[node.model],
+    };
     policy.nodes[producer]
         .filter(|p| p.decision == Decision::Save)
         .and_then(|p| p.unit)
-        .is_some_and(|unit| resolved.offload_units[model].contains(&unit))
+        .is_some_and(|unit| offloaded.contains(&unit))
 }
 
 /// Why the storage of `root` must stay on the device, if it must.

@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, HashSet};
 
 use ir::{
     plan::{
-        Config, Cost, Decision, Executor, GraphRef, Keep, LayerKeep, Memory, NodeDecision, Plan,
-        Replay, SavedValue, UnitLayer, UnitSummary, PLANNER_VERSION,
+        Config, Cost, Decision, Executor, GraphRef, Keep, LayerKeep, LayerRef, Memory,
+        NodeDecision, Plan, Replay, SavedValue, UnitLayer, UnitSummary, PLANNER_VERSION,
     },
-    EntityId, Graph, NodeId, Phase, Role,
+    EntityId, Graph, NodeId, Phase, Role, UnitId,
 };
 use rayon::prelude::*;
 use thiserror::Error;
@@ -185,9 +185,10 @@ fn finish(
             random_ops: config.random_ops,
             executor: config.executor,
             budget_bytes: None,
-            layer_keep: layer_keep(resolved),
+            layer_keep: layer_choices(&resolved.layer_units),
             training: config.training,
             offload: config.offload.clone(),
+            layer_offload: layer_choices(&resolved.layer_offload),
         },
         joint: partition.is_some(),
         nodes: node_decisions(graph, &policy, &saved),
@@ -462,9 +463,9 @@ fn replays(partition: &Partition, work: &NodeWork) -> Vec<Replay> {
         .collect()
 }
 
-fn layer_keep(resolved: &Resolved) -> Vec<LayerKeep> {
-    resolved
-        .layer_units
+/// Per-layer units (kept, or offloaded) as the plan's configuration states them.
+fn layer_choices(choices: &BTreeMap<LayerRef, Vec<UnitId>>) -> Vec<LayerKeep> {
+    choices
         .iter()
         .map(|(&at, units)| LayerKeep {
             at,

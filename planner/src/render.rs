@@ -51,7 +51,8 @@ pub fn text(plan: &Plan, graph: &Graph) -> String {
     out
 }
 
-/// The budget solver's per-layer choices, runs of equal choices folded.
+/// The budget solver's per-layer choices, runs of equal choices folded, and the per-layer
+/// offload choices (its own under `--budget-offload`, or `--choices`).
 fn text_budget(w: &mut String, plan: &Plan, graph: &Graph) {
     if let Some(budget) = plan.config.budget_bytes {
         let _ = writeln!(
@@ -59,6 +60,13 @@ fn text_budget(w: &mut String, plan: &Plan, graph: &Graph) {
             "budget {}: keeps {}",
             format_bytes(budget),
             crate::pareto::describe(&plan.config.layer_keep, graph)
+        );
+    }
+    if !plan.config.layer_offload.is_empty() {
+        let _ = writeln!(
+            w,
+            "offloads to host memory: {}",
+            crate::pareto::describe(&plan.config.layer_offload, graph)
         );
     }
 }

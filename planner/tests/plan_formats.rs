@@ -96,15 +96,17 @@ fn the_json_writer_writes_exactly_the_fields_of_plan_proto() {
     // Nothing kept (diagnostics), and everything kept in half the layers (unit summaries).
     for config in configs() {
         let mut written = plan(&graph, &config, &HwProfile::default()).unwrap();
-        // A layer choice, so that `LayerKeep` is written too.
+        // Layer choices, so that `LayerKeep` and `LayerOffload` are written too.
         let first = written.nodes[0];
-        written.config.layer_keep = vec![LayerKeep {
+        let layer = LayerKeep {
             at: LayerRef {
                 model: first.model,
                 layer: 0,
             },
             units: Vec::new(),
-        }];
+        };
+        written.config.layer_keep = vec![layer.clone()];
+        written.config.layer_offload = vec![layer];
         let json: serde_json::Value =
             serde_json::from_slice(&written.encode(&graph, Format::Json)).unwrap();
         check_fields(&json, "Plan", &file, &mut checked);

@@ -213,7 +213,7 @@ fn m4_a_device_total_budget_answers_a_plan_whose_device_total_fits() {
             .unwrap();
         let answer = Search::new(&graph, &config, &hw)
             .unwrap()
-            .answer(activations, Granularity::Unit)
+            .answer(activations, Granularity::Unit, false)
             .unwrap();
         let total = answer.memory.device.unwrap().total_bytes;
         assert!(total <= budget, "{training:?}: {total} > {budget}");

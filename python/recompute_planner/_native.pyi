@@ -51,6 +51,7 @@ def plan(
     budget_size: str | None = None,
     budget_includes: str = "activations",
     granularity: str,
+    budget_offload: bool = False,
     fsdp: int = 1,
     optimizer_name: str = "adamw",
     optimizer_state_dtype_name: str = "fp32",

@@ -37,6 +37,7 @@ def plan(
     budget: int | str | None = None,
     budget_includes: str = "activations",
     granularity: str = "unit",
+    budget_offload: bool = False,
     fsdp: int = 1,
     optimizer: str = "adamw",
     optimizer_state_dtype: str = "fp32",
@@ -64,7 +65,9 @@ def plan(
       minimise replay time within it (replaces ``keep``); ``granularity``: ``"unit"`` (whole
       units) or ``"op"`` (units, then single ops); ``budget_includes``: what it bounds,
       ``"activations"`` (the activation peak), ``"params"`` (with the parameters) or
-      ``"training-state"`` (the device total);
+      ``"training-state"`` (the device total); ``budget_offload``: also choose, per layer,
+      which kept units' saved values go to host memory where that fits the budget faster than
+      recomputing (with ``granularity="unit"``; docs/cost-and-memory.md, M5);
     - ``fsdp``, ``optimizer`` (``"adamw"``, ``"sgd"``, ``"none"``), ``optimizer_state_dtype``
       (``"fp32"`` or ``"param"``), ``master_weights``: the training state the device total
       (``plan.memory.device_total_bytes``) counts: FSDP shard degree (1: unsharded), the
@@ -75,8 +78,8 @@ def plan(
       ``"layer-input"``, ``"not-checkpointed"``, ``"writes-resident"``,
       ``"reads-overwritten"``, ``"written-unreplayably"``; ``"parameter"`` and
       ``"graph-input"`` are accepted and never move); ``offload_prefetch``: how many backward
-      steps before its first backward read a value's reload starts (default 4); not with
-      ``budget`` (docs/cost-and-memory.md, M5);
+      steps before its first backward read a value's reload starts (default 4); ``offload``
+      and ``offload_kinds`` not with ``budget`` (docs/cost-and-memory.md, M5);
     - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
       ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
       (fields left out keep the H200's); default H200;
@@ -101,6 +104,7 @@ def plan(
         budget_size=None if budget is None else str(budget),
         budget_includes=budget_includes,
         granularity=granularity,
+        budget_offload=bool(budget_offload),
         fsdp=fsdp,
         optimizer_name=optimizer,
         optimizer_state_dtype_name=optimizer_state_dtype,

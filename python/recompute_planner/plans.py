@@ -162,9 +162,21 @@ class Diagnostic:
 
 @dataclass(frozen=True)
 class LayerKeep:
+    """The units one layer keeps (a ``budget`` answer's, or ``--choices``)."""
+
     model: str
     layer: int
     keep: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LayerOffload:
+    """The kept units of one layer whose saved values go to host memory (a ``budget_offload``
+    answer's, or ``--choices``)."""
+
+    model: str
+    layer: int
+    offload: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,7 @@ class Config:
     offload: tuple[str, ...] = ()  # kept units whose saved values go to the host (M5)
     offload_kinds: tuple[str, ...] = ()  # saved kinds offloaded wherever they are
     offload_prefetch: int = 4  # backward steps a reload starts before the first read
+    layer_offload: tuple[LayerOffload, ...] = ()  # per-layer choices replacing ``offload``
 
 
 @dataclass(frozen=True)
@@ -359,7 +372,13 @@ def _config(doc: dict[str, Any]) -> Config:
     lists: dict[str, Any] = {
         key: tuple(doc[key]) for key in ("keep", "offload", "offload_kinds") if key in doc
     }
-    return _make(Config, {**doc, **lists, "layer_keep": layer_keep})
+    layer_offload = tuple(
+        LayerOffload(k["model"], k["layer"], tuple(k["offload"]))
+        for k in doc.get("layer_offload", [])
+    )
+    return _make(
+        Config, {**doc, **lists, "layer_keep": layer_keep, "layer_offload": layer_offload}
+    )
 
 
 def _unit(doc: dict[str, Any]) -> UnitSummary:
@@ -388,6 +407,7 @@ __all__ = [
     "Diagnostic",
     "GraphRef",
     "LayerKeep",
+    "LayerOffload",
     "Memory",
     "NodeDecision",
     "Plan",

@@ -412,6 +412,39 @@ def test_eager_budget_answer_fits_its_budget_when_measured():
     assert len(answers) == 2, answers  # two budgets, two different answers
 
 
+def test_eager_budget_offload_answer_fits_its_budget_when_measured():
+    """An eager ``budget_offload`` answer that offloads, applied under eager SAC with its
+    offload, holds no more than the budget on the allocator (the host copies live outside
+    it), and the answer is no slower than the one without offload. On a profile with a fast,
+    overlapped host link, budgets just below keeping everything."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import predictions as table
+    finally:
+        sys.path.pop(0)
+    case = table.zoo_case("dense", 4, 32)
+    fast_link = {"name": "fast-host-link", "host_bytes_per_s": 1e15, "asynchronous": True}
+    low = table.measure_case(case, "none", None)["predicted_peak"]
+    high = table.measure_case(case, "all", "all")["predicted_peak"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        for fraction in (0.95, 0.85, 0.75, 0.6):
+            budget = int(low + fraction * (high - low))
+            options = {"budget": budget, "executor": "eager", "hw": fast_link}
+            plan = rp.plan(case.graph, budget_offload=True, **options)
+            if plan.config.layer_offload:
+                break
+        else:
+            pytest.fail("no budget between keeping nothing and everything is met by offload")
+        plain = rp.plan(case.graph, **options)
+    assert plan.memory.peak_bytes <= budget and plan.memory.offloaded_bytes > 0
+    cost = plan.cost.replay_time_s + plan.cost.exposed_transfer_time_s
+    assert cost <= plain.cost.replay_time_s
+    loss, params = case.step(plan)
+    measured = measure.measure_step(loss, params, case.input_bytes).peak_bytes
+    assert measured <= budget, f"budget {budget} B, measured {measured} B"
+
+
 
 @pytest.mark.parametrize(
     "case, keep",

@@ -165,6 +165,7 @@ struct ConfigJson<'a> {
     offload: &'a [String],
     offload_kinds: Vec<&'static str>,
     offload_prefetch: u32,
+    layer_offload: Each<'a, LayerKeep, LayerOffloadJson<'a>>,
 }
 
 impl<'a> ConfigJson<'a> {
@@ -184,6 +185,7 @@ impl<'a> ConfigJson<'a> {
             offload: &c.offload.units,
             offload_kinds: c.offload.kinds.iter().map(|k| k.name()).collect(),
             offload_prefetch: c.offload.prefetch,
+            layer_offload: Each::new(&c.layer_offload, |l| LayerOffloadJson::of(l, names)),
         }
     }
 }
@@ -202,6 +204,25 @@ impl<'a> LayerKeepJson<'a> {
             model: names.model(l.at.model),
             layer: l.at.layer,
             keep: l.units.iter().map(|&u| names.unit(l.at.model, u)).collect(),
+        }
+    }
+}
+
+/// `{"model", "layer", "offload"}`: the units of one layer whose saved values go to the host.
+#[derive(Serialize)]
+struct LayerOffloadJson<'a> {
+    model: &'a str,
+    layer: u32,
+    offload: Vec<&'a str>,
+}
+
+impl<'a> LayerOffloadJson<'a> {
+    fn of(l: &'a LayerKeep, names: &'a dyn PlanNames) -> Self {
+        let LayerKeepJson { model, layer, keep } = LayerKeepJson::of(l, names);
+        LayerOffloadJson {
+            model,
+            layer,
+            offload: keep,
         }
     }
 }

@@ -106,6 +106,10 @@ pub struct Config {
     pub layer_keep: Vec<LayerKeep>,
     pub training: Training,
     pub offload: Offload,
+    /// Per-layer offload choices that replace `offload.units` in their layers: the kept units
+    /// whose saved values go to host memory there (the budget solver's under
+    /// `--budget-offload`, or `plan --choices`); empty when `offload.units` applies everywhere.
+    pub layer_offload: Vec<LayerKeep>,
 }
 
 /// `--offload`, `--offload-kinds`, `--offload-prefetch`: which saved values the executor moves
@@ -175,7 +179,7 @@ pub struct LayerRef {
     pub layer: u32,
 }
 
-/// The units kept in one layer.
+/// Units of one layer: those it keeps (`layer_keep`) or offloads (`layer_offload`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerKeep {
     pub at: LayerRef,

@@ -230,17 +230,21 @@ impl Plan {
             diagnostics,
             ..
         } = self;
-        let layer_keep = config
-            .layer_keep
-            .into_iter()
-            .map(|l| LayerKeep {
-                units: l.units.iter().map(|&u| b.unit(l.at.model, u)).collect(),
-                at: b.layer(l.at),
-            })
-            .collect();
+        let bind_layers = |layers: Vec<LayerKeep>| -> Vec<LayerKeep> {
+            layers
+                .into_iter()
+                .map(|l| LayerKeep {
+                    units: l.units.iter().map(|&u| b.unit(l.at.model, u)).collect(),
+                    at: b.layer(l.at),
+                })
+                .collect()
+        };
+        let layer_keep = bind_layers(config.layer_keep);
+        let layer_offload = bind_layers(config.layer_offload);
         Ok(Plan {
             config: super::Config {
                 layer_keep,
+                layer_offload,
                 ..config
             },
             nodes: nodes

@@ -142,6 +142,21 @@ pub fn layer_keep_to_wire(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> Ve
         .collect()
 }
 
+/// The named form of per-layer offload choices.
+fn layer_offload_to_wire(
+    layer_offload: &[LayerKeep],
+    names: &dyn PlanNames,
+) -> Vec<pb::LayerOffload> {
+    layer_keep_to_wire(layer_offload, names)
+        .into_iter()
+        .map(|l| pb::LayerOffload {
+            model: l.model,
+            layer: l.layer,
+            offload: l.keep,
+        })
+        .collect()
+}
+
 fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
     pb::Config {
         keep: config.keep.names(),
@@ -163,6 +178,7 @@ fn config_to_wire(config: &Config, names: &dyn PlanNames) -> pb::Config {
             .map(|k| k.name().to_owned())
             .collect(),
         offload_prefetch: config.offload.prefetch,
+        layer_offload: layer_offload_to_wire(&config.layer_offload, names),
     }
 }
 
@@ -316,6 +332,17 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
                 .collect::<Result<_, _>>()?,
             prefetch: c.offload_prefetch,
         },
+        layer_offload: layer_keep_from_wire(
+            c.layer_offload
+                .into_iter()
+                .map(|l| pb::LayerKeep {
+                    model: l.model,
+                    layer: l.layer,
+                    keep: l.offload,
+                })
+                .collect(),
+            names,
+        ),
     })
 }
 

@@ -88,9 +88,9 @@ impl From<ConfigError> for Failure {
             ConfigError::EmptyOffloadUnit { .. } => "invalid-offload",
             ConfigError::OffloadNotKept { .. } => "offload-not-kept",
             ConfigError::Ratio { .. } => "invalid-ratio",
-            ConfigError::ChoicesFormat { .. } | ConfigError::ChoicesUnknown { .. } => {
-                "invalid-choices"
-            }
+            ConfigError::ChoicesFormat { .. }
+            | ConfigError::ChoicesUnknown { .. }
+            | ConfigError::ChoicesOffloadNotKept { .. } => "invalid-choices",
         };
         Failure::new(code, e)
     }
@@ -113,7 +113,7 @@ impl From<BudgetError> for Failure {
             BudgetError::NotJoint => "budget-needs-joint-graph",
             BudgetError::TooManyUnits { .. } => "too-many-units",
             BudgetError::Interrupted => "interrupted",
-            BudgetError::Offload => "invalid-option",
+            BudgetError::Offload | BudgetError::OffloadOps => "invalid-option",
         };
         Failure::new(code, e)
     }
@@ -169,11 +169,13 @@ impl<D: Deref<Target = [u8]>> Source<D> {
     }
 }
 
-/// `--budget`, `--budget-includes` and `--granularity`.
+/// `--budget`, `--budget-includes`, `--granularity` and `--budget-offload`.
 struct Budget {
     bytes: u64,
     basis: BudgetBasis,
     granularity: Granularity,
+    /// `--budget-offload`: the search also offloads kept units' saved values.
+    offload: bool,
 }
 
 fn graph_format(name: &str) -> Result<GraphFormat, Failure> {
@@ -259,15 +261,23 @@ fn budget(
     size: Option<&str>,
     includes: &str,
     granularity: &str,
+    offload: bool,
 ) -> Result<Option<Budget>, Failure> {
     let granularity = spelled::<Granularity>("granularity", granularity)?;
     let basis = spelled::<BudgetBasis>("budget_includes", includes)?;
+    if offload && size.is_none() {
+        return Err(Failure::new(
+            "invalid-option",
+            "budget_offload chooses what to offload within a budget: give `budget` too",
+        ));
+    }
     size.map(|size| {
         let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
         Ok(Budget {
             bytes,
             basis,
             granularity,
+            offload,
         })
     })
     .transpose()
@@ -313,8 +323,11 @@ impl Planning {
             Some(budget) => {
                 let activations = State::of(&graph, &self.config.training)
                     .activation_budget(budget.bytes, budget.basis)?;
-                Search::with_progress(&graph, &self.config, &self.hw, progress)?
-                    .answer(activations, budget.granularity)?
+                Search::with_progress(&graph, &self.config, &self.hw, progress)?.answer(
+                    activations,
+                    budget.granularity,
+                    budget.offload,
+                )?
             }
         };
         Ok(PlannedGraph { plan, graph })
@@ -448,7 +461,8 @@ fn json_text(bytes: Vec<u8>) -> String {
 #[pyfunction]
 #[pyo3(signature = (
     *, path, data=None, format=None, graph=None, keep, recompute_ratio, collectives_name, random_ops_name,
-    executor_name, budget_size=None, budget_includes="activations", granularity, fsdp=1,
+    executor_name, budget_size=None, budget_includes="activations", granularity,
+    budget_offload=false, fsdp=1,
     optimizer_name="adamw", optimizer_state_dtype_name="fp32", master_weights=false,
     offload=Vec::new(), offload_kinds=Vec::new(), offload_prefetch=Offload::DEFAULT_PREFETCH,
     hw_name=None, hw_json=None, hw_path=None
@@ -468,6 +482,7 @@ fn plan(
     budget_size: Option<&str>,
     budget_includes: &str,
     granularity: &str,
+    budget_offload: bool,
     fsdp: u32,
     optimizer_name: &str,
     optimizer_state_dtype_name: &str,
@@ -483,7 +498,7 @@ fn plan(
         // Configuration errors come before any other work, as in the CLI.
         let keep = config::parse_keep(&keep)?;
         let recompute_ratio = config::check_ratio(recompute_ratio)?;
-        let budget = budget(budget_size, budget_includes, granularity)?;
+        let budget = budget(budget_size, budget_includes, granularity, budget_offload)?;
         let training = training(
             fsdp,
             optimizer_name,

@@ -54,6 +54,7 @@ pub fn plan_without_checkpointing(graph: &Graph) -> Plan {
             layer_keep: Vec::new(),
             training: Default::default(),
             offload: Default::default(),
+            layer_offload: Vec::new(),
         },
         joint: true,
         nodes: Vec::new(),
