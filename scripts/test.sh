@@ -76,28 +76,31 @@ source scripts/env.sh
 # The build folder. A fresh clone's own `target/` compiles every dependency again in each of the
 # four builds below (clippy's check, the dev build, the tests, the extension's release build),
 # several CPU-minutes of this suite. The test command builds in a folder kept beside the venv
-# instead, keyed by Cargo.lock and the compiler, so a later clone (CI's, every time) compiles only
-# this workspace's crates. Those always compile again: their fingerprints are removed first, so
-# no clone can be handed another clone's build of its own sources whatever the files' times
-# (cargo judges a path crate by modification times); dependencies are pinned by Cargo.lock and
-# reused. One run holds the folder at a time (a lock); a run that finds it busy, or runs with
-# CARGO_TARGET_DIR set, builds where cargo would. Other keys' folders are removed when free.
+# instead, keyed by Cargo.lock, the compiler and the venv (torch-sys records its libtorch's
+# path), so a later clone (CI's, every time) compiles only this workspace's crates. Those
+# always compile again: their fingerprints are removed first, so no clone can be handed another
+# clone's build of its own sources whatever the files' times (cargo judges a path crate by
+# modification times); dependencies are pinned by Cargo.lock and reused. One run holds the
+# folder at a time (a lock, held by this script and what it starts); a run that finds it busy,
+# that cannot lock (no flock, no writable cache), or that is given a target folder
+# (CARGO_TARGET_DIR, CARGO_BUILD_TARGET_DIR) builds where cargo would. Other keys' folders are
+# removed when free; lock files stay, so two runs never lock two files of one name.
 shared_build_folder() {
     local root="$HOME/.cache/recompute-planner" key dir lock old
-    key="$({ cat Cargo.lock; rustc -vV; } | sha256sum | cut -c1-16)"
+    command -v flock >/dev/null && mkdir -p "$root" 2>/dev/null || return 0
+    key="$({ cat Cargo.lock; rustc -vV; echo "$PLANNER_VENV"; } | sha256sum | cut -c1-16)"
     dir="$root/cargo-target-$key"
-    mkdir -p "$dir"
-    exec 9>"$dir.lock"
-    if ! flock -n 9; then
-        echo "== build folder $dir is in use by another run: building in ./target" >&2
+    if ! { exec 9>>"$dir.lock"; } 2>/dev/null || ! flock -n 9; then
+        echo "== build folder $dir is in use by another run (or cannot be locked): building in ./target" >&2
         exec 9>&-
-        return
+        return 0
     fi
     for lock in "$root"/cargo-target-*.lock; do
         old="${lock%.lock}"
         [ "$old" = "$dir" ] && continue
-        (flock -n 8 && rm -rf "$old" "$lock") 8>>"$lock" || true
+        (flock -n 8 && rm -rf "$old") 8>>"$lock" || true
     done
+    mkdir -p "$dir"
     forget_workspace_builds "$dir"
     export CARGO_TARGET_DIR="$dir"
     echo "== build folder: $dir (dependencies reused, this workspace compiled again)" >&2
@@ -114,10 +117,10 @@ forget_workspace_builds() {
         -prune -exec rm -rf {} +
 }
 
-if [ -z "${CARGO_TARGET_DIR:-}" ]; then
+if [ -z "${CARGO_TARGET_DIR:-}${CARGO_BUILD_TARGET_DIR:-}" ]; then
     shared_build_folder
 fi
-TARGET="${CARGO_TARGET_DIR:-target}"
+TARGET="${CARGO_TARGET_DIR:-${CARGO_BUILD_TARGET_DIR:-target}}"
 
 # The package (its native extension: a release build) installs beside fmt and clippy (a check
 # build, in another profile's folder, so neither waits for the other's lock).

@@ -408,7 +408,7 @@ fn bad_plan_options_are_errors_before_any_work() {
     );
     assert_clean_error(
         &planner(&[&"plan", &graph, &"--budget", &"1KiB"]),
-        &["smallest achievable peak"],
+        &["smallest peak the search found"],
     );
     let hw = Scratch::new("hw.json", br#"{"hbm_bytes_per_s": -1}"#);
     assert_clean_error(
@@ -672,6 +672,54 @@ fn a_budget_offload_answer_is_reproduced_by_plan_choices() {
         &planner(&[&"plan", &graph, &"--choices", &not_kept.0]),
         &["offload `SAVE_DSA_INDEXER` in layer 0 of model `main`, which that layer does not keep"],
     );
+}
+
+/// A `pareto --with-offload` point that offloads is reproduced by `plan --choices`: the same
+/// peak, replay and exposed transfer time.
+#[test]
+fn an_offloading_pareto_point_is_reproduced_by_plan_choices() {
+    let graph = golden_graph("glm_dsa_ep2");
+    let hw = Scratch::new(
+        "sync-link.json",
+        br#"{"name": "sync-link", "host_bytes_per_s": 2e9, "asynchronous": false}"#,
+    );
+    let front = planner(&[
+        &"pareto",
+        &graph,
+        &"--with-offload",
+        &"--hw",
+        &hw.0,
+        &"--format",
+        &"json",
+    ]);
+    assert!(front.status.success(), "{}", stderr(&front));
+    let doc: serde_json::Value = serde_json::from_slice(&front.stdout).unwrap();
+    let point = doc["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| !p["layer_offload"].as_array().unwrap().is_empty())
+        .expect("a point offloads");
+    let choice = Scratch::new("choice.json", point.to_string().as_bytes());
+    let plan = planner(&[
+        &"plan",
+        &graph,
+        &"--choices",
+        &choice.0,
+        &"--hw",
+        &hw.0,
+        &"--format",
+        &"json",
+    ]);
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(plan["memory"]["peak_bytes"], point["peak_bytes"]);
+    assert_eq!(plan["cost"]["replay_time_s"], point["replay_time_s"]);
+    assert_eq!(
+        plan["cost"]["exposed_transfer_time_s"],
+        point["exposed_transfer_time_s"]
+    );
+    assert_eq!(plan["config"]["layer_offload"], point["layer_offload"]);
 }
 
 #[test]
@@ -1263,6 +1311,12 @@ fn malformed_cases() -> Vec<Case> {
             vec![Make::File("g.pb", fs::read(golden_graph("dense")).unwrap())],
             &["plan", "g.pb", "--keep", "all", "--budget-offload"],
             &["--budget-offload chooses within a budget: give --budget SIZE too"],
+        ),
+        case(
+            "--budget-offload at --granularity op",
+            vec![Make::File("g.pb", fs::read(golden_graph("dense")).unwrap())],
+            &["plan", "g.pb", "--budget", "1GB", "--budget-offload", "--granularity", "op"],
+            &["--budget-offload chooses whole units per layer"],
         ),
         case(
             "choices file that is a character device",

@@ -516,43 +516,48 @@ fn dropout_replays_with_the_forward_generator_state_bit_for_bit() {
 }
 
 /// A `--budget-offload` answer runs as it was planned. On a profile whose host link is fast and
-/// overlapped, the largest budget just below a frontier point that the answer offloads for:
-/// every rank measures the device peak, the saved bytes, the bytes moved and the host peak the
-/// answer predicts, to the byte, with results bit-identical to no checkpointing.
+/// overlapped, the largest budget just below a frontier point that the answer offloads for
+/// (each rank plans its own graph at that budget): every rank measures the device peak, the
+/// saved bytes, the bytes moved and the host peak its answer predicts, to the byte, with
+/// results bit-identical to no checkpointing.
 #[test]
 fn a_budget_offload_answer_runs_with_the_peaks_it_predicts() {
     let golden = "moe_ep2";
-    let graph = rank_graph(golden, 0);
     let hw = HwProfile {
         host_bytes_per_s: 1e15,
         asynchronous: true,
         ..HwProfile::default()
     };
-    let search = Search::new(&graph, &PlanConfig::default(), &hw).expect("the golden searches");
-    let front = search.frontier(DEFAULT_STEPS).expect("a frontier");
-    let plan = front
+    let answer = |graph: &Graph, budget: u64| -> Option<Plan> {
+        let search = Search::new(graph, &PlanConfig::default(), &hw).expect("the golden searches");
+        search.answer(budget, Granularity::Unit, true).ok()
+    };
+    let first = rank_graph(golden, 0);
+    let search = Search::new(&first, &PlanConfig::default(), &hw).expect("the golden searches");
+    let budget = search
+        .frontier(DEFAULT_STEPS)
+        .expect("a frontier")
         .iter()
         .rev()
-        .find_map(|p| {
-            let answer = search
-                .answer(p.figures.peak_bytes - 1, Granularity::Unit, true)
-                .ok()?;
-            (!answer.config.layer_offload.is_empty()).then_some(answer)
-        })
+        .map(|p| p.figures.peak_bytes - 1)
+        .find(|&budget| answer(&first, budget).is_some_and(|a| !a.config.layer_offload.is_empty()))
         .expect("a budget the answer offloads for");
-    let plan = Arc::new(plan);
-    let whole_layer = Arc::new(make_plan(&graph, &PlanConfig::default()));
-    let ranks = graph.metadata().world_size.max(1) as usize;
+    let ranks = first.metadata().world_size.max(1) as usize;
     let jobs = (0..ranks)
-        .map(|rank| RankJob {
-            graph: rank_graph(golden, rank),
-            plan: Arc::clone(&plan),
-            whole_layer: Some(Arc::clone(&whole_layer)),
-            inputs: testkit::golden_graph(golden).with_extension("safetensors"),
+        .map(|rank| {
+            let graph = rank_graph(golden, rank);
+            let plan = answer(&graph, budget).expect("every rank answers the budget");
+            RankJob {
+                whole_layer: Some(Arc::new(make_plan(&graph, &PlanConfig::default()))),
+                plan: Arc::new(plan),
+                graph,
+                inputs: testkit::golden_graph(golden).with_extension("safetensors"),
+            }
         })
         .collect();
     let report = run::run_loopback(jobs, &run_config(None))
         .unwrap_or_else(|e| panic!("{golden}: the run fails:\n{e}"));
+    assert_eq!(report.first_failure(), None, "{golden} --budget-offload");
     for rank in &report.ranks {
         let context = format!("{golden} --budget-offload, rank {}", rank.rank);
         assert_peaks_are_predicted(&context, rank);

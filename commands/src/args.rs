@@ -138,6 +138,13 @@ pub struct Offloading {
     /// Saved kinds to offload wherever they are (comma-separated or repeated)
     #[arg(long, value_name = "KINDS", value_delimiter = ',', value_parser = spelled::<SavedKind>())]
     pub offload_kinds: Vec<SavedKind>,
+    #[command(flatten)]
+    pub prefetch: Prefetch,
+}
+
+/// `--offload-prefetch`, shared by `plan`, `run` and `pareto`.
+#[derive(Args)]
+pub struct Prefetch {
     /// How many backward steps (replayed or backward ops) before its first backward read an
     /// offloaded value's reload starts: more hides a larger copy, and holds the value longer
     #[arg(
@@ -155,7 +162,7 @@ impl Offloading {
         Ok(Offload {
             units: config::parse_offload_units(&self.offload).map_err(|e| e.to_string())?,
             kinds: self.offload_kinds.clone(),
-            prefetch: self.offload_prefetch,
+            prefetch: self.prefetch.offload_prefetch,
         })
     }
 }
@@ -261,6 +268,13 @@ pub struct ParetoArgs {
         allow_negative_numbers = true
     )]
     pub steps: u64,
+    /// Also offer each point with part or all of its kept units offloaded to host memory
+    /// (per layer, earliest layers first; --offload-prefetch applies), time then being replay
+    /// plus exposed transfer time
+    #[arg(long)]
+    pub with_offload: bool,
+    #[command(flatten)]
+    pub prefetch: Prefetch,
     /// Output format [default: from the -o extension (.json, .svg), else text]
     #[arg(long, value_enum)]
     pub format: Option<ParetoFormat>,

@@ -11,7 +11,7 @@ use ir::{
     plan::{Code, Format as PlanFile, Level, Plan},
 };
 use planner::{
-    budget::Search,
+    budget::{BudgetError, Granularity, Search},
     config::{self, PlanConfig},
     convert,
     cost::HwProfile,
@@ -106,6 +106,9 @@ fn run_plan(args: PlanArgs) -> Result<(), Failure> {
     // Configuration errors come before any other work.
     if let Some(option) = args.budget_option_without_budget() {
         return Err(format!("{option} chooses within a budget: give --budget SIZE too").into());
+    }
+    if args.budget_offload && args.granularity == Granularity::Op {
+        return Err(BudgetError::OffloadOps.to_string().into());
     }
     let keep = config::parse_keep(&args.keep).map_err(|e| e.to_string())?;
     let offload = args.offloading.config()?;
@@ -202,7 +205,8 @@ fn report_warnings(plan: &Plan) {
 }
 
 fn run_pareto(args: ParetoArgs) -> Result<(), Failure> {
-    let config = args.planning.config();
+    let mut config = args.planning.config();
+    config.offload.prefetch = args.prefetch.offload_prefetch;
     let format = args
         .format
         .or_else(|| args.output.as_deref().and_then(ParetoFormat::of_path));
@@ -211,7 +215,11 @@ fn run_pareto(args: ParetoArgs) -> Result<(), Failure> {
     let graph = ir::io::load(&args.graph).map_err(|e| e.to_string())?;
     let bar = progress::Bar::new(args.quiet);
     let search = Search::with_progress(&graph, &config, &hw, &bar).map_err(|e| e.to_string())?;
-    let points = pareto::frontier(&search, args.steps).map_err(|e| e.to_string())?;
+    let points = match args.with_offload {
+        true => pareto::frontier_with_offload(&search, args.steps),
+        false => pareto::frontier(&search, args.steps),
+    }
+    .map_err(|e| e.to_string())?;
     drop(bar);
     let text = match format.unwrap_or(ParetoFormat::Text) {
         ParetoFormat::Text => pareto::table(&graph, &hw.name, &points),

@@ -67,7 +67,7 @@ pub const DEFAULT_STEPS: u64 = 32;
 pub enum BudgetError {
     #[error(transparent)]
     Plan(#[from] PlanError),
-    #[error("budget {budget} B is below the smallest achievable peak, {smallest} B; raise the budget or --recompute-ratio")]
+    #[error("budget {budget} B is below the smallest peak the search found, {smallest} B; raise the budget or --recompute-ratio")]
     Infeasible { budget: u64, smallest: u64 },
     #[error("--budget needs a joint forward+backward graph (this one has no backward nodes)")]
     NotJoint,
@@ -438,7 +438,8 @@ impl<'g> Search<'g> {
     /// values stay saved the longest, and the most compute follows their copy to the host and
     /// precedes their first read in backward, so their copies are the easiest to hide. The
     /// shortest prefix of that order whose full plan fits is found by binary search, after
-    /// checking the whole order fits (about `log2(pairs) + 1` plans per point). Optimality gap:
+    /// checking the whole order fits (about `log2(pairs) + 1` plans per point; twice that when
+    /// offloading them all overflows the host memory, which another binary search bounds). Optimality gap:
     /// a prefix in layer order is not the cheapest subset in general (a later layer's smaller
     /// values may fit with less exposed time), and the binary search assumes that offloading
     /// more never raises the device peak.
@@ -475,36 +476,28 @@ impl<'g> Search<'g> {
     }
 
     /// The plan of `point` with the shortest prefix of its (layer, unit) pairs, in layer order,
-    /// offloaded that fits `budget`; else the peak with all of them offloaded (the point's own
-    /// if it keeps nothing).
+    /// offloaded that fits `budget`; else the peak with the longest prefix the host memory
+    /// takes offloaded (the point's own if none).
     fn offloaded_within(
         &self,
         point: &Point,
         budget: u64,
     ) -> Result<Result<Plan, u64>, BudgetError> {
-        let pairs: Vec<(LayerRef, UnitId)> = self
-            .layers
-            .at
-            .iter()
-            .zip(&point.choice)
-            .flat_map(|(&at, &o)| subset(usize::from(o)).into_iter().map(move |u| (at, u)))
-            .collect();
+        let pairs = self.pairs_of(point);
         if pairs.is_empty() {
             return Ok(Err(point.figures.peak_bytes));
         }
         let plan_with = |k: usize| self.plan_offloading(&point.choice, &pairs[..k]);
-        let all = plan_with(pairs.len())?;
-        if !fits(&all, budget) {
-            // Above the budget, or rejected (the host memory overflows): the point stands.
-            let peak = match all.has_errors() {
-                true => point.figures.peak_bytes,
-                false => all.memory.peak_bytes.unwrap_or(0),
-            };
-            return Ok(Err(peak));
+        let (most, top) = self.longest_accepted_prefix(pairs.len(), &plan_with)?;
+        if most == 0 || !fits(&top, budget) {
+            return Ok(Err(match most {
+                0 => point.figures.peak_bytes,
+                _ => top.memory.peak_bytes.unwrap_or(0),
+            }));
         }
         // Invariant: the prefix of `hi` pairs fits; `lo` pairs or fewer do not (none offloaded
         // is the point itself, above the budget).
-        let (mut lo, mut hi, mut fitting) = (0usize, pairs.len(), all);
+        let (mut lo, mut hi, mut fitting) = (0usize, most, top);
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
             let plan = plan_with(mid)?;
@@ -515,6 +508,73 @@ impl<'g> Search<'g> {
             }
         }
         Ok(Ok(fitting))
+    }
+
+    /// The longest prefix of `pairs` pairs whose plan `plan` accepts, and that plan: all of
+    /// them, unless the offloaded values overflow the profile's host memory (an error), which
+    /// only a longer prefix can do, so a binary search finds the longest that does not.
+    fn longest_accepted_prefix(
+        &self,
+        pairs: usize,
+        plan_with: &dyn Fn(usize) -> Result<Plan, BudgetError>,
+    ) -> Result<(usize, Plan), BudgetError> {
+        let all = plan_with(pairs)?;
+        if !all.has_errors() {
+            return Ok((pairs, all));
+        }
+        // Invariant: `lo` pairs are accepted (none: the frontier point itself), `hi` are not.
+        let (mut lo, mut hi, mut accepted) = (0usize, pairs, None);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            let plan = plan_with(mid)?;
+            if plan.has_errors() {
+                hi = mid;
+            } else {
+                (lo, accepted) = (mid, Some(plan));
+            }
+        }
+        Ok(match accepted {
+            Some(plan) => (lo, plan),
+            None => (0, all),
+        })
+    }
+
+    /// `pareto --with-offload`: each point of the frontier of density `steps` with a quarter,
+    /// half, three quarters and all of its (layer, unit) pairs offloaded, in layer order (as
+    /// [`Search::within_offloading`] orders them), as full plans; those `plan` rejects
+    /// dropped.
+    pub fn offloaded_points(&self, steps: u64) -> Result<Vec<Plan>, BudgetError> {
+        let jobs: Vec<(Vec<u8>, Pairs)> = self
+            .frontier(steps)?
+            .into_iter()
+            .flat_map(|point| {
+                let pairs = self.pairs_of(&point);
+                let mut prefixes: Vec<usize> =
+                    (1..=4).map(|q| (pairs.len() * q).div_ceil(4)).collect();
+                prefixes.dedup();
+                prefixes
+                    .into_iter()
+                    .filter(|&k| k > 0)
+                    .map(move |k| (point.choice.clone(), pairs[..k].to_vec()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.stage("offload", Some(jobs.len() as u64));
+        let plans: Vec<Plan> = jobs
+            .par_iter()
+            .map(|(choice, offloaded)| self.plan_offloading(choice, offloaded))
+            .collect::<Result<_, _>>()?;
+        Ok(plans.into_iter().filter(|p| !p.has_errors()).collect())
+    }
+
+    /// A point's (layer, unit) pairs, in layer order.
+    fn pairs_of(&self, point: &Point) -> Pairs {
+        self.layers
+            .at
+            .iter()
+            .zip(&point.choice)
+            .flat_map(|(&at, &o)| subset(usize::from(o)).into_iter().map(move |u| (at, u)))
+            .collect()
     }
 
     /// The plan keeping, in each searched layer, the units of its option, with the saved
@@ -791,6 +851,9 @@ fn subset(o: usize) -> Vec<UnitId> {
         .map(UnitId::from_index)
         .collect()
 }
+
+/// (layer, kept unit) pairs, each offloaded or not as one.
+type Pairs = Vec<(LayerRef, UnitId)>;
 
 /// What a budget answer with offload minimises: replay time plus the transfer time compute
 /// does not hide.

@@ -15,10 +15,21 @@ use crate::{
 pub struct Point {
     pub peak_bytes: u64,
     pub replay_time_s: f64,
-    /// Activation bytes saved for backward.
+    /// The offload copies' time compute does not hide (0 without offload).
+    pub exposed_transfer_time_s: f64,
+    /// Activation bytes saved for backward (on the device or in host memory).
     pub saved_bytes: u64,
     /// Per-layer units kept; empty keeps nothing.
     pub layer_keep: Vec<LayerKeep>,
+    /// Per-layer kept units offloaded to host memory; empty offloads nothing.
+    pub layer_offload: Vec<LayerKeep>,
+}
+
+impl Point {
+    /// What the frontier trades against the peak: replay plus exposed transfer time.
+    pub fn time_s(&self) -> f64 {
+        self.replay_time_s + self.exposed_transfer_time_s
+    }
 }
 
 /// The frontier by increasing peak, with consecutive points at most `1/steps` of the peak
@@ -30,10 +41,47 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
         .map(|p| Point {
             peak_bytes: p.figures.peak_bytes,
             replay_time_s: p.figures.replay_time_s,
+            exposed_transfer_time_s: 0.0,
             saved_bytes: p.figures.saved_bytes,
             layer_keep: search.layer_keep(p),
+            layer_offload: Vec::new(),
         })
         .collect())
+}
+
+/// `pareto --with-offload`: the frontier of [`frontier`]'s points and each one's variants
+/// with part or all of its kept units offloaded ([`Search::offloaded_points`]), time being
+/// replay plus exposed transfer time: the points no other beats on both, by increasing peak.
+pub fn frontier_with_offload(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
+    let mut points = frontier(search, steps)?;
+    points.extend(
+        search
+            .offloaded_points(steps)?
+            .into_iter()
+            .map(|plan| Point {
+                peak_bytes: plan.memory.peak_bytes.unwrap_or(0),
+                replay_time_s: plan.cost.replay_time_s,
+                exposed_transfer_time_s: plan.cost.exposed_transfer_time_s,
+                saved_bytes: plan.memory.saved_bytes,
+                layer_keep: plan.config.layer_keep,
+                layer_offload: plan.config.layer_offload,
+            }),
+    );
+    let beaten = |p: &Point| {
+        points.iter().any(|q| {
+            q.peak_bytes <= p.peak_bytes
+                && q.time_s() <= p.time_s()
+                && (q.peak_bytes < p.peak_bytes || q.time_s() < p.time_s())
+        })
+    };
+    let mut front: Vec<Point> = points.iter().filter(|p| !beaten(p)).cloned().collect();
+    front.sort_by(|a, b| {
+        a.peak_bytes
+            .cmp(&b.peak_bytes)
+            .then(a.time_s().total_cmp(&b.time_s()))
+    });
+    front.dedup_by(|a, b| a.peak_bytes == b.peak_bytes && a.time_s() == b.time_s());
+    Ok(front)
 }
 
 /// `main layers 0-3: SAVE_ATTN; main layer 4: ...`, or `nothing`.
@@ -78,6 +126,25 @@ pub fn table(graph: &Graph, hw: &str, points: &[Point]) -> String {
         graph.name(),
         points.len()
     );
+    if points.iter().any(|p| !p.layer_offload.is_empty()) {
+        let _ = writeln!(
+            out,
+            "{:>24}  {:>12}  {:>12}  keeps; offloads",
+            "peak", "replay time", "exposed"
+        );
+        for p in points {
+            let _ = writeln!(
+                out,
+                "{:>24}  {:>12}  {:>12}  {}; {}",
+                format_bytes(p.peak_bytes),
+                format_seconds(p.replay_time_s),
+                format_seconds(p.exposed_transfer_time_s),
+                describe(&p.layer_keep, graph),
+                describe_offload(&p.layer_offload, graph)
+            );
+        }
+        return out;
+    }
     let _ = writeln!(out, "{:>24}  {:>12}  keeps", "peak", "replay time");
     for p in points {
         let _ = writeln!(
@@ -91,6 +158,14 @@ pub fn table(graph: &Graph, hw: &str, points: &[Point]) -> String {
     out
 }
 
+/// `offloads main layer 0: SAVE_ATTN`, or `offloads nothing`.
+pub fn describe_offload(layer_offload: &[LayerKeep], graph: &Graph) -> String {
+    match layer_offload.iter().all(|l| l.units.is_empty()) {
+        true => "offloads nothing".to_owned(),
+        false => format!("offloads {}", describe(layer_offload, graph)),
+    }
+}
+
 /// The frontier as JSON: per point the figures and the per-layer choices, in the form
 /// `plan --choices` reads back.
 pub fn json(graph: &Graph, points: &[Point]) -> String {
@@ -100,8 +175,10 @@ pub fn json(graph: &Graph, points: &[Point]) -> String {
             serde_json::json!({
                 "peak_bytes": p.peak_bytes,
                 "replay_time_s": p.replay_time_s,
+                "exposed_transfer_time_s": p.exposed_transfer_time_s,
                 "saved_bytes": p.saved_bytes,
                 "layer_keep": ir::plan::json::layer_keep_value(&p.layer_keep, graph),
+                "layer_offload": ir::plan::json::layer_offload_value(&p.layer_offload, graph),
             })
         })
         .collect();
@@ -160,7 +237,7 @@ impl Plot {
     fn of(points: &[Point]) -> Plot {
         Plot {
             x: bounds(points.iter().map(|p| p.peak_bytes as f64)),
-            y: bounds(points.iter().map(|p| p.replay_time_s)),
+            y: bounds(points.iter().map(Point::time_s)),
         }
     }
 
@@ -214,7 +291,7 @@ fn svg_axes(out: &mut String, plot: &Plot) {
     );
     let _ = writeln!(
         out,
-        r#"<text x="16" y="{:.1}" transform="rotate(-90 16 {:.1})" text-anchor="middle">predicted replay time</text>"#,
+        r#"<text x="16" y="{:.1}" transform="rotate(-90 16 {:.1})" text-anchor="middle">predicted replay (+ exposed transfer) time</text>"#,
         (TOP + y0) / 2.0,
         (TOP + y0) / 2.0
     );
@@ -226,7 +303,7 @@ fn svg_points(out: &mut String, plot: &Plot, points: &[Point], graph: &Graph) {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let (x, y) = (plot.px(p.peak_bytes as f64), plot.py(p.replay_time_s));
+            let (x, y) = (plot.px(p.peak_bytes as f64), plot.py(p.time_s()));
             match i {
                 0 => format!("M{x:.1} {y:.1}"),
                 _ => format!("H{x:.1} V{y:.1}"),
@@ -241,12 +318,16 @@ fn svg_points(out: &mut String, plot: &Plot, points: &[Point], graph: &Graph) {
     for p in points {
         let _ = writeln!(
             out,
-            r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#1f77b4"><title>{}, {}: {}</title></circle>"##,
+            r##"<circle cx="{:.1}" cy="{:.1}" r="4" fill="#1f77b4"><title>{}, {}: {}{}</title></circle>"##,
             plot.px(p.peak_bytes as f64),
-            plot.py(p.replay_time_s),
+            plot.py(p.time_s()),
             escape(&format_bytes(p.peak_bytes)),
-            escape(&format_seconds(p.replay_time_s)),
-            escape(&describe(&p.layer_keep, graph))
+            escape(&format_seconds(p.time_s())),
+            escape(&describe(&p.layer_keep, graph)),
+            match p.layer_offload.is_empty() {
+                true => String::new(),
+                false => escape(&format!("; {}", describe_offload(&p.layer_offload, graph))),
+            }
         );
     }
 }

@@ -51,8 +51,8 @@ pub fn text(plan: &Plan, graph: &Graph) -> String {
     out
 }
 
-/// The budget solver's per-layer choices, runs of equal choices folded, and the per-layer
-/// offload choices (its own under `--budget-offload`, or `--choices`).
+/// The per-layer choices (the budget solver's, or `--choices`), runs of equal choices folded:
+/// units kept, and units offloaded.
 fn text_budget(w: &mut String, plan: &Plan, graph: &Graph) {
     if let Some(budget) = plan.config.budget_bytes {
         let _ = writeln!(
@@ -62,11 +62,18 @@ fn text_budget(w: &mut String, plan: &Plan, graph: &Graph) {
             crate::pareto::describe(&plan.config.layer_keep, graph)
         );
     }
+    if plan.config.budget_bytes.is_none() && !plan.config.layer_keep.is_empty() {
+        let _ = writeln!(
+            w,
+            "choices: keeps {}",
+            crate::pareto::describe(&plan.config.layer_keep, graph)
+        );
+    }
     if !plan.config.layer_offload.is_empty() {
         let _ = writeln!(
             w,
-            "offloads to host memory: {}",
-            crate::pareto::describe(&plan.config.layer_offload, graph)
+            "to host memory: {}",
+            crate::pareto::describe_offload(&plan.config.layer_offload, graph)
         );
     }
 }

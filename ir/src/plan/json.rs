@@ -44,6 +44,16 @@ pub fn layer_keep_value(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> serd
         .expect("layer choices serialize")
 }
 
+/// Per-layer offload choices as a plan's `config.layer_offload` writes them (a `pareto` point's
+/// offloaded units).
+pub fn layer_offload_value(
+    layer_offload: &[LayerKeep],
+    names: &dyn PlanNames,
+) -> serde_json::Value {
+    serde_json::to_value(Each::new(layer_offload, |l| LayerOffloadJson::of(l, names)))
+        .expect("layer choices serialize")
+}
+
 pub(super) fn decode(bytes: &[u8]) -> Result<pb::Plan, PlanReadError> {
     serde_json::from_slice(bytes).map_err(|e| PlanReadError::Json(plain_error(bytes, &e)))
 }

@@ -271,6 +271,9 @@ fn budget(
             "budget_offload chooses what to offload within a budget: give `budget` too",
         ));
     }
+    if offload && granularity == Granularity::Op {
+        return Err(BudgetError::OffloadOps.into());
+    }
     size.map(|size| {
         let bytes = units::parse_bytes(size).map_err(|e| Failure::new("invalid-option", e))?;
         Ok(Budget {
