@@ -163,15 +163,16 @@ def test_the_readme_runs_a_stock_hf_model(tmp_path, monkeypatch, capsys):
 
 
 def test_the_readmes_save_recompute_offload_table_is_what_the_planner_prints():
-    """Each row of the README's table of the three fates on the DSA golden: the options given
-    to `planner plan`, and the device peak, host bytes, transfer and replay time it predicts."""
+    """Each row of the README's table of the three fates on the DSA golden (and a budget's
+    answer without and with offload): the options given to `planner plan`, and the device
+    peak, host bytes, transfer and replay time it predicts."""
     rows = re.findall(
         r"^\| (\(none[^|]*\)|`[^`]+`) \| ([\d,]+) B \| ([\d,]+) B \| ([\d.]+) (s|µs) \| "
         r"([\d.]+) ms \|$",
         section(),
         flags=re.M,
     )
-    assert len(rows) == 3, rows
+    assert len(rows) == 5, rows
     for options, peak, host, transfer, unit, replay in rows:
         args = [] if options.startswith("(") else shlex.split(options.strip("`"))
         done = subprocess.run(
