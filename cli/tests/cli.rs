@@ -567,29 +567,64 @@ fn the_output_format_follows_the_extension_unless_given() {
         .starts_with("plan for dense"));
 }
 
-#[test]
-fn a_pareto_point_is_reproduced_by_plan_choices() {
-    let graph = golden_graph("glm_dsa_ep2");
-    let front = planner(&[&"pareto", &graph, &"--format", &"json"]);
+/// `pareto --format json` with `pareto_args` (and `args`), then `plan --choices` with the
+/// point `pick` chooses (and `args`): the plan reports the point's peak, replay and exposed
+/// transfer time, and its per-layer choices.
+fn assert_point_reproduced_by_choices(
+    graph: &std::path::Path,
+    pareto_args: &[&dyn AsRef<std::ffi::OsStr>],
+    args: &[&dyn AsRef<std::ffi::OsStr>],
+    pick: fn(&[serde_json::Value]) -> Option<&serde_json::Value>,
+) {
+    let front = planner(
+        &[
+            &[
+                &"pareto" as &dyn AsRef<std::ffi::OsStr>,
+                &graph,
+                &"--format",
+                &"json",
+            ],
+            pareto_args,
+            args,
+        ]
+        .concat(),
+    );
     assert!(front.status.success(), "{}", stderr(&front));
     let doc: serde_json::Value = serde_json::from_slice(&front.stdout).unwrap();
-    let points = doc["points"].as_array().unwrap();
-    assert!(points.len() > 2, "a trade-off with several points");
-    let point = &points[points.len() / 2];
+    let point = pick(doc["points"].as_array().unwrap()).expect("the point sought");
     let choice = Scratch::new("choice.json", point.to_string().as_bytes());
-    let plan = planner(&[
-        &"plan",
-        &graph,
-        &"--choices",
-        &choice.0,
-        &"--format",
-        &"json",
-    ]);
+    let plan = planner(
+        &[
+            &[
+                &"plan" as &dyn AsRef<std::ffi::OsStr>,
+                &graph,
+                &"--choices",
+                &choice.0,
+                &"--format",
+                &"json",
+            ],
+            args,
+        ]
+        .concat(),
+    );
     assert!(plan.status.success(), "{}", stderr(&plan));
     let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
     assert_eq!(plan["memory"]["peak_bytes"], point["peak_bytes"]);
-    assert_eq!(plan["cost"]["replay_time_s"], point["replay_time_s"]);
-    assert_eq!(plan["config"]["layer_keep"], point["layer_keep"]);
+    for field in ["replay_time_s", "exposed_transfer_time_s"] {
+        assert_eq!(plan["cost"][field], point[field], "{field}");
+    }
+    for field in ["layer_keep", "layer_offload"] {
+        assert_eq!(plan["config"][field], point[field], "{field}");
+    }
+}
+
+#[test]
+fn a_pareto_point_is_reproduced_by_plan_choices() {
+    let graph = golden_graph("glm_dsa_ep2");
+    assert_point_reproduced_by_choices(&graph, &[], &[], |points| {
+        assert!(points.len() > 2, "a trade-off with several points");
+        points.get(points.len() / 2)
+    });
     let unknown = Scratch::new(
         "unknown.json",
         br#"{"layer_keep": [{"model": "main", "layer": 0, "keep": ["SAVE_NOTHING"]}]}"#,
@@ -683,43 +718,11 @@ fn an_offloading_pareto_point_is_reproduced_by_plan_choices() {
         "sync-link.json",
         br#"{"name": "sync-link", "host_bytes_per_s": 2e9, "asynchronous": false}"#,
     );
-    let front = planner(&[
-        &"pareto",
-        &graph,
-        &"--with-offload",
-        &"--hw",
-        &hw.0,
-        &"--format",
-        &"json",
-    ]);
-    assert!(front.status.success(), "{}", stderr(&front));
-    let doc: serde_json::Value = serde_json::from_slice(&front.stdout).unwrap();
-    let point = doc["points"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| !p["layer_offload"].as_array().unwrap().is_empty())
-        .expect("a point offloads");
-    let choice = Scratch::new("choice.json", point.to_string().as_bytes());
-    let plan = planner(&[
-        &"plan",
-        &graph,
-        &"--choices",
-        &choice.0,
-        &"--hw",
-        &hw.0,
-        &"--format",
-        &"json",
-    ]);
-    assert!(plan.status.success(), "{}", stderr(&plan));
-    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
-    assert_eq!(plan["memory"]["peak_bytes"], point["peak_bytes"]);
-    assert_eq!(plan["cost"]["replay_time_s"], point["replay_time_s"]);
-    assert_eq!(
-        plan["cost"]["exposed_transfer_time_s"],
-        point["exposed_transfer_time_s"]
-    );
-    assert_eq!(plan["config"]["layer_offload"], point["layer_offload"]);
+    assert_point_reproduced_by_choices(&graph, &[&"--with-offload"], &[&"--hw", &hw.0], |points| {
+        points
+            .iter()
+            .find(|p| !p["layer_offload"].as_array().unwrap().is_empty())
+    });
 }
 
 #[test]

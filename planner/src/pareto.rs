@@ -126,34 +126,31 @@ pub fn table(graph: &Graph, hw: &str, points: &[Point]) -> String {
         graph.name(),
         points.len()
     );
-    if points.iter().any(|p| !p.layer_offload.is_empty()) {
-        let _ = writeln!(
+    // The exposed transfer time and the offloaded units, when a point offloads.
+    let offloads = points.iter().any(|p| !p.layer_offload.is_empty());
+    let _ = match offloads {
+        true => writeln!(
             out,
             "{:>24}  {:>12}  {:>12}  keeps; offloads",
             "peak", "replay time", "exposed"
-        );
-        for p in points {
-            let _ = writeln!(
-                out,
-                "{:>24}  {:>12}  {:>12}  {}; {}",
-                format_bytes(p.peak_bytes),
-                format_seconds(p.replay_time_s),
-                format_seconds(p.exposed_transfer_time_s),
-                describe(&p.layer_keep, graph),
-                describe_offload(&p.layer_offload, graph)
-            );
-        }
-        return out;
-    }
-    let _ = writeln!(out, "{:>24}  {:>12}  keeps", "peak", "replay time");
+        ),
+        false => writeln!(out, "{:>24}  {:>12}  keeps", "peak", "replay time"),
+    };
     for p in points {
-        let _ = writeln!(
+        let _ = write!(
             out,
-            "{:>24}  {:>12}  {}",
+            "{:>24}  {:>12}",
             format_bytes(p.peak_bytes),
-            format_seconds(p.replay_time_s),
-            describe(&p.layer_keep, graph)
+            format_seconds(p.replay_time_s)
         );
+        if offloads {
+            let _ = write!(out, "  {:>12}", format_seconds(p.exposed_transfer_time_s));
+        }
+        let _ = write!(out, "  {}", describe(&p.layer_keep, graph));
+        if offloads {
+            let _ = write!(out, "; {}", describe_offload(&p.layer_offload, graph));
+        }
+        out.push('\n');
     }
     out
 }
