@@ -393,16 +393,22 @@ fn this_process(report: &RunReport) -> String {
     format!("; this process runs rank {}", ranks.join(", "))
 }
 
+/// What the plan keeps and offloads: its `--keep`, or per layer (a budget's answer, `--choices`).
 fn keep_text(plan: &Plan) -> String {
-    let names = plan.config.keep.names();
-    let keep = if names.is_empty() {
-        "none".to_owned()
-    } else {
-        names.join(",")
+    let config = &plan.config;
+    let names = config.keep.names();
+    let keep = match (config.layer_keep.is_empty(), names.is_empty()) {
+        (false, _) => "per layer (the plan's layer_keep)".to_owned(),
+        (true, true) => "none".to_owned(),
+        (true, false) => names.join(","),
+    };
+    let offload = match config.layer_offload.is_empty() {
+        true => "",
+        false => ", offload per layer (the plan's layer_offload)",
     };
     format!(
-        "{keep}, recompute ratio {}, collectives {}",
-        plan.config.recompute_ratio, plan.config.collectives
+        "{keep}{offload}, recompute ratio {}, collectives {}",
+        config.recompute_ratio, config.collectives
     )
 }
 

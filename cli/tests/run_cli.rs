@@ -734,3 +734,33 @@ fn planner_run_without_its_runtime_library_says_how_to_build_it() {
     let version = Command::new(&binary).arg("--version").output().unwrap();
     assert!(version.status.success(), "{}", text(&version.stderr));
 }
+
+/// A budget's answer run from its file: the summary says its units are chosen per layer, kept
+/// and offloaded (its `--keep` is none). (`run_matrix.rs` holds such an answer's peaks.)
+#[test]
+fn a_budget_offload_plan_file_runs_and_says_it_chooses_per_layer() {
+    let plan = scratch("moe.budget.json");
+    let made = planner(&[
+        "plan",
+        golden("moe_ep2").to_str().unwrap(),
+        "--budget",
+        "48000",
+        "--budget-offload",
+        "-q",
+        "-o",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let out = planner(&[
+        "run",
+        golden("moe_ep2").to_str().unwrap(),
+        "--plan",
+        plan.to_str().unwrap(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}{stdout}", text(&out.stderr));
+    assert!(
+        stdout.contains("keep per layer (the plan's layer_keep), offload per layer"),
+        "{stdout}"
+    );
+}
