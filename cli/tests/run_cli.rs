@@ -4,7 +4,7 @@
 #![cfg(feature = "run")]
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Output},
     time::{Duration, Instant},
 };
@@ -220,24 +220,39 @@ fn an_unsupported_op_is_one_error_line_naming_it_and_its_first_node() {
     );
 }
 
-#[test]
-fn a_plan_made_for_another_graph_is_refused() {
-    let plan = scratch("dense.plan.pb");
-    let made = planner(&[
-        "plan",
-        golden("dense").to_str().unwrap(),
-        "--format",
-        "pb",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
+/// `planner plan` of `graph` with `options`, written to the scratch file `name`.
+fn plan_file(graph: &str, options: &[&str], name: &str) -> PathBuf {
+    let plan = scratch(name);
+    let made = planner(
+        &[
+            &[
+                "plan",
+                golden(graph).to_str().unwrap(),
+                "-o",
+                plan.to_str().unwrap(),
+            ],
+            options,
+        ]
+        .concat(),
+    );
     assert!(made.status.success(), "{}", text(&made.stderr));
-    let out = planner(&[
+    plan
+}
+
+/// `planner run` of `graph` with the plan file `plan`.
+fn run_plan_file(graph: &str, plan: &Path) -> Output {
+    planner(&[
         "run",
-        golden("moe_ep2").to_str().unwrap(),
+        golden(graph).to_str().unwrap(),
         "--plan",
         plan.to_str().unwrap(),
-    ]);
+    ])
+}
+
+#[test]
+fn a_plan_made_for_another_graph_is_refused() {
+    let plan = plan_file("dense", &["--format", "pb"], "dense.plan.pb");
+    let out = run_plan_file("moe_ep2", &plan);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -739,24 +754,9 @@ fn planner_run_without_its_runtime_library_says_how_to_build_it() {
 /// and offloaded (its `--keep` is none). (`run_matrix.rs` holds such an answer's peaks.)
 #[test]
 fn a_budget_offload_plan_file_runs_and_says_it_chooses_per_layer() {
-    let plan = scratch("moe.budget.json");
-    let made = planner(&[
-        "plan",
-        golden("moe_ep2").to_str().unwrap(),
-        "--budget",
-        "48000",
-        "--budget-offload",
-        "-q",
-        "-o",
-        plan.to_str().unwrap(),
-    ]);
-    assert!(made.status.success(), "{}", text(&made.stderr));
-    let out = planner(&[
-        "run",
-        golden("moe_ep2").to_str().unwrap(),
-        "--plan",
-        plan.to_str().unwrap(),
-    ]);
+    let options = ["--budget", "48000", "--budget-offload", "-q"];
+    let plan = plan_file("moe_ep2", &options, "moe.budget.json");
+    let out = run_plan_file("moe_ep2", &plan);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}{stdout}", text(&out.stderr));
     assert!(
