@@ -495,19 +495,9 @@ impl<'g> Search<'g> {
                 _ => top.memory.peak_bytes.unwrap_or(0),
             }));
         }
-        // Invariant: the prefix of `hi` pairs fits; `lo` pairs or fewer do not (none offloaded
-        // is the point itself, above the budget).
-        let (mut lo, mut hi, mut fitting) = (0usize, most, top);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            let plan = plan_with(mid)?;
-            if fits(&plan, budget) {
-                (hi, fitting) = (mid, plan);
-            } else {
-                lo = mid;
-            }
-        }
-        Ok(Ok(fitting))
+        // None offloaded is the point itself, above the budget.
+        let fitting = bisect((0, (most, top)), &plan_with, |plan| fits(plan, budget))?;
+        Ok(Ok(fitting.1 .1))
     }
 
     /// The longest prefix of `pairs` pairs whose plan `plan` accepts, and that plan: all of
@@ -522,20 +512,12 @@ impl<'g> Search<'g> {
         if !all.has_errors() {
             return Ok((pairs, all));
         }
-        // Invariant: `lo` pairs are accepted (none: the frontier point itself), `hi` are not.
-        let (mut lo, mut hi, mut accepted) = (0usize, pairs, None);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            let plan = plan_with(mid)?;
-            if plan.has_errors() {
-                hi = mid;
-            } else {
-                (lo, accepted) = (mid, Some(plan));
-            }
-        }
+        // None offloaded is the frontier point itself, which `plan` accepts. With no prefix
+        // accepted the length is 0, and the plan returned (rejected) is not read.
+        let (accepted, (_, rejected)) = bisect((0, (pairs, all)), plan_with, Plan::has_errors)?;
         Ok(match accepted {
-            Some(plan) => (lo, plan),
-            None => (0, all),
+            (lo, Some(plan)) => (lo, plan),
+            (_, None) => (0, rejected),
         })
     }
 
@@ -850,6 +832,29 @@ fn subset(o: usize) -> Vec<UnitId> {
         .filter(|i| o >> i & 1 == 1)
         .map(UnitId::from_index)
         .collect()
+}
+
+/// The boundary of a property of prefix plans that holds from some length on: given a length
+/// `lo` known not to hold it and `(hi, its plan)` known to, the longest length below the boundary
+/// (with its plan, if one was made) and the shortest at or above it (with its plan), found by
+/// binary search in about `log2(hi - lo)` plans.
+#[allow(clippy::type_complexity)] // the two sides of the boundary, each with what is known
+fn bisect(
+    (mut lo, (mut hi, mut hi_plan)): (usize, (usize, Plan)),
+    plan_with: &dyn Fn(usize) -> Result<Plan, BudgetError>,
+    holds: impl Fn(&Plan) -> bool,
+) -> Result<((usize, Option<Plan>), (usize, Plan)), BudgetError> {
+    let mut lo_plan = None;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        let plan = plan_with(mid)?;
+        if holds(&plan) {
+            (hi, hi_plan) = (mid, plan);
+        } else {
+            (lo, lo_plan) = (mid, Some(plan));
+        }
+    }
+    Ok(((lo, lo_plan), (hi, hi_plan)))
 }
 
 /// (layer, kept unit) pairs, each offloaded or not as one.
