@@ -144,7 +144,7 @@ def zoo_case(name: str, batch: int, seq: int) -> Case:
         policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
         measure.checkpoint_zoo_layers(model, policies)
         params = [p for p in model.parameters() if p.requires_grad]
-        return (lambda: model(*inputs)), params
+        return in_offloading(plan, lambda: model(*inputs)), params
 
     return Case(
         name, list(declared_units(cfg)), graph, step, lambda: CausalLM(cfg), tuple(inputs),
@@ -254,7 +254,7 @@ def hf_case(family: str, batch: int, seq: int) -> Case:
         model = make()
         sac.checkpoint_layers(model.model.layers, plan)
         params = [p for p in model.parameters() if p.requires_grad]
-        return (lambda: model(**inputs).loss), params
+        return in_offloading(plan, lambda: model(**inputs).loss), params
 
     return Case(
         family, list(units), graph, step, lambda: _Loss(make()), (ids, ids, mask),
@@ -262,16 +262,29 @@ def hf_case(family: str, batch: int, seq: int) -> Case:
     )
 
 
+def in_offloading(plan: rp.Plan, forward: Callable[[], Any]) -> Callable[[], Any]:
+    """``forward`` run inside ``sac.offloading()`` where ``plan`` offloads layer inputs (eager
+    SAC moves them there)."""
+    if not any(s.offloaded and s.kind == "layer-input" for s in plan.saved):
+        return forward
+
+    def offloaded() -> Any:
+        with sac.offloading():
+            return forward()
+
+    return offloaded
+
+
 def keeps(case: Case) -> list[tuple[str, Any]]:
     return [("none", None), ("all", case.keep_all)] + [(u, [u]) for u in case.units]
 
 
-OFFLOADING = ("eager", "graph")
+OFFLOADING = ("eager", "compile", "graph")
 
 
 def measure_offloaded(case: Case, unit: str, executor: str) -> dict[str, Any]:
     """The row of keeping `unit` and offloading what it keeps, reloaded as the recompute asks
-    for it (prefetch 0: when eager SAC brings it back), under `executor` (eager or graph)."""
+    for it (prefetch 0: when eager SAC brings it back), under `executor`."""
     options = {"offload": [unit], "offload_prefetch": 0}
     return MEASURES[executor](case, f"{unit} offloaded", [unit], **options)
 
@@ -317,18 +330,28 @@ def measure_case(case: Case, label: str, keep: Any, **options: Any) -> dict[str,
         worse_than_no_checkpoint=any(
             d.code == "eager-checkpoint-costs-memory" for d in plan.diagnostics
         ),
+        **moved_to_host(plan, step.moved_to_host_bytes),
     )
 
 
-def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
-    """The compile row: the stage's plan of the traced step, and the step compiled from it,
-    measured."""
+def moved_to_host(plan: rp.Plan, measured: int) -> dict[str, int]:
+    """The row's host-memory columns where the plan offloads: bytes it predicts to move, bytes
+    the step copied."""
+    if not plan.memory.offloaded_bytes and not measured:
+        return {}
+    return {"predicted_offloaded": plan.memory.offloaded_bytes, "measured_offloaded": measured}
+
+
+def measure_compiled(case: Case, label: str, keep: Any, **options: Any) -> dict[str, Any]:
+    """The compile row: the stage's plan of the traced step (`options` for the stage, as
+    `rp.plan` takes them), and the step compiled from it, measured; with offload, the bytes
+    the step copies to host memory too."""
     from functorch.compile import aot_module
     from torch._dynamo.backends.debugging import boxed_nop
 
     from recompute_planner._zoo.goldens import traced_group
 
-    stage = stage_mod.PlanningStage(case.models, keep)
+    stage = stage_mod.PlanningStage(case.models, keep, **options)
     with warnings.catch_warnings(), traced_group(case.world_size), stage_mod.tracing():
         warnings.simplefilter("ignore", rp.PlannerWarning)
         module = case.module()
@@ -341,13 +364,14 @@ def measure_compiled(case: Case, label: str, keep: Any) -> dict[str, Any]:
         step = measure.measure_step(
             lambda: compiled(*case.inputs), params, case.input_bytes, op_scratch=False
         )
-    staged, cli = stage.plans[-1], quiet_plan(case.graph, keep)
+    staged, cli = stage.plans[-1], quiet_plan(case.graph, keep, **options)
     same = (staged.memory.peak_bytes, staged.memory.saved_bytes) == (
         cli.memory.peak_bytes, cli.memory.saved_bytes
     )
     return row(
         case, label, "compile", staged, step.peak_bytes, step.saved_bytes, same_plan=same,
         measured_peak_with_op_scratch=step.peak_with_op_scratch_bytes,
+        **moved_to_host(staged, step.moved_to_host_bytes),
     )
 
 
@@ -454,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", nargs="*", choices=EXECUTORS, default=list(EXECUTORS))
     parser.add_argument(
         "--no-offload", dest="offload", action="store_false",
-        help="leave out the rows (eager, graph) that offload what each unit keeps",
+        help="leave out the rows that offload what each unit keeps",
     )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", help="also write the summary and the full table here")
@@ -470,7 +494,6 @@ def main(argv: list[str] | None = None) -> int:
                 measured = MEASURES[executor](case, label, keep)
                 rows.append(measured)
                 print(table([measured]).splitlines()[-1], file=sys.stderr, flush=True)
-        # The compile stage does not offload yet.
         offloading = [e for e in args.executor if e in OFFLOADING] if args.offload else []
         for unit in case.units:
             for executor in offloading:

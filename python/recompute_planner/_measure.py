@@ -61,6 +61,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from . import _host_memory as host_memory
+
 if TYPE_CHECKING:
     from ._zoo.model import CausalLM
     from .plans import Plan
@@ -160,6 +162,8 @@ class StepMemory:
     peak_stage: str
     peak_op: str
     trace: MemoryTrace = field(repr=False)
+    # Bytes the step copied to host memory (offload), outside the allocator the peak reads.
+    moved_to_host_bytes: int = 0
 
     def peak_breakdown(self, top: int = 12) -> list[tuple[str, str, int, int]]:
         """The largest groups of live allocations at the peak: (stage, op, bytes, count)."""
@@ -326,7 +330,8 @@ def measure_step(
         torch.manual_seed(seed)
         step()  # warm-up
         torch.manual_seed(seed)
-        full, (loss, grads) = trace_allocations(step)
+        with host_memory.counting() as moved:
+            full, (loss, grads) = trace_allocations(step)
     trace = full if op_scratch else full.without_op_scratch()
     peak, at = trace.peak()
     event = trace.events[at] if at >= 0 else None
@@ -339,6 +344,7 @@ def measure_step(
         peak_stage=event.stage if event else "",
         peak_op=event.op if event else "",
         trace=trace,
+        moved_to_host_bytes=moved.bytes,
     )
 
 

@@ -81,6 +81,7 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from . import _host_memory as host_memory
 from . import markers
 from ._exporter import (
     BACKWARD_PASS,
@@ -358,10 +359,15 @@ def partition_from_plan(
     if halves is None:
         halves = _split_with_torch(joint_module, list(saved), num_fwd_outputs=num_fwd_outputs)
     forward, backward = halves
+    _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
+    offloaded = {node.name for node, moves in saved.items() if moves}
+    offload_saved(
+        forward, backward, offloaded, num_fwd_outputs=num_fwd_outputs,
+        prefetch=plan.config.offload_prefetch,
+    )
     if not _lazy_graph_modules():
         for module in halves:
             _generate_code(module)
-    _check_partition(forward, backward, plan, saved, num_fwd_outputs=num_fwd_outputs)
     return forward, backward
 
 
@@ -766,17 +772,17 @@ def _marker_stand_ins(graph: fx.Graph) -> dict[str, fx.Node]:
     return stand_ins
 
 
-def _saved_nodes(graph: fx.Graph, plan: Plan, stand_ins: dict[str, fx.Node]) -> dict[fx.Node, None]:
+def _saved_nodes(graph: fx.Graph, plan: Plan, stand_ins: dict[str, fx.Node]) -> dict[fx.Node, bool]:
     """The FX nodes of the plan's saved values (tangents excluded: backward receives them), in
-    the plan's order without repeats."""
+    the plan's order without repeats, each with whether the plan offloads it."""
     by_name = {node.name: node for node in graph.nodes}
-    saved: dict[fx.Node, None] = {}
+    saved: dict[fx.Node, bool] = {}
     for value in plan.saved:
         node = stand_ins.get(value.value) or by_name.get(value.value)
         if node is None:
             raise PartitionMismatch(f"the plan saves `{value.value}`, which the graph lacks")
         if not (node.op == "placeholder" and _is_tangent(node.meta.get("desc"))):
-            saved[node] = None
+            saved[node] = saved.get(node, False) or value.offloaded
     return saved
 
 
@@ -784,7 +790,7 @@ def _check_partition(
     forward: fx.GraphModule,
     backward: fx.GraphModule,
     plan: Plan,
-    saved: dict[fx.Node, None],
+    saved: dict[fx.Node, bool],
     *,
     num_fwd_outputs: int,
 ) -> None:
@@ -820,6 +826,120 @@ def replayed_ops(backward: fx.GraphModule, plan: Plan) -> set[str]:
     }
 
 
+# --------------------------------------------------------------------------------------------
+# Offload: saved values in host memory between the halves
+
+
+def offload_saved(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    offloaded: set[str],
+    *,
+    num_fwd_outputs: int,
+    prefetch: int,
+) -> None:
+    """Moves the saved values named ``offloaded`` to host memory between the halves, in place.
+
+    The forward copies each one to the host (``_host_memory.OFFLOAD``) once the op after its
+    last forward read (through any view of its storage) has run, where the plan's memory model
+    has it leave the device, and returns the copy in its place: nothing on the device holds the
+    storage after that. The backward brings it back (``_host_memory.RELOAD``, in its layout)
+    ``prefetch`` ops before the first op that reads it, as the plan schedules reloads, and its
+    readers read the reloaded tensor. Raises ``PartitionMismatch`` if a name is not among the
+    forward's saved values."""
+    if not offloaded:
+        return
+    output = forward.graph.output_node()
+    outputs = list(output.args[0])  # type: ignore[arg-type]  # a graph returns a tuple
+    last_reads = _last_storage_reads(forward.graph)
+    placeholders = {node.name: node for node in backward.graph.find_nodes(op="placeholder")}
+    moved = set()
+    for index in range(num_fwd_outputs, len(outputs)):
+        node = outputs[index]
+        if isinstance(node, fx.Node) and node.name in offloaded and node.name not in moved:
+            outputs[index] = _copy_to_host(forward.graph, node, last_reads)
+            _reload_before_first_read(backward.graph, placeholders[node.name], prefetch)
+            moved.add(node.name)
+    output.args = (tuple(outputs),)
+    if moved != offloaded:
+        raise PartitionMismatch(
+            f"the plan offloads {sorted(offloaded - moved)}, which the compiled forward does "
+            "not save"
+        )
+
+
+def _last_storage_reads(graph: fx.Graph) -> Callable[[fx.Node], fx.Node]:
+    """For a node of ``graph``, the op after which the device may free its storage: the op
+    after the last op that reads it through any node sharing the storage (the node itself when
+    nothing reads it), as the planner's memory model counts a storage's reads; the last op
+    before the output where that is the output."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ops = _ops(graph)
+    position = {node: k for k, node in enumerate(ops)}
+    sharing: dict[Any, list[fx.Node]] = {}
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            sharing.setdefault(StorageWeakRef(value.untyped_storage()), []).append(node)
+
+    def after_last_read(node: fx.Node) -> fx.Node:
+        value = node.meta.get("val")
+        aliases = (
+            sharing[StorageWeakRef(value.untyped_storage())]
+            if isinstance(value, torch.Tensor) else [node]
+        )
+        reads = [position[user] for alias in aliases for user in alias.users if user in position]
+        last = max([*reads, *(position[a] for a in aliases if a in position)], default=-1)
+        return ops[min(last + 1, len(ops) - 1)]
+
+    return after_last_read
+
+
+def _fake_result(op: torch._ops.OpOverload, node: fx.Node, *args: Any) -> Any:
+    """What ``op`` returns for the fake tensor of ``node`` (None where it has none), the
+    metadata a node of ``op`` reading it carries."""
+    from torch._guards import detect_fake_mode
+
+    value = node.meta.get("val")
+    mode = detect_fake_mode((value,)) if isinstance(value, torch.Tensor) else None
+    if mode is None:
+        return None
+    with mode:
+        return op(value, *args)
+
+
+def _copy_to_host(
+    graph: fx.Graph, node: fx.Node, after_last_read: Callable[[fx.Node], fx.Node]
+) -> fx.Node:
+    """A node copying ``node`` to host memory, placed after its storage's last forward read."""
+    anchor = after_last_read(node)
+    with graph.inserting_after(anchor):
+        copy = graph.call_function(host_memory.OFFLOAD, (node,))
+    copy.meta["val"] = _fake_result(host_memory.OFFLOAD, node)
+    return copy
+
+
+def _reload_before_first_read(graph: fx.Graph, placeholder: fx.Node, prefetch: int) -> None:
+    """Makes the backward read ``placeholder`` (now a host copy) through a reload placed
+    ``prefetch`` ops before its first reader (at the start at the earliest)."""
+    ops = _ops(graph)
+    readers = set(placeholder.users)
+    first = next((k for k, node in enumerate(ops) if node in readers), len(ops))
+    at = max(first - prefetch, 0)
+    before = ops[at] if at < len(ops) else graph.output_node()
+    on_device = placeholder.meta.get("val")
+    if not isinstance(on_device, torch.Tensor):
+        raise PartitionMismatch(f"the offloaded saved value `{placeholder.name}` has no tensor")
+    stride = list(on_device.stride())
+    with graph.inserting_before(before):
+        reload = graph.call_function(host_memory.RELOAD, (placeholder, on_device.device, stride))
+    placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)
+    reload.meta["val"] = on_device
+    # A new dict: the placeholder's may be shared with the joint graph's node.
+    placeholder.meta = {**placeholder.meta, "val": _fake_result(host_memory.OFFLOAD, placeholder)}
+
+
 def _marker_names(plan: Plan) -> list[str]:
     return [name for name, op in plan.node_ops.items() if op == markers.MARKER_OP]
 
@@ -851,6 +971,10 @@ class PlanningStage(CustomGraphPass):
         random_ops: str = "save",
         budget: int | str | None = None,
         granularity: str = "unit",
+        budget_offload: bool = False,
+        offload: str | Iterable[str] | None = None,
+        offload_kinds: str | Iterable[str] | None = None,
+        offload_prefetch: int = 4,
         hw: HwLike = None,
         name: str = "compiled",
         partitioner: str = "plan",
@@ -858,6 +982,12 @@ class PlanningStage(CustomGraphPass):
         if partitioner not in PARTITIONERS:
             raise ValueError(
                 f"partitioner {partitioner!r}: use one of {', '.join(map(repr, PARTITIONERS))}"
+            )
+        if partitioner == "min-cut" and (offload or offload_kinds or budget_offload):
+            raise ValueError(
+                "offload (offload=, offload_kinds=, budget_offload=) needs the plan "
+                'partitioner, which places the copies to host memory and back: torch\'s '
+                'min-cut partitioner keeps every saved value on the device; use partitioner="plan"'
             )
         if partitioner == "plan" and random_ops == "replay":
             raise ValueError(
@@ -875,6 +1005,10 @@ class PlanningStage(CustomGraphPass):
             random_ops=random_ops,
             budget=budget,
             granularity=granularity,
+            budget_offload=budget_offload,
+            offload=offload,
+            offload_kinds=offload_kinds,
+            offload_prefetch=offload_prefetch,
             hw=hw,
         )
         self.name = name
@@ -885,7 +1019,8 @@ class PlanningStage(CustomGraphPass):
         # retraces a compiled step once, and one that plans alike does not.
         self.number = _STAGE_NUMBERS.setdefault(
             repr((self.models, keep, partitioner, name, recompute_ratio, collectives,
-                  random_ops, budget, granularity, hw)),
+                  random_ops, budget, granularity, budget_offload, offload, offload_kinds,
+                  offload_prefetch, hw)),
             len(_STAGE_NUMBERS) + 1,
         )
 

@@ -89,6 +89,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from . import _host_memory as host_memory
 from ._compiled_regions import compiled_submodules, is_compiled, replaced_while
 from .errors import KvCacheOffWarning, SacMismatchError
 from .markers import MARKER_OP
@@ -165,6 +166,10 @@ class LayerOps:
     compiled: tuple[bool, ...] = ()
     # Per kept op, whether the plan offloads its outputs to host memory (none when empty).
     offload: tuple[bool, ...] = ()
+    # The (name, bytes) of the values the layer makes that later layers (or code outside the
+    # checkpointed layers) read and the plan offloads: its outputs, which the checkpoints
+    # after it save as their inputs (saved kind "layer-input").
+    offloaded_outputs: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, model: str, layer: int, graph: Any = None) -> LayerOps:
@@ -194,6 +199,10 @@ class LayerOps:
             random=any(n.reason.startswith("random") for n in nodes),
             compiled=tuple(n.reason == REASON_COMPILED for n in nodes),
             offload=tuple(k and n.offloaded for k, n in zip(keep, nodes, strict=True)),
+            offloaded_outputs=tuple(
+                (s.value, s.bytes) for s in plan.saved
+                if s.offloaded and s.kind == "layer-input" and (s.model, s.layer) == (model, layer)
+            ),
         )
 
     def kept(self) -> list[str]:
@@ -438,56 +447,42 @@ def _tensor_bytes(out: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-# Integer dtypes by element size: a tensor of any dtype viewed as one of them reads as NumPy.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 class _HostCopy:
-    """A tensor SAC's cache holds, moved to host memory as forward makes it and brought back
-    to its device, in its layout (shape and strides), when the recompute asks the cache for it
-    (the cache calls ``get_val``).
-
-    On a CUDA device the copy is pinned and both transfers are asynchronous on the current
-    stream. On the CPU the copy is a NumPy buffer, outside PyTorch's allocator, so the
-    allocator (and a measurement of it) sees the device free of the tensor until its reload.
-    The planner offloads no storage written in place, so the copy is the tensor the recompute
-    needs. A view is copied alone (its base, if also offloaded, is copied apart)."""
+    """A tensor moved to host memory (``_host_memory.to_host``) and brought back to its
+    device, in its layout (shape and strides): a kept output SAC's cache holds, copied as
+    forward makes it and brought back when the recompute asks the cache for it (the cache
+    calls ``get_val``), or a layer input an ``offloading()`` block saves, brought back where a
+    reader unpacks it (``reloaded``). The planner offloads no storage written in place, so the
+    copy is the tensor backward needs. A view is copied alone (its base, if also offloaded, is
+    copied apart)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.device, self.dtype = tensor.device, tensor.dtype
-        self.shape, self.stride = tensor.shape, tensor.stride()
+        self.device, self.stride = tensor.device, tensor.stride()
         # Written in place after the copy, while still alive, the copy is stale: SAC's own
         # check, kept (the planner offloads no storage the graph writes in place).
         self.source, self.version = weakref.ref(tensor), tensor._version
-        self.pinned: torch.Tensor | None = None
-        self.buffer: Any = None  # the NumPy copy, on the CPU
-        if tensor.device.type == "cpu":
-            self.buffer = tensor.view(_BITS[tensor.element_size()]).numpy().copy()
-        else:
-            self.pinned = torch.empty_strided(
-                self.shape, self.stride, dtype=self.dtype, pin_memory=True
-            )
-            self.pinned.copy_(tensor, non_blocking=True)
-
-    @staticmethod
-    def movable(tensor: torch.Tensor) -> bool:
-        return tensor.element_size() in _BITS and not tensor.is_complex()
+        self.host = host_memory.to_host(tensor)
+        self.back: weakref.ref[torch.Tensor] | None = None  # the last reload (``reloaded``)
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
         source = self.source()
         if source is not None and source._version != self.version:
             raise RuntimeError(
-                "a tensor offloaded from the selective-checkpoint cache was written in place "
-                "after its copy to host memory: the copy is stale"
+                "a tensor offloaded to host memory was written in place after its copy: the "
+                "copy is stale"
             )
         # Under no dispatch mode: the reload is none of the layer's ops (the recompute's
         # counter must not see it).
         with _disable_current_modes():
-            shape, stride = self.shape, self.stride
-            out = torch.empty_strided(shape, stride, dtype=self.dtype, device=self.device)
-            if self.pinned is not None:
-                return out.copy_(self.pinned, non_blocking=True)
-            return out.copy_(torch.from_numpy(self.buffer).view(self.dtype))
+            return host_memory.to_device(self.host, self.device, self.stride)
+
+    def reloaded(self) -> torch.Tensor:
+        """The tensor back on its device: one reload for every reader while any holds it."""
+        back = self.back() if self.back is not None else None
+        if back is None:
+            back = self.get_val(False)
+            self.back = weakref.ref(back)
+        return back
 
 
 def _to_host(entry: Any) -> Any:
@@ -498,7 +493,7 @@ def _to_host(entry: Any) -> Any:
 
     def move(leaf: Any) -> Any:
         if isinstance(leaf, wrapper) and isinstance(leaf.val, torch.Tensor):
-            if _HostCopy.movable(leaf.val):
+            if host_memory.movable(leaf.val):
                 return _HostCopy(leaf.val)
         return leaf
 
@@ -611,19 +606,113 @@ def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPol
     return PlanPolicy(LayerOps.of(plan, model, layer, graph))
 
 
+# The saved kinds eager selective checkpointing offloads: kept outputs (SAC's cache holds their
+# host copies) and layer inputs (``offloading()``).
+EAGER_OFFLOADED_KINDS = ("kept", "layer-input")
+
+
 def _check_offload_runs(plan: Plan) -> None:
-    """Raises unless every value ``plan`` offloads is a kept output, which SAC's cache holds
-    and this module moves; a checkpoint's inputs and values outside checkpointed layers stay
-    on the device under eager SAC."""
-    others = [s for s in plan.saved if s.offloaded and s.kind != "kept"]
+    """Raises unless every value ``plan`` offloads is of a kind this module moves
+    (``EAGER_OFFLOADED_KINDS``); values outside checkpointed layers stay on the device under
+    eager SAC."""
+    others = [s for s in plan.saved if s.offloaded and s.kind not in EAGER_OFFLOADED_KINDS]
     if others:
         kinds = ", ".join(sorted({s.kind for s in others}))
         raise NotImplementedError(
             f"the plan offloads {len(others)} values of kinds {kinds} "
             f"({sum(s.bytes for s in others)} B, `{others[0].value}` first), which eager "
-            "selective checkpointing does not move to host memory yet (it moves kept outputs): "
-            "plan with offload= units or offload_kinds=['kept']"
+            "selective checkpointing does not move to host memory (it moves kept outputs and "
+            "layer inputs): plan with offload= units or offload_kinds=['kept', 'layer-input']"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Layer inputs in host memory
+
+
+class _Offloading:
+    """The saved-tensor hooks of one ``offloading()`` block: a layer output the plan offloads
+    (``register``ed when its checkpoint returns it) is saved as one host copy, made when it is
+    first saved, by every reader that saves it (the next layer's checkpoint, code outside the
+    checkpointed layers); each reader's unpack brings it back (``_HostCopy.reloaded``). Every
+    other tensor is saved as itself."""
+
+    def __init__(self) -> None:
+        # id of a registered tensor -> (the tensor, its host copy once made), both weakly:
+        # the saved tensors hold the copy, and the copy lives as long as one of them.
+        self.registered: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def register(self, tensor: torch.Tensor) -> None:
+        self.registered[id(tensor)] = (weakref.ref(tensor), None)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        entry = self.registered.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return tensor
+        copy = entry[1]() if entry[1] is not None else None
+        if copy is None:
+            with _disable_current_modes():
+                copy = _HostCopy(tensor)
+            self.registered[id(tensor)] = (entry[0], weakref.ref(copy))
+        return copy
+
+    @staticmethod
+    def unpack(packed: Any) -> Any:
+        return packed.reloaded() if isinstance(packed, _HostCopy) else packed
+
+
+# The ``offloading()`` blocks entered, innermost last.
+_OFFLOADING: list[_Offloading] = []
+
+
+@contextlib.contextmanager
+def offloading() -> Iterator[None]:
+    """``with offloading():`` around a step's forward moves the layer inputs a plan offloads
+    (saved kind ``layer-input``: what a checkpointed layer returns and the checkpoint after it,
+    or code outside the checkpointed layers, saves) to host memory: each is copied once where
+    it is first saved for backward, the device tensor is freed with the forward's last
+    reference to it, and backward brings it back where a reader unpacks it (a checkpoint's
+    recompute, a backward op). Plan it with ``offload_prefetch=0`` for the exact schedule. A
+    checkpointed layer whose plan offloads its output raises outside such a block, rather than
+    keep on the device what the plan predicts in host memory. Only forward needs to be inside;
+    saved tensor hooks of its own inside it (a checkpoint's) take precedence."""
+    block = _Offloading()
+    _OFFLOADING.append(block)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(block.pack, _Offloading.unpack):
+            yield
+    finally:
+        _OFFLOADING.remove(block)
+
+
+def _offload_outputs(out: Any, policy: PlanPolicy) -> None:
+    """Registers, with the innermost ``offloading()`` block, the tensors of ``out`` (a
+    checkpointed layer's return value) that are the layer outputs ``policy``'s plan offloads,
+    told apart by size; raises where there is no block or the sizes do not tell them apart."""
+    offloaded = policy.layer.offloaded_outputs
+    if not offloaded or not torch.is_grad_enabled():
+        return
+    where = f"layer {policy.layer.layer} of model `{policy.layer.model}`"
+    names = ", ".join(f"`{name}`" for name, _ in offloaded)
+    if not _OFFLOADING:
+        raise RuntimeError(
+            f"the plan offloads {names}, the output of {where} that later layers read, to "
+            "host memory: run the step's forward inside `with recompute_planner.sac."
+            "offloading():`, which moves it, or plan without offloading layer inputs"
+        )
+    tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    for nbytes in {size for _, size in offloaded}:
+        values = [name for name, size in offloaded if size == nbytes]
+        matches = [t for t in tensors if _tensor_bytes(t) == nbytes]
+        if len(matches) != len(values):
+            raise NotImplementedError(
+                f"the plan offloads {', '.join(f'`{v}`' for v in values)} ({nbytes} B each), "
+                f"made in {where}, but the layer returns {len(matches)} tensors of that size: "
+                "which of them the plan offloads cannot be told (a value that leaves the layer "
+                "other than by its return value is not moved)"
+            )
+        for tensor in matches:
+            _OFFLOADING[-1].register(tensor)
 
 
 # The layer forwards whose policy is matching ops now, innermost last (``PlanPolicy``).
@@ -747,7 +836,7 @@ def checkpoint_call(
     preserve = preserve_rng_state
     if preserve is None:
         preserve = bool(getattr(context, "preserve_rng_state", False))
-    return checkpoint(
+    out = checkpoint(
         fn,
         *args,
         use_reentrant=False,
@@ -755,6 +844,9 @@ def checkpoint_call(
         preserve_rng_state=preserve,
         **kwargs,
     )
+    if isinstance(context, PlanPolicy):
+        _offload_outputs(out, context)
+    return out
 
 
 class CheckpointedLayers(dict[int, PlanPolicy]):
@@ -831,12 +923,14 @@ __all__ = [
     "ContextFn",
     "DIVERGENT_COMPOSITES",
     "EAGER_ALTERNATIVES",
+    "EAGER_OFFLOADED_KINDS",
     "PlanPolicy",
     "RecomputeCounter",
     "checkpoint_call",
     "checkpoint_layers",
     "checkpoint_module",
     "context_fn",
+    "offloading",
     "follow_compiled_submodules",
     "uncheckpoint_module",
 ]

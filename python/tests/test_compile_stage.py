@@ -48,6 +48,7 @@ import recompute_planner as rp
 from export_support import check_builders_agree
 from graph_walk import golden_param
 from hf_families import FAMILIES, family
+from recompute_planner import _host_memory as host_memory
 from recompute_planner import compile as stage_mod
 from recompute_planner._exporter import ModelDecl
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
@@ -1011,6 +1012,116 @@ def test_aot_autograd_backend_with_partition_fn_matches_eager():
         step = eager_step(torch.compile(CausalLM(cfg), backend=backend), inputs)
     assert_saves_and_replays_the_plan(stage)
     assert_same_step(step, eager_step(CausalLM(cfg), inputs))
+
+
+# --------------------------------------------------------------------------------------------
+# Offload: what the plan offloads is copied to host memory in forward and reloaded in backward
+
+
+def offloaded_names(staged: Recording) -> tuple[list[str], list[str]]:
+    """The saved values the compiled forward copies to host memory (by the name of the value
+    each copy reads) and those the plan offloads, both by storage base, sorted."""
+    base = storage_bases(staged.irs[-1])
+    outputs = staged.fw.graph.output_node().args[0][staged.num_fwd_outputs :]
+    copied = [base(n.args[0].name) for n in outputs if n.target is host_memory.OFFLOAD]
+    planned = {base(s.value) for s in staged.plan.saved if s.offloaded}
+    return sorted(copied), sorted(planned)
+
+
+def aot_step(subject: Subject, keep, **options) -> tuple[Recording, tuple]:
+    """``subject``'s step through `aot_module` with a stage planning ``keep`` and
+    ``options`` (boxed FX interpreter: the same kernels whatever the partition): the stage,
+    and the loss and gradients."""
+    stage = Recording(subject.models, keep, **options)
+    compiled = aot_module(
+        subject.module, fw_compiler=nop_compiler, bw_compiler=nop_compiler,
+        partition_fn=stage.partition_fn,
+    )
+    with traced_group(subject.world_size), stage_mod.tracing(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        step = eager_step(compiled, subject.inputs)
+    return stage, step
+
+
+def assert_bit_identical(got: tuple, want: tuple) -> None:
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
+
+
+def test_compiled_step_offloads_the_indexer_top_k_neither_kept_on_the_device_nor_replayed():
+    """`offload=["SAVE_DSA_INDEXER"]`: the compiled forward copies exactly the values the plan
+    offloads (the indexer's top-k among them) to host memory and returns the copies, the
+    backward reloads each one before its first read and replays no top-k; loss and gradients
+    are bit-identical to the step without checkpointing."""
+    subject = golden_subject("glm_dsa_ep2")
+    keep = ["SAVE_DSA_INDEXER"]
+    stage, step = aot_step(subject, keep, offload=keep)
+    copied, planned = offloaded_names(stage)
+    assert copied == planned and planned
+    topk = {
+        n.name for n in stage.plan.nodes
+        if n.op == "aten.topk.default" and n.unit == "SAVE_DSA_INDEXER"
+    }
+    topk_outputs = {v for n in stage.irs[-1].nodes if n.name in topk for v in n.outputs}
+    assert len(topk_outputs & set(planned)) == len(topk)  # the indices of each top-k
+    reloads = [n for n in stage.bw.graph.nodes if n.target is host_memory.RELOAD]
+    assert len(reloads) == len(copied)
+    assert not topk & {n.name for n in stage.bw.graph.nodes}
+    _, plain = aot_step(golden_subject("glm_dsa_ep2"), None, recompute_ratio=0.0)
+    assert_bit_identical(step, plain)
+
+
+def test_compiled_step_offloads_layer_inputs_and_reloads_them_prefetch_ops_ahead():
+    """`offload_kinds=["layer-input"]` under whole-layer recompute: every checkpointed layer's
+    input is copied to host memory once the op after its last forward read ran, and each
+    reload sits `offload_prefetch` ops before the first backward op reading it (at the start
+    at the earliest); gradients bit-identical to the step without offload."""
+    subject = golden_subject("moe_ep2")
+    prefetch = 2
+    stage, step = aot_step(
+        subject, None, offload_kinds=["layer-input"], offload_prefetch=prefetch
+    )
+    copied, planned = offloaded_names(stage)
+    assert copied == planned
+    assert {s.kind for s in stage.plan.saved if s.offloaded} == {"layer-input"}
+    forward_ops = [n for n in stage.fw.graph.nodes if n.op == "call_function"]
+    for copy_node in (n for n in forward_ops if n.target is host_memory.OFFLOAD):
+        source = copy_node.args[0]
+        reads = [k for k, n in enumerate(forward_ops) if source in n.all_input_nodes]
+        assert forward_ops.index(copy_node) == reads[-2] + 2  # after the op after the last read
+    backward_ops = [n for n in stage.bw.graph.nodes if n.op == "call_function"]
+    for reload in (n for n in backward_ops if n.target is host_memory.RELOAD):
+        first = min(backward_ops.index(user) for user in reload.users)
+        assert backward_ops.index(reload) == max(first - prefetch - 1, 0)
+    _, plain = aot_step(golden_subject("moe_ep2"), None)
+    assert_bit_identical(step, plain)
+
+
+def test_inductor_step_with_offload_matches_the_step_without():
+    """`torch.compile(model, backend=stage.backend)` compiled to code, keeping every unit and
+    offloading what they keep and every layer input: the copies run as inductor fallbacks and
+    loss and gradients are those of the same step without offload."""
+    cfg = entry("dense").config
+    inputs = make_inputs(cfg)
+    steps = []
+    for options in ({}, {"offload_kinds": ["kept", "layer-input"]}):
+        stage = Recording(model_decls(cfg), "all", **options)
+        torch._dynamo.reset()
+        with stage:
+            steps.append(eager_step(torch.compile(CausalLM(cfg), backend=stage.backend), inputs))
+    copied, planned = offloaded_names(stage)
+    assert copied == planned and planned
+    assert_bit_identical(steps[1], steps[0])
+
+
+def test_the_min_cut_partitioner_refuses_offload():
+    """Torch's min-cut partitioner keeps every saved value on the device: a stage asked to
+    offload with it would not do what its plan predicts."""
+    with pytest.raises(ValueError, match='partitioner="plan"'):
+        stage_mod.PlanningStage(
+            model_decls(entry("dense").config), "all", offload_kinds=["kept"],
+            partitioner="min-cut",
+        )
 
 
 # --------------------------------------------------------------------------------------------

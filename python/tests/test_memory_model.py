@@ -339,25 +339,34 @@ def test_eager_plan_predicts_the_measured_peak_and_saved_set(eager_rows):
     """`--keep none`, `all` and each unit alone under eager SAC: the eager plan's peak within
     3% of the allocator's (`EAGER_CASE_TOLERANCE`: HuggingFace Llama and Mixtral; the zoo MoE's
     Python locals that outlive their last use are observed at export and held), and on the zoo
-    goldens its saved bytes are what the step holds when forward ends, to the byte."""
+    goldens its saved bytes are what the step holds when forward ends, to the byte; where a
+    unit's kept outputs are offloaded, the bytes SAC's cache copies to host memory are the
+    plan's, to the byte."""
     for r in eager_rows:
         tolerance = EAGER_CASE_TOLERANCE.get(r["case"], EAGER_TOLERANCE)
         relative = gap(r["predicted_peak"], r["measured_peak"])
         assert abs(relative) <= tolerance, f"{r}: {relative:+.1%}"
         if r["case"] not in HF_CASES:
             assert r["predicted_saved"] == r["measured_saved"], r
+        assert r.get("measured_offloaded") == r.get("predicted_offloaded"), r
+    assert_every_case_moves(eager_rows)
 
 
 def test_compiled_step_holds_what_the_stage_plan_predicts(prediction_rows):
     """The step compiled from the compile stage's plan (torch's boxed interpreter, which frees
     each value after its last use), its kernels' scratch apart: its peak within 2% of the
     plan's, its saved bytes those of the plan to the byte, and the stage's plan that of the
-    exported step (but where torch functionalizes)."""
-    for r in rows_of(prediction_rows, "compile"):
+    exported step (but where torch functionalizes); where a unit's kept outputs are offloaded,
+    the bytes the compiled forward copies to host memory are the plan's, to the byte, and its
+    saved bytes on the device the plan's less those."""
+    rows = rows_of(prediction_rows, "compile")
+    for r in rows:
         relative = gap(r["predicted_peak"], r["measured_peak"])
         assert abs(relative) <= COMPILE_TOLERANCE, f"{r}: {relative:+.1%}"
         assert r["predicted_saved"] == r["measured_saved"], r
         assert r["same_plan"] or r["case"] in FUNCTIONALIZED, r
+        assert r.get("measured_offloaded") == r.get("predicted_offloaded"), r
+    assert_every_case_moves(rows)
 
 
 def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows):
@@ -369,6 +378,11 @@ def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows
             r["predicted_peak"], r["predicted_saved"]
         ), r
         assert r.get("measured_offloaded") == r.get("predicted_offloaded"), r
+    assert_every_case_moves(rows)
+
+
+def assert_every_case_moves(rows: list[dict]) -> None:
+    """Every case has a row offloading a unit's kept outputs that moves bytes."""
     moved = {
         r["case"] for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]
     }
@@ -502,6 +516,37 @@ def test_eager_offload_of_the_dsa_indexer_frees_the_device_as_the_plan_predicts(
     on_device = memory.saved_on_device_bytes
     assert on_device is not None
     assert abs(step.saved_bytes - on_device) <= 0.001 * on_device, (step.saved_bytes, on_device)
+
+
+def test_eager_offload_of_layer_inputs_lowers_the_measured_peak_as_the_plan_predicts(
+    monkeypatch,
+):
+    """HuggingFace Llama with 4 layers keeping attention (batch 4 x 32): offloading the layer
+    inputs (`offload_kinds=["layer-input"]`, the forward inside `sac.offloading()`) lowers the
+    measured peak (the earlier layers' inputs wait in host memory while a later layer is
+    recomputed) to within 0.5% of the eager plan's, the bytes copied to host memory are the
+    plan's, and what stays on the device when forward ends is the plan's saved set on the
+    device."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import predictions as table
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(table, "HF_SHAPE", {**table.HF_SHAPE, "num_hidden_layers": 4})
+    case = table.hf_case("llama", 4, 32)
+    keep = ["SAVE_ATTN"]
+    offloaded = table.measure_case(
+        case, "offloaded", keep, offload_kinds=["layer-input"], offload_prefetch=0
+    )
+    on_device = table.measure_case(case, "on device", keep)
+    assert offloaded["measured_peak"] < on_device["measured_peak"]
+    assert offloaded["predicted_peak"] < on_device["predicted_peak"]
+    relative = gap(offloaded["predicted_peak"], offloaded["measured_peak"])
+    assert abs(relative) <= 0.005, f"{offloaded}: {relative:+.2%}"
+    assert offloaded["measured_offloaded"] == offloaded["predicted_offloaded"] > 0
+    assert offloaded["measured_saved"] < on_device["measured_saved"]
+    saved = gap(offloaded["predicted_saved"], offloaded["measured_saved"])
+    assert abs(saved) <= 0.001, offloaded
 
 
 def test_eager_offload_copies_are_none_of_the_layers_ops():

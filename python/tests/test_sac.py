@@ -25,6 +25,7 @@ fake process group of the current torch) are skipped; the single-rank goldens ru
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -35,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 import recompute_planner as rp
 from graph_walk import GOLDEN_DIR, golden_param, load_graph
+from recompute_planner import _host_memory as host_memory
 from recompute_planner import _measure as measure
 from recompute_planner import sac
 from recompute_planner._exporter import TRACING_TORCH, ModelDecl, export_joint
@@ -67,9 +69,10 @@ def planned_graph(graph, keep, **options) -> rp.Plan:
         return rp.plan(graph, keep, **options)
 
 
-def run_step(name: str, plan: rp.Plan | None):
+def run_step(name: str, plan: rp.Plan | None, offloading: bool = False):
     """One training step of golden `name` (rank 0), every checkpointed layer under the plan's
-    SAC policy (no checkpointing without a plan); returns (loss, grads, policies)."""
+    SAC policy (no checkpointing without a plan), its forward inside `sac.offloading()` with
+    `offloading`; returns (loss, grads, policies)."""
     gold = golden(name)
     if gold.world_size > 1 and OLDER_TORCH:
         pytest.skip(f"the zoo's multi-rank models need torch >= {TRACING_TORCH}")
@@ -83,7 +86,8 @@ def run_step(name: str, plan: rp.Plan | None):
         params = [p for p in model.parameters()]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # dropout draws the same masks in every run
-            loss = model(*inputs)
+            with sac.offloading() if offloading else contextlib.nullcontext():
+                loss = model(*inputs)
             held = {key: policy.held_bytes() for key, policy in policies.items()}
             grads = torch.autograd.grad(loss, params)
     return loss.detach(), grads, policies, held
@@ -476,13 +480,39 @@ def test_offloaded_kept_outputs_come_back_bit_identical(name):
         assert policy.recomputed.counts == on_device[key].recomputed.counts, key
 
 
-def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
-    """Eager SAC moves kept outputs only: a plan that also offloads a checkpoint's inputs
-    would predict a device saving the step does not make, so checkpointing under it raises,
-    naming the kinds."""
-    plan = planned("dense", "all", executor="eager", offload_kinds=["kept", "layer-input"])
+@pytest.mark.parametrize("name", ["glm_dsa_ep2", "dense"])
+def test_offloaded_layer_inputs_come_back_bit_identical(name):
+    """A plan that offloads the checkpoints' inputs (each layer's output) and what the kept
+    units save, the forward inside `sac.offloading()`: the bytes copied to host memory are the
+    plan's, and loss and gradients are those of the plain step, bit for bit."""
+    keep = ["SAVE_DSA_INDEXER"] if name == "glm_dsa_ep2" else "all"
+    plan = planned(
+        name, keep, executor="eager", offload_kinds=["kept", "layer-input"], offload_prefetch=0
+    )
     assert any(s.offloaded and s.kind == "layer-input" for s in plan.saved)
-    with pytest.raises(NotImplementedError, match="layer-input"):
+    with host_memory.counting() as moved:
+        loss, grads, _, _ = run_step(name, plan, offloading=True)
+    assert moved.bytes == plan.memory.offloaded_bytes
+    plain_loss, plain_grads, _, _ = run_step(name, None)
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
+def test_a_plan_offloading_layer_inputs_needs_the_offloading_block():
+    """Outside `sac.offloading()` nothing would move a layer's output, so the first
+    checkpointed layer whose output the plan offloads raises, naming it and the block."""
+    plan = planned("dense", None, executor="eager", offload_kinds=["layer-input"])
+    with pytest.raises(RuntimeError, match=r"add_5.*offloading\(\)"):
+        run_step("dense", plan)
+
+
+def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
+    """Eager SAC moves kept outputs and layer inputs: a plan that also offloads values made
+    outside the checkpointed layers would predict a device saving the step does not make, so
+    checkpointing under it raises, naming the kinds."""
+    plan = planned("dense", "all", executor="eager", offload_kinds=["not-checkpointed"])
+    assert any(s.offloaded and s.kind == "not-checkpointed" for s in plan.saved)
+    with pytest.raises(NotImplementedError, match="not-checkpointed"):
         sac.context_fn(plan, *plan.layers()[0])
 
 
