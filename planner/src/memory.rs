@@ -82,6 +82,11 @@ pub struct OffloadRequest<'a> {
     /// Storage roots (values that make a storage), each once.
     pub values: &'a [ValueId],
     pub prefetch: usize,
+    /// The executor copies a storage to the host when it is first saved, before its last
+    /// forward read (eager: SAC's cache as forward makes it, `offloading()` at its first
+    /// save), so the device is free of it once that read has run; otherwise the copy runs
+    /// beside the step after that read, which it holds the storage through.
+    pub copied_at_save: bool,
 }
 
 /// Where one requested storage leaves the device and comes back, in schedule steps (forward
@@ -208,6 +213,9 @@ struct Offloading {
     /// Requested storage roots, by value.
     requested: rustc_hash::FxHashSet<ValueId>,
     prefetch: usize,
+    /// Steps the copy to the host holds a storage on the device after its last forward read
+    /// (0 where the executor copies it when saved: [`OffloadRequest::copied_at_save`]).
+    copy_steps: usize,
     /// Storage id -> index into `tracked`.
     by_storage: rustc_hash::FxHashMap<u32, usize>,
     tracked: Vec<Tracked>,
@@ -403,6 +411,7 @@ fn forward_offloading<'g, O: Observer>(
         offload: Offloading {
             requested: offload.values.iter().copied().collect(),
             prefetch: offload.prefetch,
+            copy_steps: usize::from(!offload.copied_at_save),
             ..Offloading::default()
         },
     };
@@ -830,11 +839,16 @@ impl Offloading {
     /// their copy to their reload (or, never reloaded, until eager SAC's cache lets go of
     /// them).
     fn split(&mut self, storages: &mut [Storage], steps: usize) {
+        let timing = Timing {
+            prefetch: self.prefetch,
+            forward_steps: self.forward_steps,
+            copy_steps: self.copy_steps,
+        };
         let mut host = Vec::new();
         for t in &self.tracked {
             let storage = &mut storages[t.storage as usize];
-            let window = t.window(storage, self.prefetch, self.forward_steps, steps);
-            let leaves_after = window.held_until + 1;
+            let window = t.window(storage, timing, steps);
+            let leaves_after = window.held_until + self.copy_steps;
             if window.moved {
                 if let Some(reload_at) = window.reload_at {
                     self.reloads.push(Storage {
@@ -865,20 +879,31 @@ impl Offloading {
     }
 }
 
+/// When offloaded storages move, in schedule steps.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    /// Backward steps a reload comes before the read it is for.
+    prefetch: usize,
+    /// Forward steps (the first backward step's index): no reload comes before.
+    forward_steps: usize,
+    /// Steps the copy to the host holds a storage after its last forward read.
+    copy_steps: usize,
+}
+
 impl Tracked {
-    /// Where the storage leaves the device and comes back: it leaves the step after
-    /// `held_until` and is reloaded `prefetch` steps before the first read after that (never in
-    /// forward, the first `forward_steps` steps). It moves when the device is free of it for at
-    /// least one step before the reload, or, read by nothing after `held_until`, when eager
-    /// SAC's cache holds it and the device is free of it for a step before the step's `steps`
-    /// end: the cache holds the host copy and nothing reloads it.
-    fn window(
-        &self,
-        storage: &Storage,
-        prefetch: usize,
-        forward_steps: usize,
-        steps: usize,
-    ) -> OffloadWindow {
+    /// Where the storage leaves the device and comes back: it leaves after `held_until` (and
+    /// the copy's steps) and is reloaded `prefetch` steps before the first read after that
+    /// (never in forward: [`Timing`]). It moves when the device is free of it for at least one
+    /// step before the reload, or, read by nothing after `held_until`, when eager SAC's cache
+    /// holds it and the device is free of it for a step before the step's `steps` end: the
+    /// cache holds the host copy and nothing reloads it.
+    fn window(&self, storage: &Storage, timing: Timing, steps: usize) -> OffloadWindow {
+        let Timing {
+            prefetch,
+            forward_steps,
+            copy_steps,
+        } = timing;
+        let free_from = copy_steps + 1;
         let last_forward_read = self.last_forward_read.unwrap_or(storage.alloc);
         let held_until = self
             .pinned_until()
@@ -891,8 +916,8 @@ impl Tracked {
         let reload_at =
             first_backward_read.map(|first| first.saturating_sub(prefetch).max(forward_steps));
         let moved = match reload_at {
-            Some(reload_at) => reload_at > held_until + 2,
-            None => self.cache_until.is_some() && held_until + 2 < steps,
+            Some(reload_at) => reload_at > held_until + free_from,
+            None => self.cache_until.is_some() && held_until + free_from < steps,
         };
         OffloadWindow {
             value: self.value,

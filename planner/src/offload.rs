@@ -9,7 +9,7 @@
 //! and comes back; [`transfer`] times the copies.
 
 use ir::{
-    plan::{Decision, LayerRef, SavedKind},
+    plan::{Decision, Executor, LayerRef, SavedKind},
     EntityId, Graph, ModelId, NodeId, UnitId, ValueId,
 };
 
@@ -20,6 +20,14 @@ use crate::{
     partition::Partition,
     policy::Policy,
 };
+
+/// Whether `executor` copies an offloaded storage to the host when it is first saved, so the
+/// device may let go of it after its last forward read: eager checkpointing does (SAC's cache
+/// copies a kept output as forward makes it, `recompute_planner.sac.offloading()` a layer input
+/// at its first save); the graph executor copies it beside the step after that read.
+pub fn copied_at_save(executor: Executor) -> bool {
+    executor == Executor::Eager
+}
 
 /// The storages to offload, and those asked for that must stay on the device.
 #[derive(Debug, Clone, Default)]

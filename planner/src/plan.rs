@@ -114,6 +114,7 @@ fn analyse(
         OffloadRequest {
             values: &selection.roots,
             prefetch: config.offload.prefetch as usize,
+            copied_at_save: offload::copied_at_save(config.executor),
         },
     );
     Ok(Analysis {

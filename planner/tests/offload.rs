@@ -39,13 +39,27 @@ fn late_read() -> (Graph, ValueId) {
 }
 
 fn offloaded(graph: &Graph, values: &[ValueId], prefetch: usize) -> (u64, Vec<OffloadWindow>) {
+    offloaded_copying(graph, values, prefetch, false)
+}
+
+/// [`offloaded`] by an executor that copies a storage when it is first saved, or not.
+fn offloaded_copying(
+    graph: &Graph,
+    values: &[ValueId],
+    prefetch: usize,
+    copied_at_save: bool,
+) -> (u64, Vec<OffloadWindow>) {
     let (sim, windows) = simulate_offloaded(
         graph,
         graph.backward_order(),
         &[],
         memory::Executed::default(),
         1,
-        OffloadRequest { values, prefetch },
+        OffloadRequest {
+            values,
+            prefetch,
+            copied_at_save,
+        },
     );
     (sim.peak_bytes, windows)
 }
@@ -71,6 +85,19 @@ fn m5_an_offloaded_value_is_off_the_device_from_its_copy_to_its_reload() {
             moved: true,
         }]
     );
+}
+
+#[test]
+fn m5_a_copy_made_when_saved_frees_the_device_after_the_last_forward_read() {
+    let (graph, a) = late_read();
+    // Reloaded at step 3: the graph executor's copy holds `a` through step 2, so the device is
+    // never free of it; eager copied it when it was saved, so it is free of it at step 2.
+    let (_, graph_copy) = offloaded_copying(&graph, &[a], 2, false);
+    let (_, eager_copy) = offloaded_copying(&graph, &[a], 2, true);
+    assert_eq!(graph_copy[0].reload_at, Some(3));
+    assert!(!graph_copy[0].moved);
+    assert_eq!(eager_copy[0].reload_at, Some(3));
+    assert!(eager_copy[0].moved);
 }
 
 #[test]
@@ -196,6 +223,7 @@ fn m5_every_reload_lands_before_the_first_backward_read_and_after_forward() {
         OffloadRequest {
             values: &selection.roots,
             prefetch: 4,
+            copied_at_save: planner::offload::copied_at_save(config.executor),
         },
     );
     let forward_steps = memory::forward_step_count(&graph);
@@ -380,6 +408,7 @@ fn eager_offloaded(graph: &Graph, units: &[&str]) -> (Plan, Vec<OffloadWindow>) 
         OffloadRequest {
             values: &selection.roots,
             prefetch: 0,
+            copied_at_save: planner::offload::copied_at_save(config.executor),
         },
     );
     (
@@ -419,9 +448,9 @@ fn m5_eager_a_kept_output_the_recompute_never_reaches_is_copied_to_the_host_and_
     assert_eq!(windows.len(), 2);
     assert_eq!(p.memory.offloaded_bytes, 128);
     assert_eq!(p.memory.host_peak_bytes, 128);
-    // a1 leaves the device in forward; a2, which the last forward op reads through the end
-    // marker, beside backward's first step.
-    assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes - 64);
+    // Both leave the device in forward: the cache copied them as forward made them, so a2,
+    // which the last forward op reads through the end marker, goes once that op has run.
+    assert_eq!(p.memory.saved_on_device_bytes, p.memory.saved_bytes - 128);
     // The peak is backward's first op: x (the frame), t, the replayed p1, p2, p3 and its
     // gradient. Reloading a1 and a2 as the recompute returns would make it 448 B there.
     assert_eq!(p.memory.peak_bytes, Some(384));
@@ -482,7 +511,9 @@ fn m5_eager_kept_outputs_come_back_one_at_a_time_as_the_recompute_reaches_them()
         big[1].reload_at > big[0].reload_at.map(|r| r + 1),
         "{big:?}"
     );
-    assert_eq!(p.memory.peak_bytes, Some(1024 + 4 * 64));
+    // The peak holds one 1,024 B reload and three 64 B values (four if the copies held their
+    // storages a step past their last forward read, as the graph executor's do).
+    assert_eq!(p.memory.peak_bytes, Some(1024 + 3 * 64));
 }
 
 #[test]
