@@ -707,6 +707,21 @@ fn a_budget_offload_answer_is_reproduced_by_plan_choices() {
         &planner(&[&"plan", &graph, &"--choices", &not_kept.0]),
         &["offload `SAVE_DSA_INDEXER` in layer 0 of model `main`, which that layer does not keep"],
     );
+    let not_checkpointed = Scratch::new(
+        "not-checkpointed.json",
+        br#"{"layer_keep": [{"model": "main", "layer": 1, "keep": ["SAVE_ATTN"]}], "layer_offload": [{"model": "main", "layer": 1, "offload": ["SAVE_ATTN"]}]}"#,
+    );
+    assert_clean_error(
+        &planner(&[
+            &"plan",
+            &graph,
+            &"--choices",
+            &not_checkpointed.0,
+            &"--recompute-ratio",
+            &"0.5",
+        ]),
+        &["offload `SAVE_ATTN` in layer 1 of model `main`, which is not checkpointed"],
+    );
 }
 
 /// A `pareto --with-offload` point that offloads is reproduced by `plan --choices`: the same

@@ -121,6 +121,13 @@ pub enum ConfigError {
         layer: u32,
         unit: String,
     },
+    #[error("the choices offload {units} in layer {layer} of model `{model}`, which is not checkpointed (layers from {checkpointed} on are not, by --recompute-ratio): its values are saved as they are and nothing there is a kept unit's to move")]
+    ChoicesOffloadNotCheckpointed {
+        model: String,
+        layer: u32,
+        units: String,
+        checkpointed: u32,
+    },
 }
 
 fn quoted(names: &[String]) -> String {
@@ -216,10 +223,24 @@ impl Resolved {
     }
 
     /// Applies a `--choices` file: its layers' kept units, then their offloaded units, each of
-    /// which the layer must keep (a unit not kept saves nothing to move).
+    /// which the layer must keep and checkpoint (a unit not kept, or kept in a layer that is
+    /// not checkpointed, saves nothing of its own to move).
     pub fn with_choices(self, graph: &Graph, choices: Choices) -> Result<Self, ConfigError> {
         let resolved = self.with_layer_units(choices.keep);
         for (&at, units) in &choices.offload {
+            if !units.is_empty() && !resolved.is_checkpointed(at.model, Some(at.layer)) {
+                let model = graph.model(at.model);
+                let names: Vec<String> = units
+                    .iter()
+                    .map(|&u| format!("`{}`", model.units[u].name))
+                    .collect();
+                return Err(ConfigError::ChoicesOffloadNotCheckpointed {
+                    model: model.name.clone(),
+                    layer: at.layer,
+                    units: names.join(", "),
+                    checkpointed: resolved.checkpointed_layers[at.model],
+                });
+            }
             let kept = resolved.kept_at(at);
             if let Some(&unit) = units.iter().find(|u| !kept.contains(u)) {
                 let model = graph.model(at.model);

@@ -90,7 +90,8 @@ impl From<ConfigError> for Failure {
             ConfigError::Ratio { .. } => "invalid-ratio",
             ConfigError::ChoicesFormat { .. }
             | ConfigError::ChoicesUnknown { .. }
-            | ConfigError::ChoicesOffloadNotKept { .. } => "invalid-choices",
+            | ConfigError::ChoicesOffloadNotKept { .. }
+            | ConfigError::ChoicesOffloadNotCheckpointed { .. } => "invalid-choices",
         };
         Failure::new(code, e)
     }
