@@ -18,7 +18,9 @@ of one training step, predicted by the planner and measured.
 Cases: every zoo golden whose model runs eagerly on this CPU, re-exported at the chosen shape
 (multi-rank models as rank 0 of the fake process group they are traced with; `planner run`
 runs every rank on rank 0's graph), and tiny stock HuggingFace models (random weights,
-nothing downloaded). Per case, `--keep none`, `all` and each declared unit alone. "Saved" is
+nothing downloaded). Per case, `--keep none`, `all` and each declared unit alone, then each
+unit kept with what it keeps offloaded, and whole-layer recompute with the layer inputs
+offloaded (`--offload-prefetch 0`). "Saved" is
 what the step holds when forward ends, the loss aside: predicted, the plan's saved activation
 bytes; measured, the allocator's (the runtime's) live bytes then.
 
@@ -282,9 +284,18 @@ def keeps(case: Case) -> list[tuple[str, Any]]:
 OFFLOADING = ("eager", "compile", "graph")
 
 
-def measure_offloaded(case: Case, unit: str, executor: str) -> dict[str, Any]:
-    """The row of keeping `unit` and offloading what it keeps, reloaded as the recompute asks
-    for it (prefetch 0: when eager SAC brings it back), under `executor`."""
+# The keep under which the layer inputs are offloaded (`layer inputs offloaded` rows):
+# whole-layer recompute, where they are all the checkpoints save.
+LAYER_INPUTS = "layer inputs offloaded"
+
+
+def measure_offloaded(case: Case, unit: str | None, executor: str) -> dict[str, Any]:
+    """The row of keeping `unit` and offloading what it keeps (None: recomputing every layer
+    and offloading the layer inputs), reloaded as backward asks for it (prefetch 0: when eager
+    SAC brings it back), under `executor`."""
+    if unit is None:
+        options = {"offload_kinds": ["layer-input"], "offload_prefetch": 0}
+        return MEASURES[executor](case, LAYER_INPUTS, None, **options)
     options = {"offload": [unit], "offload_prefetch": 0}
     return MEASURES[executor](case, f"{unit} offloaded", [unit], **options)
 
@@ -381,14 +392,16 @@ def planner_bin() -> str:
 
 def measure_run(case: Case, label: str, keep: Any, **options: Any) -> dict[str, Any]:
     """The graph-executor row: `planner run` on the exported step, rank 0's figures; with
-    `offload` and `offload_prefetch` (as `rp.plan` takes them) the bytes it moves to host
-    memory too."""
+    `offload`, `offload_kinds` and `offload_prefetch` (as `rp.plan` takes them) the bytes it
+    moves to host memory too."""
     plan = quiet_plan(case.graph, keep, **options)
     keep_list = [keep] if isinstance(keep, str) else keep
     args = [] if keep_list is None else ["--keep", ",".join(keep_list)]
+    for option in ("offload", "offload_kinds"):
+        if options.get(option):
+            args += [f"--{option.replace('_', '-')}", ",".join(options[option])]
     if options:
-        args += ["--offload", ",".join(options["offload"]),
-                 "--offload-prefetch", str(options["offload_prefetch"])]
+        args += ["--offload-prefetch", str(options["offload_prefetch"])]
     with tempfile.TemporaryDirectory() as folder:
         graph = Path(folder) / f"{case.name}.pb"
         graph.write_bytes(case.graph.SerializeToString())
@@ -495,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measured)
                 print(table([measured]).splitlines()[-1], file=sys.stderr, flush=True)
         offloading = [e for e in args.executor if e in OFFLOADING] if args.offload else []
-        for unit in case.units:
+        for unit in [*case.units, None] if offloading else []:
             for executor in offloading:
                 rows.append(measure_offloaded(case, unit, executor))
                 print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
