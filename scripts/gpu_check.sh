@@ -6,7 +6,8 @@
 # Prints, per golden, measured (tracked storages and the CUDA caching allocator) vs predicted
 # peak, and the median step time of 5 against the one predicted with a profile calibrated on
 # this GPU first (`planner calibrate`), for the plan, no checkpointing and whole-layer
-# recompute. Exits 1 when a run fails.
+# recompute; then offload on CUDA (planner run, eager SAC, the compile stage). Exits 1 when a
+# run fails.
 #
 #     bash scripts/gpu_check.sh [GOLDEN ...]
 set -euo pipefail
@@ -95,6 +96,25 @@ for golden in "${GOLDENS[@]}"; do
   fi
   summarise "$golden" "$keep" < "target/gpu_check_$golden.json" || FAILED=1
 done
+
+# Offload on CUDA: the runtime's host pool (what the DSA indexer keeps, and every kept output
+# and layer input of the dense golden), then eager SAC and the compile stage
+# (scripts/gpu_offload.py: pinned asynchronous copies, gradients against the step without).
+echo "== offload (planner run on CUDA, then eager and compiled: scripts/gpu_offload.py)" >&2
+for spec in "glm_dsa_ep2:save_dsa_indexer:--offload SAVE_DSA_INDEXER" \
+            "dense:all:--offload-kinds kept,layer-input"; do
+  IFS=: read -r golden keep offload <<< "$spec"
+  world="$(world_size "$golden")"
+  [ "$world" -gt "$GPUS" ] && continue
+  # shellcheck disable=SC2086  # the offload options are two words
+  if ! "$PLANNER" run "tests/golden/$golden.pb" --device cuda --ranks "$world" --keep "$keep" \
+      $offload --check --format json --timeout 120 --hw "$PROFILE" \
+      > "target/gpu_check_${golden}_offload.json"; then
+    echo "$golden offloaded: run failed" >&2
+  fi
+  summarise "$golden (offloaded)" "$keep" < "target/gpu_check_${golden}_offload.json" || FAILED=1
+done
+python scripts/gpu_offload.py --device cuda || FAILED=1
 
 if [ "$GPUS" -ge 2 ]; then
   echo "== two processes under torchrun (one GPU each, NCCL)" >&2

@@ -400,7 +400,7 @@ def measure_run(case: Case, label: str, keep: Any, **options: Any) -> dict[str, 
     for option in ("offload", "offload_kinds"):
         if options.get(option):
             args += [f"--{option.replace('_', '-')}", ",".join(options[option])]
-    if options:
+    if "offload_prefetch" in options:
         args += ["--offload-prefetch", str(options["offload_prefetch"])]
     with tempfile.TemporaryDirectory() as folder:
         graph = Path(folder) / f"{case.name}.pb"

@@ -38,7 +38,6 @@ class Moved:
     """Bytes copied to host memory while a ``counting()`` block was entered."""
 
     bytes: int = 0
-    copies: int = 0
 
 
 _COUNTERS: list[Moved] = []
@@ -67,7 +66,6 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         host.copy_(source, non_blocking=True)
     for moved in _COUNTERS:
         moved.bytes += host.numel() * host.element_size()
-        moved.copies += 1
     return host
 
 

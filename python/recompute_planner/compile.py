@@ -857,6 +857,10 @@ def offload_saved(
     for index in range(num_fwd_outputs, len(outputs)):
         node = outputs[index]
         if isinstance(node, fx.Node) and node.name in offloaded and node.name not in moved:
+            if node.name not in placeholders:
+                raise PartitionMismatch(
+                    f"the backward does not read the offloaded saved value `{node.name}`"
+                )
             outputs[index] = _copy_to_host(forward.graph, node, last_reads)
             _reload_before_first_read(backward.graph, placeholders[node.name], prefetch)
             moved.add(node.name)
@@ -929,9 +933,17 @@ def _reload_before_first_read(graph: fx.Graph, placeholder: fx.Node, prefetch: i
     at = max(first - prefetch, 0)
     before = ops[at] if at < len(ops) else graph.output_node()
     on_device = placeholder.meta.get("val")
-    if not isinstance(on_device, torch.Tensor):
-        raise PartitionMismatch(f"the offloaded saved value `{placeholder.name}` has no tensor")
+    if not isinstance(on_device, torch.Tensor) or not host_memory.movable(on_device):
+        raise PartitionMismatch(
+            f"the offloaded saved value `{placeholder.name}` is not a tensor the host copy holds"
+        )
     stride = list(on_device.stride())
+    if not all(type(size) is int for size in stride):
+        raise NotImplementedError(
+            f"the offloaded saved value `{placeholder.name}` has symbolic strides {stride}: "
+            "the stage offloads tensors of static shapes only (compile with dynamic=False, or "
+            "plan without offload)"
+        )
     with graph.inserting_before(before):
         reload = graph.call_function(host_memory.RELOAD, (placeholder, on_device.device, stride))
     placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: user is not reload)

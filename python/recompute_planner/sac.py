@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 import weakref
 from collections import Counter
@@ -561,6 +562,15 @@ class PlanPolicy:
     tolerated: list[str] = field(default_factory=list)
 
     def __call__(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        if self.layer.offloaded_outputs and not any(p is self for p in _CALLS.policies):
+            names = ", ".join(f"`{name}`" for name, _ in self.layer.offloaded_outputs)
+            raise NotImplementedError(
+                f"the plan offloads {names}, the output of layer {self.layer.layer} of model "
+                f"`{self.layer.model}`, which only a checkpoint of this module moves: "
+                "checkpoint the layer with checkpoint_layers, checkpoint_module or "
+                "checkpoint_call (forward inside `with offloading():`), not with this "
+                "context_fn in a checkpoint of your own"
+            )
         run = LayerRun(self.layer)
         caching, cached = create_selective_checkpoint_contexts(run.policy)
         return self._forward(caching, run), self._recompute(cached, run)
@@ -600,8 +610,10 @@ def context_fn(plan: Plan, model: str, layer: int, graph: Any = None) -> PlanPol
     """The ``context_fn`` whose policy saves exactly the ops ``plan`` keeps in ``layer`` of
     ``model`` (see the module docstring). With ``graph`` (the plan's graph message) it saves
     only the kept ops whose outputs the plan's saved set holds. A plan that offloads what
-    eager SAC does not move (anything but kept outputs) is a ``NotImplementedError``: its
-    predictions would not hold."""
+    eager SAC does not move (anything but kept outputs and layer inputs) is a
+    ``NotImplementedError``: its predictions would not hold; one that offloads the layer's
+    output (a layer input of the layers after it) builds its contexts only under this
+    module's checkpoints (``checkpoint_call``), which move it (``offloading()``)."""
     _check_offload_runs(plan)
     return PlanPolicy(LayerOps.of(plan, model, layer, graph))
 
@@ -635,34 +647,60 @@ class _Offloading:
     (``register``ed when its checkpoint returns it) is saved as one host copy, made when it is
     first saved, by every reader that saves it (the next layer's checkpoint, code outside the
     checkpointed layers); each reader's unpack brings it back (``_HostCopy.reloaded``). Every
-    other tensor is saved as itself."""
+    other tensor is saved as itself (detached: a saved output holding its own ``grad_fn``
+    would be a reference cycle)."""
 
     def __init__(self) -> None:
-        # id of a registered tensor -> (the tensor, its host copy once made), both weakly:
-        # the saved tensors hold the copy, and the copy lives as long as one of them.
-        self.registered: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+        # id of a registered tensor -> (its value name, the tensor, its host copy once made),
+        # the last two weakly: the saved tensors hold the copy, which lives as long as one
+        # of them.
+        self.registered: dict[int, tuple[str, weakref.ref[torch.Tensor], Any]] = {}
+        self.packed: set[str] = set()  # the registered values saved as host copies
 
-    def register(self, tensor: torch.Tensor) -> None:
-        self.registered[id(tensor)] = (weakref.ref(tensor), None)
+    def register(self, name: str, tensor: torch.Tensor) -> None:
+        self.registered[id(tensor)] = (name, weakref.ref(tensor), None)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         entry = self.registered.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            return tensor
-        copy = entry[1]() if entry[1] is not None else None
+        if entry is None or entry[1]() is not tensor:
+            return tensor.detach()
+        name, source, held = entry
+        copy = held() if held is not None else None
         if copy is None:
             with _disable_current_modes():
                 copy = _HostCopy(tensor)
-            self.registered[id(tensor)] = (entry[0], weakref.ref(copy))
+            self.registered[id(tensor)] = (name, source, weakref.ref(copy))
+        self.packed.add(name)
         return copy
 
     @staticmethod
     def unpack(packed: Any) -> Any:
         return packed.reloaded() if isinstance(packed, _HostCopy) else packed
 
+    def warn_unsaved(self) -> None:
+        """Warns of the registered values nothing saved for backward inside the block: they
+        stay on the device, against the plan."""
+        unsaved = sorted({name for name, _, _ in self.registered.values()} - self.packed)
+        if unsaved:
+            warnings.warn(
+                f"offloading(): {', '.join(f'`{v}`' for v in unsaved)}, which the plan "
+                "offloads, was not saved for backward inside the block as the tensor its layer "
+                "returned (a view of it, or a keyword argument of the next checkpointed layer, "
+                "which the checkpoint keeps on the device): it stays on the device",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
-# The ``offloading()`` blocks entered, innermost last.
-_OFFLOADING: list[_Offloading] = []
+
+class _Blocks(threading.local):
+    """The ``offloading()`` blocks this thread entered, innermost last (saved-tensor hooks
+    are per thread, too)."""
+
+    def __init__(self) -> None:
+        self.entered: list[_Offloading] = []
+
+
+_OFFLOADING = _Blocks()
 
 
 @contextlib.contextmanager
@@ -672,17 +710,25 @@ def offloading() -> Iterator[None]:
     or code outside the checkpointed layers, saves) to host memory: each is copied once where
     it is first saved for backward, the device tensor is freed with the forward's last
     reference to it, and backward brings it back where a reader unpacks it (a checkpoint's
-    recompute, a backward op). Plan it with ``offload_prefetch=0`` for the exact schedule. A
-    checkpointed layer whose plan offloads its output raises outside such a block, rather than
-    keep on the device what the plan predicts in host memory. Only forward needs to be inside;
-    saved tensor hooks of its own inside it (a checkpoint's) take precedence."""
+    recompute, a backward op). Plan it with ``offload_prefetch=0`` for the exact schedule.
+
+    Layers checkpointed by this module (``checkpoint_layers``, ``checkpoint_module``,
+    ``checkpoint_call``) register the outputs their plan offloads as they return them; such a
+    layer raises outside a block, rather than keep on the device what the plan predicts in
+    host memory, and a registered output nothing saved inside the block (passed on as a view,
+    or as a keyword argument, which a checkpoint keeps on the device) is warned of
+    (``RuntimeWarning``) when the block ends. The next layer must take it as a positional
+    argument. Only forward needs to be inside; saved tensor hooks of its own inside it (a
+    checkpoint's) take precedence. On CUDA the copies are pinned and asynchronous on the
+    current stream (not a side stream: they are ordered with the step's kernels)."""
     block = _Offloading()
-    _OFFLOADING.append(block)
+    _OFFLOADING.entered.append(block)
     try:
         with torch.autograd.graph.saved_tensors_hooks(block.pack, _Offloading.unpack):
             yield
     finally:
-        _OFFLOADING.remove(block)
+        _OFFLOADING.entered.remove(block)
+    block.warn_unsaved()
 
 
 def _offload_outputs(out: Any, policy: PlanPolicy) -> None:
@@ -694,7 +740,7 @@ def _offload_outputs(out: Any, policy: PlanPolicy) -> None:
         return
     where = f"layer {policy.layer.layer} of model `{policy.layer.model}`"
     names = ", ".join(f"`{name}`" for name, _ in offloaded)
-    if not _OFFLOADING:
+    if not _OFFLOADING.entered:
         raise RuntimeError(
             f"the plan offloads {names}, the output of {where} that later layers read, to "
             "host memory: run the step's forward inside `with recompute_planner.sac."
@@ -704,15 +750,16 @@ def _offload_outputs(out: Any, policy: PlanPolicy) -> None:
     for nbytes in {size for _, size in offloaded}:
         values = [name for name, size in offloaded if size == nbytes]
         matches = [t for t in tensors if _tensor_bytes(t) == nbytes]
-        if len(matches) != len(values):
+        if len(matches) != len(values) or not all(map(host_memory.movable, matches)):
             raise NotImplementedError(
                 f"the plan offloads {', '.join(f'`{v}`' for v in values)} ({nbytes} B each), "
-                f"made in {where}, but the layer returns {len(matches)} tensors of that size: "
-                "which of them the plan offloads cannot be told (a value that leaves the layer "
-                "other than by its return value is not moved)"
+                f"made in {where}, but the layer returns {len(matches)} tensors of that size "
+                "(or of a dtype the host copy does not hold): which of them the plan offloads "
+                "cannot be told (a value that leaves the layer other than by its return value "
+                "is not moved)"
             )
-        for tensor in matches:
-            _OFFLOADING[-1].register(tensor)
+        for name, tensor in zip(values, matches, strict=True):
+            _OFFLOADING.entered[-1].register(name, tensor)
 
 
 # The layer forwards whose policy is matching ops now, innermost last (``PlanPolicy``).
@@ -836,17 +883,37 @@ def checkpoint_call(
     preserve = preserve_rng_state
     if preserve is None:
         preserve = bool(getattr(context, "preserve_rng_state", False))
-    out = checkpoint(
-        fn,
-        *args,
-        use_reentrant=False,
-        context_fn=noop_context_fn if context is None else context,
-        preserve_rng_state=preserve,
-        **kwargs,
-    )
-    if isinstance(context, PlanPolicy):
-        _offload_outputs(out, context)
+    if not isinstance(context, PlanPolicy):
+        return checkpoint(
+            fn,
+            *args,
+            use_reentrant=False,
+            context_fn=noop_context_fn if context is None else context,
+            preserve_rng_state=preserve,
+            **kwargs,
+        )
+    _CALLS.policies.append(context)
+    try:
+        out = checkpoint(
+            fn, *args, use_reentrant=False, context_fn=context, preserve_rng_state=preserve,
+            **kwargs,
+        )
+    finally:
+        _CALLS.policies.pop()
+    _offload_outputs(out, context)
     return out
+
+
+class _Calls(threading.local):
+    """The policies ``checkpoint_call`` is checkpointing a layer with on this thread,
+    innermost last: a policy whose plan offloads the layer's output builds its contexts only
+    there, where the output is registered with ``offloading()``."""
+
+    def __init__(self) -> None:
+        self.policies: list[PlanPolicy] = []
+
+
+_CALLS = _Calls()
 
 
 class CheckpointedLayers(dict[int, PlanPolicy]):

@@ -295,8 +295,12 @@ HF_CASES = ("llama", "mixtral")
 # and replay as the plan does, but for ties (measured -0.5% .. +1.3%). With the scratch,
 # Mixtral measured 3.1% .. 3.5% above its plan (a bf16 input copied to float32 for a
 # mixed-dtype `mul`), dsv3_kv_expand `SAVE_MLP` 3.3% (the CPU flash-attention backward's
-# buffers, 8,320 B).
+# buffers, 8,320 B). Offloaded, dense `SAVE_MLP` measures 1.9% below its plan: the plan's peak
+# moves to a replayed unit marker, whose copy the compile stage does not make
+# (docs/accuracy.md).
 COMPILE_TOLERANCE = 0.02
+# The keep label of the rows that offload the layer inputs (scripts/predictions.py).
+LAYER_INPUTS = "layer inputs offloaded"
 # torch.compile functionalizes the step's in-place writes into fresh buffers: where a kept unit
 # makes a written tensor, the stage plans another program than the exported one
 # (tests/test_compile_stage.py, FUNCTIONALIZED: Mixtral's router `div_`).
@@ -382,11 +386,14 @@ def test_planner_run_measures_the_predicted_peak_and_saved_bytes(prediction_rows
 
 
 def assert_every_case_moves(rows: list[dict]) -> None:
-    """Every case has a row offloading a unit's kept outputs that moves bytes."""
-    moved = {
-        r["case"] for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]
-    }
-    assert moved == {r["case"] for r in rows}, "every case moves a unit's kept outputs"
+    """Every case has a row offloading a unit's kept outputs and one offloading the layer
+    inputs, each moving bytes."""
+    cases = {r["case"] for r in rows}
+    moving = [r for r in rows if r["keep"].endswith(" offloaded") and r["predicted_offloaded"]]
+    units = {r["case"] for r in moving if r["keep"] != LAYER_INPUTS}
+    layer_inputs = {r["case"] for r in moving if r["keep"] == LAYER_INPUTS}
+    assert units == cases, "every case moves a unit's kept outputs"
+    assert layer_inputs == cases, "every case moves its layer inputs"
 
 
 def test_eager_keep_all_worse_than_no_checkpointing_is_flagged(eager_rows):

@@ -506,6 +506,16 @@ def test_a_plan_offloading_layer_inputs_needs_the_offloading_block():
         run_step("dense", plan)
 
 
+def test_a_layer_output_offload_is_refused_in_a_checkpoint_of_ones_own():
+    """Only this module's checkpoints register a layer's output with `offloading()`: the policy
+    of a layer whose output the plan offloads refuses to build its contexts for any other
+    checkpoint (torch calls it there), rather than leave the output on the device."""
+    plan = planned("dense", None, executor="eager", offload_kinds=["layer-input"])
+    policy = sac.context_fn(plan, *plan.layers()[0])
+    with pytest.raises(NotImplementedError, match="checkpoint_layers"):
+        policy()
+
+
 def test_a_plan_offloading_what_eager_sac_does_not_move_is_refused():
     """Eager SAC moves kept outputs and layer inputs: a plan that also offloads values made
     outside the checkpointed layers would predict a device saving the step does not make, so
