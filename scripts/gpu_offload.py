@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore", rp.PlannerWarning)
         kept = rp.plan(graph, "all", executor="eager", offload_prefetch=0)
         offloaded = rp.plan(graph, executor="eager", offload_prefetch=0, **OFFLOAD)
-        compiled_plan = rp.plan(graph, **OFFLOAD)
+        compiled_plan = rp.plan(graph, executor=stage_mod.EXECUTOR, **OFFLOAD)
     print(f"{'step (' + device + ')':<34} {'peak':>14} {'predicted':>14} {'gap':>7} "
           f"{'host bytes':>12} {'predicted':>12}")
     torch.manual_seed(0)

@@ -375,7 +375,8 @@ def measure_compiled(case: Case, label: str, keep: Any, **options: Any) -> dict[
         step = measure.measure_step(
             lambda: compiled(*case.inputs), params, case.input_bytes, op_scratch=False
         )
-    staged, cli = stage.plans[-1], quiet_plan(case.graph, keep, **options)
+    staged = stage.plans[-1]
+    cli = quiet_plan(case.graph, keep, executor=stage_mod.EXECUTOR, **options)
     same = (staged.memory.peak_bytes, staged.memory.saved_bytes) == (
         cli.memory.peak_bytes, cli.memory.saved_bytes
     )

@@ -183,6 +183,25 @@ fn an_eager_plans_offload_is_refused_before_running() {
 }
 
 #[test]
+fn a_plan_for_the_compiled_executor_is_refused_before_running() {
+    let out = planner(&[
+        "run",
+        golden("dense").to_str().unwrap(),
+        "--keep",
+        "all",
+        "--executor",
+        "compiled",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("the plan is for the compiled executor")
+            && stderr.contains("--executor graph"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn offload_options_with_a_plan_file_are_refused() {
     let out = planner(&[
         "run",

@@ -77,8 +77,9 @@ pub struct Planning {
     /// state forward saw (the executor must restore it)
     #[arg(long, value_parser = spelled::<RandomOps>(), default_value_t)]
     random_ops: RandomOps,
-    /// What will run the plan: a graph executor (the runtime, torch.compile) replays exactly
-    /// what backward needs; eager torch.utils.checkpoint re-runs each layer's forward prefix
+    /// What will run the plan: a graph executor (graph: the runtime) replays exactly what
+    /// backward needs; compiled: the torch.compile stage, a graph executor without unit markers;
+    /// eager torch.utils.checkpoint re-runs each layer's forward prefix
     #[arg(long, value_parser = spelled::<Executor>(), default_value_t)]
     executor: Executor,
     /// Hardware profile for cost estimates: a shipped one (h100, h200, b200, mi300x: vendor

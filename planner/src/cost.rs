@@ -637,7 +637,7 @@ impl NodeWork {
             .par_iter()
             .enumerate()
             .map(|(i, node)| {
-                if executor == Executor::Eager && node.marker().is_some() {
+                if executor != Executor::Graph && node.marker().is_some() {
                     return NodeTime::default();
                 }
                 let id = NodeId::from_index(i);

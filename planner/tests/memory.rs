@@ -325,4 +325,36 @@ fn eager_runs_no_marker_op_so_a_markers_output_is_its_input() {
     };
     assert!(partition(Executor::Eager).executed().markers_alias);
     assert!(!partition(Executor::Graph).executed().markers_alias);
+    assert!(partition(Executor::Compiled).executed().markers_alias);
+}
+
+#[test]
+fn the_compiled_executor_holds_no_marker_copy_the_graph_executor_holds() {
+    // The compile stage removes the markers from its graphs once planned: without
+    // checkpointing, its step is the unmarked one, where the runtime also holds the copy.
+    let no_checkpoint = |graph: &Graph, executor| {
+        let config = PlanConfig {
+            executor,
+            ..PlanConfig::default()
+        };
+        plan(graph, &config, &HwProfile::default())
+            .unwrap()
+            .memory
+            .no_checkpoint_peak_bytes
+            .unwrap()
+    };
+    let (marked, unmarked) = (marked_chain(true), marked_chain(false));
+    let graph_executor = no_checkpoint(&marked, Executor::Graph);
+    assert_eq!(
+        graph_executor,
+        no_checkpoint(&unmarked, Executor::Graph) + 64
+    );
+    assert_eq!(
+        no_checkpoint(&marked, Executor::Compiled),
+        no_checkpoint(&unmarked, Executor::Compiled)
+    );
+    assert_eq!(
+        no_checkpoint(&marked, Executor::Compiled),
+        graph_executor - 64
+    );
 }

@@ -58,9 +58,11 @@ def plan(
       device-to-host copies of routing counts kept in checkpointed layers);
     - ``random_ops``: ``"save"`` (random ops' outputs saved) or ``"replay"`` (replayed with
       the forward generator state restored: the executor must restore it);
-    - ``executor``: ``"graph"`` (torch.compile, the runtime: replay re-runs what backward
-      needs) or ``"eager"`` (``torch.utils.checkpoint`` with ``recompute_planner.sac``: a
-      layer's recompute re-runs its forward prefix, SAC caches kept ops' whole outputs);
+    - ``executor``: ``"graph"`` (the runtime, ``planner run``: replay re-runs what backward
+      needs, a unit marker runs as a copy), ``"compiled"`` (the torch.compile stage: a graph
+      executor whose graphs hold no marker) or ``"eager"`` (``torch.utils.checkpoint`` with
+      ``recompute_planner.sac``: a layer's recompute re-runs its forward prefix, SAC caches
+      kept ops' whole outputs);
     - ``budget``: bytes (int) or a size (``"40GiB"``): choose the units per layer that
       minimise replay time within it (replaces ``keep``); ``granularity``: ``"unit"`` (whole
       units) or ``"op"`` (units, then single ops); ``budget_includes``: what it bounds,

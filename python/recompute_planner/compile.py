@@ -105,6 +105,9 @@ from .api import plan as plan_graph
 from .plans import DECISION_NO_CHECKPOINT, Plan
 from .proto import graph_pb2
 
+# The executor the stage plans for: a graph executor whose graphs hold no unit marker (the
+# stage removes them once the plan is made), as `planner plan --executor compiled` plans.
+EXECUTOR = "compiled"
 # Key of node.meta the partitioner reads for the checkpointed layer a node belongs to.
 AC_GRAPH_ID = "ac_graph_id"
 RECOMPUTE = "recompute"
@@ -1012,6 +1015,7 @@ class PlanningStage(CustomGraphPass):
         self.plan_graph = functools.partial(
             plan_graph,
             keep=keep,
+            executor=EXECUTOR,
             recompute_ratio=recompute_ratio,
             collectives=collectives,
             random_ops=random_ops,

@@ -190,9 +190,10 @@ def family_subject(name: str) -> Subject:
 
 
 def quiet_plan(graph, keep) -> rp.Plan:
+    """The plan of ``graph`` for the executor the stage plans for."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", rp.PlannerWarning)
-        return rp.plan(graph, keep, check=False)
+        return rp.plan(graph, keep, executor=stage_mod.EXECUTOR, check=False)
 
 
 SUBJECTS = {"golden": golden_subject, "family": family_subject}

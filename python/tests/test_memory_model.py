@@ -295,9 +295,7 @@ HF_CASES = ("llama", "mixtral")
 # and replay as the plan does, but for ties (measured -0.5% .. +1.3%). With the scratch,
 # Mixtral measured 3.1% .. 3.5% above its plan (a bf16 input copied to float32 for a
 # mixed-dtype `mul`), dsv3_kv_expand `SAVE_MLP` 3.3% (the CPU flash-attention backward's
-# buffers, 8,320 B). Offloaded, dense `SAVE_MLP` measures 1.9% below its plan: the plan's peak
-# moves to a replayed unit marker, whose copy the compile stage does not make
-# (docs/accuracy.md).
+# buffers, 8,320 B).
 COMPILE_TOLERANCE = 0.02
 # The keep label of the rows that offload the layer inputs (scripts/predictions.py).
 LAYER_INPUTS = "layer inputs offloaded"

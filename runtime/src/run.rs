@@ -267,6 +267,9 @@ fn list_failures(failures: &[(usize, String)]) -> String {
 /// The step of `plan` on `graph` as a schedule (refused if the plan is for another graph).
 pub fn schedule_of(graph: &Graph, plan: &Plan) -> Result<Schedule, RunError> {
     plan.check_graph(graph)?;
+    if plan.config.executor == Executor::Compiled {
+        return Err(ScheduleError::CompiledPlan.into());
+    }
     let mut saved = vec![false; graph.values().len()];
     for s in &plan.saved {
         saved[s.value.index()] = true;

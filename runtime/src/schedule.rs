@@ -59,6 +59,12 @@ pub enum ScheduleError {
          executor holds) the runtime does not run: plan it with `--executor graph`"
     )]
     OffloadForAnotherExecutor { executor: String },
+    #[error(
+        "the plan is for the compiled executor (the torch.compile stage, whose graphs hold no \
+         unit marker), and the runtime runs each marker as the copy it is, so its memory would \
+         not be the plan's: plan it with `--executor graph`"
+    )]
+    CompiledPlan,
 }
 
 /// The whole step, ready to run.

@@ -244,14 +244,18 @@ spelled! {
     /// `--executor`: what runs the plan, which decides what a replay re-runs.
     #[derive(Default)]
     pub enum Executor {
-        /// A graph executor (the runtime, torch.compile): replay re-runs exactly the ops whose
-        /// outputs backward needs.
+        /// A graph executor (the runtime, `planner run`): replay re-runs exactly the ops whose
+        /// outputs backward needs; a unit marker runs as the copy it is.
         #[default]
         Graph => "graph",
         /// Eager `torch.utils.checkpoint` with a selective policy: a layer's recompute re-runs
         /// its forward up to the last op backward reads, whatever those ops feed, and the
         /// policy caches every kept op's whole output tuple.
         Eager => "eager",
+        /// The torch.compile planning stage: a graph executor (replay as `graph`) whose graphs
+        /// hold no unit marker (the stage removes them once the plan is made: a marker's output
+        /// is its input).
+        Compiled => "compiled",
     }
 }
 

@@ -206,7 +206,9 @@ pub fn partition(graph: &Graph, policy: &Policy, executor: Executor) -> Partitio
             state.need(v, at);
         }
     }
-    state.finish(order)
+    let mut partition = state.finish(order);
+    partition.markers_alias = markers_alias(executor);
+    partition
 }
 
 /// What the executor holds when nothing is checkpointed: eager autograd keeps saved tensors
@@ -219,14 +221,14 @@ pub fn no_checkpoint_holds(graph: &Graph, executor: Executor) -> Vec<Hold> {
             holds.extend(eager::python_holds(graph));
             holds
         }
-        Executor::Graph => Vec::new(),
+        Executor::Graph | Executor::Compiled => Vec::new(),
     }
 }
 
 /// Whether the executor runs no marker op, checkpointed or not: eager PyTorch's markers
-/// return their tensor.
+/// return their tensor, and the compile stage removes them from its graphs.
 pub fn markers_alias(executor: Executor) -> bool {
-    executor == Executor::Eager
+    matches!(executor, Executor::Eager | Executor::Compiled)
 }
 
 /// The values the executor stores in other bytes than the graph says, checkpointed or not
@@ -234,7 +236,7 @@ pub fn markers_alias(executor: Executor) -> bool {
 pub fn resized(graph: &Graph, executor: Executor) -> Vec<Resized> {
     match executor {
         Executor::Eager => eager::resized(graph),
-        Executor::Graph => Vec::new(),
+        Executor::Graph | Executor::Compiled => Vec::new(),
     }
 }
 
