@@ -162,42 +162,34 @@ fn an_offloading_plan_runs_with_its_storages_on_the_host_as_predicted() {
     );
 }
 
-#[test]
-fn an_eager_plans_offload_is_refused_before_running() {
-    let out = planner(&[
-        "run",
-        golden("dense").to_str().unwrap(),
-        "--keep",
-        "all",
-        "--offload-kinds",
-        "kept",
-        "--executor",
-        "eager",
-    ]);
+/// `planner run` on the dense golden keeping everything, with `options`, exits 1 before
+/// running, its error saying `why` and to plan for the graph executor.
+fn assert_refused_for_another_executor(options: &[&str], why: &str) {
+    let dense = golden("dense");
+    let mut args = vec!["run", dense.to_str().unwrap(), "--keep", "all"];
+    args.extend_from_slice(options);
+    let out = planner(&args);
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains("offloads for the eager executor") && stderr.contains("--executor graph"),
+        stderr.contains(why) && stderr.contains("--executor graph"),
         "{stderr}"
     );
 }
 
 #[test]
+fn an_eager_plans_offload_is_refused_before_running() {
+    assert_refused_for_another_executor(
+        &["--offload-kinds", "kept", "--executor", "eager"],
+        "offloads for the eager executor",
+    );
+}
+
+#[test]
 fn a_plan_for_the_compiled_executor_is_refused_before_running() {
-    let out = planner(&[
-        "run",
-        golden("dense").to_str().unwrap(),
-        "--keep",
-        "all",
-        "--executor",
-        "compiled",
-    ]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
-    assert!(
-        stderr.contains("the plan is for the compiled executor")
-            && stderr.contains("--executor graph"),
-        "{stderr}"
+    assert_refused_for_another_executor(
+        &["--executor", "compiled"],
+        "the plan is for the compiled executor",
     );
 }
 
