@@ -148,9 +148,10 @@ joined lint
 stop_if_failed
 phase "lint+build"
 
-# The Rust tests (their build first) run beside pytest. The one test that compares a
-# calibrated prediction with a time it measures runs afterwards, alone, so a neighbour's load
-# cannot skew one of its two timings.
+# The Rust tests (their build first) run beside pytest. The tests that compare times measured
+# apart (the Rust one that checks a calibrated prediction against a measured step, pytest's
+# marked `timed`: a budget answer ranked by measured time, ...) run afterwards, alone, so a
+# neighbour's load cannot skew one of their timings against another.
 TIMED_RUST_TEST=a_calibrated_profile_is_read_by_hw_and_predicts_the_measured_step
 beside cargo-test cargo test --workspace --features planner-cli/run --quiet -- \
     --skip "$TIMED_RUST_TEST"
@@ -161,16 +162,23 @@ echo "== pytest" >&2
 # by name (tests/conftest.py).
 export PLANNER_BIN="$PWD/target/pytest-planner/planner"
 pytest_status=0
-python -m pytest -q --durations=15 python/tests || pytest_status=$?
+python -m pytest -q --durations=15 -m "not timed" python/tests || pytest_status=$?
 case "$pytest_status" in
     0) ;;
     2) exit 130 ;;  # interrupted (Ctrl-C)
     *) FAILED+=(pytest) ;;
 esac
 joined cargo-test
-echo "== cargo test (the timed test, alone)" >&2
+echo "== cargo test and pytest (the timed tests, alone)" >&2
 cargo test -p planner-cli --features run --quiet --test calibrate -- --exact "$TIMED_RUST_TEST" \
     || FAILED+=(timed-cargo-test)
+pytest_status=0
+python -m pytest -q --durations=5 -m timed python/tests || pytest_status=$?
+case "$pytest_status" in
+    0) ;;
+    2) exit 130 ;;
+    *) FAILED+=(timed-pytest) ;;
+esac
 phase "cargo-test+pytest"
 echo "== phases (seconds): ${PHASES[*]}" >&2
 stop_if_failed

@@ -4,14 +4,15 @@ at shapes where compute is not all overhead, for every uniform keep, no checkpoi
 `budget` answers; with CUDA also the step's peak memory (the caching allocator's).
 
 Each configuration is planned twice: with the shipped datasheet profile (`h200`) and with a
-profile `recompute_planner.calibrate` measures on the same device first. Measured: the median
-of `--repeat` steps (after two warm-ups) of the model with every layer under
-`torch.utils.checkpoint` and the plan's SAC policies, the device synchronised before and
-after each step: forward is `loss = model(*inputs)`, backward `torch.autograd.grad(loss,
-params)`, split by a device event (the host clock on a CPU); replay is the time inside the
-layers' recomputes during backward (device events around each recompute on CUDA: the device's
-time between the recompute's first and last work, which leaves out host time hidden behind
-earlier backward work).
+profile `recompute_planner.calibrate` measures on the same device first. Measured
+(`recompute_planner._step_timing`): the model with every layer under `torch.utils.checkpoint`
+and the plan's SAC policies, one step of every configuration per round in a shuffled order,
+the median of `--repeat` rounds after a warm-up, so that a machine's drift in speed slows
+every configuration alike; the device synchronised before and after each step: forward is
+`loss = model(*inputs)`, backward `torch.autograd.grad(loss, params)`, split by a device event
+(the host clock on a CPU); replay is the time inside the layers' recomputes during backward
+(device events around each recompute on CUDA: the device's time between the recompute's first
+and last work, which leaves out host time hidden behind earlier backward work).
 
 Exporting needs torch 2.13 (the exporter's tracing release), measuring runs under any torch
 the eager side supports (2.9 to 2.13), so the two halves can run on different machines:
@@ -19,6 +20,11 @@ the eager side supports (2.9 to 2.13), so the two halves can run on different ma
     python scripts/time_check.py export DIR --device cuda     # traces each case (fake CUDA)
     python scripts/time_check.py measure DIR --device cuda    # on the GPU machine
     python scripts/time_check.py all DIR --device cpu         # both, on this machine
+    python scripts/time_check.py rank                         # budget answers, this CPU
+
+`rank` measures the budget ranking cases (`recompute_planner._step_timing.RANKING_CASES`,
+what tests/test_budget_ranking.py checks): each budget answer against every uniform keep, ten
+random per-layer mixes and the datasheet's answer that fit its budget, interleaved.
 
 `measure` prints one table per case and writes every row as JSON (`--json`). A GPU machine
 without this package's build needs only the native extension beside the sources
@@ -30,20 +36,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import recompute_planner as rp
-from recompute_planner import _measure as measure
-from recompute_planner import sac
+from recompute_planner._step_timing import ZooStep, interleaved, kept, median
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.model import CausalLM
@@ -115,131 +118,28 @@ def export(directory: Path, device: str, cases: list[str]) -> None:
 # Measure
 
 
-class Clock:
-    """Times regions of work on ``device``: device events on CUDA (read after a synchronise),
-    the host clock elsewhere (every CPU op has finished when it returns)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            return float(start.elapsed_time(end)) / 1e3
-        return float(end - start)
+def built(cfg: ZooConfig, device: torch.device, plan: rp.Plan | None, label: str) -> ZooStep | None:
+    """``plan``'s step, built and run once (a warm-up), or None (reported) where either fails:
+    the other configurations are still measured."""
+    try:
+        step = ZooStep(cfg, device, plan)
+        step.run()
+    except Exception as error:
+        print(f"  {label}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return None
+    return step
 
 
-class ReplayTimer:
-    """Wraps a layer's forward (inside its checkpoint) to time the calls autograd makes while
-    it runs backward: the layer's recomputes. A recompute that stops early (non-reentrant
-    checkpointing stops once backward has what it needs) is timed up to where it stopped."""
-
-    def __init__(self, clock: Clock, device: torch.device):
-        self.clock = clock
-        self.device = device
-        self.spans: list[tuple[Any, Any]] = []
-
-    def wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if torch._C._current_graph_task_id() == -1:
-                return forward(*args, **kwargs)  # forward: under the step's device mode
-            start = self.clock.mark()
-            try:
-                # Factories in the layer default to the device in its recompute too, which
-                # runs on autograd's thread.
-                with torch.device(self.device):
-                    return forward(*args, **kwargs)
-            finally:
-                self.spans.append((start, self.clock.mark()))
-
-        return timed
-
-    def take(self) -> float:
-        """Seconds in the recomputes since the last ``take`` (after a synchronise)."""
-        total = sum(self.clock.seconds(start, end) for start, end in self.spans)
-        self.spans.clear()
-        return total
-
-
-@dataclass
-class Measured:
-    step_s: float
-    forward_s: float
-    backward_s: float
-    replay_s: float
-    peak_bytes: int | None  # CUDA only: the caching allocator's peak during the step
-
-
-def build(
-    cfg: ZooConfig, device: torch.device, plan: rp.Plan | None, timer: ReplayTimer
-) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], int]:
-    """A fresh seeded model on ``device``, every layer checkpointed with ``plan``'s policies
-    (none: no checkpointing); the loss callable, the parameters and the inputs' bytes."""
-    model = CausalLM(cfg).to(device)
-    inputs = tuple(t.to(device) for t in make_inputs(cfg))
-    if plan is not None:
-        for layer in model.layers:
-            layer.forward = timer.wrap(layer.forward)
-        if model.mtp is not None:
-            model.mtp.layer_forward = timer.wrap(model.mtp.layer_forward)
-        policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
-        measure.checkpoint_zoo_layers(model, policies)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def loss() -> torch.Tensor:
-        with torch.device(device):
-            return model(*inputs)
-
-    return loss, params, sum(measure.tensor_bytes(t) for t in inputs)
-
-
-def measure_step(
-    cfg: ZooConfig, device: torch.device, plan: rp.Plan | None, repeat: int
-) -> Measured:
-    clock = Clock(device)
-    timer = ReplayTimer(clock, device)
-    loss_fn, params, input_bytes = build(cfg, device, plan, timer)
-
-    def step() -> tuple[float, float, float]:
-        clock.sync()
-        start = clock.mark()
-        loss = loss_fn()
-        middle = clock.mark()
-        torch.autograd.grad(loss, params, allow_unused=True)
-        end = clock.mark()
-        clock.sync()
-        return clock.seconds(start, middle), clock.seconds(middle, end), timer.take()
-
-    for _ in range(2):
-        step()
-    peak = None
-    if clock.cuda:
-        clock.sync()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        peak = torch.cuda.max_memory_allocated(device) - before + input_bytes
-    runs = [step() for _ in range(repeat)]
-    forward = statistics.median(r[0] for r in runs)
-    backward = statistics.median(r[1] for r in runs)
-    return Measured(
-        step_s=statistics.median(r[0] + r[1] for r in runs),
-        forward_s=forward,
-        backward_s=backward,
-        replay_s=statistics.median(r[2] for r in runs),
-        peak_bytes=peak,
-    )
+def cuda_peak(step: ZooStep) -> int | None:
+    """The caching allocator's peak during one step, less what was allocated before it, plus
+    the inputs (CUDA only: the CPU has no allocator peak to read)."""
+    if not step.clock.cuda:
+        return None
+    step.clock.sync()
+    torch.cuda.reset_peak_memory_stats(step.device)
+    before = torch.cuda.memory_allocated(step.device)
+    step.run()
+    return torch.cuda.max_memory_allocated(step.device) - before + step.input_bytes
 
 
 def quiet_plan(graph: bytes, keep: Any, **options: Any) -> rp.Plan:
@@ -276,11 +176,6 @@ def configurations(graph: bytes, units: list[str], profile: dict[str, Any]) -> I
     yield f"{label}, calibrated{' = datasheet' if same else ''}", calibrated, None, None
     if not same:
         yield f"{label}, datasheet", None, datasheet, None
-
-
-def kept(plan: rp.Plan) -> list[tuple[str, str, int]]:
-    """What a plan keeps: (model, unit, layer) of every kept unit."""
-    return sorted((u.model, u.unit, layer.layer) for u in plan.units for layer in u.layers)
 
 
 def mib(n: float) -> str:
@@ -327,18 +222,24 @@ def measure_case(
     profile: dict[str, Any],
     repeat: int,
 ) -> list[dict[str, Any]]:
+    """Every configuration of ``case`` predicted and measured: the steps interleaved, round
+    by round (``_step_timing.interleaved``), the median of ``repeat`` rounds."""
     units = list(declared_units(cfg))
-    rows = []
     # No layer checkpointed: the step without eager SAC's cost per op.
     reference = quiet_plan(graph, "none", hw=profile, recompute_ratio=0.0)
     reference_ds = quiet_plan(graph, "none", hw=DATASHEET, recompute_ratio=0.0)
-    for label, calibrated, datasheet, in_order in configurations(graph, units, profile):
+    planned = {label: plans for label, *plans in configurations(graph, units, profile)}
+    steps = {
+        label: step
+        for label, (calibrated, datasheet, _) in planned.items()
+        if (step := built(cfg, device, calibrated or datasheet, f"{case} {label}")) is not None
+    }
+    peaks = {label: cuda_peak(step) for label, step in steps.items()}
+    rows = []
+    for label, runs in interleaved(steps, repeat, warmup=1).items():
+        measured = median(runs)
+        calibrated, datasheet, in_order = planned[label]
         run = calibrated or datasheet
-        try:
-            measured = measure_step(cfg, device, run, repeat)
-        except Exception as error:  # reported, and the other configurations still measured
-            print(f"  {case} {label}: failed: {type(error).__name__}: {error}", file=sys.stderr)
-            continue
         if run is None:
             cal, ds = no_checkpoint_prediction(reference), no_checkpoint_prediction(reference_ds)
             serial = no_checkpoint_prediction(
@@ -350,7 +251,7 @@ def measure_case(
             {
                 "case": case,
                 "config": label,
-                "measured": dataclasses.asdict(measured),
+                "measured": dict(dataclasses.asdict(measured), peak_bytes=peaks[label]),
                 "calibrated": cal,
                 "datasheet": ds,
                 "serial": serial,
@@ -533,6 +434,38 @@ def run_compare(directory: Path, rows_path: Path, hw: Any) -> None:
         print(ranking(again))
 
 
+def run_rank(device: torch.device, cases: list[str] | None) -> None:
+    """Each ranking case's budget answer (calibrated here) against what else fits, measured
+    interleaved (what tests/test_budget_ranking.py checks), as a table."""
+    from recompute_planner import _step_timing as timing
+
+    profile = calibrated_profile(device, 5, None)
+    for case in cases or list(timing.RANKING_CASES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", rp.PlannerWarning)
+            ready = timing.ranking_case(case, profile)
+        name, _, rounds = timing.RANKING_CASES[case]
+        ranked = timing.rank_budget_answer(ready.cfg, ready.candidates, device, rounds)
+        print(f"\n### {case} (`{name}`), budget {ready.budget:,} B, median of {rounds} rounds\n")
+        print("| configuration | keeps | peak (B) | step, predicted (ms) | measured (ms) | "
+              "against the answer |")
+        print("|---|---|--:|--:|--:|--:|")
+        for r in ranked:
+            print(
+                f"| {r.label} | {compact(r.plan)} | {r.plan.memory.peak_bytes:,} | "
+                f"{ms(r.plan.cost.step_time_s)} | {ms(r.times.step_s)} | {r.vs_answer:+.1%} |"
+            )
+        sys.stdout.flush()
+
+
+def compact(plan: rp.Plan) -> str:
+    """What a plan keeps, per unit: ``SAVE_MLP 0,1,3``."""
+    layers: dict[str, list[int]] = {}
+    for _, unit, layer in kept(plan):
+        layers.setdefault(unit, []).append(layer)
+    return "; ".join(f"{u} {','.join(map(str, ls))}" for u, ls in sorted(layers.items())) or "-"
+
+
 def spec_units(spec: dict[str, Any]) -> dict[str, Any]:
     fields = dict(spec, omitted_markers=frozenset(tuple(m) for m in spec["omitted_markers"]))
     return declared_units(ZooConfig(**fields))
@@ -544,11 +477,16 @@ def profile_name(profile: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("export", "measure", "all", "compare"))
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("action", choices=("export", "measure", "all", "compare", "rank"))
+    parser.add_argument("directory", type=Path, nargs="?", help="not with rank")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument(
+        "--ranking-case",
+        action="append",
+        help="rank: a case of recompute_planner._step_timing.RANKING_CASES (default: all)",
+    )
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument(
         "--rows", type=Path, help="compare: the rows `measure --json` wrote (and its profile)"
@@ -556,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hw", help="compare: plan with this profile (a name or a JSON file)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.action == "rank":
+        if device.type != "cpu":
+            parser.error("rank runs on the CPU (its cases are CPU widths, traced for the CPU)")
+        run_rank(device, args.ranking_case)
+        return 0
+    if args.directory is None:
+        parser.error(f"{args.action} needs a directory")
     if args.action in ("export", "all"):
         export(args.directory, device.type, args.case or list(CASES))
     if args.action in ("measure", "all"):

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use thiserror::Error;
 
 use crate::{
-    config::{self, ConfigError, PlanConfig, Resolved},
+    config::{self, Choices, ConfigError, PlanConfig, Resolved},
     cost::{self, HwProfile, NodeWork},
     diagnostics,
     memory::{self, OffloadRequest, OffloadWindow, Simulation},
@@ -35,6 +35,18 @@ pub enum PlanError {
 /// Plans `graph` under `config`, with costs estimated for `hw`.
 pub fn plan(graph: &Graph, config: &PlanConfig, hw: &HwProfile) -> Result<Plan, PlanError> {
     let resolved = config::resolve(graph, config)?;
+    plan_resolved(graph, config, resolved, hw)
+}
+
+/// Plans `graph` under `config` with per-layer `choices` over it (what a `--choices` file
+/// states: the units each listed layer keeps and offloads; other layers follow `config`).
+pub fn plan_with_choices(
+    graph: &Graph,
+    config: &PlanConfig,
+    choices: Choices,
+    hw: &HwProfile,
+) -> Result<Plan, PlanError> {
+    let resolved = config::resolve(graph, config)?.with_choices(graph, choices)?;
     plan_resolved(graph, config, resolved, hw)
 }
 

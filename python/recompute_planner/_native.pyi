@@ -59,6 +59,7 @@ def plan(
     offload: list[str] = ...,
     offload_kinds: list[str] = ...,
     offload_prefetch: int = ...,
+    choices: str | None = None,
     hw_name: str | None = None,
     hw_json: str | None = None,
     hw_path: str | None = None,

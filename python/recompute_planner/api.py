@@ -45,6 +45,7 @@ def plan(
     offload: str | Iterable[str] | None = None,
     offload_kinds: str | Iterable[str] | None = None,
     offload_prefetch: int = 4,
+    choices: Plan | Mapping[str, Any] | None = None,
     hw: HwLike = None,
     format: str | None = None,
     check: bool = True,
@@ -82,6 +83,12 @@ def plan(
       ``"graph-input"`` are accepted and never move); ``offload_prefetch``: how many backward
       steps before its first backward read a value's reload starts (default 4); ``offload``
       and ``offload_kinds`` not with ``budget`` (docs/cost-and-memory.md, M5);
+    - ``choices``: per-layer choices over ``keep``, as ``planner plan --choices`` reads them:
+      a ``Plan`` (a budget's answer, planned again, e.g. with another ``hw``) or a mapping
+      with ``layer_keep`` (``[{"model", "layer", "keep": [units]}]``) and optionally
+      ``layer_offload`` (``[{"model", "layer", "offload": [units]}]``), such as a point of
+      ``planner pareto --format json``; layers it does not list follow ``keep``; not with
+      ``budget``;
     - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,
       ``"h200"``, ``"b200"``, ``"mi300x"``: vendor datasheet figures), a dict or a JSON file
       (fields left out keep the H200's); default H200;
@@ -114,12 +121,25 @@ def plan(
         offload=_names("offload", offload),
         offload_kinds=_names("offload_kinds", offload_kinds),
         offload_prefetch=offload_prefetch,
+        choices=_choices_json(choices),
         **hw_source,
     )
     result = Plan(planned)
     if check:
         check_plan(result)
     return result
+
+
+def _choices_json(choices: Plan | Mapping[str, Any] | None) -> str | None:
+    """``choices`` as the JSON the planner reads: a plan's own (its ``config`` lists its
+    per-layer choices), or the mapping's."""
+    if choices is None:
+        return None
+    if isinstance(choices, Plan):
+        return choices.to_json()
+    if isinstance(choices, Mapping):
+        return json.dumps(choices)
+    raise TypeError(f"choices must be a Plan or a mapping, not {type(choices).__name__}")
 
 
 def check_plan(result: Plan, *, stacklevel: int = 3) -> None:

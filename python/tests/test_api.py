@@ -71,6 +71,36 @@ def test_plan_in_process_equals_the_cli_plan(options, flags):
     assert plan.to_json() == cli_json(str(GLM), *flags)
 
 
+def test_choices_plan_what_the_cli_plans_from_a_choices_file(tmp_path):
+    """`choices=` (a mapping as `--choices` reads it) gives the CLI's plan of that file."""
+    choices = {
+        "layer_keep": [{"model": "main", "layer": 1, "keep": ["save_dsa_indexer"]}],
+        "layer_offload": [{"model": "main", "layer": 1, "offload": ["SAVE_DSA_INDEXER"]}],
+    }
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps(choices))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        planned = rp.plan(GLM, choices=choices)
+    assert planned.to_json() == cli_json(str(GLM), "--choices", str(path))
+    assert planned.memory.host_peak_bytes > 0
+
+
+def test_a_budget_answer_planned_again_with_another_profile_keeps_what_it_kept():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        answer = rp.plan(GLM, budget=73_000)
+        again = rp.plan(GLM, choices=answer, hw="h100")
+    assert answer.config.layer_keep and again.config.layer_keep == answer.config.layer_keep
+    assert again.memory.peak_bytes == answer.memory.peak_bytes
+    assert (again.cost.hw, answer.cost.hw) == ("H100", "H200")
+    with pytest.raises(rp.PlannerError, match="give `budget` or `choices`, not both") as raised:
+        rp.plan(GLM, budget=73_000, choices=answer)
+    assert raised.value.code == "invalid-option"
+    with pytest.raises(TypeError, match="choices must be a Plan or a mapping, not str"):
+        rp.plan(GLM, choices="answer.json")
+
+
 def test_every_graph_form_plans_alike():
     """A path, the `.pb` bytes, the `.json` bytes and the exported message give one plan."""
     graph = load_graph(GLM)

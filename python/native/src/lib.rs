@@ -314,6 +314,9 @@ struct Planning {
     source: Source<PyBackedBytes>,
     config: PlanConfig,
     budget: Option<Budget>,
+    /// Per-layer choices as JSON (a pareto point's or a plan's `layer_keep` and
+    /// `layer_offload`), over `config`; never with `budget`.
+    choices: Option<String>,
     hw: HwProfile,
 }
 
@@ -322,9 +325,13 @@ impl Planning {
     /// search stopping when `progress` is interrupted.
     fn run(&self, progress: &dyn Progress) -> Result<PlannedGraph, Failure> {
         let graph = self.source.load()?;
-        let plan = match &self.budget {
-            None => planner::plan::plan(&graph, &self.config, &self.hw)?,
-            Some(budget) => {
+        let plan = match (&self.budget, &self.choices) {
+            (None, None) => planner::plan::plan(&graph, &self.config, &self.hw)?,
+            (None, Some(json)) => {
+                let choices = config::parse_choices(&graph, json.as_bytes())?;
+                planner::plan::plan_with_choices(&graph, &self.config, choices, &self.hw)?
+            }
+            (Some(budget), _) => {
                 let activations = State::of(&graph, &self.config.training)
                     .activation_budget(budget.bytes, budget.basis)?;
                 Search::with_progress(&graph, &self.config, &self.hw, progress)?.answer(
@@ -469,7 +476,7 @@ fn json_text(bytes: Vec<u8>) -> String {
     budget_offload=false, fsdp=1,
     optimizer_name="adamw", optimizer_state_dtype_name="fp32", master_weights=false,
     offload=Vec::new(), offload_kinds=Vec::new(), offload_prefetch=Offload::DEFAULT_PREFETCH,
-    hw_name=None, hw_json=None, hw_path=None
+    choices=None, hw_name=None, hw_json=None, hw_path=None
 ))]
 #[allow(clippy::too_many_arguments)] // the options of `planner plan`, each by keyword
 fn plan(
@@ -494,6 +501,7 @@ fn plan(
     offload: Vec<String>,
     offload_kinds: Vec<String>,
     offload_prefetch: u32,
+    choices: Option<String>,
     hw_name: Option<&str>,
     hw_json: Option<&str>,
     hw_path: Option<&str>,
@@ -503,6 +511,12 @@ fn plan(
         let keep = config::parse_keep(&keep)?;
         let recompute_ratio = config::check_ratio(recompute_ratio)?;
         let budget = budget(budget_size, budget_includes, granularity, budget_offload)?;
+        if budget.is_some() && choices.is_some() {
+            return Err(Failure::new(
+                "invalid-option",
+                "a budget chooses the units per layer: give `budget` or `choices`, not both",
+            ));
+        }
         let training = training(
             fsdp,
             optimizer_name,
@@ -550,6 +564,7 @@ fn plan(
             source,
             config,
             budget,
+            choices,
             hw,
         })
     })()
