@@ -287,7 +287,7 @@ def distinguishing_budget(graph: bytes, hw: Any, rival: Any, points: int) -> int
 # layer's replay is milliseconds of matmuls; (zoo entry, changes, rounds). The MoE's step
 # varies more from one run to the next (two copies of one configuration differed by 3% over
 # 7 rounds, by under 1% over 13).
-_CPU_WIDE = dict(hidden=256, heads=4, vocab=2048, batch=2, seq=256, num_layers=4)
+_CPU_WIDE = dict(hidden=256, heads=4, head_dim=64, vocab=2048, batch=2, seq=256, num_layers=4)
 RANKING_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "dense": ("dense", dict(_CPU_WIDE, ffn=2048), 7),
     "moe": ("moe_hf_router", dict(_CPU_WIDE, moe_ffn=512, shared_ffn=256), 13),

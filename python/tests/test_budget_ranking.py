@@ -5,9 +5,9 @@ SAC on this CPU and measured interleaved with the others (`_step_timing.rank_bud
 
 Three zoo models (`_step_timing.RANKING_CASES`) at widths where a layer's matmuls take
 milliseconds on a CPU, each at the budget where the datasheet's answer is predicted slowest
-against the calibrated one, so that a ranking by measured time tells the two profiles apart:
-planned with the datasheet instead, the answer is measured slower than the calibrated one and
-this test fails (docs/cost-and-memory.md)."""
+against the calibrated one, so that a ranking by measured time tells the two profiles apart
+where they differ: planned with the datasheet instead, the MoE's answer is measured 5% to 6%
+slower than the calibrated one and this test fails (docs/cost-and-memory.md)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from recompute_planner import _step_timing as timing
 pytestmark = pytest.mark.timed
 
 # A configuration measured faster than the answer by less than this is a tie: two copies of
-# the answer itself measured up to about 1% apart on a shared 2-core machine, and two
-# configurations predicted under 1% apart are measured in either order.
-TIE = 0.02
+# the answer itself measured up to about 1% apart on a shared 2-core machine, and a
+# configuration predicted 0.5% slower than the answer measured from 2.8% faster to no faster.
+TIE = 0.03
 
 
 @pytest.fixture(scope="module")
