@@ -37,7 +37,6 @@ planner-cli --features run`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -78,9 +77,6 @@ ZOO = (
 )
 # Keeping the in-place dispatch is refused (inplace-in-kept-interval): `all` keeps the others.
 KEEP_ALL = {"moe_ep2_inplace": ["SAVE_ATTN", "SAVE_MOE_GATE", "SAVE_MLP"]}
-# The zoo's golden shape, which MoE capacities (static tokens per expert) are scaled from.
-ZOO_TOKENS = 2 * 8
-
 DENSE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MLP": ["mlp"]}
 MOE_UNITS = {"SAVE_ATTN": ["self_attn"], "SAVE_MOE_GATE": ["mlp.gate"]}
 # Widths at which activations, not parameters and gradients, dominate a step of batch 8 x 64.
@@ -120,11 +116,7 @@ class Case:
 def zoo_config(name: str, batch: int, seq: int):
     from recompute_planner._zoo.goldens import golden
 
-    cfg = golden(name).entry.config
-    scale = batch * seq / ZOO_TOKENS
-    return dataclasses.replace(
-        cfg, batch=batch, seq=seq, capacity=max(cfg.capacity, round(cfg.capacity * scale))
-    )
+    return golden(name).entry.config.resized(batch=batch, seq=seq)
 
 
 def zoo_case(name: str, batch: int, seq: int) -> Case:

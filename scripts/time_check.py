@@ -80,9 +80,7 @@ def case_config(case: str, device: str) -> ZooConfig:
     base = entry(name).config
     if device != "cuda":
         changes = dict(changes, **CPU_CHANGES.get(case, {}))
-    cfg = dataclasses.replace(base, **changes)
-    scale = cfg.batch * cfg.seq / (base.batch * base.seq)
-    return dataclasses.replace(cfg, capacity=max(base.capacity, round(base.capacity * scale)))
+    return base.resized(**changes)
 
 
 # --------------------------------------------------------------------------------------------

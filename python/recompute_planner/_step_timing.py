@@ -18,7 +18,6 @@ one configuration after another would mix the drift into them.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import statistics
 import time
@@ -283,8 +282,9 @@ def distinguishing_budget(graph: bytes, hw: Any, rival: Any, points: int) -> int
 
 
 # Zoo models whose budget answers are ranked by measured time on a CPU (the budget ranking
-# test, `scripts/time_check.py rank`): four layers of 256 wide, batch 2 x 256 tokens, where a
-# layer's replay is milliseconds of matmuls; (zoo entry, changes, rounds). The MoE's step
+# test, `scripts/time_check.py rank`): four layers of 256 wide, batch 2 x 256 tokens (the
+# MoE's capacity scaled with them), where a layer's replay is milliseconds of matmuls; (zoo
+# entry, changes, rounds). The MoE's step
 # varies more from one run to the next (two copies of one configuration differed by 3% over
 # 7 rounds, by under 1% over 13).
 _CPU_WIDE = dict(hidden=256, heads=4, head_dim=64, vocab=2048, batch=2, seq=256, num_layers=4)
@@ -309,7 +309,7 @@ def ranking_case(case: str, hw: Any, mixes: int = 10, seed: int = 0) -> RankingC
     """``RANKING_CASES[case]`` traced (fake tensors, CPU), at its distinguishing budget
     against the datasheet, with the candidates planned with ``hw``."""
     name, changes, _ = RANKING_CASES[case]
-    cfg = dataclasses.replace(entry(name).config, **changes)
+    cfg = entry(name).config.resized(**changes)
     graph = export(
         CausalLM(cfg), make_inputs(cfg), models=model_decls(cfg), name=name, fake=True
     ).graph.SerializeToString()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 # How much of each decoder layer runs under torch.compile:
 # - "none": everything eager (DSA layers still compile their indexer and sparse attention);
@@ -127,3 +127,13 @@ class ZooConfig:
     def for_rank(self, world_size: int, rank: int) -> ZooConfig:
         """The same model on another rank (or world size)."""
         return dataclasses.replace(self, world_size=world_size, rank=rank)
+
+    def resized(self, **changes: Any) -> ZooConfig:
+        """This config with ``changes``. Unless they set ``capacity``, the MoE capacity scales
+        with the tokens per rank (batch x seq), never below this config's: at any size the
+        experts drop about the share of tokens they drop at this one."""
+        cfg = dataclasses.replace(self, **changes)
+        if "capacity" in changes:
+            return cfg
+        scale = cfg.batch * cfg.seq / (self.batch * self.seq)
+        return dataclasses.replace(cfg, capacity=max(self.capacity, round(self.capacity * scale)))
