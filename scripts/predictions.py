@@ -29,6 +29,13 @@ bytes; measured, the allocator's (the runtime's) live bytes then.
     python scripts/predictions.py --executor eager      # one executor
     python scripts/predictions.py --json out.json       # rows for tools and tests
     python scripts/predictions.py --markdown FILE       # the full table and the summary
+    python scripts/predictions.py --time --markdown docs/predictions.md   # and time (below)
+
+`--time` also measures each executor's step and replay time against its plan's, at widths
+where compute is not all overhead (the budget ranking's models; `--time-rounds` steps each):
+`planner run --repeat` planned with a profile `planner calibrate` measures, eager SAC
+(`recompute_planner._step_timing`, the keeps interleaved) and the compile stage's step (FX
+interpreter) planned with one `rp.calibrate` measures.
 
 `planner run` is `$PLANNER_BIN`, else `target/debug/planner` (built with `cargo build -p
 planner-cli --features run`).
@@ -473,6 +480,170 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------
+# Time: step and replay measured against the plan's, at widths where a layer's matmuls take
+# milliseconds on this CPU (the budget ranking's models: four layers of 256, 4 heads of 64,
+# batch 2 x 256). The runtime plans with a profile `planner calibrate` measures through the same
+# binary, eager SAC and the compile stage with one `rp.calibrate` measures in this process.
+
+TIME_KEEPS = ("none", "all")
+# Targets: the runtime's step within 10% and replay within 15%; eager SAC and the compile
+# stage within 25%.
+TIME_TARGETS = {"graph": (0.10, 0.15), "eager": (0.25, 0.25), "compile": (0.25, 0.25)}
+
+
+def time_rows(cases: list[str], rounds: int) -> list[dict[str, Any]]:
+    """Every executor's step (and replay, where it is measured apart) of ``cases``
+    (`_step_timing.RANKING_CASES`), each keep of ``TIME_KEEPS``, against its plan."""
+    from recompute_planner import _step_timing as timing
+
+    eager_profile = rp.calibrate("cpu", repeat=5)
+    with tempfile.TemporaryDirectory() as folder:
+        runtime_profile = Path(folder) / "runtime.json"
+        done = subprocess.run(
+            [planner_bin(), "calibrate", "-o", str(runtime_profile)],
+            capture_output=True, text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"planner calibrate failed:\n{done.stderr}")
+        rows = []
+        for case in cases:
+            cfg, graph = timing.traced_case(case)
+            path = Path(folder) / f"{case}.pb"
+            path.write_bytes(graph)
+            rows += [timed_run(case, path, keep, runtime_profile, rounds) for keep in TIME_KEEPS]
+            rows += timed_eager(case, cfg, graph, eager_profile, rounds)
+            rows += [timed_compiled(case, cfg, keep, eager_profile, rounds) for keep in TIME_KEEPS]
+            for r in rows[-3 * len(TIME_KEEPS):]:
+                print(time_table([r]).splitlines()[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def time_row(
+    case: str, keep: str, executor: str, plan: rp.Plan, step_s: float, replay_s: float | None
+) -> dict[str, Any]:
+    return {
+        "case": case, "keep": keep, "executor": executor, "hw": plan.cost.hw,
+        "predicted_step_s": plan.cost.step_time_s, "measured_step_s": step_s,
+        "predicted_replay_s": plan.cost.replay_time_s, "measured_replay_s": replay_s,
+    }
+
+
+def timed_run(case: str, graph: Path, keep: str, profile: Path, rounds: int) -> dict[str, Any]:
+    """`planner run`: the median of ``rounds`` steps, and the plan it made with ``profile``."""
+    done = subprocess.run(
+        [planner_bin(), "run", str(graph), "--keep", keep, "--seed", "0", "--repeat",
+         str(rounds), "--hw", str(profile), "--format", "json"],
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"planner run {case} --keep {keep} failed:\n{done.stderr}")
+    measured = json.loads(done.stdout)["ranks"][0]["runs"][0]["measured"]
+    plan = quiet_plan(str(graph), keep, hw=str(profile))
+    return time_row(
+        case, keep, "graph", plan, measured["step_time_s"], measured["replay_time_s"]
+    )
+
+
+def timed_eager(
+    case: str, cfg: Any, graph: bytes, profile: dict[str, Any], rounds: int
+) -> list[dict[str, Any]]:
+    """Eager SAC: every keep's step measured interleaved with the others'."""
+    from recompute_planner import _step_timing as timing
+
+    plans = {keep: quiet_plan(graph, keep, executor="eager", hw=profile) for keep in TIME_KEEPS}
+    steps = {keep: timing.ZooStep(cfg, torch.device("cpu"), plan) for keep, plan in plans.items()}
+    runs = timing.interleaved(steps, rounds)
+    return [
+        time_row(case, keep, "eager", plans[keep], m.step_s, m.replay_s)
+        for keep, m in ((k, timing.median(r)) for k, r in runs.items())
+    ]
+
+
+def timed_compiled(
+    case: str, cfg: Any, keep: str, profile: dict[str, Any], rounds: int
+) -> dict[str, Any]:
+    """The compile stage: the step compiled from its plan (as the memory rows run it, torch's
+    FX interpreter running the partitioned graphs), the median of ``rounds`` steps after two;
+    its replay runs inside the backward graph, not measured apart."""
+    import statistics
+    import time
+
+    from functorch.compile import aot_module
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from recompute_planner._zoo.catalog import make_inputs, model_decls
+    from recompute_planner._zoo.model import CausalLM
+
+    stage = stage_mod.PlanningStage(model_decls(cfg), keep, hw=profile)
+    inputs = make_inputs(cfg)
+    with warnings.catch_warnings(), stage_mod.tracing():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        module = CausalLM(cfg)
+        compiled = aot_module(
+            module, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=stage.partition_fn
+        )
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def step() -> float:
+            started = time.perf_counter()
+            torch.autograd.grad(compiled(*inputs), params, allow_unused=True)
+            return time.perf_counter() - started
+
+        times = [step() for _ in range(rounds + 2)][2:]
+    return time_row(case, keep, "compile", stage.plans[-1], statistics.median(times), None)
+
+
+def time_gap(predicted: float, measured: float | None) -> str:
+    return "-" if measured is None else f"{(predicted - measured) / measured:+.0%}"
+
+
+def time_table(rows: list[dict[str, Any]]) -> str:
+    """The time rows as a Markdown table (milliseconds)."""
+    lines = [
+        "| case | keep | executor | step predicted | step measured | gap | replay predicted "
+        "| replay measured | gap |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        replay = r["measured_replay_s"]
+        lines.append(
+            f"| {r['case']} | {r['keep']} | {r['executor']} | {r['predicted_step_s'] * 1e3:.1f} "
+            f"| {r['measured_step_s'] * 1e3:.1f} "
+            f"| {time_gap(r['predicted_step_s'], r['measured_step_s'])} "
+            f"| {r['predicted_replay_s'] * 1e3:.1f} "
+            f"| {'-' if replay is None else f'{replay * 1e3:.1f}'} "
+            f"| {time_gap(r['predicted_replay_s'], replay)} |"
+        )
+    return "\n".join(lines)
+
+
+def time_summary(rows: list[dict[str, Any]]) -> str:
+    """Per executor: the range of the step and replay gaps and how many are within target."""
+    lines = [
+        "| executor | step gap | step within target | replay gap | replay within target |",
+        "|---|--:|--:|--:|--:|",
+    ]
+    for executor, (step_target, replay_target) in TIME_TARGETS.items():
+        mine = [r for r in rows if r["executor"] == executor]
+        if not mine:
+            continue
+        cells = [executor]
+        for figure, target in (("step", step_target), ("replay", replay_target)):
+            gaps = [
+                (r[f"predicted_{figure}_s"] - r[f"measured_{figure}_s"]) / r[f"measured_{figure}_s"]
+                for r in mine if r[f"measured_{figure}_s"]
+            ]
+            if not gaps:
+                cells += ["not measured apart", ""]
+                continue
+            within = sum(abs(g) <= target for g in gaps)
+            spread = f"{min(gaps):+.0%} .. {max(gaps):+.0%}"
+            cells += [spread, f"{within}/{len(gaps)} ({target:.0%})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -486,6 +657,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-offload", dest="offload", action="store_false",
         help="leave out the rows that offload what each unit keeps",
     )
+    parser.add_argument(
+        "--time", nargs="*", default=None, metavar="CASE",
+        help="also measure time: these budget-ranking cases (none given: all of them)",
+    )
+    parser.add_argument("--time-rounds", type=int, default=7, help="steps per time figure")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", help="also write the summary and the full table here")
     args = parser.parse_args(argv)
@@ -505,25 +681,49 @@ def main(argv: list[str] | None = None) -> int:
             for executor in offloading:
                 rows.append(measure_offloaded(case, unit, executor))
                 print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
+    times = []
+    if args.time is not None:
+        from recompute_planner._step_timing import RANKING_CASES
+
+        times = time_rows(args.time or list(RANKING_CASES), args.time_rounds)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
     print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")
+    if times:
+        print(f"\n{time_summary(times)}\n\n{time_table(times)}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"batch": args.batch, "seq": args.seq, "rows": rows}, out, indent=1)
+            json.dump(
+                {"batch": args.batch, "seq": args.seq, "rows": rows, "time_rows": times},
+                out, indent=1,
+            )
     if args.markdown:
-        Path(args.markdown).write_text(markdown(shape, rows))
+        Path(args.markdown).write_text(markdown(shape, rows, times))
     return 0
 
 
-def markdown(shape: str, rows: list[dict[str, Any]]) -> str:
-    return (
+def markdown(shape: str, rows: list[dict[str, Any]], times: list[dict[str, Any]]) -> str:
+    text = (
         "# Predictions against measurement\n\n"
-        "Written by `python scripts/predictions.py --markdown docs/predictions.md` (what each "
-        "executor is and how it is measured: the script's docstring; why the gaps are what they "
-        "are: docs/accuracy.md, \"How good the predictions are\").\n\n"
+        "Written by `python scripts/predictions.py --time --markdown docs/predictions.md` (what "
+        "each executor is and how it is measured: the script's docstring; why the gaps are what "
+        "they are: docs/accuracy.md, \"How good the predictions are\").\n\n"
         f"{shape}.\n\n## Summary\n\n{summary(rows)}\n\n## Every case\n\n{table(rows)}\n"
     )
+    if times:
+        text += (
+            "\n## Time\n\n"
+            "Step and replay, predicted against measured (ms; medians), at widths where a "
+            "layer's matmuls take milliseconds on this CPU: the budget ranking's models "
+            "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`). "
+            "The runtime (`graph`) plans with a profile `planner calibrate` measures through "
+            "the same binary; eager SAC and the compile stage with one `rp.calibrate` measures. "
+            "The compile stage's step runs its partitioned graphs in torch's FX interpreter, "
+            "as the memory rows do, and its replay is not measured apart. Targets: the "
+            "runtime's step within 10% and replay within 15%, the others within 25%.\n\n"
+            f"{time_summary(times)}\n\n{time_table(times)}\n"
+        )
+    return text
 
 
 if __name__ == "__main__":

@@ -305,14 +305,20 @@ class RankingCase:
     candidates: dict[str, Plan]
 
 
-def ranking_case(case: str, hw: Any, mixes: int = 10, seed: int = 0) -> RankingCase:
-    """``RANKING_CASES[case]`` traced (fake tensors, CPU), at its distinguishing budget
-    against the datasheet, with the candidates planned with ``hw``."""
+def traced_case(case: str) -> tuple[ZooConfig, bytes]:
+    """``RANKING_CASES[case]``'s config and its training step traced (fake tensors, CPU)."""
     name, changes, _ = RANKING_CASES[case]
     cfg = entry(name).config.resized(**changes)
     graph = export(
         CausalLM(cfg), make_inputs(cfg), models=model_decls(cfg), name=name, fake=True
     ).graph.SerializeToString()
+    return cfg, graph
+
+
+def ranking_case(case: str, hw: Any, mixes: int = 10, seed: int = 0) -> RankingCase:
+    """``RANKING_CASES[case]`` traced, at its distinguishing budget against the datasheet,
+    with the candidates planned with ``hw``."""
+    cfg, graph = traced_case(case)
     budget = distinguishing_budget(graph, hw, DATASHEET, points=24)
     fitting = budget_candidates(
         graph, list(declared_units(cfg)), budget, hw, {"datasheet": DATASHEET}, mixes, seed
