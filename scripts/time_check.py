@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 import recompute_planner as rp
-from recompute_planner._step_timing import ZooStep, interleaved, kept, median
+from recompute_planner._step_timing import DATASHEET, ZooStep, interleaved, kept, median
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.model import CausalLM
@@ -70,7 +70,6 @@ CPU_CHANGES: dict[str, dict[str, Any]] = {
         hidden=256, heads=4, moe_ffn=512, shared_ffn=256, vocab=2048, batch=2, seq=256
     ),
 }
-DATASHEET = "h200"
 
 
 def case_config(case: str, device: str) -> ZooConfig:
@@ -153,8 +152,8 @@ def configurations(graph: bytes, units: list[str], profile: dict[str, Any]) -> I
     """(label, plan with the calibrated profile, with the datasheet, with the calibrated
     profile run in order) of every configuration measured: no checkpointing, every uniform
     keep, and the answers to a budget halfway between the peaks of keeping nothing and
-    keeping everything, one per profile (a budget answer is planned with its own profile
-    only: its per-layer mix cannot be planned again with another)."""
+    keeping everything, one per profile (each answer's per-layer mix planned with every
+    profile through ``choices``)."""
     in_order = dict(profile, asynchronous=False)
     yield "no checkpoint", None, None, None
     for keep in ["none", *units, "all"]:
@@ -171,9 +170,15 @@ def configurations(graph: bytes, units: list[str], profile: dict[str, Any]) -> I
     datasheet = quiet_plan(graph, None, hw=DATASHEET, budget=budget)
     same = kept(calibrated) == kept(datasheet)
     label = f"budget {mib(budget)} MiB ({budget} B)"
-    yield f"{label}, calibrated{' = datasheet' if same else ''}", calibrated, None, None
-    if not same:
-        yield f"{label}, datasheet", None, datasheet, None
+    answers = [("calibrated = datasheet" if same else "calibrated", calibrated)]
+    answers += [] if same else [("datasheet", datasheet)]
+    for name, answer in answers:
+        yield (
+            f"{label}, {name}",
+            quiet_plan(graph, None, hw=profile, choices=answer),
+            quiet_plan(graph, None, hw=DATASHEET, choices=answer),
+            quiet_plan(graph, None, hw=in_order, choices=answer),
+        )
 
 
 def mib(n: float) -> str:
@@ -444,7 +449,15 @@ def run_rank(device: torch.device, cases: list[str] | None) -> None:
             ready = timing.ranking_case(case, profile)
         name, _, rounds = timing.RANKING_CASES[case]
         ranked = timing.rank_budget_answer(ready.cfg, ready.candidates, device, rounds)
-        print(f"\n### {case} (`{name}`), budget {ready.budget:,} B, median of {rounds} rounds\n")
+        datasheet = (
+            f"the datasheet's answer predicted {ready.datasheet_gap:+.1%}"
+            if ready.datasheet_gap
+            else "the datasheet answers alike at every budget tried"
+        )
+        print(
+            f"\n### {case} (`{name}`), budget {ready.budget:,} B ({datasheet}), median of "
+            f"{rounds} rounds\n"
+        )
         print("| configuration | keeps | peak (B) | step, predicted (ms) | measured (ms) | "
               "against the answer |")
         print("|---|---|--:|--:|--:|--:|")

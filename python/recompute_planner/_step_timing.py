@@ -252,6 +252,8 @@ def budget_candidates(
         found[keep] = planned(keep=keep)
     for i, choices in enumerate(random_mixes(answer, units, mixes, seed)):
         found[f"mix {i}"] = planned(choices=choices)
+    if peak(answer) > budget:
+        raise ValueError(f"the answer's peak {peak(answer):,} B is above its budget {budget:,} B")
     seen: set[tuple[tuple[str, str, int], ...]] = set()
     fitting = {}
     for label, candidate in found.items():
@@ -261,10 +263,11 @@ def budget_candidates(
     return fitting
 
 
-def distinguishing_budget(graph: bytes, hw: Any, rival: Any, points: int) -> int:
+def distinguishing_budget(graph: bytes, hw: Any, rival: Any, points: int) -> tuple[int, float]:
     """Of ``points`` budgets evenly between the peaks of keeping nothing and keeping
     everything, the one where ``rival``'s answer is predicted slowest (with ``hw``) against
-    ``hw``'s own answer: where a ranking by measured time tells the two profiles apart."""
+    ``hw``'s own answer, where a ranking by measured time tells the two profiles apart; and
+    that predicted gap (0 where the two answer alike at every budget: then the midpoint)."""
 
     def planned(**options: Any) -> Plan:
         return make_plan(graph, executor="eager", check=False, **options)
@@ -278,15 +281,14 @@ def distinguishing_budget(graph: bytes, hw: Any, rival: Any, points: int) -> int
         gap = theirs.cost.step_time_s / own.cost.step_time_s - 1
         if gap > best_gap:
             best, best_gap = budget, gap
-    return best
+    return best, best_gap
 
 
 # Zoo models whose budget answers are ranked by measured time on a CPU (the budget ranking
 # test, `scripts/time_check.py rank`): four layers of 256 wide, batch 2 x 256 tokens (the
 # MoE's capacity scaled with them), where a layer's replay is milliseconds of matmuls; (zoo
-# entry, changes, rounds). The MoE's step
-# varies more from one run to the next (two copies of one configuration differed by 3% over
-# 7 rounds, by under 1% over 13).
+# entry, changes, rounds). The MoE's step varies more from one run to the next (two copies of
+# one configuration differed by 3% over 7 rounds, by under 1% over 13).
 _CPU_WIDE = dict(hidden=256, heads=4, head_dim=64, vocab=2048, batch=2, seq=256, num_layers=4)
 RANKING_CASES: dict[str, tuple[str, dict[str, Any], int]] = {
     "dense": ("dense", dict(_CPU_WIDE, ffn=2048), 7),
@@ -298,11 +300,13 @@ DATASHEET = "h200"
 
 @dataclass(frozen=True)
 class RankingCase:
-    """A ranking case made ready: its config, the budget, and what fits it."""
+    """A ranking case made ready: its config, the budget, what fits it (the answer first), and
+    how much slower the datasheet's answer is predicted there (0: the same answer)."""
 
     cfg: ZooConfig
     budget: int
     candidates: dict[str, Plan]
+    datasheet_gap: float
 
 
 def traced_case(case: str) -> tuple[ZooConfig, bytes]:
@@ -319,11 +323,11 @@ def ranking_case(case: str, hw: Any, mixes: int = 10, seed: int = 0) -> RankingC
     """``RANKING_CASES[case]`` traced, at its distinguishing budget against the datasheet,
     with the candidates planned with ``hw``."""
     cfg, graph = traced_case(case)
-    budget = distinguishing_budget(graph, hw, DATASHEET, points=24)
+    budget, gap = distinguishing_budget(graph, hw, DATASHEET, points=24)
     fitting = budget_candidates(
         graph, list(declared_units(cfg)), budget, hw, {"datasheet": DATASHEET}, mixes, seed
     )
-    return RankingCase(cfg, budget, fitting)
+    return RankingCase(cfg, budget, fitting, gap)
 
 
 def rank_budget_answer(
@@ -333,11 +337,11 @@ def rank_budget_answer(
     rounds: int,
     seed: int = 0,
 ) -> list[Ranked]:
-    """``candidates`` (``budget_candidates``: the answer first) measured interleaved, fastest
-    first by their step against the answer's."""
+    """``candidates`` (``budget_candidates``, the answer labelled ``answer``) measured
+    interleaved, fastest first by their step against the answer's."""
     steps = {label: ZooStep(cfg, device, plan) for label, plan in candidates.items()}
     runs = interleaved(steps, rounds, seed=seed)
-    answer = runs[next(iter(candidates))]
+    answer = runs["answer"]
     ranked = [
         Ranked(
             label,

@@ -7,6 +7,7 @@ reject the plan (``PlanRejected``); warning-level ones are issued as ``PlannerWa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -131,14 +132,25 @@ def plan(
 
 
 def _choices_json(choices: Plan | Mapping[str, Any] | None) -> str | None:
-    """``choices`` as the JSON the planner reads: a plan's own (its ``config`` lists its
-    per-layer choices), or the mapping's."""
+    """``choices`` as the JSON the planner reads: a plan's per-layer choices (a plan that
+    keeps the same units in every layer has none: its ``keep`` says it), or the mapping."""
     if choices is None:
         return None
     if isinstance(choices, Plan):
-        return choices.to_json()
+        config = choices.config
+        if not config.layer_keep:
+            raise ValueError(
+                "this plan keeps the same units in every layer (no per-layer choices): plan it "
+                f"again with keep={list(config.keep)!r}"
+            )
+        return json.dumps(
+            {
+                "layer_keep": [dataclasses.asdict(k) for k in config.layer_keep],
+                "layer_offload": [dataclasses.asdict(o) for o in config.layer_offload],
+            }
+        )
     if isinstance(choices, Mapping):
-        return json.dumps(choices)
+        return json.dumps(dict(choices))
     raise TypeError(f"choices must be a Plan or a mapping, not {type(choices).__name__}")
 
 

@@ -3,8 +3,10 @@ models), started in the background as soon as collection has selected one of the
 tests, so that they run beside the tests before them instead of stalling the session when
 their fixture is reached.
 
-A test module lists its jobs in ``BACKGROUND_JOBS``; ``conftest.py`` queues the jobs of every
-module with a selected test on the session's queue (``SESSION``), in collection order, and
+A test module lists its jobs in ``BACKGROUND_JOBS``, each named after the fixture that waits
+for it; ``conftest.py`` queues every job whose fixture a selected test uses (a session that
+runs only the module's other tests leaves it alone) on the session's queue (``SESSION``), in
+collection order, and
 one worker thread runs them one at a time (pytest itself keeps one core busy; a second job
 would take the core from it). A fixture calls ``SESSION.finished(job)``: it waits for the job,
 starting it next if it has not started, and gets its ``subprocess.CompletedProcess`` and its

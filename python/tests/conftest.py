@@ -13,10 +13,17 @@ import export_support
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Moves the tests marked ``timed`` (those that compare times measured apart) to the end,
     when the background jobs have ended; then starts the background jobs (``background.py``)
-    of every module with a selected test, in the order the tests run."""
+    whose fixtures a selected test uses, in the order the tests run."""
     items.sort(key=lambda item: item.get_closest_marker("timed") is not None)  # stable
-    modules = dict.fromkeys(item.module for item in items if isinstance(item, pytest.Function))
-    jobs = (job for module in modules for job in getattr(module, "BACKGROUND_JOBS", ()))
+    functions = [item for item in items if isinstance(item, pytest.Function)]
+    used = {name for item in functions for name in item.fixturenames}
+    modules = dict.fromkeys(item.module for item in functions)
+    jobs = (
+        job
+        for module in modules
+        for job in getattr(module, "BACKGROUND_JOBS", ())
+        if job.name in used
+    )
     background.SESSION.queue(jobs)
 
 

@@ -99,6 +99,17 @@ def test_a_budget_answer_planned_again_with_another_profile_keeps_what_it_kept()
     assert raised.value.code == "invalid-option"
     with pytest.raises(TypeError, match="choices must be a Plan or a mapping, not str"):
         rp.plan(GLM, choices="answer.json")
+    uniform = rp.plan(GLM, keep="SAVE_DSA_INDEXER", check=False)
+    with pytest.raises(ValueError, match=r"plan it again with keep=\['SAVE_DSA_INDEXER'\]"):
+        rp.plan(GLM, choices=uniform)
+
+
+def test_choices_naming_what_the_graph_lacks_raise_the_planners_error():
+    with pytest.raises(rp.PlannerError, match="NOTHING") as raised:
+        rp.plan(GLM, choices={"layer_keep": [{"model": "main", "layer": 0, "keep": ["NOTHING"]}]})
+    assert raised.value.code == "invalid-choices"
+    with pytest.raises(rp.PlannerError, match="no `layer_keep`"):
+        rp.plan(GLM, choices={"layer_offload": []})
 
 
 def test_every_graph_form_plans_alike():

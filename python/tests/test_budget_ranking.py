@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timed
 # A configuration measured faster than the answer by less than this is a tie: two copies of
 # the answer itself measured up to about 1% apart on a shared 2-core machine, and a
 # configuration predicted 0.5% slower than the answer measured from 2.8% faster to no faster.
-TIE = 0.03
+# The MoE's datasheet answer, the one a profile tells apart here, measured 5.5% to 5.9% slower.
+TIE = 0.04
 
 
 @pytest.fixture(scope="module")

@@ -306,7 +306,7 @@ FUNCTIONALIZED = {"dsv3_kv_expand", "mixtral"}
 
 
 PREDICTIONS = background.Job(
-    "predictions",
+    "prediction_rows",
     lambda out: [
         sys.executable, str(PREDICTIONS_SCRIPT), *SMALL_SHAPE, "--zoo", "dense", "dsv3_kv_expand",
         "moe_ep2", "--hf", *HF_CASES, "--json", str(out / "rows.json"),

@@ -130,8 +130,8 @@ class ZooConfig:
 
     def resized(self, **changes: Any) -> ZooConfig:
         """This config with ``changes``. Unless they set ``capacity``, the MoE capacity scales
-        with the tokens per rank (batch x seq), never below this config's: at any size the
-        experts drop about the share of tokens they drop at this one."""
+        with the tokens per rank (batch x seq), never below this config's: at a larger size
+        the experts drop about the share of tokens they drop at this one."""
         cfg = dataclasses.replace(self, **changes)
         if "capacity" in changes:
             return cfg
