@@ -46,9 +46,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ from torch import nn
 
 import recompute_planner as rp
 from recompute_planner import _measure as measure
+from recompute_planner import _step_timing as timing
 from recompute_planner import compile as stage_mod
 from recompute_planner import sac
 from recompute_planner._exporter import ModelDecl
@@ -495,8 +498,6 @@ TIME_TARGETS = {"graph": (0.10, 0.15), "eager": (0.25, 0.25), "compile": (0.25, 
 def time_rows(cases: list[str], rounds: int) -> list[dict[str, Any]]:
     """Every executor's step (and replay, where it is measured apart) of ``cases``
     (`_step_timing.RANKING_CASES`), each keep of ``TIME_KEEPS``, against its plan."""
-    from recompute_planner import _step_timing as timing
-
     eager_profile = rp.calibrate("cpu", repeat=5)
     with tempfile.TemporaryDirectory() as folder:
         runtime_profile = Path(folder) / "runtime.json"
@@ -549,8 +550,6 @@ def timed_eager(
     case: str, cfg: Any, graph: bytes, profile: dict[str, Any], rounds: int
 ) -> list[dict[str, Any]]:
     """Eager SAC: every keep's step measured interleaved with the others'."""
-    from recompute_planner import _step_timing as timing
-
     plans = {keep: quiet_plan(graph, keep, executor="eager", hw=profile) for keep in TIME_KEEPS}
     steps = {keep: timing.ZooStep(cfg, torch.device("cpu"), plan) for keep, plan in plans.items()}
     runs = timing.interleaved(steps, rounds)
@@ -566,9 +565,6 @@ def timed_compiled(
     """The compile stage: the step compiled from its plan (as the memory rows run it, torch's
     FX interpreter running the partitioned graphs), the median of ``rounds`` steps after two;
     its replay runs inside the backward graph, not measured apart."""
-    import statistics
-    import time
-
     from functorch.compile import aot_module
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -683,9 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     times = []
     if args.time is not None:
-        from recompute_planner._step_timing import RANKING_CASES
-
-        times = time_rows(args.time or list(RANKING_CASES), args.time_rounds)
+        times = time_rows(args.time or list(timing.RANKING_CASES), args.time_rounds)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
     print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")

@@ -46,7 +46,16 @@ from typing import Any
 import torch
 
 import recompute_planner as rp
-from recompute_planner._step_timing import DATASHEET, ZooStep, interleaved, kept, median
+from recompute_planner._step_timing import (
+    DATASHEET,
+    RANKING_CASES,
+    ZooStep,
+    interleaved,
+    kept,
+    median,
+    rank_budget_answer,
+    ranking_case,
+)
 from recompute_planner._zoo.catalog import declared_units, entry, make_inputs, model_decls
 from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.model import CausalLM
@@ -440,15 +449,13 @@ def run_compare(directory: Path, rows_path: Path, hw: Any) -> None:
 def run_rank(device: torch.device, cases: list[str] | None) -> None:
     """Each ranking case's budget answer (calibrated here) against what else fits, measured
     interleaved (what tests/test_budget_ranking.py checks), as a table."""
-    from recompute_planner import _step_timing as timing
-
     profile = calibrated_profile(device, 5, None)
-    for case in cases or list(timing.RANKING_CASES):
+    for case in cases or list(RANKING_CASES):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", rp.PlannerWarning)
-            ready = timing.ranking_case(case, profile)
-        name, _, rounds = timing.RANKING_CASES[case]
-        ranked = timing.rank_budget_answer(ready.cfg, ready.candidates, device, rounds)
+            ready = ranking_case(case, profile)
+        name, _, rounds = RANKING_CASES[case]
+        ranked = rank_budget_answer(ready.cfg, ready.candidates, device, rounds)
         datasheet = (
             f"the datasheet's answer predicted {ready.datasheet_gap:+.1%}"
             if ready.datasheet_gap

@@ -240,10 +240,13 @@ def budget_candidates(
     with the ``rivals`` profiles (labelled by their name), every uniform keep and ``mixes``
     random per-layer mixes; a configuration that keeps what an earlier one keeps is left
     out."""
+
     def planned(**options: Any) -> Plan:
         return make_plan(graph, executor="eager", hw=hw, check=False, **options)
 
-    answer = make_plan(graph, executor="eager", hw=hw, budget=budget, check=False)
+    answer = planned(budget=budget)
+    if peak(answer) > budget:
+        raise ValueError(f"the answer's peak {peak(answer):,} B is above its budget {budget:,} B")
     found: dict[str, Plan] = {"answer": answer}
     for name, rival in rivals.items():
         rival_answer = make_plan(graph, executor="eager", hw=rival, budget=budget, check=False)
@@ -252,8 +255,6 @@ def budget_candidates(
         found[keep] = planned(keep=keep)
     for i, choices in enumerate(random_mixes(answer, units, mixes, seed)):
         found[f"mix {i}"] = planned(choices=choices)
-    if peak(answer) > budget:
-        raise ValueError(f"the answer's peak {peak(answer):,} B is above its budget {budget:,} B")
     seen: set[tuple[tuple[str, str, int], ...]] = set()
     fitting = {}
     for label, candidate in found.items():
