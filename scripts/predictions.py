@@ -123,19 +123,22 @@ class Case:
     world_size: int = 1
 
 
-def zoo_config(name: str, batch: int, seq: int):
+def zoo_config(name: str, batch: int, seq: int, **changes: Any):
     from recompute_planner._zoo.goldens import golden
 
-    return golden(name).entry.config.resized(batch=batch, seq=seq)
+    return golden(name).entry.config.resized(batch=batch, seq=seq, **changes)
 
 
-def zoo_case(name: str, batch: int, seq: int) -> Case:
+def zoo_case(name: str, batch: int, seq: int, **changes: Any) -> Case:
+    """The zoo golden `name` at `batch` x `seq`, its config with `changes` (`ZooConfig`
+    fields)."""
     from recompute_planner._exporter import export_joint
     from recompute_planner._zoo.catalog import declared_units, make_inputs, model_decls
     from recompute_planner._zoo.goldens import traced_group
     from recompute_planner._zoo.model import CausalLM
 
-    cfg = zoo_config(name, batch, seq).for_rank(zoo_config(name, batch, seq).world_size, 0)
+    sized = zoo_config(name, batch, seq, **changes)
+    cfg = sized.for_rank(sized.world_size, 0)
     inputs = make_inputs(cfg)
     with traced_group(cfg.world_size):
         graph = export_joint(

@@ -724,6 +724,60 @@ fn a_budget_offload_answer_is_reproduced_by_plan_choices() {
     );
 }
 
+/// Choices that offload one layer's inputs move exactly the layer inputs that layer makes, and
+/// state it back in `layer_offload`; in a layer that is not checkpointed they are an error.
+#[test]
+fn choices_offloading_a_layers_inputs_move_only_that_layers() {
+    let graph = golden_graph("glm_dsa_ep2");
+    let choices = Scratch::new(
+        "inputs.json",
+        br#"{"layer_keep": [], "layer_offload": [{"model": "main", "layer": 0, "layer_input": true}]}"#,
+    );
+    let planned = planner(&[
+        &"plan",
+        &graph,
+        &"--choices",
+        &choices.0,
+        &"--format",
+        &"json",
+    ]);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let plan: serde_json::Value = serde_json::from_slice(&planned.stdout).unwrap();
+    let inputs: Vec<&serde_json::Value> = plan["saved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] == "layer-input")
+        .collect();
+    let offloaded = |s: &&&serde_json::Value| s["offloaded"] == true;
+    assert!(inputs.iter().any(|s| s["layer"] == 1), "{inputs:?}");
+    assert!(inputs.iter().filter(offloaded).count() > 0, "{inputs:?}");
+    assert!(
+        inputs.iter().filter(offloaded).all(|s| s["layer"] == 0),
+        "{inputs:?}"
+    );
+    assert!(plan["memory"]["offloaded_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(
+        plan["config"]["layer_offload"],
+        serde_json::json!([{"model": "main", "layer": 0, "offload": [], "layer_input": true}])
+    );
+    let not_checkpointed = Scratch::new(
+        "inputs-not-checkpointed.json",
+        br#"{"layer_keep": [], "layer_offload": [{"model": "main", "layer": 1, "layer_input": true}]}"#,
+    );
+    assert_clean_error(
+        &planner(&[
+            &"plan",
+            &graph,
+            &"--choices",
+            &not_checkpointed.0,
+            &"--recompute-ratio",
+            &"0.5",
+        ]),
+        &["offload its layer inputs in layer 1 of model `main`, which is not checkpointed"],
+    );
+}
+
 /// A `pareto --with-offload` point that offloads is reproduced by `plan --choices`: the same
 /// peak, replay and exposed transfer time.
 #[test]

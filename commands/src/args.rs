@@ -198,13 +198,15 @@ pub struct PlanArgs {
     /// With --budget: choose whole units per layer, or also single ops
     #[arg(long, value_parser = spelled::<Granularity>(), default_value_t, requires = "budget")]
     pub granularity: Granularity,
-    /// With --budget: also choose, per layer, which kept units' saved values go to host memory
-    /// (--offload-prefetch applies), where that fits the budget with less replay plus exposed
-    /// transfer time than recomputing; whole units only (--granularity unit)
+    /// With --budget: also choose, per layer, which kept units' saved values and whether the
+    /// layer's inputs go to host memory (--offload-prefetch applies), where that fits the
+    /// budget with less replay plus exposed transfer time than recomputing, or below what
+    /// recomputing alone reaches; whole units only (--granularity unit)
     #[arg(long, requires = "budget")]
     pub budget_offload: bool,
     /// Keep per layer the units a `pareto --format json` point (or a plan's JSON) lists in its
-    /// `layer_keep`, and offload those its `layer_offload` lists; other layers follow --keep
+    /// `layer_keep`, and offload what its `layer_offload` lists (units, and layer inputs where
+    /// `layer_input` is true); other layers follow --keep
     #[arg(long, value_name = "FILE.json")]
     pub choices: Option<PathBuf>,
     /// Output format [default: from the -o extension (.json, .pb, .dot), else text]

@@ -34,7 +34,10 @@
 //! answer is a frontier point, so on deep graphs a budget between two points gets the lower
 //! one (at most `1/steps` of the peak range below the budget).
 
-use std::{collections::BTreeMap, sync::OnceLock};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::OnceLock,
+};
 
 use ir::{
     plan::{Keep, LayerRef, Plan},
@@ -426,7 +429,9 @@ impl<'g> Search<'g> {
     }
 
     /// `--budget-offload`: the fastest plan that fits `budget` when the saved values of kept
-    /// units may also go to host memory, chosen per layer and unit.
+    /// units and the layers' inputs may also go to host memory, chosen per layer and unit.
+    /// Offloading layer inputs meets budgets below the smallest peak of save and recompute
+    /// alone (whole-layer recompute keeps every layer's input on the device).
     ///
     /// Time is the plan's replay time plus its exposed transfer time (the copies compute does
     /// not hide). Offload changes no replay, so a frontier point can only gain by it where its
@@ -434,7 +439,8 @@ impl<'g> Search<'g> {
     /// above the budget are tried fastest first, until one's replay time alone is no faster
     /// than the best answer found (the answer without offload first, when one fits).
     ///
-    /// For one point, its (layer, unit) pairs are offloaded in layer order: an early layer's
+    /// For one point, its (layer, unit) pairs and each layer's inputs (after the layer's units)
+    /// are offloaded in layer order: an early layer's
     /// values stay saved the longest, and the most compute follows their copy to the host and
     /// precedes their first read in backward, so their copies are the easiest to hide. The
     /// shortest prefix of that order whose full plan fits is found by binary search, after
@@ -475,15 +481,34 @@ impl<'g> Search<'g> {
         best.ok_or(BudgetError::Infeasible { budget, smallest })
     }
 
-    /// The plan of `point` with the shortest prefix of its (layer, unit) pairs, in layer order,
-    /// offloaded that fits `budget`; else the peak with the longest prefix the host memory
-    /// takes offloaded (the point's own if none).
+    /// The fastest plan of `point` with a prefix of one of its orders of pairs
+    /// ([`Search::orders_of`]) offloaded that fits `budget`; else the smallest peak a prefix
+    /// the host memory takes reaches (the point's own if none).
     fn offloaded_within(
         &self,
         point: &Point,
         budget: u64,
     ) -> Result<Result<Plan, u64>, BudgetError> {
-        let pairs = self.pairs_of(point);
+        let mut best: Result<Plan, u64> = Err(point.figures.peak_bytes);
+        for pairs in self.orders_of(point) {
+            best = match (best, self.prefix_within(point, &pairs, budget)?) {
+                (Ok(a), Ok(b)) => Ok(if step_cost(&b) < step_cost(&a) { b } else { a }),
+                (Ok(a), Err(_)) | (Err(_), Ok(a)) => Ok(a),
+                (Err(a), Err(b)) => Err(a.min(b)),
+            };
+        }
+        Ok(best)
+    }
+
+    /// The plan of `point` with the shortest prefix of `pairs` offloaded that fits `budget`;
+    /// else the peak with the longest prefix the host memory takes offloaded (the point's own
+    /// if none).
+    fn prefix_within(
+        &self,
+        point: &Point,
+        pairs: &[(LayerRef, Moved)],
+        budget: u64,
+    ) -> Result<Result<Plan, u64>, BudgetError> {
         if pairs.is_empty() {
             return Ok(Err(point.figures.peak_bytes));
         }
@@ -522,7 +547,8 @@ impl<'g> Search<'g> {
     }
 
     /// `pareto --with-offload`: each point of the frontier of density `steps` with a quarter,
-    /// half, three quarters and all of its (layer, unit) pairs offloaded, in layer order (as
+    /// half, three quarters and all of its (layer, unit or layer input) pairs offloaded, in
+    /// layer order (as
     /// [`Search::within_offloading`] orders them), as full plans; those `plan` rejects
     /// dropped.
     pub fn offloaded_points(&self, steps: u64) -> Result<Vec<Plan>, BudgetError> {
@@ -549,13 +575,33 @@ impl<'g> Search<'g> {
         Ok(plans.into_iter().filter(|p| !p.has_errors()).collect())
     }
 
-    /// A point's (layer, unit) pairs, in layer order.
+    /// The orders a point's pairs are offloaded in: [`Search::pairs_of`]'s, then every kept
+    /// unit's pairs before the layer inputs, then the layer inputs first (each part in layer
+    /// order). One order of prefixes misses subsets another reaches: a layer's inputs alone
+    /// may fit the budget with less to copy than the units of the layers before it.
+    fn orders_of(&self, point: &Point) -> Vec<Pairs> {
+        let interleaved = self.pairs_of(point);
+        let is_unit = |p: &&(LayerRef, Moved)| matches!(p.1, Moved::Unit(_));
+        let units = interleaved.iter().filter(is_unit);
+        let inputs = interleaved.iter().filter(|p| !is_unit(p));
+        let units_first: Pairs = units.clone().chain(inputs.clone()).copied().collect();
+        let inputs_first: Pairs = inputs.chain(units).copied().collect();
+        vec![interleaved, units_first, inputs_first]
+    }
+
+    /// A point's (layer, unit) pairs and each layer's inputs, in layer order (in a layer, its
+    /// kept units, then its layer inputs).
     fn pairs_of(&self, point: &Point) -> Pairs {
         self.layers
             .at
             .iter()
             .zip(&point.choice)
-            .flat_map(|(&at, &o)| subset(usize::from(o)).into_iter().map(move |u| (at, u)))
+            .flat_map(|(&at, &o)| {
+                let units = subset(usize::from(o)).into_iter().map(Moved::Unit);
+                units
+                    .chain(std::iter::once(Moved::LayerInput))
+                    .map(move |m| (at, m))
+            })
             .collect()
     }
 
@@ -564,13 +610,22 @@ impl<'g> Search<'g> {
     fn plan_offloading(
         &self,
         choice: &[u8],
-        offloaded: &[(LayerRef, UnitId)],
+        offloaded: &[(LayerRef, Moved)],
     ) -> Result<Plan, BudgetError> {
         let mut layer_offload: BTreeMap<LayerRef, Vec<UnitId>> = BTreeMap::new();
-        for &(at, unit) in offloaded {
-            layer_offload.entry(at).or_default().push(unit);
+        let mut inputs = BTreeSet::new();
+        for &(at, moved) in offloaded {
+            match moved {
+                Moved::Unit(unit) => layer_offload.entry(at).or_default().push(unit),
+                Moved::LayerInput => {
+                    inputs.insert(at);
+                }
+            }
         }
-        self.plan_resolved(self.resolved_of(choice).with_layer_offload(layer_offload))
+        self.plan_resolved(
+            self.resolved_of(choice)
+                .with_layer_offload(layer_offload, inputs),
+        )
     }
 
     fn check_floor(&self, budget: u64) -> Result<(), BudgetError> {
@@ -857,8 +912,16 @@ fn bisect(
     Ok(((lo, lo_plan), (hi, hi_plan)))
 }
 
-/// (layer, kept unit) pairs, each offloaded or not as one.
-type Pairs = Vec<(LayerRef, UnitId)>;
+/// What a layer may move to host memory as one: the saved values of one kept unit, or its layer
+/// inputs (its output, which the next checkpointed layer saves as its input).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moved {
+    Unit(UnitId),
+    LayerInput,
+}
+
+/// (layer, what it moves) pairs, each offloaded or not as one.
+type Pairs = Vec<(LayerRef, Moved)>;
 
 /// What a budget answer with offload minimises: replay time plus the transfer time compute
 /// does not hide.

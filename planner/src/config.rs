@@ -121,7 +121,7 @@ pub enum ConfigError {
         layer: u32,
         unit: String,
     },
-    #[error("the choices offload {units} in layer {layer} of model `{model}`, which is not checkpointed (layers from {checkpointed} on are not, by --recompute-ratio): its values are saved as they are and nothing there is a kept unit's to move")]
+    #[error("the choices offload {units} in layer {layer} of model `{model}`, which is not checkpointed (layers from {checkpointed} on are not, by --recompute-ratio): its values are saved as they are and nothing there is a kept unit's or a layer input to move")]
     ChoicesOffloadNotCheckpointed {
         model: String,
         layer: u32,
@@ -183,6 +183,10 @@ pub struct Resolved {
     /// Per-layer offload choices (the budget solver's, or `--choices`) that replace the
     /// model's offloaded units there.
     pub layer_offload: BTreeMap<LayerRef, Vec<UnitId>>,
+    /// Layers whose layer inputs (their outputs, which the next checkpointed layer saves) go
+    /// to the host, by a per-layer choice (the budget solver's, or `--choices`), besides
+    /// `--offload-kinds layer-input`, which moves every layer's.
+    pub layer_offload_inputs: BTreeSet<LayerRef>,
 }
 
 impl Resolved {
@@ -210,15 +214,28 @@ impl Resolved {
             .unwrap_or(&self.offload_units[at.model])
     }
 
-    /// Whether a unit's saved values go to the host anywhere.
-    pub fn offloads_units(&self) -> bool {
-        self.offload_units.values().any(|units| !units.is_empty())
-            || self.layer_offload.values().any(|units| !units.is_empty())
+    /// Whether a per-layer choice moves the layer inputs `layer` of `model` makes.
+    pub fn offloads_input_of(&self, at: LayerRef) -> bool {
+        self.layer_offload_inputs.contains(&at)
     }
 
-    /// Replaces the offloaded units of single layers.
-    pub fn with_layer_offload(mut self, layer_offload: BTreeMap<LayerRef, Vec<UnitId>>) -> Self {
+    /// Whether a unit's saved values, or a layer's inputs by a per-layer choice, go to the
+    /// host anywhere.
+    pub fn offloads_per_unit_or_layer(&self) -> bool {
+        self.offload_units.values().any(|units| !units.is_empty())
+            || self.layer_offload.values().any(|units| !units.is_empty())
+            || !self.layer_offload_inputs.is_empty()
+    }
+
+    /// Replaces the offloaded units of single layers, and the layers whose inputs go to the
+    /// host.
+    pub fn with_layer_offload(
+        mut self,
+        layer_offload: BTreeMap<LayerRef, Vec<UnitId>>,
+        inputs: BTreeSet<LayerRef>,
+    ) -> Self {
         self.layer_offload = layer_offload;
+        self.layer_offload_inputs = inputs;
         self
     }
 
@@ -227,19 +244,17 @@ impl Resolved {
     /// not checkpointed, saves nothing of its own to move).
     pub fn with_choices(self, graph: &Graph, choices: Choices) -> Result<Self, ConfigError> {
         let resolved = self.with_layer_units(choices.keep);
+        for &at in &choices.offload_inputs {
+            resolved.check_offloads_in_checkpointed(graph, at, "its layer inputs".to_owned())?;
+        }
         for (&at, units) in &choices.offload {
-            if !units.is_empty() && !resolved.is_checkpointed(at.model, Some(at.layer)) {
+            if !units.is_empty() {
                 let model = graph.model(at.model);
                 let names: Vec<String> = units
                     .iter()
                     .map(|&u| format!("`{}`", model.units[u].name))
                     .collect();
-                return Err(ConfigError::ChoicesOffloadNotCheckpointed {
-                    model: model.name.clone(),
-                    layer: at.layer,
-                    units: names.join(", "),
-                    checkpointed: resolved.checkpointed_layers[at.model],
-                });
+                resolved.check_offloads_in_checkpointed(graph, at, names.join(", "))?;
             }
             let kept = resolved.kept_at(at);
             if let Some(&unit) = units.iter().find(|u| !kept.contains(u)) {
@@ -251,7 +266,26 @@ impl Resolved {
                 });
             }
         }
-        Ok(resolved.with_layer_offload(choices.offload))
+        Ok(resolved.with_layer_offload(choices.offload, choices.offload_inputs))
+    }
+
+    /// A per-layer choice offloads `what` in `at`: refused where the layer is not checkpointed
+    /// (its values are saved as they are; nothing there is a kept unit's or a layer input).
+    fn check_offloads_in_checkpointed(
+        &self,
+        graph: &Graph,
+        at: LayerRef,
+        what: String,
+    ) -> Result<(), ConfigError> {
+        if self.is_checkpointed(at.model, Some(at.layer)) {
+            return Ok(());
+        }
+        Err(ConfigError::ChoicesOffloadNotCheckpointed {
+            model: graph.model(at.model).name.clone(),
+            layer: at.layer,
+            units: what,
+            checkpointed: self.checkpointed_layers[at.model],
+        })
     }
 
     /// Keeps these ops too, wherever they are (when eligible: eager, not mutable, ...).
@@ -312,6 +346,7 @@ pub fn resolve(graph: &Graph, config: &PlanConfig) -> Result<Resolved, ConfigErr
         chosen_ops: BTreeSet::new(),
         offload_units,
         layer_offload: BTreeMap::new(),
+        layer_offload_inputs: BTreeSet::new(),
     })
 }
 
@@ -367,18 +402,20 @@ pub fn checkpointed_layer_count(ratio: f64, num_layers: u32) -> u32 {
     (ratio * f64::from(num_layers)).floor() as u32
 }
 
-/// Per-layer choices a `--choices` file states: the units each listed layer keeps, and the
-/// kept units each listed layer offloads.
+/// Per-layer choices a `--choices` file states: the units each listed layer keeps, the kept
+/// units each listed layer offloads, and the layers whose layer inputs it offloads.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Choices {
     pub keep: BTreeMap<LayerRef, Vec<UnitId>>,
     pub offload: BTreeMap<LayerRef, Vec<UnitId>>,
+    pub offload_inputs: BTreeSet<LayerRef>,
 }
 
 /// Per-layer choices from JSON: a `pareto --format json` point, or a plan, whose `layer_keep`
 /// (top level, or under `config`) lists `{"model", "layer", "keep": [units]}` and whose
-/// optional `layer_offload` lists `{"model", "layer", "offload": [units]}`. Unit names match
-/// case-insensitively; every model, layer and unit must exist.
+/// optional `layer_offload` lists `{"model", "layer", "offload": [units], "layer_input":
+/// bool}` (`layer_input` optional, false by default). Unit names match case-insensitively;
+/// every model, layer and unit must exist.
 pub fn parse_choices(graph: &Graph, json: &[u8]) -> Result<Choices, ConfigError> {
     let format = |reason: String| ConfigError::ChoicesFormat { reason };
     let doc: serde_json::Value = serde_json::from_slice(json).map_err(|e| format(e.to_string()))?;
@@ -396,15 +433,23 @@ pub fn parse_choices(graph: &Graph, json: &[u8]) -> Result<Choices, ConfigError>
         Some(list) => serde_json::from_value(list.clone()).map_err(|e| format(e.to_string()))?,
         None => Vec::new(),
     };
+    let offload_inputs: Vec<bool> = offload.iter().map(|entry| entry.layer_input).collect();
+    let offload: Vec<(LayerRef, Vec<UnitId>)> = offload
+        .into_iter()
+        .map(|entry| ChoiceEntry::from(entry).resolve(graph))
+        .collect::<Result<_, _>>()?;
     Ok(Choices {
         keep: keep
             .into_iter()
             .map(|entry| entry.resolve(graph))
             .collect::<Result<_, _>>()?,
-        offload: offload
-            .into_iter()
-            .map(|entry| ChoiceEntry::from(entry).resolve(graph))
-            .collect::<Result<_, _>>()?,
+        offload_inputs: offload
+            .iter()
+            .zip(offload_inputs)
+            .filter(|(_, input)| *input)
+            .map(|((at, _), _)| *at)
+            .collect(),
+        offload: offload.into_iter().collect(),
     })
 }
 
@@ -417,13 +462,16 @@ struct ChoiceEntry {
     keep: Vec<String>,
 }
 
-/// One layer's offloaded units as the JSON spells them.
+/// What one layer offloads as the JSON spells it: kept units, and its layer inputs.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct OffloadEntry {
     model: String,
     layer: u32,
+    #[serde(default)]
     offload: Vec<String>,
+    #[serde(default)]
+    layer_input: bool,
 }
 
 impl From<OffloadEntry> for ChoiceEntry {

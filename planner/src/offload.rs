@@ -64,13 +64,15 @@ pub fn select(
     policy: &Policy,
     partition: &Partition,
 ) -> Selection {
-    if config.offload.kinds.is_empty() && !resolved.offloads_units() {
+    if config.offload.kinds.is_empty() && !resolved.offloads_per_unit_or_layer() {
         return Selection::default();
     }
     let asked = |value: ValueId, kind: SavedKind| {
         kind.is_activation()
             && (config.offload.kinds.contains(&kind)
-                || kept_by_offloaded_unit(graph, resolved, policy, value))
+                || kept_by_offloaded_unit(graph, resolved, policy, value)
+                || (kind == SavedKind::LayerInput
+                    && input_of_offloaded_layer(graph, resolved, value)))
     };
     let mut roots: Vec<(ValueId, bool)> = partition
         .saved
@@ -115,6 +117,19 @@ fn kept_by_offloaded_unit(
         .filter(|p| p.decision == Decision::Save)
         .and_then(|p| p.unit)
         .is_some_and(|unit| offloaded.contains(&unit))
+}
+
+/// Whether `value`, a layer input, was made in a layer whose inputs a per-layer choice moves.
+fn input_of_offloaded_layer(graph: &Graph, resolved: &Resolved, value: ValueId) -> bool {
+    graph.producer(value).is_some_and(|p| {
+        let node = graph.node(p);
+        node.layer.is_some_and(|layer| {
+            resolved.offloads_input_of(LayerRef {
+                model: node.model,
+                layer,
+            })
+        })
+    })
 }
 
 /// Why the storage of `root` must stay on the device, if it must.

@@ -4,7 +4,10 @@
 
 use std::fmt::Write as _;
 
-use ir::{plan::LayerKeep, Graph};
+use ir::{
+    plan::{LayerKeep, LayerOffload, LayerRef},
+    Graph, UnitId,
+};
 
 use crate::{
     budget::{BudgetError, Search},
@@ -22,7 +25,7 @@ pub struct Point {
     /// Per-layer units kept; empty keeps nothing.
     pub layer_keep: Vec<LayerKeep>,
     /// Per-layer kept units offloaded to host memory; empty offloads nothing.
-    pub layer_offload: Vec<LayerKeep>,
+    pub layer_offload: Vec<LayerOffload>,
 }
 
 impl Point {
@@ -86,21 +89,37 @@ pub fn frontier_with_offload(search: &Search<'_>, steps: u64) -> Result<Vec<Poin
 
 /// `main layers 0-3: SAVE_ATTN; main layer 4: ...`, or `nothing`.
 pub fn describe(layer_keep: &[LayerKeep], graph: &Graph) -> String {
-    let mut runs: Vec<(&str, u32, u32, String)> = Vec::new();
     if layer_keep.iter().all(|l| l.units.is_empty()) {
         return "nothing (whole-layer recompute)".to_owned();
     }
-    for l in layer_keep {
-        let model = graph.model(l.at.model);
-        let keep = match l.units.as_slice() {
-            [] => "none".to_owned(),
-            units => units
-                .iter()
-                .map(|&u| model.units[u].name.as_str())
-                .collect::<Vec<_>>()
-                .join("+"),
-        };
-        let layer = l.at.layer;
+    describe_layers(
+        layer_keep
+            .iter()
+            .map(|l| (l.at, unit_names(graph, l.at, &l.units))),
+        graph,
+    )
+}
+
+/// `SAVE_ATTN+SAVE_MLP`, or `none`.
+fn unit_names(graph: &Graph, at: LayerRef, units: &[UnitId]) -> String {
+    let model = graph.model(at.model);
+    match units {
+        [] => "none".to_owned(),
+        units => units
+            .iter()
+            .map(|&u| model.units[u].name.as_str())
+            .collect::<Vec<_>>()
+            .join("+"),
+    }
+}
+
+/// Per-layer labels as runs of consecutive layers with the same label:
+/// `main layers 0-3: SAVE_ATTN; main layer 4: ...`.
+fn describe_layers(labels: impl Iterator<Item = (LayerRef, String)>, graph: &Graph) -> String {
+    let mut runs: Vec<(&str, u32, u32, String)> = Vec::new();
+    for (at, keep) in labels {
+        let model = graph.model(at.model);
+        let layer = at.layer;
         match runs.last_mut() {
             Some((name, _, last, k)) if *name == model.name && *last + 1 == layer && *k == keep => {
                 *last = layer;
@@ -155,12 +174,23 @@ pub fn table(graph: &Graph, hw: &str, points: &[Point]) -> String {
     out
 }
 
-/// `offloads main layer 0: SAVE_ATTN`, or `offloads nothing`.
-pub fn describe_offload(layer_offload: &[LayerKeep], graph: &Graph) -> String {
-    match layer_offload.iter().all(|l| l.units.is_empty()) {
-        true => "offloads nothing".to_owned(),
-        false => format!("offloads {}", describe(layer_offload, graph)),
+/// `offloads main layer 0: SAVE_ATTN+layer input`, or `offloads nothing`.
+pub fn describe_offload(layer_offload: &[LayerOffload], graph: &Graph) -> String {
+    if layer_offload
+        .iter()
+        .all(|l| l.units.is_empty() && !l.layer_input)
+    {
+        return "offloads nothing".to_owned();
     }
+    let label = |l: &LayerOffload| match (l.units.is_empty(), l.layer_input) {
+        (true, true) => "layer input".to_owned(),
+        (false, true) => format!("{}+layer input", unit_names(graph, l.at, &l.units)),
+        _ => unit_names(graph, l.at, &l.units),
+    };
+    format!(
+        "offloads {}",
+        describe_layers(layer_offload.iter().map(|l| (l.at, label(l))), graph)
+    )
 }
 
 /// The frontier as JSON: per point the figures and the per-layer choices, in the form

@@ -1,12 +1,12 @@
 //! `planner plan`: config -> policy -> partition -> diagnostics, assembled into the typed
 //! [`Plan`] every output format renders.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use ir::{
     plan::{
-        Config, Cost, Decision, Executor, GraphRef, Keep, LayerKeep, LayerRef, Memory,
-        NodeDecision, Plan, Replay, SavedValue, UnitLayer, UnitSummary, PLANNER_VERSION,
+        Config, Cost, Decision, Executor, GraphRef, Keep, LayerKeep, LayerOffload, LayerRef,
+        Memory, NodeDecision, Plan, Replay, SavedValue, UnitLayer, UnitSummary, PLANNER_VERSION,
     },
     EntityId, Graph, NodeId, Phase, Role, UnitId,
 };
@@ -201,7 +201,7 @@ fn finish(
             layer_keep: layer_choices(&resolved.layer_units),
             training: config.training,
             offload: config.offload.clone(),
-            layer_offload: layer_choices(&resolved.layer_offload),
+            layer_offload: layer_offload_choices(resolved),
         },
         joint: partition.is_some(),
         nodes: node_decisions(graph, &policy, &saved),
@@ -483,6 +483,23 @@ fn layer_choices(choices: &BTreeMap<LayerRef, Vec<UnitId>>) -> Vec<LayerKeep> {
         .map(|(&at, units)| LayerKeep {
             at,
             units: units.clone(),
+        })
+        .collect()
+}
+
+/// Per-layer offload choices as the plan's configuration states them: each layer with
+/// offloaded units or offloaded layer inputs by a per-layer choice (a layer listed for its
+/// inputs alone states the units `--offload` moves there, so that the choices read back
+/// the same).
+fn layer_offload_choices(resolved: &Resolved) -> Vec<LayerOffload> {
+    let mut layers: BTreeSet<LayerRef> = resolved.layer_offload.keys().copied().collect();
+    layers.extend(resolved.layer_offload_inputs.iter().copied());
+    layers
+        .into_iter()
+        .map(|at| LayerOffload {
+            at,
+            units: resolved.offloaded_at(at).to_vec(),
+            layer_input: resolved.offloads_input_of(at),
         })
         .collect()
 }

@@ -1,6 +1,6 @@
 //! The budget solver and the Pareto frontier, checked against brute force on small graphs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use ir::{plan::LayerRef, EntityId, Graph, UnitId};
 use planner::{
@@ -672,19 +672,25 @@ fn an_interrupted_search_stops_before_its_next_candidate() {
     }
 }
 
-/// Every per-layer choice of recompute, save or offload for each unit of [`deep`]: the full
-/// plans `plan` accepts, as (peak, replay plus exposed transfer seconds).
+/// Every per-layer choice of recompute, save or offload for each unit of [`deep`], each with
+/// the layer's inputs offloaded or not: the full plans `plan` accepts, as (peak, replay plus
+/// exposed transfer seconds).
 fn brute_force_with_offload(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
     let config = PlanConfig::default();
     let resolved = config::resolve(graph, &config).unwrap();
     let model = graph.model_by_name("main").unwrap();
     let mut outcomes = Vec::new();
-    // Per unit and layer: 0 recompute, 1 save, 2 offload.
-    for choice in 0..9u32.pow(3) {
-        let (mut keep, mut offload) = (BTreeMap::new(), BTreeMap::new());
+    // Per unit and layer: 0 recompute, 1 save, 2 offload; then a bit per layer: its inputs
+    // offloaded.
+    for choice in 0..9u32.pow(3) * 8 {
+        let (mut keep, mut offload, mut inputs) =
+            (BTreeMap::new(), BTreeMap::new(), BTreeSet::new());
         for l in 0..3 {
             let at = LayerRef { model, layer: l };
-            let of_unit = |u: u32| (choice / 3u32.pow(2 * l + u)) % 3;
+            if (choice / 9u32.pow(3)) >> l & 1 == 1 {
+                inputs.insert(at);
+            }
+            let of_unit = |u: u32| (choice % 9u32.pow(3) / 3u32.pow(2 * l + u)) % 3;
             let units = |wanted: &dyn Fn(u32) -> bool| -> Vec<UnitId> {
                 (0..2)
                     .filter(|&u| wanted(of_unit(u)))
@@ -700,7 +706,7 @@ fn brute_force_with_offload(graph: &Graph, hw: &HwProfile) -> Vec<(u64, f64)> {
             resolved
                 .clone()
                 .with_layer_units(keep)
-                .with_layer_offload(offload),
+                .with_layer_offload(offload, inputs),
             hw,
         )
         .unwrap();
@@ -719,9 +725,10 @@ fn step_cost(plan: &ir::plan::Plan) -> f64 {
 /// from free to slower than the replay they save, overlapped with compute or not, and with a
 /// host memory that takes only some of the offloaded values: its answer fits, is never slower
 /// than the answer without offload (and answers where that one is infeasible), offloads only
-/// what its layers keep, and is within 1% of the best of all 729 choices of recompute, save
-/// or offload per unit and layer (measured: within 5e-7). Where copies are cheap, some budget
-/// that keeping alone meets is met faster.
+/// what its layers keep, and is within 5% of the best of all 5,832 choices of recompute, save
+/// or offload per unit and layer, each layer's inputs offloaded or not (measured: at most
+/// 4.0%, on 6 of the 165 budgets; 13.7% with one order of prefixes instead of three). Where
+/// copies are cheap, some budget that keeping alone meets is met faster.
 #[test]
 fn budget_offload_fits_never_loses_to_save_or_recompute_and_is_near_brute_force() {
     let graph = deep();
@@ -792,7 +799,7 @@ fn budget_offload_fits_never_loses_to_save_or_recompute_and_is_near_brute_force(
             }
             let gap = step_cost(&answer) / best - 1.0;
             assert!(
-                (-1e-9..=0.01).contains(&gap),
+                (-1e-9..=0.05).contains(&gap),
                 "{context}, budget {budget}: gap {gap}"
             );
         }
@@ -852,10 +859,12 @@ fn the_offload_frontier_beats_or_holds_every_point_without_offload() {
             let by_layer = |layers: &[ir::plan::LayerKeep]| -> BTreeMap<LayerRef, Vec<UnitId>> {
                 layers.iter().map(|l| (l.at, l.units.clone())).collect()
             };
+            let offloaded = p.layer_offload.iter().map(|l| (l.at, l.units.clone()));
+            let inputs = p.layer_offload.iter().filter(|l| l.layer_input);
             let resolved = config::resolve(&graph, &PlanConfig::default())
                 .unwrap()
                 .with_layer_units(by_layer(&p.layer_keep))
-                .with_layer_offload(by_layer(&p.layer_offload));
+                .with_layer_offload(offloaded.collect(), inputs.map(|l| l.at).collect());
             let plan = plan_resolved(&graph, &PlanConfig::default(), resolved, &hw).unwrap();
             assert_eq!(plan.memory.peak_bytes, Some(p.peak_bytes));
             assert_eq!(step_cost(&plan), p.time_s());
@@ -872,4 +881,44 @@ fn the_offload_frontier_beats_or_holds_every_point_without_offload() {
             assert!(!front[0].layer_offload.is_empty());
         }
     }
+}
+
+/// Whole-layer recompute keeps every layer's input on the device: a budget below that floor
+/// is met by moving layer inputs to host memory, which the answer states per layer, and which
+/// the search refuses without `--budget-offload`.
+#[test]
+fn budget_offload_meets_a_budget_below_whole_layer_recompute_by_offloading_layer_inputs() {
+    let graph = deep();
+    let hw = HwProfile::default();
+    let search = Search::new(&graph, &PlanConfig::default(), &hw).unwrap();
+    let floor = search.floor().unwrap();
+    let budget = floor - 1;
+    assert!(matches!(
+        search.answer(budget, Granularity::Unit, false),
+        Err(BudgetError::Infeasible { .. })
+    ));
+    let answer = search.answer(budget, Granularity::Unit, true).unwrap();
+    assert!(answer.memory.peak_bytes.unwrap() <= budget && !answer.has_errors());
+    let moved: Vec<_> = answer
+        .config
+        .layer_offload
+        .iter()
+        .filter(|l| l.layer_input)
+        .collect();
+    assert!(!moved.is_empty(), "{:?}", answer.config.layer_offload);
+    let offloaded_inputs = answer
+        .saved
+        .iter()
+        .filter(|s| s.offloaded && s.kind == ir::plan::SavedKind::LayerInput);
+    for s in offloaded_inputs {
+        let at = LayerRef {
+            model: s.model.unwrap(),
+            layer: s.layer.unwrap(),
+        };
+        assert!(
+            moved.iter().any(|l| l.at == at),
+            "{s:?} offloaded by no choice"
+        );
+    }
+    assert!(answer.memory.offloaded_bytes > 0);
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use ir::{
-    plan::{Format, Keep, LayerKeep, LayerRef, Plan, PlanReadError},
+    plan::{Format, Keep, LayerKeep, LayerOffload, LayerRef, Plan, PlanReadError},
     Graph,
 };
 use planner::{config::PlanConfig, cost::HwProfile, plan::plan};
@@ -105,8 +105,12 @@ fn the_json_writer_writes_exactly_the_fields_of_plan_proto() {
             },
             units: Vec::new(),
         };
-        written.config.layer_keep = vec![layer.clone()];
-        written.config.layer_offload = vec![layer];
+        written.config.layer_offload = vec![LayerOffload {
+            at: layer.at,
+            units: layer.units.clone(),
+            layer_input: true,
+        }];
+        written.config.layer_keep = vec![layer];
         let json: serde_json::Value =
             serde_json::from_slice(&written.encode(&graph, Format::Json)).unwrap();
         check_fields(&json, "Plan", &file, &mut checked);

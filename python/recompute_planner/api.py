@@ -70,8 +70,9 @@ def plan(
       units) or ``"op"`` (units, then single ops); ``budget_includes``: what it bounds,
       ``"activations"`` (the activation peak), ``"params"`` (with the parameters) or
       ``"training-state"`` (the device total); ``budget_offload``: also choose, per layer,
-      which kept units' saved values go to host memory where that fits the budget faster than
-      recomputing (with ``granularity="unit"``; docs/cost-and-memory.md, M5);
+      which kept units' saved values and whether the layer's inputs go to host memory, where
+      that fits the budget faster than recomputing or where nothing else fits it (with
+      ``granularity="unit"``; docs/cost-and-memory.md, M5);
     - ``fsdp``, ``optimizer`` (``"adamw"``, ``"sgd"``, ``"none"``), ``optimizer_state_dtype``
       (``"fp32"`` or ``"param"``), ``master_weights``: the training state the device total
       (``plan.memory.device_total_bytes``) counts: FSDP shard degree (1: unsharded), the
@@ -87,7 +88,8 @@ def plan(
     - ``choices``: per-layer choices over ``keep``, as ``planner plan --choices`` reads them:
       a ``Plan`` (a budget's answer, planned again, e.g. with another ``hw``) or a mapping
       with ``layer_keep`` (``[{"model", "layer", "keep": [units]}]``) and optionally
-      ``layer_offload`` (``[{"model", "layer", "offload": [units]}]``), such as a point of
+      ``layer_offload`` (``[{"model", "layer", "offload": [units], "layer_input": bool}]``),
+      such as a point of
       ``planner pareto --format json``; layers it does not list follow ``keep``; not with
       ``budget``;
     - ``hw``: a hardware profile for the cost estimates: a shipped one by name (``"h100"``,

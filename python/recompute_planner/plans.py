@@ -171,12 +171,14 @@ class LayerKeep:
 
 @dataclass(frozen=True)
 class LayerOffload:
-    """The kept units of one layer whose saved values go to host memory (a ``budget_offload``
-    answer's, or ``--choices``)."""
+    """What one layer moves to host memory (a ``budget_offload`` answer's, or ``--choices``):
+    the saved values of its kept units ``offload``, and, with ``layer_input``, the layer inputs
+    it makes (its output, which the next checkpointed layer saves as its input)."""
 
     model: str
     layer: int
     offload: tuple[str, ...]
+    layer_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,7 @@ def _config(doc: dict[str, Any]) -> Config:
         key: tuple(doc[key]) for key in ("keep", "offload", "offload_kinds") if key in doc
     }
     layer_offload = tuple(
-        LayerOffload(k["model"], k["layer"], tuple(k["offload"]))
+        LayerOffload(k["model"], k["layer"], tuple(k["offload"]), bool(k.get("layer_input")))
         for k in doc.get("layer_offload", [])
     )
     return _make(

@@ -464,6 +464,39 @@ def test_eager_budget_offload_answer_fits_its_budget_when_measured():
     assert measured <= budget, f"budget {budget} B, measured {measured} B"
 
 
+def test_budget_offload_meets_a_budget_below_whole_layer_recompute_when_measured():
+    """Twelve narrow layers, whose inputs whole-layer recompute keeps on the device: a budget
+    of 80% of that peak is refused without offload and met with ``budget_offload`` by moving
+    layer inputs (and kept units) to host memory. The step compiled from that plan holds
+    what it predicts within 0.5% (measured +0.14%), under the budget, and copies to host
+    memory exactly the bytes it predicts."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import predictions as table
+    finally:
+        sys.path.pop(0)
+    case = table.zoo_case(
+        "dense", 8, 64, num_layers=12, hidden=64, heads=4, head_dim=16, ffn=64, vocab=32
+    )
+    fast_link = {"name": "fast-host-link", "host_bytes_per_s": 1e15, "asynchronous": True}
+    executor = {"executor": table.stage_mod.EXECUTOR, "hw": fast_link}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        floor = rp.plan(case.graph, **executor).memory.peak_bytes
+        budget = int(floor * 0.8)
+        with pytest.raises(rp.PlannerError, match="below the smallest peak"):
+            rp.plan(case.graph, budget=budget, **executor)
+    options = {"budget": budget, "budget_offload": True, "hw": fast_link}
+    r = table.measure_compiled(case, "budget", None, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        plan = rp.plan(case.graph, **options, executor=table.stage_mod.EXECUTOR)
+    assert any(layer.layer_input for layer in plan.config.layer_offload)
+    assert r["predicted_peak"] == plan.memory.peak_bytes <= budget
+    assert r["measured_peak"] <= budget
+    assert abs(gap(r["predicted_peak"], r["measured_peak"])) <= 0.005, r
+    assert r["measured_offloaded"] == r["predicted_offloaded"] == plan.memory.offloaded_bytes
+
 
 @pytest.mark.parametrize(
     "case, keep",

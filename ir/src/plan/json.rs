@@ -12,8 +12,8 @@
 use serde::{Serialize, Serializer};
 
 use super::{
-    Config, Cost, Diagnostic, LayerKeep, Memory, NodeDecision, Plan, PlanNames, PlanReadError,
-    Replay, SavedValue, UnitLayer, UnitSummary,
+    Config, Cost, Diagnostic, LayerKeep, LayerOffload, Memory, NodeDecision, Plan, PlanNames,
+    PlanReadError, Replay, SavedValue, UnitLayer, UnitSummary,
 };
 use crate::{wire::plan as pb, NodeId};
 
@@ -47,7 +47,7 @@ pub fn layer_keep_value(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> serd
 /// Per-layer offload choices as a plan's `config.layer_offload` writes them (a `pareto` point's
 /// offloaded units).
 pub fn layer_offload_value(
-    layer_offload: &[LayerKeep],
+    layer_offload: &[LayerOffload],
     names: &dyn PlanNames,
 ) -> serde_json::Value {
     serde_json::to_value(Each::new(layer_offload, |l| LayerOffloadJson::of(l, names)))
@@ -175,7 +175,7 @@ struct ConfigJson<'a> {
     offload: &'a [String],
     offload_kinds: Vec<&'static str>,
     offload_prefetch: u32,
-    layer_offload: Each<'a, LayerKeep, LayerOffloadJson<'a>>,
+    layer_offload: Each<'a, LayerOffload, LayerOffloadJson<'a>>,
 }
 
 impl<'a> ConfigJson<'a> {
@@ -218,21 +218,23 @@ impl<'a> LayerKeepJson<'a> {
     }
 }
 
-/// `{"model", "layer", "offload"}`: the units of one layer whose saved values go to the host.
+/// `{"model", "layer", "offload", "layer_input"}`: what one layer moves to the host (the
+/// saved values of its units `offload`, and its layer inputs where `layer_input`).
 #[derive(Serialize)]
 struct LayerOffloadJson<'a> {
     model: &'a str,
     layer: u32,
     offload: Vec<&'a str>,
+    layer_input: bool,
 }
 
 impl<'a> LayerOffloadJson<'a> {
-    fn of(l: &'a LayerKeep, names: &'a dyn PlanNames) -> Self {
-        let LayerKeepJson { model, layer, keep } = LayerKeepJson::of(l, names);
+    fn of(l: &'a LayerOffload, names: &'a dyn PlanNames) -> Self {
         LayerOffloadJson {
-            model,
-            layer,
-            offload: keep,
+            model: names.model(l.at.model),
+            layer: l.at.layer,
+            offload: l.units.iter().map(|&u| names.unit(l.at.model, u)).collect(),
+            layer_input: l.layer_input,
         }
     }
 }

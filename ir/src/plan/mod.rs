@@ -107,9 +107,10 @@ pub struct Config {
     pub training: Training,
     pub offload: Offload,
     /// Per-layer offload choices that replace `offload.units` in their layers: the kept units
-    /// whose saved values go to host memory there (the budget solver's under
-    /// `--budget-offload`, or `plan --choices`); empty when `offload.units` applies everywhere.
-    pub layer_offload: Vec<LayerKeep>,
+    /// whose saved values go to host memory there, and whether the layer's output does (the
+    /// budget solver's under `--budget-offload`, or `plan --choices`); empty when
+    /// `offload.units` applies everywhere.
+    pub layer_offload: Vec<LayerOffload>,
 }
 
 /// `--offload`, `--offload-kinds`, `--offload-prefetch`: which saved values the executor moves
@@ -179,12 +180,23 @@ pub struct LayerRef {
     pub layer: u32,
 }
 
-/// Units of one layer: those it keeps (`layer_keep`) or offloads (`layer_offload`).
+/// Units of one layer: those it keeps (`layer_keep`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerKeep {
     pub at: LayerRef,
     /// In the model's declaration order.
     pub units: Vec<UnitId>,
+}
+
+/// What one layer moves to host memory (`layer_offload`): the saved values of kept units, and
+/// its layer inputs (saved kind `layer-input` made in this layer: its output, which the next
+/// checkpointed layer saves as its input).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerOffload {
+    pub at: LayerRef,
+    /// In the model's declaration order.
+    pub units: Vec<UnitId>,
+    pub layer_input: bool,
 }
 
 /// The policy's verdict on one forward node.

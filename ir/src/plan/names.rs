@@ -4,8 +4,8 @@
 use rustc_hash::FxHashMap;
 
 use super::{
-    Diagnostic, LayerKeep, LayerRef, NodeDecision, Peak, Plan, PlanReadError, Replay, SavedValue,
-    UnitSummary,
+    Diagnostic, LayerKeep, LayerOffload, LayerRef, NodeDecision, Peak, Plan, PlanReadError, Replay,
+    SavedValue, UnitSummary,
 };
 use crate::{EntityId, Graph, IdVec, ModelId, Name, NodeId, UnitId, ValueId};
 
@@ -240,7 +240,15 @@ impl Plan {
                 .collect()
         };
         let layer_keep = bind_layers(config.layer_keep);
-        let layer_offload = bind_layers(config.layer_offload);
+        let layer_offload = config
+            .layer_offload
+            .into_iter()
+            .map(|l| LayerOffload {
+                units: l.units.iter().map(|&u| b.unit(l.at.model, u)).collect(),
+                at: b.layer(l.at),
+                layer_input: l.layer_input,
+            })
+            .collect();
         Ok(Plan {
             config: super::Config {
                 layer_keep,

@@ -5,8 +5,8 @@ use prost::Message;
 
 use super::{
     Code, Collectives, Config, Cost, Decision, DevicePhase, DeviceTotal, Diagnostic, Executor,
-    GraphRef, Keep, LayerKeep, LayerRef, Level, Memory, NameTable, NodeDecision, Offload,
-    Optimizer, Peak, Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind,
+    GraphRef, Keep, LayerKeep, LayerOffload, LayerRef, Level, Memory, NameTable, NodeDecision,
+    Offload, Optimizer, Peak, Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind,
     SavedValue, Spelled, Stage, StateDtype, Training, UnitLayer, UnitSummary,
 };
 use crate::wire::plan as pb;
@@ -143,16 +143,21 @@ pub fn layer_keep_to_wire(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> Ve
 }
 
 /// The named form of per-layer offload choices.
-fn layer_offload_to_wire(
-    layer_offload: &[LayerKeep],
+pub fn layer_offload_to_wire(
+    layer_offload: &[LayerOffload],
     names: &dyn PlanNames,
 ) -> Vec<pb::LayerOffload> {
-    layer_keep_to_wire(layer_offload, names)
-        .into_iter()
+    layer_offload
+        .iter()
         .map(|l| pb::LayerOffload {
-            model: l.model,
-            layer: l.layer,
-            offload: l.keep,
+            model: names.model(l.at.model).to_owned(),
+            layer: l.at.layer,
+            offload: l
+                .units
+                .iter()
+                .map(|&u| names.unit(l.at.model, u).to_owned())
+                .collect(),
+            layer_input: l.layer_input,
         })
         .collect()
 }
@@ -305,6 +310,26 @@ pub fn layer_keep_from_wire(wire: Vec<pb::LayerKeep>, names: &mut NameTable) -> 
         .collect()
 }
 
+/// Per-layer offload choices back from their named form, interning their names in `names`.
+fn layer_offload_from_wire(
+    wire: Vec<pb::LayerOffload>,
+    names: &mut NameTable,
+) -> Vec<LayerOffload> {
+    wire.into_iter()
+        .map(|l| {
+            let model = names.model(&l.model);
+            LayerOffload {
+                at: LayerRef {
+                    model,
+                    layer: l.layer,
+                },
+                units: l.offload.iter().map(|u| names.unit(model, u)).collect(),
+                layer_input: l.layer_input,
+            }
+        })
+        .collect()
+}
+
 fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, PlanReadError> {
     Ok(Config {
         keep: Keep::from_names(c.keep),
@@ -332,17 +357,7 @@ fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, Plan
                 .collect::<Result<_, _>>()?,
             prefetch: c.offload_prefetch,
         },
-        layer_offload: layer_keep_from_wire(
-            c.layer_offload
-                .into_iter()
-                .map(|l| pb::LayerKeep {
-                    model: l.model,
-                    layer: l.layer,
-                    keep: l.offload,
-                })
-                .collect(),
-            names,
-        ),
+        layer_offload: layer_offload_from_wire(c.layer_offload, names),
     })
 }
 
