@@ -501,17 +501,19 @@ TIME_TARGETS = {"graph": (0.10, 0.15), "eager": (0.25, 0.25), "compile": (0.25, 
 def time_rows(cases: list[str], rounds: int) -> list[dict[str, Any]]:
     """Every executor's step (and replay, where it is measured apart) of ``cases``
     (`_step_timing.RANKING_CASES`), each keep of ``TIME_KEEPS``, against its plan."""
-    eager_profile = rp.calibrate("cpu", repeat=5)
     with tempfile.TemporaryDirectory() as folder:
         runtime_profile = Path(folder) / "runtime.json"
-        done = subprocess.run(
-            [planner_bin(), "calibrate", "-o", str(runtime_profile)],
-            capture_output=True, text=True,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"planner calibrate failed:\n{done.stderr}")
         rows = []
         for case in cases:
+            # Profiles measured just before the case's rows: this VM's speed drifts within
+            # minutes.
+            eager_profile = rp.calibrate("cpu", repeat=5)
+            done = subprocess.run(
+                [planner_bin(), "calibrate", "-o", str(runtime_profile)],
+                capture_output=True, text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"planner calibrate failed:\n{done.stderr}")
             cfg, graph = timing.traced_case(case)
             path = Path(folder) / f"{case}.pb"
             path.write_bytes(graph)
@@ -661,12 +663,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure time: these budget-ranking cases (none given: all of them)",
     )
     parser.add_argument("--time-rounds", type=int, default=7, help="steps per time figure")
+    parser.add_argument(
+        "--time-only", action="store_true",
+        help="measure time alone; with --markdown, rewrite only that file's Time section",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", help="also write the summary and the full table here")
     args = parser.parse_args(argv)
     families = list(hf_families()) if args.hf is None else args.hf
     cases = [lambda n=n: zoo_case(n, args.batch, args.seq) for n in args.zoo]
     cases += [lambda f=f: hf_case(f, args.batch, args.seq) for f in families]
+    if args.time_only:
+        if args.time is None:
+            parser.error("--time-only measures time: give --time too")
+        cases = []
     rows = []
     for make in cases:
         case = make()
@@ -694,7 +704,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"batch": args.batch, "seq": args.seq, "rows": rows, "time_rows": times},
                 out, indent=1,
             )
-    if args.markdown:
+    if args.markdown and args.time_only:
+        replace_time_section(Path(args.markdown), times)
+    elif args.markdown:
         Path(args.markdown).write_text(markdown(shape, rows, times))
     return 0
 
@@ -708,19 +720,38 @@ def markdown(shape: str, rows: list[dict[str, Any]], times: list[dict[str, Any]]
         f"{shape}.\n\n## Summary\n\n{summary(rows)}\n\n## Every case\n\n{table(rows)}\n"
     )
     if times:
-        text += (
-            "\n## Time\n\n"
-            "Step and replay, predicted against measured (ms; medians), at widths where a "
-            "layer's matmuls take milliseconds on this CPU: the budget ranking's models "
-            "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`). "
-            "The runtime (`graph`) plans with a profile `planner calibrate` measures through "
-            "the same binary; eager SAC and the compile stage with one `rp.calibrate` measures. "
-            "The compile stage's step runs its partitioned graphs in torch's FX interpreter, "
-            "as the memory rows do, and its replay is not measured apart. Targets: the "
-            "runtime's step within 10% and replay within 15%, the others within 25%.\n\n"
-            f"{time_summary(times)}\n\n{time_table(times)}\n"
-        )
+        text += time_section(times)
     return text
+
+
+TIME_HEADING = "\n## Time\n"
+
+
+def time_section(times: list[dict[str, Any]]) -> str:
+    return (
+        f"{TIME_HEADING}\n"
+        "Step and replay, predicted against measured (ms; medians), at widths where a "
+        "layer's matmuls take milliseconds on this CPU: the budget ranking's models "
+        "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`). "
+        "Each case's rows plan with profiles measured just before them: the runtime "
+        "(`graph`) with one `planner calibrate` measures through the same binary, eager SAC "
+        "and the compile stage with one `rp.calibrate` measures. The runtime keeps the CPU "
+        "memory it obtains, as a GPU's caching allocator does (docs/runtime.md, \"Time\"). "
+        "The compile stage's step runs its partitioned graphs in torch's FX interpreter, "
+        "as the memory rows do, and its replay is not measured apart. Targets: the "
+        "runtime's step within 10% and replay within 15%, the others within 25%. Only this "
+        "section: `python scripts/predictions.py --time --time-only --markdown "
+        "docs/predictions.md`.\n\n"
+        f"{time_summary(times)}\n\n{time_table(times)}\n"
+    )
+
+
+def replace_time_section(path: Path, times: list[dict[str, Any]]) -> None:
+    """Rewrites the Time section of the table at `path`, leaving the memory rows as they are."""
+    text = path.read_text()
+    if TIME_HEADING in text:
+        text = text[: text.index(TIME_HEADING)]
+    path.write_text(text.rstrip("\n") + "\n" + time_section(times))
 
 
 if __name__ == "__main__":

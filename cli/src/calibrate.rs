@@ -19,7 +19,7 @@ use planner::{
 use runtime::{
     comm::launch::Launch,
     program,
-    run::{self as runtime_run, RankJob, RunConfig, RunReport},
+    run::{self as runtime_run, CpuMemory, RankJob, RunConfig, RunReport},
 };
 
 use planner_commands::{args::CalibrateArgs, load_hw, output::Output, Failure};
@@ -39,6 +39,7 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         max_input_bytes: 4 << 30,
         fault: None,
         repeat: args.repeat,
+        cpu_memory: CpuMemory::Retain,
     };
     let launch = Launch::from_env()?;
     if launch.is_some() && cuda {

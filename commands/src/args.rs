@@ -381,6 +381,12 @@ pub struct RunArgs {
     /// all of them (3 or more hide the first step's one-time costs)
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub repeat: u32,
+    /// On the CPU, leave glibc's allocator as it is: large freed blocks go back to the kernel,
+    /// and each step pays a page fault per 4 KiB of them when it touches them again. By
+    /// default the run keeps the memory it obtained, as a GPU's caching allocator keeps its
+    /// blocks, so that steps after the first measure the ops rather than the kernel
+    #[arg(long)]
+    pub release_cpu_memory: bool,
     /// The most bytes of weights, inputs and tangents all ranks start from together (as the
     /// graphs declare them, checked before anything is read or filled), and the largest
     /// safetensors file read (`16GiB`, `512MB`; default: this machine's memory)

@@ -12,7 +12,7 @@ use thiserror::Error;
 
 use crate::{
     comm::{CommError, Communicator, Site},
-    ffi,
+    ffi, host_memory,
     inputs::RankInputs,
     memory::{HostBytes, LiveBytes},
     program::{Kernel, Program},
@@ -121,6 +121,9 @@ pub struct StepResult {
     pub counts: OpCounts,
     /// Wall time of the step (on CUDA, until the device finished).
     pub seconds: f64,
+    /// Minor page faults the process took during the step (every thread's: with ranks as
+    /// threads of one process, the other ranks' too), where the OS counts them.
+    pub page_faults: Option<u64>,
     /// Wall time spent in each stage's steps (forward, replay, backward), each step's kernel
     /// and the runtime's work around it. On CUDA, without a synchronisation per op, a stage
     /// counts the host's time to launch its kernels; the step's time counts the device's.
@@ -196,6 +199,7 @@ pub fn run_step(
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Forward, None, m))?;
         ffi::cuda_reset_peak(device).map_err(|m| op_error(program, Stage::Forward, None, m))?;
     }
+    let faults_before = host_memory::page_faults();
     let started = Instant::now();
     let mut saved_bytes = None;
     let mut counts = OpCounts::new(graph.nodes().len());
@@ -309,6 +313,9 @@ pub fn run_step(
         ffi::synchronize(device).map_err(|m| op_error(program, Stage::Backward, None, m))?;
     }
     let seconds = started.elapsed().as_secs_f64();
+    let page_faults = faults_before
+        .zip(host_memory::page_faults())
+        .map(|(before, after)| after.saturating_sub(before));
     let allocator_peak_bytes = if allocator {
         let peak = ffi::cuda_peak_allocated(device)
             .map_err(|m| op_error(program, Stage::Backward, None, m))?;
@@ -332,6 +339,7 @@ pub fn run_step(
         allocator_peak_bytes,
         counts,
         seconds,
+        page_faults,
         stage_seconds,
         node_seconds,
         host: env.host,

@@ -9,6 +9,7 @@ pub mod comm;
 pub mod exec;
 pub mod ffi;
 pub mod fingerprint;
+pub mod host_memory;
 pub mod inputs;
 pub mod memory;
 pub mod offload;

@@ -33,7 +33,7 @@ use crate::{
         nccl, CommError, Communicator, Identity,
     },
     exec::{self, Fault, HostFigures, OpCounts, StageSeconds, StepError, StepResult},
-    fingerprint,
+    fingerprint, host_memory,
     inputs::{self, InputError, RankInputs},
     program::{PrepareError, Program},
     rng::RankRng,
@@ -117,6 +117,21 @@ pub struct RunConfig {
     /// Steps each variant runs (at least 1): outputs and memory are the first step's, times
     /// the median of all of them.
     pub repeat: u32,
+    /// What the CPU allocator does with the memory a step frees, for CPU ranks.
+    pub cpu_memory: CpuMemory,
+}
+
+/// What the CPU allocator does with the memory a step frees (`planner run --cpu-memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuMemory {
+    /// Keep it for the rest of the process, as a GPU's caching allocator keeps its blocks
+    /// ([`host_memory::retain_freed_memory`]): steps after the first pay no page faults for
+    /// their fresh tensors, which the cost model does not count.
+    #[default]
+    Retain,
+    /// Leave the allocator as the process has it (glibc's defaults: large freed blocks go back
+    /// to the kernel and fault again when next touched).
+    Release,
 }
 
 /// One variant's run on one rank.
@@ -134,6 +149,8 @@ pub struct VariantRun {
     pub allocator_peak_bytes: Option<u64>,
     /// Median wall time of the step, and of each stage's steps, over `repeat` steps.
     pub seconds: f64,
+    /// Median minor page faults of the process per step, where the OS counts them.
+    pub page_faults: Option<u64>,
     pub stage_seconds: StageSeconds,
     /// Median wall time per node over `repeat` steps, summed over the stages that ran it.
     pub node_seconds: Vec<f64>,
@@ -487,6 +504,9 @@ fn run_ranks(
         .map_or(0, |s| s.job.graph.metadata().world_size.max(1) as usize)
         .max(world);
     preflight(&specs, total, config.max_input_bytes)?;
+    if config.cpu_memory == CpuMemory::Retain && specs.iter().any(|s| s.device == Device::Cpu) {
+        host_memory::retain_freed_memory();
+    }
     quiet_rank_panics();
     let (sender, receiver) = mpsc::channel();
     let ranks: Vec<usize> = specs.iter().map(|s| s.rank).collect();
@@ -830,6 +850,12 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     }
 }
 
+/// The median of the steps' page faults, where every step counted them.
+fn median_page_faults(steps: &[StepResult]) -> Option<u64> {
+    let faults: Option<Vec<u64>> = steps.iter().map(|s| s.page_faults).collect();
+    faults.map(|f| median(f.into_iter().map(|n| n as f64)).round() as u64)
+}
+
 /// The median step time of `steps`, and the median of each stage's time (each median on its
 /// own, so the stages need not add up to the step).
 fn median_times(steps: &[StepResult]) -> (f64, StageSeconds) {
@@ -898,6 +924,7 @@ fn rank_main(
             measured_saved_bytes: step.saved_bytes,
             allocator_peak_bytes: step.allocator_peak_bytes,
             seconds,
+            page_faults: median_page_faults(&steps),
             stage_seconds,
             node_seconds,
             repeat: config.repeat.max(1),
