@@ -32,7 +32,9 @@ bytes; measured, the allocator's (the runtime's) live bytes then.
     python scripts/predictions.py --time --markdown docs/predictions.md   # and time (below)
 
 `--time` also measures each executor's step and replay time against its plan's, at widths
-where compute is not all overhead (the budget ranking's models; `--time-rounds` steps each):
+where compute is not all overhead (the budget ranking's models, and with `--time-hf` the
+HuggingFace families at `TIME_HF_SHAPE`; `--time-rounds` steps each; `--time-only` skips the
+memory rows and rewrites only the Markdown page's Time section):
 `planner run --repeat` planned with a profile `planner calibrate` measures, eager SAC
 (`recompute_planner._step_timing`, the keeps interleaved) and the compile stage's step (FX
 interpreter) planned with one `rp.calibrate` measures.
@@ -95,6 +97,14 @@ HF_SHAPE = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False,
 )
 MOE_SHAPE = dict(moe_intermediate_size=64)
+# The HuggingFace families' time rows: widths where a layer's matmuls take milliseconds on this
+# CPU (as the budget ranking's models), at batch 2 x 256.
+TIME_HF_SHAPE = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, use_cache=False,
+)
+TIME_MOE_SHAPE = dict(moe_intermediate_size=256)
+TIME_HF_BATCH, TIME_HF_SEQ = 2, 256
 # MoE families run in bfloat16: their default grouped-matmul experts take nothing else.
 BF16 = {"qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3"}
 
@@ -110,8 +120,9 @@ class Case:
     name: str
     units: list[str]
     graph: Any
-    # A fresh model under the plan's SAC policies: the loss callable and the parameters.
-    step: Callable[[rp.Plan], tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]
+    # A fresh model under the plan's SAC policies: the loss callable and the parameters; given
+    # a wrapper, each checkpointed layer's forward wrapped with it first.
+    step: Callable[..., tuple[Callable[[], torch.Tensor], list[torch.Tensor]]]
     # A fresh module whose forward(*inputs) returns the loss, and those inputs.
     module: Callable[[], nn.Module]
     inputs: tuple[torch.Tensor, ...]
@@ -146,7 +157,9 @@ def zoo_case(name: str, batch: int, seq: int, **changes: Any) -> Case:
             world_size=cfg.world_size, rank=0,
         ).graph
 
-    def step(plan: rp.Plan):
+    def step(plan: rp.Plan, wrap: Callable[[Any], Any] | None = None):
+        if wrap is not None:
+            raise ValueError("the zoo's steps are timed by _step_timing.ZooStep")
         model = CausalLM(cfg)
         policies = {key: sac.context_fn(plan, *key) for key in plan.layers()}
         measure.checkpoint_zoo_layers(model, policies)
@@ -160,14 +173,20 @@ def zoo_case(name: str, batch: int, seq: int, **changes: Any) -> Case:
     )
 
 
-def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
-    """Stock HuggingFace families: (model builder, units)."""
+def hf_families(
+    shape: dict[str, Any] | None = None, moe_shape: dict[str, Any] | None = None
+) -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
+    """Stock HuggingFace families: (model builder, units), at ``shape`` (default `HF_SHAPE`),
+    their MoE experts at ``moe_shape`` (default `MOE_SHAPE`)."""
     import transformers as T
+
+    shape = HF_SHAPE if shape is None else shape
+    experts = MOE_SHAPE if moe_shape is None else moe_shape
 
     def build(model_cls, config_cls, **extra):
         def make():
             torch.manual_seed(0)
-            return model_cls(config_cls(**{**HF_SHAPE, **extra}))
+            return model_cls(config_cls(**{**shape, **extra}))
 
         return make
 
@@ -195,14 +214,14 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
         "qwen3-moe": (
             build(
                 T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2,
-                **MOE_SHAPE,
+                **experts,
             ),
             MOE_UNITS,
         ),
         "qwen2-moe": (
             build(
                 T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
-                shared_expert_intermediate_size=64, **MOE_SHAPE,
+                shared_expert_intermediate_size=64, **experts,
             ),
             MOE_UNITS,
         ),
@@ -220,7 +239,8 @@ def hf_families() -> dict[str, tuple[Callable[[], Any], dict[str, list[str]]]]:
                 n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                 first_k_dense_replace=1,
                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16,
-                v_head_dim=16, **MOE_SHAPE,
+                # Its rotary embedding is `head_dim` wide: the rope part of each head.
+                v_head_dim=16, **experts, head_dim=16,
             ),
             MOE_UNITS,
         ),
@@ -239,10 +259,14 @@ class _Loss(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask).loss
 
 
-def hf_case(family: str, batch: int, seq: int) -> Case:
+def hf_case(
+    family: str, batch: int, seq: int,
+    shape: dict[str, Any] | None = None, moe_shape: dict[str, Any] | None = None,
+) -> Case:
     from recompute_planner.model_export import causal_mask
 
-    build, units = hf_families()[family]
+    build, units = hf_families(shape, moe_shape)[family]
+    vocab = (HF_SHAPE if shape is None else shape)["vocab_size"]
     dtype = torch.bfloat16 if family in BF16 else torch.float32
 
     def make():
@@ -250,15 +274,19 @@ def hf_case(family: str, batch: int, seq: int) -> Case:
         rp.annotate(model, layers="model.layers", units=units)
         return model
 
-    ids = torch.randint(0, HF_SHAPE["vocab_size"], (batch, seq),
+    ids = torch.randint(0, vocab, (batch, seq),
                         generator=torch.Generator().manual_seed(3))
     mask = causal_mask(batch, seq, dtype)
     inputs = {"input_ids": ids, "labels": ids, "attention_mask": mask}
     model = make()
     graph = rp.export(model, inputs, name=family).graph
 
-    def step(plan: rp.Plan):
+    def step(plan: rp.Plan, wrap: Callable[[Any], Any] | None = None):
         model = make()
+        if wrap is not None:
+            # Replaced on the instances, as sac.checkpoint_module replaces a forward.
+            for layer in model.model.layers:
+                layer.forward = wrap(layer.forward)
         sac.checkpoint_layers(model.model.layers, plan)
         params = [p for p in model.parameters() if p.requires_grad]
         return in_offloading(plan, lambda: model(**inputs).loss), params
@@ -498,13 +526,68 @@ TIME_KEEPS = ("none", "all")
 TIME_TARGETS = {"graph": (0.10, 0.15), "eager": (0.25, 0.25), "compile": (0.25, 0.25)}
 
 
-def time_rows(cases: list[str], rounds: int) -> list[dict[str, Any]]:
+@dataclass
+class TimeCase:
+    """A model whose step time each executor measures: its traced step, and how eager SAC
+    and the compile stage run it."""
+
+    name: str
+    graph: bytes
+    # The eager step under a plan's SAC policies, each layer's recompute timed.
+    eager_step: Callable[[rp.Plan], timing.TimedStep]
+    # The models, layers and units as the compile stage needs them declared; a fresh module
+    # whose forward(*inputs) returns the loss, and those inputs.
+    models: list[ModelDecl]
+    module: Callable[[], nn.Module]
+    inputs: tuple[torch.Tensor, ...]
+
+
+class CaseStep(timing.TimedStep):
+    """``case``'s step under ``plan``'s SAC policies on the CPU, each layer's recompute
+    timed."""
+
+    def __init__(self, case: Case, plan: rp.Plan):
+        super().__init__(torch.device("cpu"))
+        self.forward, self.params = case.step(plan, self.timer.wrap)
+
+    def loss(self) -> torch.Tensor:
+        return self.forward()
+
+
+def ranking_time_case(name: str) -> TimeCase:
+    """A budget ranking's model (`_step_timing.RANKING_CASES`)."""
+    from recompute_planner._zoo.catalog import make_inputs, model_decls
+    from recompute_planner._zoo.model import CausalLM
+
+    cfg, graph = timing.traced_case(name)
+    return TimeCase(
+        name, graph, lambda plan: timing.ZooStep(cfg, torch.device("cpu"), plan),
+        model_decls(cfg), lambda: CausalLM(cfg), tuple(make_inputs(cfg)),
+    )
+
+
+def hf_time_case(family: str) -> TimeCase:
+    """A HuggingFace family at `TIME_HF_SHAPE`, batch `TIME_HF_BATCH` x `TIME_HF_SEQ`."""
+    case = hf_case(family, TIME_HF_BATCH, TIME_HF_SEQ, TIME_HF_SHAPE, TIME_MOE_SHAPE)
+    return TimeCase(
+        family, case.graph.SerializeToString(), lambda plan: CaseStep(case, plan),
+        case.models, case.module, case.inputs,
+    )
+
+
+def time_rows(
+    cases: list[str], rounds: int, families: list[str] | tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """Every executor's step (and replay, where it is measured apart) of ``cases``
-    (`_step_timing.RANKING_CASES`), each keep of ``TIME_KEEPS``, against its plan."""
+    (`_step_timing.RANKING_CASES`) and the HuggingFace ``families``, each keep of
+    ``TIME_KEEPS``, against its plan."""
+    makers: list[Callable[[], TimeCase]] = [lambda c=c: ranking_time_case(c) for c in cases]
+    makers += [lambda f=f: hf_time_case(f) for f in families]
     with tempfile.TemporaryDirectory() as folder:
         runtime_profile = Path(folder) / "runtime.json"
         rows = []
-        for case in cases:
+        for make in makers:
+            case = make()
             # Profiles measured just before the case's rows: this VM's speed drifts within
             # minutes.
             eager_profile = rp.calibrate("cpu", repeat=5)
@@ -514,12 +597,13 @@ def time_rows(cases: list[str], rounds: int) -> list[dict[str, Any]]:
             )
             if done.returncode != 0:
                 raise RuntimeError(f"planner calibrate failed:\n{done.stderr}")
-            cfg, graph = timing.traced_case(case)
-            path = Path(folder) / f"{case}.pb"
-            path.write_bytes(graph)
-            rows += [timed_run(case, path, keep, runtime_profile, rounds) for keep in TIME_KEEPS]
-            rows += timed_eager(case, cfg, graph, eager_profile, rounds)
-            rows += [timed_compiled(case, cfg, keep, eager_profile, rounds) for keep in TIME_KEEPS]
+            path = Path(folder) / f"{case.name}.pb"
+            path.write_bytes(case.graph)
+            rows += [
+                timed_run(case.name, path, keep, runtime_profile, rounds) for keep in TIME_KEEPS
+            ]
+            rows += timed_eager(case, eager_profile, rounds)
+            rows += [timed_compiled(case, keep, eager_profile, rounds) for keep in TIME_KEEPS]
             for r in rows[-3 * len(TIME_KEEPS):]:
                 print(time_table([r]).splitlines()[-1], file=sys.stderr, flush=True)
     return rows
@@ -551,21 +635,21 @@ def timed_run(case: str, graph: Path, keep: str, profile: Path, rounds: int) -> 
     )
 
 
-def timed_eager(
-    case: str, cfg: Any, graph: bytes, profile: dict[str, Any], rounds: int
-) -> list[dict[str, Any]]:
+def timed_eager(case: TimeCase, profile: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
     """Eager SAC: every keep's step measured interleaved with the others'."""
-    plans = {keep: quiet_plan(graph, keep, executor="eager", hw=profile) for keep in TIME_KEEPS}
-    steps = {keep: timing.ZooStep(cfg, torch.device("cpu"), plan) for keep, plan in plans.items()}
+    plans = {
+        keep: quiet_plan(case.graph, keep, executor="eager", hw=profile) for keep in TIME_KEEPS
+    }
+    steps = {keep: case.eager_step(plan) for keep, plan in plans.items()}
     runs = timing.interleaved(steps, rounds)
     return [
-        time_row(case, keep, "eager", plans[keep], m.step_s, m.replay_s)
+        time_row(case.name, keep, "eager", plans[keep], m.step_s, m.replay_s)
         for keep, m in ((k, timing.median(r)) for k, r in runs.items())
     ]
 
 
 def timed_compiled(
-    case: str, cfg: Any, keep: str, profile: dict[str, Any], rounds: int
+    case: TimeCase, keep: str, profile: dict[str, Any], rounds: int
 ) -> dict[str, Any]:
     """The compile stage: the step compiled from its plan (as the memory rows run it, torch's
     FX interpreter running the partitioned graphs), the median of ``rounds`` steps after two;
@@ -573,14 +657,11 @@ def timed_compiled(
     from functorch.compile import aot_module
     from torch._dynamo.backends.debugging import boxed_nop
 
-    from recompute_planner._zoo.catalog import make_inputs, model_decls
-    from recompute_planner._zoo.model import CausalLM
-
-    stage = stage_mod.PlanningStage(model_decls(cfg), keep, hw=profile)
-    inputs = make_inputs(cfg)
+    stage = stage_mod.PlanningStage(case.models, keep, hw=profile)
+    inputs = case.inputs
     with warnings.catch_warnings(), stage_mod.tracing():
         warnings.simplefilter("ignore", rp.PlannerWarning)
-        module = CausalLM(cfg)
+        module = case.module()
         compiled = aot_module(
             module, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=stage.partition_fn
         )
@@ -592,7 +673,9 @@ def timed_compiled(
             return time.perf_counter() - started
 
         times = [step() for _ in range(rounds + 2)][2:]
-    return time_row(case, keep, "compile", stage.plans[-1], statistics.median(times), None)
+    return time_row(
+        case.name, keep, "compile", stage.plans[-1], statistics.median(times), None
+    )
 
 
 def time_gap(predicted: float, measured: float | None) -> str:
@@ -662,6 +745,10 @@ def main(argv: list[str] | None = None) -> int:
         "--time", nargs="*", default=None, metavar="CASE",
         help="also measure time: these budget-ranking cases (none given: all of them)",
     )
+    parser.add_argument(
+        "--time-hf", nargs="*", default=None, metavar="FAMILY",
+        help="also measure time: these HuggingFace families at TIME_HF_SHAPE (none given: all)",
+    )
     parser.add_argument("--time-rounds", type=int, default=7, help="steps per time figure")
     parser.add_argument(
         "--time-only", action="store_true",
@@ -674,8 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [lambda n=n: zoo_case(n, args.batch, args.seq) for n in args.zoo]
     cases += [lambda f=f: hf_case(f, args.batch, args.seq) for f in families]
     if args.time_only:
-        if args.time is None:
-            parser.error("--time-only measures time: give --time too")
+        if args.time is None and args.time_hf is None:
+            parser.error("--time-only measures time: give --time or --time-hf too")
         cases = []
     rows = []
     for make in cases:
@@ -691,8 +778,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure_offloaded(case, unit, executor))
                 print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     times = []
-    if args.time is not None:
-        times = time_rows(args.time or list(timing.RANKING_CASES), args.time_rounds)
+    if args.time is not None or args.time_hf is not None:
+        ranking = [] if args.time is None else args.time or list(timing.RANKING_CASES)
+        hf = [] if args.time_hf is None else args.time_hf or list(hf_families())
+        times = time_rows(ranking, args.time_rounds, hf)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
     print(f"{shape}\n\n{summary(rows)}\n\n{table(rows)}")
@@ -732,7 +821,9 @@ def time_section(times: list[dict[str, Any]]) -> str:
         f"{TIME_HEADING}\n"
         "Step and replay, predicted against measured (ms; medians), at widths where a "
         "layer's matmuls take milliseconds on this CPU: the budget ranking's models "
-        "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`). "
+        "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`) "
+        "and the HuggingFace families at the same widths (`TIME_HF_SHAPE`: FFN 1024, "
+        "vocabulary 4096, 2 key-value heads; MoE experts 256 wide, bfloat16). "
         "Each case's rows plan with profiles measured just before them: the runtime "
         "(`graph`) with one `planner calibrate` measures through the same binary, eager SAC "
         "and the compile stage with one `rp.calibrate` measures. The runtime keeps the CPU "
@@ -740,7 +831,7 @@ def time_section(times: list[dict[str, Any]]) -> str:
         "The compile stage's step runs its partitioned graphs in torch's FX interpreter, "
         "as the memory rows do, and its replay is not measured apart. Targets: the "
         "runtime's step within 10% and replay within 15%, the others within 25%. Only this "
-        "section: `python scripts/predictions.py --time --time-only --markdown "
+        "section: `python scripts/predictions.py --time --time-hf --time-only --markdown "
         "docs/predictions.md`.\n\n"
         f"{time_summary(times)}\n\n{time_table(times)}\n"
     )

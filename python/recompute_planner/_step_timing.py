@@ -105,14 +105,39 @@ class StepTimes:
     replay_s: float
 
 
-class ZooStep:
+class TimedStep:
+    """A model's training step, timed: its loss (``loss``, for the subclass to define), then
+    the gradients of ``params``; its layers' recomputes timed by ``timer`` where the subclass
+    wrapped their forwards with it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.clock = Clock(device)
+        self.timer = ReplayTimer(self.clock, device)
+        self.params: list[torch.Tensor] = []
+
+    def loss(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self) -> StepTimes:
+        """One step, timed."""
+        self.clock.sync()
+        start = self.clock.mark()
+        loss = self.loss()
+        middle = self.clock.mark()
+        torch.autograd.grad(loss, self.params, allow_unused=True)
+        end = self.clock.mark()
+        self.clock.sync()
+        forward, backward = self.clock.seconds(start, middle), self.clock.seconds(middle, end)
+        return StepTimes(forward + backward, forward, backward, self.timer.take())
+
+
+class ZooStep(TimedStep):
     """A fresh seeded zoo model on ``device`` whose layers are checkpointed with ``plan``'s
     policies (``None``: no checkpointing), ready to run timed steps."""
 
     def __init__(self, cfg: ZooConfig, device: torch.device, plan: Plan | None):
-        self.device = device
-        self.clock = Clock(device)
-        self.timer = ReplayTimer(self.clock, device)
+        super().__init__(device)
         self.model = CausalLM(cfg).to(device)
         self.inputs = tuple(t.to(device) for t in make_inputs(cfg))
         if plan is not None:
@@ -137,21 +162,9 @@ class ZooStep:
             loss: torch.Tensor = self.model(*self.inputs)
         return loss
 
-    def run(self) -> StepTimes:
-        """One step, timed."""
-        self.clock.sync()
-        start = self.clock.mark()
-        loss = self.loss()
-        middle = self.clock.mark()
-        torch.autograd.grad(loss, self.params, allow_unused=True)
-        end = self.clock.mark()
-        self.clock.sync()
-        forward, backward = self.clock.seconds(start, middle), self.clock.seconds(middle, end)
-        return StepTimes(forward + backward, forward, backward, self.timer.take())
-
 
 def interleaved(
-    steps: Mapping[str, ZooStep], rounds: int, *, warmup: int = 2, seed: int = 0
+    steps: Mapping[str, TimedStep], rounds: int, *, warmup: int = 2, seed: int = 0
 ) -> dict[str, list[StepTimes]]:
     """Each configuration's times in ``rounds`` rounds of one step of every configuration, in
     an order shuffled each round (after ``warmup`` untimed steps of each): the i-th time of

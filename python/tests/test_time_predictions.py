@@ -1,6 +1,7 @@
-"""`scripts/predictions.py --time`: every executor's step (and the replay of those that measure
-it apart) against its plan's, at the width of the budget ranking's dense model, written into the
-Markdown page as a section of its own."""
+"""`scripts/predictions.py --time --time-hf`: every executor's step (and the replay of those
+that measure it apart) against its plan's, at the width of the budget ranking's dense model and
+of a HuggingFace family at the time rows' shape, written into the Markdown page as a section of
+its own."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def timed(tmp_path_factory):
     rows, page = folder / "rows.json", folder / "predictions.md"
     with script_module("predictions") as script, contextlib.redirect_stdout(io.StringIO()):
         script.main(
-            ["--zoo", "--hf", "--time", "dense", "--time-rounds", "3",
+            ["--zoo", "--hf", "--time", "dense", "--time-hf", "qwen3", "--time-rounds", "3",
              "--json", str(rows), "--markdown", str(page)]
         )
     return json.loads(rows.read_text())["time_rows"], page.read_text()
@@ -30,8 +31,11 @@ def timed(tmp_path_factory):
 
 def test_every_executor_measures_each_keep_against_its_plan(timed):
     rows, _ = timed
-    assert sorted((r["executor"], r["keep"]) for r in rows) == sorted(
-        (e, k) for e in ("graph", "eager", "compile") for k in ("none", "all")
+    assert sorted((r["case"], r["executor"], r["keep"]) for r in rows) == sorted(
+        (c, e, k)
+        for c in ("dense", "qwen3")
+        for e in ("graph", "eager", "compile")
+        for k in ("none", "all")
     )
     for r in rows:
         # Within a factor of 3: what a calibrated profile predicts of a step on this machine
@@ -48,4 +52,4 @@ def test_the_page_has_a_time_section_with_a_row_per_measurement(timed):
     rows, page = timed
     section = page.split("\n## Time\n", 1)[1]
     assert "| executor | step gap | step within target |" in section
-    assert section.count("| dense | ") == len(rows)
+    assert section.count("| dense | ") + section.count("| qwen3 | ") == len(rows)
