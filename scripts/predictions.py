@@ -781,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.time is not None or args.time_hf is not None:
         ranking = [] if args.time is None else args.time or list(timing.RANKING_CASES)
         hf = [] if args.time_hf is None else args.time_hf or list(hf_families())
+        unknown = sorted(set(hf) - set(hf_families()) | set(ranking) - set(timing.RANKING_CASES))
+        if unknown:
+            parser.error(f"no such time case: {', '.join(unknown)}")
         times = time_rows(ranking, args.time_rounds, hf)
     shape = (f"batch {args.batch}, seq {args.seq}; fp32 (HF MoE families bf16); CPU allocator "
              "(eager, compile), the runtime's storage count (graph)")
@@ -823,7 +826,9 @@ def time_section(times: list[dict[str, Any]]) -> str:
         "layer's matmuls take milliseconds on this CPU: the budget ranking's models "
         "(four layers of 256, 4 heads of 64, batch 2 x 256; `_step_timing.RANKING_CASES`) "
         "and the HuggingFace families at the same widths (`TIME_HF_SHAPE`: FFN 1024, "
-        "vocabulary 4096, 2 key-value heads; MoE experts 256 wide, bfloat16). "
+        "vocabulary 4096, 2 key-value heads; the MoE families in bfloat16, their "
+        "`moe_intermediate_size` 256, Mixtral's experts the FFN's width, qwen2-moe's shared "
+        "expert and DeepSeek-V3's latent attention as in the memory rows). "
         "Each case's rows plan with profiles measured just before them: the runtime "
         "(`graph`) with one `planner calibrate` measures through the same binary, eager SAC "
         "and the compile stage with one `rp.calibrate` measures. The runtime keeps the CPU "

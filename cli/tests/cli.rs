@@ -707,20 +707,27 @@ fn a_budget_offload_answer_is_reproduced_by_plan_choices() {
         &planner(&[&"plan", &graph, &"--choices", &not_kept.0]),
         &["offload `SAVE_DSA_INDEXER` in layer 0 of model `main`, which that layer does not keep"],
     );
-    let not_checkpointed = Scratch::new(
-        "not-checkpointed.json",
+    assert_offload_refused_in_layer_1_not_checkpointed(
+        &graph,
         br#"{"layer_keep": [{"model": "main", "layer": 1, "keep": ["SAVE_ATTN"]}], "layer_offload": [{"model": "main", "layer": 1, "offload": ["SAVE_ATTN"]}]}"#,
+        "offload `SAVE_ATTN` in layer 1 of model `main`, which is not checkpointed",
     );
+}
+
+/// `choices`, planned with layer 1 not checkpointed (`--recompute-ratio 0.5`), are refused
+/// with `error`.
+fn assert_offload_refused_in_layer_1_not_checkpointed(graph: &Path, choices: &[u8], error: &str) {
+    let choices = Scratch::new("not-checkpointed.json", choices);
     assert_clean_error(
         &planner(&[
             &"plan",
             &graph,
             &"--choices",
-            &not_checkpointed.0,
+            &choices.0,
             &"--recompute-ratio",
             &"0.5",
         ]),
-        &["offload `SAVE_ATTN` in layer 1 of model `main`, which is not checkpointed"],
+        &[error],
     );
 }
 
@@ -761,20 +768,18 @@ fn choices_offloading_a_layers_inputs_move_only_that_layers() {
         plan["config"]["layer_offload"],
         serde_json::json!([{"model": "main", "layer": 0, "offload": [], "layer_input": true}])
     );
-    let not_checkpointed = Scratch::new(
-        "inputs-not-checkpointed.json",
+    assert_offload_refused_in_layer_1_not_checkpointed(
+        &graph,
         br#"{"layer_keep": [], "layer_offload": [{"model": "main", "layer": 1, "layer_input": true}]}"#,
+        "offload its layer inputs in layer 1 of model `main`, which is not checkpointed",
+    );
+    let twice = Scratch::new(
+        "inputs-twice.json",
+        br#"{"layer_keep": [], "layer_offload": [{"model": "main", "layer": 0, "layer_input": true}, {"model": "main", "layer": 0, "offload": []}]}"#,
     );
     assert_clean_error(
-        &planner(&[
-            &"plan",
-            &graph,
-            &"--choices",
-            &not_checkpointed.0,
-            &"--recompute-ratio",
-            &"0.5",
-        ]),
-        &["offload its layer inputs in layer 1 of model `main`, which is not checkpointed"],
+        &planner(&[&"plan", &graph, &"--choices", &twice.0]),
+        &["`layer_offload` lists layer 0 of model `main` twice"],
     );
 }
 

@@ -776,25 +776,10 @@ fn a_budget_offload_plan_file_runs_and_says_it_chooses_per_layer() {
     );
 }
 
-/// Two checkpointed layers of `[1024, 1024]` float32 values (4 MiB each) whose backward reads
-/// every forward value: a step that allocates and frees tens of MiB.
+/// [`testkit::activation_dominated`] with `[1024, 1024]` float32 values (4 MiB each): a step
+/// that allocates and frees tens of MiB.
 fn large_step_graph() -> PathBuf {
-    let mut b = testkit::Builder::new(2, &[("SAVE_ATTN", &[("attn.begin", "attn.end")])]);
-    let mut h = b.input("x");
-    let mut reads = Vec::new();
-    for layer in 0..2 {
-        b.layer(Some(layer));
-        let a = b.op(&h);
-        let begin = b.marker("attn.begin", &a);
-        let inner = b.op(&begin);
-        let end = b.marker("attn.end", &inner);
-        h = b.op(&end);
-        reads.extend([a, inner, h.clone()]);
-    }
-    b.layer(None);
-    reads.reverse();
-    b.backward_through("tangent", &reads);
-    let mut graph = b.wire();
+    let mut graph = testkit::activation_dominated().wire();
     for value in &mut graph.values {
         value.shape = vec![1024, 1024];
     }
@@ -826,6 +811,7 @@ fn page_faults_a_step(extra: &[&str]) -> u64 {
 /// blocks: steps after the first reuse it, and the median step takes almost no page faults,
 /// where with glibc's defaults (`--release-cpu-memory`) it faults again on the large blocks
 /// glibc gave back.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn steps_after_the_first_reuse_the_memory_the_first_obtained() {
     let retained = page_faults_a_step(&[]);

@@ -192,31 +192,9 @@ fn assert_peaks_are_predicted(context: &str, rank: &run::RankReport) {
     }
 }
 
-/// Two checkpointed layers whose backward reads every forward value, the marker outputs and
-/// their inputs included, at `[4, 4]` per value: the activations held for backward dominate the
-/// peak (one gradient is all the step outputs).
-fn activation_dominated_graph() -> Graph {
-    let mut b = testkit::Builder::new(2, &[("SAVE_ATTN", &[("attn.begin", "attn.end")])]);
-    let mut h = b.input("x");
-    let mut reads = Vec::new();
-    for layer in 0..2 {
-        b.layer(Some(layer));
-        let a = b.op(&h);
-        let begin = b.marker("attn.begin", &a);
-        let inner = b.op(&begin);
-        let end = b.marker("attn.end", &inner);
-        h = b.op(&end);
-        reads.extend([a, begin, inner, end, h.clone()]);
-    }
-    b.layer(None);
-    reads.reverse();
-    b.backward_through("tangent", &reads);
-    b.build()
-}
-
 #[test]
 fn at_an_activation_dominated_shape_every_run_measures_its_prediction_to_the_byte() {
-    let graph = Arc::new(activation_dominated_graph());
+    let graph = Arc::new(testkit::activation_dominated().build());
     for keep in [Keep::Nothing, Keep::All] {
         let config = PlanConfig {
             keep: keep.clone(),

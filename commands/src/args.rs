@@ -271,9 +271,9 @@ pub struct ParetoArgs {
         allow_negative_numbers = true
     )]
     pub steps: u64,
-    /// Also offer each point with part or all of its kept units offloaded to host memory
-    /// (per layer, earliest layers first; --offload-prefetch applies), time then being replay
-    /// plus exposed transfer time
+    /// Also offer each point with part or all of its kept units and layer inputs offloaded to
+    /// host memory (per layer, earliest layers first; --offload-prefetch applies), time then
+    /// being replay plus exposed transfer time
     #[arg(long)]
     pub with_offload: bool,
     #[command(flatten)]

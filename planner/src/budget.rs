@@ -439,16 +439,17 @@ impl<'g> Search<'g> {
     /// above the budget are tried fastest first, until one's replay time alone is no faster
     /// than the best answer found (the answer without offload first, when one fits).
     ///
-    /// For one point, its (layer, unit) pairs and each layer's inputs (after the layer's units)
-    /// are offloaded in layer order: an early layer's
-    /// values stay saved the longest, and the most compute follows their copy to the host and
-    /// precedes their first read in backward, so their copies are the easiest to hide. The
-    /// shortest prefix of that order whose full plan fits is found by binary search, after
-    /// checking the whole order fits (about `log2(pairs) + 1` plans per point; twice that when
-    /// offloading them all overflows the host memory, which another binary search bounds). Optimality gap:
-    /// a prefix in layer order is not the cheapest subset in general (a later layer's smaller
-    /// values may fit with less exposed time), and the binary search assumes that offloading
-    /// more never raises the device peak.
+    /// For one point, its pairs (a layer and one of its kept units, or a layer and its inputs)
+    /// are offloaded in up to three orders ([`Search::orders_of`]), each in layer order: an
+    /// early layer's values stay saved the longest, and the most compute follows their copy to
+    /// the host and precedes their first read in backward, so their copies are the easiest to
+    /// hide. For each order the shortest prefix whose full plan fits is found by binary
+    /// search, after checking the whole order fits (about `log2(pairs) + 1` plans per order and
+    /// point; twice that when offloading them all overflows the host memory, which another
+    /// binary search bounds), and the fastest of the orders' plans is the point's. Optimality
+    /// gap: prefixes are not the cheapest subset in general (a later layer's smaller values may
+    /// fit with less exposed time), and the binary search assumes that offloading more never
+    /// raises the device peak.
     pub fn within_offloading(&self, budget: u64) -> Result<Plan, BudgetError> {
         let front = self.frontier(DEFAULT_STEPS)?;
         let mut best = match self.within(budget) {
@@ -548,9 +549,8 @@ impl<'g> Search<'g> {
 
     /// `pareto --with-offload`: each point of the frontier of density `steps` with a quarter,
     /// half, three quarters and all of its (layer, unit or layer input) pairs offloaded, in
-    /// layer order (as
-    /// [`Search::within_offloading`] orders them), as full plans; those `plan` rejects
-    /// dropped.
+    /// [`Search::pairs_of`]'s order (the first that [`Search::within_offloading`] tries), as
+    /// full plans; those `plan` rejects dropped.
     pub fn offloaded_points(&self, steps: u64) -> Result<Vec<Plan>, BudgetError> {
         let jobs: Vec<(Vec<u8>, Pairs)> = self
             .frontier(steps)?
@@ -586,7 +586,11 @@ impl<'g> Search<'g> {
         let inputs = interleaved.iter().filter(|p| !is_unit(p));
         let units_first: Pairs = units.clone().chain(inputs.clone()).copied().collect();
         let inputs_first: Pairs = inputs.chain(units).copied().collect();
-        vec![interleaved, units_first, inputs_first]
+        // A point that keeps nothing has one order, one of a single layer two (adjacent
+        // duplicates): each is searched once.
+        let mut orders = vec![interleaved, units_first, inputs_first];
+        orders.dedup();
+        orders
     }
 
     /// A point's (layer, unit) pairs and each layer's inputs, in layer order (in a layer, its

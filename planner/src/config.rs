@@ -438,19 +438,41 @@ pub fn parse_choices(graph: &Graph, json: &[u8]) -> Result<Choices, ConfigError>
         .into_iter()
         .map(|entry| ChoiceEntry::from(entry).resolve(graph))
         .collect::<Result<_, _>>()?;
+    let keep: Vec<(LayerRef, Vec<UnitId>)> = keep
+        .into_iter()
+        .map(|entry| entry.resolve(graph))
+        .collect::<Result<_, _>>()?;
     Ok(Choices {
-        keep: keep
-            .into_iter()
-            .map(|entry| entry.resolve(graph))
-            .collect::<Result<_, _>>()?,
+        keep: once_per_layer(graph, keep, "layer_keep")?,
         offload_inputs: offload
             .iter()
             .zip(offload_inputs)
             .filter(|(_, input)| *input)
             .map(|((at, _), _)| *at)
             .collect(),
-        offload: offload.into_iter().collect(),
+        offload: once_per_layer(graph, offload, "layer_offload")?,
     })
+}
+
+/// `layers` by layer, each listed once in `field`.
+fn once_per_layer(
+    graph: &Graph,
+    layers: Vec<(LayerRef, Vec<UnitId>)>,
+    field: &str,
+) -> Result<BTreeMap<LayerRef, Vec<UnitId>>, ConfigError> {
+    let mut by_layer = BTreeMap::new();
+    for (at, units) in layers {
+        if by_layer.insert(at, units).is_some() {
+            return Err(ConfigError::ChoicesFormat {
+                reason: format!(
+                    "`{field}` lists layer {} of model `{}` twice",
+                    at.layer,
+                    graph.model(at.model).name
+                ),
+            });
+        }
+    }
+    Ok(by_layer)
 }
 
 /// One layer's kept units as the JSON spells them.

@@ -24,7 +24,8 @@ pub struct Point {
     pub saved_bytes: u64,
     /// Per-layer units kept; empty keeps nothing.
     pub layer_keep: Vec<LayerKeep>,
-    /// Per-layer kept units offloaded to host memory; empty offloads nothing.
+    /// Per-layer kept units, and layer inputs, offloaded to host memory; empty offloads
+    /// nothing.
     pub layer_offload: Vec<LayerOffload>,
 }
 
@@ -53,7 +54,8 @@ pub fn frontier(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetErr
 }
 
 /// `pareto --with-offload`: the frontier of [`frontier`]'s points and each one's variants
-/// with part or all of its kept units offloaded ([`Search::offloaded_points`]), time being
+/// with part or all of its kept units and layer inputs offloaded
+/// ([`Search::offloaded_points`]), time being
 /// replay plus exposed transfer time: the points no other beats on both, by increasing peak.
 pub fn frontier_with_offload(search: &Search<'_>, steps: u64) -> Result<Vec<Point>, BudgetError> {
     let mut points = frontier(search, steps)?;

@@ -476,7 +476,7 @@ fn replays(partition: &Partition, work: &NodeWork) -> Vec<Replay> {
         .collect()
 }
 
-/// Per-layer units (kept, or offloaded) as the plan's configuration states them.
+/// Per-layer kept units as the plan's configuration states them.
 fn layer_choices(choices: &BTreeMap<LayerRef, Vec<UnitId>>) -> Vec<LayerKeep> {
     choices
         .iter()

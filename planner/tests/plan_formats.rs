@@ -33,11 +33,35 @@ fn configs() -> Vec<PlanConfig> {
     ]
 }
 
+/// Per-layer choices of `dense`: layer 0 keeps `SAVE_ATTN` and offloads it and its layer
+/// inputs, layer 1 keeps nothing.
+fn dense_with_choices() -> Plan {
+    let graph = ir::io::load(&golden_graph("dense")).unwrap();
+    let choices = br#"{"layer_keep": [{"model": "main", "layer": 0, "keep": ["SAVE_ATTN"]},
+        {"model": "main", "layer": 1, "keep": []}], "layer_offload": [{"model": "main",
+        "layer": 0, "offload": ["SAVE_ATTN"], "layer_input": true}]}"#;
+    let choices = planner::config::parse_choices(&graph, choices).unwrap();
+    let config = PlanConfig::default();
+    planner::plan::plan_with_choices(&graph, &config, choices, &HwProfile::default()).unwrap()
+}
+
+/// `plan` and `dense_with_choices` of each graph (the choices on `dense` only).
+fn plans_of(name: &str, graph: &Graph) -> Vec<Plan> {
+    let mut plans: Vec<Plan> = configs()
+        .iter()
+        .map(|config| plan(graph, config, &HwProfile::default()).unwrap())
+        .collect();
+    if name == "dense" {
+        plans.push(dense_with_choices());
+    }
+    plans
+}
+
 #[test]
 fn every_plan_reads_back_exactly_from_json_and_protobuf() {
     for (name, graph) in graphs() {
-        for config in configs() {
-            let written = plan(&graph, &config, &HwProfile::default()).unwrap();
+        for written in plans_of(&name, &graph) {
+            let config = &written.config;
             for format in [Format::Json, Format::Protobuf] {
                 let bytes = written.encode(&graph, format);
                 let (read, names) = Plan::decode(&bytes, format)
@@ -45,6 +69,9 @@ fn every_plan_reads_back_exactly_from_json_and_protobuf() {
                 let resolved = read.resolve(&names, &graph).unwrap();
                 // Plans are large: say which one differs, not both in full.
                 assert!(resolved == written, "{name} {format:?} {config:?}");
+                if !config.layer_offload.is_empty() {
+                    assert!(resolved.config.layer_offload[0].layer_input);
+                }
                 assert!(
                     resolved.encode(&graph, format) == bytes,
                     "{name} {format:?}: re-encoding is byte-identical"

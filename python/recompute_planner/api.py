@@ -140,7 +140,7 @@ def _choices_json(choices: Plan | Mapping[str, Any] | None) -> str | None:
         return None
     if isinstance(choices, Plan):
         config = choices.config
-        if not config.layer_keep:
+        if not config.layer_keep and not config.layer_offload:
             raise ValueError(
                 "this plan keeps the same units in every layer (no per-layer choices): plan it "
                 f"again with keep={list(config.keep)!r}"

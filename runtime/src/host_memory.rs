@@ -4,7 +4,7 @@
 //! By default glibc returns large freed blocks to the kernel (each block above its mmap
 //! threshold is unmapped when freed; the top of a heap is trimmed once enough of it is free),
 //! so the next tensor of that size is fresh memory, and every 4 KiB page of it costs a page
-//! fault on first touch: 1.4 us a page on this repository's 2-core test VM, 3% to 13% of a CPU
+//! fault on first touch: 1.4 us a page on this repository's 2-core test VM, 3% to 12% of a CPU
 //! step at the budget ranking's widths. A GPU's caching allocator keeps what it obtained, and
 //! the cost model counts no such fault. [`retain_freed_memory`] has glibc keep it too, so the
 //! steps after the first run on memory already mapped; [`page_faults`] counts what a step
@@ -12,26 +12,30 @@
 
 /// Has glibc's `malloc` keep the memory it obtains from the kernel for the rest of the
 /// process: no block is mapped on its own (each comes from the heap), the heap is never
-/// trimmed, and threads created from now on share the main heap (a thread's own arena is
-/// made of 64 MiB heaps, each returned to the kernel whole as soon as it is free, whatever
-/// the trim threshold). Process-wide, and not undone. Returns whether glibc accepted every
-/// setting (false where the C library is not glibc: nothing changes there).
+/// trimmed, and no thread makes an arena of its own from now on (a thread's own arena is made
+/// of 64 MiB heaps, each returned to the kernel whole as soon as it is free, whatever the trim
+/// threshold): called before any other thread has allocated, every thread shares the main
+/// heap. Process-wide, and not undone. Returns whether glibc accepted every setting (false
+/// where the C library is not glibc: nothing changes there).
+#[must_use]
 pub fn retain_freed_memory() -> bool {
     retain()
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn retain() -> bool {
-    // SAFETY: `mallopt` only sets allocator parameters; these two are valid at any time.
-    unsafe {
-        [
-            (libc::M_MMAP_MAX, 0),
-            (libc::M_TRIM_THRESHOLD, i32::MAX),
-            (libc::M_ARENA_MAX, 1),
-        ]
+    let settings = [
+        (libc::M_MMAP_MAX, 0),
+        (libc::M_TRIM_THRESHOLD, i32::MAX),
+        (libc::M_ARENA_MAX, 1),
+    ];
+    // Every setting is applied, whether an earlier one was accepted or not.
+    let accepted: Vec<bool> = settings
         .into_iter()
-        .all(|(param, value)| libc::mallopt(param, value) == 1)
-    }
+        // SAFETY: `mallopt` only sets allocator parameters; these are valid at any time.
+        .map(|(param, value)| unsafe { libc::mallopt(param, value) } == 1)
+        .collect();
+    accepted.iter().all(|&a| a)
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -63,6 +67,9 @@ fn faults() -> Option<u64> {
 mod tests {
     use super::*;
 
+    /// 64 MiB touched fresh: 16,384 faults of 4 KiB pages, or 32 of 2 MiB ones where the
+    /// kernel backs it with transparent huge pages.
+    #[cfg(target_os = "linux")]
     #[test]
     fn touching_fresh_pages_counts_page_faults() {
         let before = page_faults().expect("Linux counts page faults");
@@ -72,6 +79,6 @@ mod tests {
         }
         std::hint::black_box(&fresh);
         let after = page_faults().unwrap();
-        assert!(after - before >= 1000, "{before} -> {after}");
+        assert!(after - before >= 32, "{before} -> {after}");
     }
 }

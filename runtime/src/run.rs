@@ -121,7 +121,8 @@ pub struct RunConfig {
     pub cpu_memory: CpuMemory,
 }
 
-/// What the CPU allocator does with the memory a step frees (`planner run --cpu-memory`).
+/// What the CPU allocator does with the memory a step frees (`planner run` keeps it unless
+/// `--release-cpu-memory`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuMemory {
     /// Keep it for the rest of the process, as a GPU's caching allocator keeps its blocks
@@ -505,7 +506,9 @@ fn run_ranks(
         .max(world);
     preflight(&specs, total, config.max_input_bytes)?;
     if config.cpu_memory == CpuMemory::Retain && specs.iter().any(|s| s.device == Device::Cpu) {
-        host_memory::retain_freed_memory();
+        // A program that allocated on other threads first (`planner run` asks before it
+        // plans) keeps their arenas; what glibc refuses was reported when it was first asked.
+        let _ = host_memory::retain_freed_memory();
     }
     quiet_rank_panics();
     let (sender, receiver) = mpsc::channel();

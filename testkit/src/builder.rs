@@ -228,3 +228,26 @@ pub fn accumulating_index_put() -> Graph {
     });
     Graph::from_wire(wire).expect("valid")
 }
+
+/// Two checkpointed layers with one unit (`SAVE_ATTN` around each layer's middle op) whose
+/// backward reads every forward value, the marker outputs and their inputs included: the
+/// activations held for backward dominate the peak (one gradient is all the step outputs).
+/// Every value is `[4, 4]` float32 until the caller resizes them.
+pub fn activation_dominated() -> Builder {
+    let mut b = Builder::new(2, &[("SAVE_ATTN", &[("attn.begin", "attn.end")])]);
+    let mut h = b.input("x");
+    let mut reads = Vec::new();
+    for layer in 0..2 {
+        b.layer(Some(layer));
+        let a = b.op(&h);
+        let begin = b.marker("attn.begin", &a);
+        let inner = b.op(&begin);
+        let end = b.marker("attn.end", &inner);
+        h = b.op(&end);
+        reads.extend([a, begin, inner, end, h.clone()]);
+    }
+    b.layer(None);
+    reads.reverse();
+    b.backward_through("tangent", &reads);
+    b
+}

@@ -6,7 +6,7 @@ pub mod builder;
 pub mod deepen;
 pub mod golden;
 
-pub use builder::{accumulating_index_put, Builder, MODEL};
+pub use builder::{accumulating_index_put, activation_dominated, Builder, MODEL};
 pub use deepen::{deepen, DeepenError};
 pub use golden::{check_golden, golden_graph, repo_root, unified_diff, updating};
 

@@ -9,7 +9,7 @@ use super::{
     Offload, Optimizer, Peak, Plan, PlanNames, PlanReadError, RandomOps, Reason, Replay, SavedKind,
     SavedValue, Spelled, Stage, StateDtype, Training, UnitLayer, UnitSummary,
 };
-use crate::wire::plan as pb;
+use crate::{wire::plan as pb, UnitId};
 
 /// The `plan.proto` encoding of `plan`.
 pub fn encode(plan: &Plan, names: &dyn PlanNames) -> Vec<u8> {
@@ -143,7 +143,7 @@ pub fn layer_keep_to_wire(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> Ve
 }
 
 /// The named form of per-layer offload choices.
-pub fn layer_offload_to_wire(
+fn layer_offload_to_wire(
     layer_offload: &[LayerOffload],
     names: &dyn PlanNames,
 ) -> Vec<pb::LayerOffload> {
@@ -298,14 +298,8 @@ pub fn from_wire(wire: pb::Plan) -> Result<(Plan, NameTable), PlanReadError> {
 pub fn layer_keep_from_wire(wire: Vec<pb::LayerKeep>, names: &mut NameTable) -> Vec<LayerKeep> {
     wire.into_iter()
         .map(|l| {
-            let model = names.model(&l.model);
-            LayerKeep {
-                at: LayerRef {
-                    model,
-                    layer: l.layer,
-                },
-                units: l.keep.iter().map(|u| names.unit(model, u)).collect(),
-            }
+            let (at, units) = layer_units_from_wire(&l.model, l.layer, &l.keep, names);
+            LayerKeep { at, units }
         })
         .collect()
 }
@@ -317,17 +311,26 @@ fn layer_offload_from_wire(
 ) -> Vec<LayerOffload> {
     wire.into_iter()
         .map(|l| {
-            let model = names.model(&l.model);
+            let (at, units) = layer_units_from_wire(&l.model, l.layer, &l.offload, names);
             LayerOffload {
-                at: LayerRef {
-                    model,
-                    layer: l.layer,
-                },
-                units: l.offload.iter().map(|u| names.unit(model, u)).collect(),
+                at,
+                units,
                 layer_input: l.layer_input,
             }
         })
         .collect()
+}
+
+/// One layer and some of its model's units back from their names.
+fn layer_units_from_wire(
+    model: &str,
+    layer: u32,
+    units: &[String],
+    names: &mut NameTable,
+) -> (LayerRef, Vec<UnitId>) {
+    let model = names.model(model);
+    let units = units.iter().map(|u| names.unit(model, u)).collect();
+    (LayerRef { model, layer }, units)
 }
 
 fn config_from_wire(c: pb::Config, names: &mut NameTable) -> Result<Config, PlanReadError> {
