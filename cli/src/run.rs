@@ -43,9 +43,6 @@ pub(crate) fn run_run(args: RunArgs) -> Result<(), Failure> {
 
 fn run_and_report(args: RunArgs) -> Result<(), Failure> {
     let device = parse_device(&args.device)?;
-    if device == runtime::Device::Cpu && !args.release_cpu_memory {
-        keep_cpu_memory();
-    }
     let fault = args.inject_fault.as_deref().map(parse_fault).transpose()?;
     let timeout = run::timeout_from_secs(args.timeout)?;
     let planning = planning_config(&args)?;
@@ -333,16 +330,6 @@ fn parse_fault(text: &str) -> Result<Fault, String> {
         before_collective: number(2)?,
         kind,
     })
-}
-
-/// Has the CPU allocator keep what it obtains, before planning starts threads of its own: each
-/// rank's thread then allocates from the main heap too.
-fn keep_cpu_memory() {
-    if !runtime::host_memory::retain_freed_memory() {
-        eprintln!(
-            "warning: the C library's allocator did not take the settings that keep freed CPU              memory (they are glibc's): steps may pay page faults for their fresh tensors"
-        );
-    }
 }
 
 /// Signed difference of `measured` from `predicted`, in percent.

@@ -808,22 +808,22 @@ fn page_faults_a_step(extra: &[&str]) -> u64 {
 }
 
 /// On the CPU the run keeps the memory glibc obtains, as a GPU's caching allocator keeps its
-/// blocks: steps after the first reuse it, and the median step takes almost no page faults,
-/// where with glibc's defaults (`--release-cpu-memory`) it faults again on the large blocks
-/// glibc gave back.
+/// blocks: steps after the first reuse it, and the median step takes a fraction of the page
+/// faults it takes with glibc's defaults (`--release-cpu-memory`), which fault again on the
+/// large blocks glibc gave back.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn steps_after_the_first_reuse_the_memory_the_first_obtained() {
     let retained = page_faults_a_step(&[]);
     let released = page_faults_a_step(&["--release-cpu-memory"]);
-    // One 4 MiB value is 1024 pages; the step makes about 20 of them (measured: 0 kept,
-    // 3,568 to 4,080 with glibc's defaults).
-    assert!(
-        retained < 256,
-        "{retained} page faults a step with memory kept"
-    );
+    // One 4 MiB value is 1024 pages; the step makes about 20 of them. Measured: 7,152 a step
+    // with glibc's defaults; kept, 0 run by hand and 512 to 1,024 under `cargo test`.
     assert!(
         released > 1024,
         "{released} page faults a step with glibc's defaults"
+    );
+    assert!(
+        retained * 4 < released,
+        "{retained} page faults a step with memory kept, {released} with glibc's defaults"
     );
 }

@@ -14,8 +14,8 @@
 /// process: no block is mapped on its own (each comes from the heap), the heap is never
 /// trimmed, and no thread makes an arena of its own from now on (a thread's own arena is made
 /// of 64 MiB heaps, each returned to the kernel whole as soon as it is free, whatever the trim
-/// threshold): called before any other thread has allocated, every thread shares the main
-/// heap. Process-wide, and not undone. Returns whether glibc accepted every setting (false
+/// threshold; a thread started later shares the main heap or an arena made before).
+/// Process-wide, and not undone. Returns whether glibc accepted every setting (false
 /// where the C library is not glibc: nothing changes there).
 #[must_use]
 pub fn retain_freed_memory() -> bool {

@@ -506,8 +506,9 @@ fn run_ranks(
         .max(world);
     preflight(&specs, total, config.max_input_bytes)?;
     if config.cpu_memory == CpuMemory::Retain && specs.iter().any(|s| s.device == Device::Cpu) {
-        // A program that allocated on other threads first (`planner run` asks before it
-        // plans) keeps their arenas; what glibc refuses was reported when it was first asked.
+        // Threads that allocated before (planning's) keep their arenas, which a rank's thread
+        // may be handed; the settings still keep its blocks mapped and untrimmed. A C library
+        // that is not glibc takes none of them: the report's page faults show it.
         let _ = host_memory::retain_freed_memory();
     }
     quiet_rank_panics();

@@ -133,12 +133,16 @@ pub fn layer_keep_to_wire(layer_keep: &[LayerKeep], names: &dyn PlanNames) -> Ve
         .map(|l| pb::LayerKeep {
             model: names.model(l.at.model).to_owned(),
             layer: l.at.layer,
-            keep: l
-                .units
-                .iter()
-                .map(|&u| names.unit(l.at.model, u).to_owned())
-                .collect(),
+            keep: unit_names(l.at, &l.units, names),
         })
+        .collect()
+}
+
+/// The names of `units` of the model of `at`.
+fn unit_names(at: LayerRef, units: &[UnitId], names: &dyn PlanNames) -> Vec<String> {
+    units
+        .iter()
+        .map(|&u| names.unit(at.model, u).to_owned())
         .collect()
 }
 
@@ -152,11 +156,7 @@ fn layer_offload_to_wire(
         .map(|l| pb::LayerOffload {
             model: names.model(l.at.model).to_owned(),
             layer: l.at.layer,
-            offload: l
-                .units
-                .iter()
-                .map(|&u| names.unit(l.at.model, u).to_owned())
-                .collect(),
+            offload: unit_names(l.at, &l.units, names),
             layer_input: l.layer_input,
         })
         .collect()
