@@ -80,6 +80,10 @@ def _rank_main(
     try:
         result = fn(world_size, rank, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # No rank tears its group down while another is still exchanging with it: once, under
+        # a loaded machine, a rank aborted in teardown ("terminate called without an active
+        # exception", SIGABRT) while the other was finishing.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
