@@ -517,8 +517,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------
 # Time: step and replay measured against the plan's, at widths where a layer's matmuls take
 # milliseconds on this CPU (the budget ranking's models: four layers of 256, 4 heads of 64,
-# batch 2 x 256). The runtime plans with a profile `planner calibrate` measures through the same
-# binary, eager SAC and the compile stage with one `rp.calibrate` measures in this process.
+# batch 2 x 256; the HuggingFace families at `TIME_HF_SHAPE`). Each case's runtime rows plan
+# with a profile `planner calibrate` measures through the same binary just before them, its
+# eager SAC and compile-stage rows with one `rp.calibrate` measures in this process.
 
 TIME_KEEPS = ("none", "all")
 # Targets: the runtime's step within 10% and replay within 15%; eager SAC and the compile

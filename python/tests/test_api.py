@@ -104,6 +104,22 @@ def test_a_budget_answer_planned_again_with_another_profile_keeps_what_it_kept()
         rp.plan(GLM, choices=uniform)
 
 
+def test_a_plan_offloading_only_layer_inputs_is_planned_again_from_its_choices():
+    """A plan whose only per-layer choice moves a layer's inputs to host memory (no
+    `layer_keep`) is choices enough: planned again, it offloads the same layer inputs."""
+    choices = {
+        "layer_keep": [],
+        "layer_offload": [{"model": "main", "layer": 0, "offload": [], "layer_input": True}],
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rp.PlannerWarning)
+        first = rp.plan(GLM, choices=choices)
+        again = rp.plan(GLM, choices=first, hw="h100")
+    assert first.config.layer_offload[0].layer_input
+    assert again.config.layer_offload == first.config.layer_offload
+    assert again.memory.offloaded_bytes == first.memory.offloaded_bytes > 0
+
+
 def test_choices_naming_what_the_graph_lacks_raise_the_planners_error():
     with pytest.raises(rp.PlannerError, match="NOTHING") as raised:
         rp.plan(GLM, choices={"layer_keep": [{"model": "main", "layer": 0, "keep": ["NOTHING"]}]})

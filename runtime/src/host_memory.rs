@@ -15,41 +15,26 @@
 /// trimmed, and no thread makes an arena of its own from now on (a thread's own arena is made
 /// of 64 MiB heaps, each returned to the kernel whole as soon as it is free, whatever the trim
 /// threshold; a thread started later shares the main heap or an arena made before).
-/// Process-wide, and not undone. Returns whether glibc accepted every setting (false
-/// where the C library is not glibc: nothing changes there).
-#[must_use]
-pub fn retain_freed_memory() -> bool {
-    retain()
-}
-
+/// Process-wide, and not undone. Where the C library is not glibc nothing changes: the
+/// report's page faults show it.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn retain() -> bool {
-    let settings = [
+pub fn retain_freed_memory() {
+    for (param, value) in [
         (libc::M_MMAP_MAX, 0),
         (libc::M_TRIM_THRESHOLD, i32::MAX),
         (libc::M_ARENA_MAX, 1),
-    ];
-    // Every setting is applied, whether an earlier one was accepted or not.
-    let accepted: Vec<bool> = settings
-        .into_iter()
+    ] {
         // SAFETY: `mallopt` only sets allocator parameters; these are valid at any time.
-        .map(|(param, value)| unsafe { libc::mallopt(param, value) } == 1)
-        .collect();
-    accepted.iter().all(|&a| a)
+        unsafe { libc::mallopt(param, value) };
+    }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn retain() -> bool {
-    false
-}
+pub fn retain_freed_memory() {}
 
 /// Minor page faults of the whole process so far (every thread's), where the OS counts them.
-pub fn page_faults() -> Option<u64> {
-    faults()
-}
-
 #[cfg(unix)]
-fn faults() -> Option<u64> {
+pub fn page_faults() -> Option<u64> {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: `getrusage` fills the struct it is given; RUSAGE_SELF is always valid.
     let done = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
@@ -59,7 +44,7 @@ fn faults() -> Option<u64> {
 }
 
 #[cfg(not(unix))]
-fn faults() -> Option<u64> {
+pub fn page_faults() -> Option<u64> {
     None
 }
 

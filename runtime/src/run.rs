@@ -126,7 +126,7 @@ pub struct RunConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuMemory {
     /// Keep it for the rest of the process, as a GPU's caching allocator keeps its blocks
-    /// ([`host_memory::retain_freed_memory`]): steps after the first pay no page faults for
+    /// ([`host_memory::retain_freed_memory`]): steps after the first pay few page faults for
     /// their fresh tensors, which the cost model does not count.
     #[default]
     Retain,
@@ -507,9 +507,8 @@ fn run_ranks(
     preflight(&specs, total, config.max_input_bytes)?;
     if config.cpu_memory == CpuMemory::Retain && specs.iter().any(|s| s.device == Device::Cpu) {
         // Threads that allocated before (planning's) keep their arenas, which a rank's thread
-        // may be handed; the settings still keep its blocks mapped and untrimmed. A C library
-        // that is not glibc takes none of them: the report's page faults show it.
-        let _ = host_memory::retain_freed_memory();
+        // may be handed; the settings still keep its blocks mapped and untrimmed.
+        host_memory::retain_freed_memory();
     }
     quiet_rank_panics();
     let (sender, receiver) = mpsc::channel();
