@@ -85,6 +85,7 @@ pub fn hw_profile(data: &[u8]) {
                 hw.matmul_f64_flops_per_s,
                 hw.matmul_f8_flops_per_s,
                 hw.vector_flops_per_s,
+                hw.selection_ops_per_s,
                 hw.hbm_bytes_per_s,
                 hw.link_bytes_per_s,
                 hw.memory_bytes,

@@ -19,7 +19,7 @@ use crate::cost::{Calibration, CollectiveRates, HwProfile, Timing};
 
 /// The classes of benchmark a calibration may hold (docs/cost-and-memory.md says which field
 /// each one sets).
-pub const CLASSES: [&str; 15] = [
+pub const CLASSES: [&str; 17] = [
     "overhead",
     "overhead_view",
     "overhead_matmul",
@@ -28,9 +28,11 @@ pub const CLASSES: [&str; 15] = [
     "matmul_f32",
     "matmul_bf16",
     "attention",
+    "attention_bf16",
     "memory",
     "transcendental",
     "reduction",
+    "selection",
     "host_copy",
     "host_sync",
     "collective",
@@ -274,6 +276,8 @@ struct Sizes {
     elements: &'static [i64],
     transcendental: &'static [i64],
     attention_seq: &'static [i64],
+    /// Top-k benchmarks: rows, row length, k.
+    selection: &'static [(i64, i64, i64)],
     /// All-to-all rows of two ranks that are threads of one process (loopback).
     collective_rows: &'static [i64],
     /// ... of ranks launched as processes (`torchrun`), through their real process group.
@@ -295,6 +299,9 @@ const CPU: Sizes = Sizes {
     elements: &[1 << 16, 1 << 20, 1 << 22],
     transcendental: &[1 << 14, 1 << 16, 1 << 18],
     attention_seq: &[128, 256, 512],
+    // A router's and a sparse-attention indexer's selections: the test VM's single thread ran
+    // these at 0.3 to 0.6 G comparisons/s on one thread, against 6.6 GFLOP/s for `exp`.
+    selection: &[(1024, 512, 16), (512, 1024, 64), (256, 2048, 128)],
     collective_rows: &[16, 1024, 16384],
     launched_collective_rows: &[16, 1024, 16384],
     work: 1.5e9,
@@ -307,24 +314,26 @@ const CUDA: Sizes = Sizes {
     elements: &[1 << 22, 1 << 24, 1 << 26],
     transcendental: &[1 << 22, 1 << 24],
     attention_seq: &[],
+    selection: &[(1 << 16, 1024, 64), (1 << 14, 4096, 128)],
     collective_rows: &[],
     launched_collective_rows: &[1 << 12, 1 << 16, 1 << 20],
     work: 2e12,
     host_copy_work: 2e9,
 };
 
-/// The CPU's fused attention over `q`, `k`, `v` of `[batch, heads, seq, head dim]`, without
-/// a mask, in the class `overhead_attention` (set another).
-fn cpu_attention(qkv: &[&[i64]; 3]) -> Benchmark {
+/// The CPU's fused attention over `q`, `k`, `v` of `[batch, heads, seq, head dim]` in
+/// `dtype`, without a mask, in the class `overhead_attention` (set another). Its log-sum-exp
+/// is fp32 whatever the operands'.
+fn cpu_attention(qkv: &[&[i64]; 3], dtype: pb::Dtype) -> Benchmark {
     let q = qkv[0];
     Benchmark::new(
         "overhead_attention",
         "aten._scaled_dot_product_flash_attention_for_cpu.default",
-        pb::Dtype::Float32,
+        dtype,
         qkv,
     )
     .output(vec![
-        (pb::Dtype::Float32, q.to_vec()),
+        (dtype, q.to_vec()),
         (pb::Dtype::Float32, q[..3].to_vec()),
     ])
     .attribute("is_causal", AttrValue::Bool(false))
@@ -401,7 +410,7 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
     ];
     if !cuda {
         let qkv: [&[i64]; 3] = [&[1, 2, 16, 16], &[1, 2, 16, 16], &[1, 2, 16, 16]];
-        all.push(tiny(cpu_attention(&qkv)));
+        all.push(tiny(cpu_attention(&qkv, F32)));
     }
     // The same elementwise ops in a checkpointed layer: what eager selective checkpointing
     // adds to each (timed by `recompute_planner.calibrate` only).
@@ -424,19 +433,21 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
             );
         }
     }
-    // Fused attention on the CPU (a GPU's kernels take arguments a one-op graph does not
-    // express yet: attention stays at the base profile's share there).
+    // Fused attention on the CPU, fp32 and bf16 (a GPU's kernels take arguments a one-op graph
+    // does not express yet: attention stays at the base profile's share there).
     for &s in sizes.attention_seq {
         let (b, h, d) = (1, 8, 64);
         let flops = 4.0 * (b * h) as f64 * (s * s * d) as f64;
         let qkv: [&[i64]; 3] = [&[b, h, s, d], &[b, h, s, d], &[b, h, s, d]];
-        all.push(
-            Benchmark {
-                class: "attention",
-                ..cpu_attention(&qkv)
-            }
-            .repeated_for(flops, work),
-        );
+        for (class, dtype) in [("attention", F32), ("attention_bf16", BF16)] {
+            all.push(
+                Benchmark {
+                    class,
+                    ..cpu_attention(&qkv, dtype)
+                }
+                .repeated_for(flops, work),
+            );
+        }
     }
     for &n in sizes.elements {
         let bytes = 12.0 * n as f64;
@@ -457,6 +468,18 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
             Benchmark::new("host_copy", "aten._to_copy.default", F32, &[&[n]])
                 .attribute("device", AttrValue::Str("cpu".to_owned()))
                 .repeated_for(bytes, sizes.host_copy_work),
+        );
+    }
+    for &(rows, n, k) in sizes.selection {
+        let comparisons = (rows * n) as f64 * (k as f64).log2().ceil().max(1.0);
+        all.push(
+            Benchmark::new("selection", "aten.topk.default", F32, &[&[rows, n]])
+                .output(vec![
+                    (F32, vec![rows, k]),
+                    (pb::Dtype::Int64, vec![rows, k]),
+                ])
+                .attribute("k", AttrValue::Int(k))
+                .repeated_for(comparisons, work / 100.0),
         );
     }
     for &n in sizes.transcendental {
@@ -667,6 +690,12 @@ pub fn fit(
         "vector_flops_per_s",
         &mut not_measured,
     );
+    set(
+        &mut profile.selection_ops_per_s,
+        rate("selection", |t| t.flops, reduction),
+        "selection_ops_per_s",
+        &mut not_measured,
+    );
     if profile.matmul_f32_flops_per_s != base.matmul_f32_flops_per_s {
         let attention = rate("attention", |t| t.flops, attention_overhead)
             .map(|r| (r / profile.matmul_f32_flops_per_s).min(1.0));
@@ -678,6 +707,16 @@ pub fn fit(
         );
     } else {
         not_measured.push("attention_efficiency".to_owned());
+    }
+    // A 16-bit attention kernel's share of the 16-bit matmul rate: only beside that rate.
+    let attention_16bit = (profile.matmul_flops_per_s != base.matmul_flops_per_s)
+        .then(|| rate("attention_bf16", |t| t.flops, attention_overhead))
+        .flatten()
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .map(|r| (r / profile.matmul_flops_per_s).min(1.0));
+    match attention_16bit {
+        Some(share) => profile.attention_16bit_efficiency = Some(share),
+        None => not_measured.push("attention_16bit_efficiency".to_owned()),
     }
     set(
         &mut profile.memory_bytes,
@@ -889,6 +928,7 @@ mod tests {
             timings.push(timing("matmul_f32", n as u64, 0, 0, overhead + n / 1e11));
             timings.push(timing("memory", 0, n as u64, 0, overhead + n / 1e10));
             timings.push(timing("attention", n as u64, 0, 0, overhead + n / 5e10));
+            timings.push(timing("selection", n as u64, 0, 0, overhead + n / 1e9));
         }
         // A collective and its wait (a view, whose overhead is the general one here).
         for bytes in [1e3, 1e6] {
@@ -906,6 +946,7 @@ mod tests {
         assert!(close(profile.matmul_f32_flops_per_s, 1e11));
         assert!(close(profile.hbm_bytes_per_s, 1e10));
         assert!(close(profile.attention_efficiency, 0.5));
+        assert!(close(profile.selection_ops_per_s, 1e9));
         assert!(
             close(profile.collective_latency_s, 20e-6),
             "{}",
@@ -919,6 +960,56 @@ mod tests {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    /// A CPU's bf16 attention runs about as fast as its fp32 one, far below its bf16 matmuls:
+    /// it gets its own share of the 16-bit matmul rate, and the planner times a bf16
+    /// attention node by it (an fp32 one by the fp32 share).
+    #[test]
+    fn a_16bit_attention_is_timed_by_its_own_share_of_the_16bit_matmul_rate() {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        for n in [1e8, 1e9] {
+            timings.push(timing("matmul_f32", n as u64, 0, 0, overhead + n / 1e11));
+            timings.push(timing("matmul_bf16", n as u64, 0, 0, overhead + n / 1e12));
+            timings.push(timing("attention", n as u64, 0, 0, overhead + n / 5e10));
+            timings.push(timing(
+                "attention_bf16",
+                n as u64,
+                0,
+                0,
+                overhead + n / 5e10,
+            ));
+        }
+        let base = HwProfile::shipped("h100").unwrap();
+        let profile = fit(&base, "test", None, calibration(timings)).unwrap();
+        let share = profile.attention_16bit_efficiency.unwrap();
+        assert!((share - 0.05).abs() < 1e-9, "{share}");
+        assert!((profile.attention_efficiency - 0.5).abs() < 1e-9);
+        let attention = |dtype: pb::Dtype| {
+            let mut b = testkit::Builder::new(1, &[]);
+            let (q, k, v) = (b.input("q"), b.input("k"), b.input("v"));
+            let op = "aten._scaled_dot_product_flash_attention_for_cpu.default";
+            let (_, out) = b.node(op, &[&q, &k, &v]);
+            b.output(&out);
+            let mut wire = b.wire();
+            for value in &mut wire.values {
+                value.dtype = dtype as i32;
+                value.shape = vec![1, 8, 512, 64];
+            }
+            let graph = Graph::from_wire(wire).unwrap();
+            let node = NodeId::from_index(0);
+            let flops = graph.node_cost(node).flops as f64;
+            (profile.node_seconds(&graph, node) - profile.attention_overhead_s) / flops
+        };
+        // Seconds per FLOP: both kernels at 5e10 FLOP/s.
+        for dtype in [pb::Dtype::Float32, pb::Dtype::Bfloat16] {
+            let per_flop = attention(dtype);
+            assert!(
+                (per_flop * 5e10 - 1.0).abs() < 1e-6,
+                "{dtype:?}: {per_flop}"
+            );
+        }
     }
 
     /// Collective ops timed apart get a line each (the general one runs through all of them),

@@ -41,6 +41,10 @@ pub struct HwProfile {
     pub matmul_f8_flops_per_s: f64,
     /// Everything else (elementwise, reductions, softmax), FLOP/s.
     pub vector_flops_per_s: f64,
+    /// Comparisons per second of a top-k or a sort (the knowledge base counts `numel ×
+    /// log2 k` for a top-k, `numel × log2 n` for a sort): a CPU's top-k runs them an order of
+    /// magnitude below its vector rate. The datasheet profiles take their vector rate.
+    pub selection_ops_per_s: f64,
     /// Device memory bandwidth, bytes/s.
     pub hbm_bytes_per_s: f64,
     /// Interconnect bandwidth per direction (NVLink, Infinity Fabric), bytes/s.
@@ -65,6 +69,11 @@ pub struct HwProfile {
     /// The share of its dtype's matmul rate an attention kernel reaches (fused attention runs
     /// softmax and masking between its two matmuls).
     pub attention_efficiency: f64,
+    /// ... for 16-bit operands (bf16, fp16), of the 16-bit matmul rate, where a calibration
+    /// timed it apart: a CPU's 16-bit attention kernel runs about as fast as its fp32 one,
+    /// far below its 16-bit matmuls. Absent: `attention_efficiency`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_16bit_efficiency: Option<f64>,
     /// Host <-> device copy bandwidth per direction (PCIe, C2C), bytes/s.
     pub host_bytes_per_s: f64,
     /// Host memory one device's offloaded activations may take (pinned; the node's memory
@@ -188,6 +197,7 @@ impl HwProfile {
             matmul_f64_flops_per_s: 67e12,
             matmul_f8_flops_per_s: 1979e12,
             vector_flops_per_s: 67e12,
+            selection_ops_per_s: 67e12,
             hbm_bytes_per_s: 3.35e12,
             link_bytes_per_s: 450e9,
             memory_bytes: GIB * 80.0,
@@ -199,6 +209,7 @@ impl HwProfile {
             attention_overhead_s: 5e-6,
             reduction_overhead_s: 5e-6,
             attention_efficiency: 0.6,
+            attention_16bit_efficiency: None,
             host_bytes_per_s: 64e9,
             host_memory_bytes: GIB * 256.0,
             host_sync_s: 20e-6,
@@ -231,6 +242,7 @@ impl HwProfile {
             matmul_f64_flops_per_s: 37e12,
             matmul_f8_flops_per_s: 4500e12,
             vector_flops_per_s: 75e12,
+            selection_ops_per_s: 75e12,
             hbm_bytes_per_s: 8e12,
             link_bytes_per_s: 900e9,
             memory_bytes: GIB * 180.0,
@@ -251,6 +263,7 @@ impl HwProfile {
             matmul_f64_flops_per_s: 163.4e12,
             matmul_f8_flops_per_s: 2614.9e12,
             vector_flops_per_s: 163.4e12,
+            selection_ops_per_s: 163.4e12,
             hbm_bytes_per_s: 5.3e12,
             link_bytes_per_s: 448e9,
             memory_bytes: GIB * 192.0,
@@ -292,7 +305,7 @@ impl HwProfile {
     /// Parses the bytes of a JSON profile; `origin` names it in errors (a path, or what the
     /// bytes came from). Fields it leaves out keep the H200's, but for `asynchronous` in a
     /// profile calibrated on a CPU (written before the field existed): a CPU runs ops in
-    /// order. Every rate must be a finite positive number.
+    /// order; and `selection_ops_per_s`, which takes the profile's own vector rate. Every rate must be a finite positive number.
     pub fn from_json(bytes: &[u8], origin: &str) -> Result<HwProfile, String> {
         let origin = display::name(origin);
         let mut profile: HwProfile = serde_json::from_slice(bytes).map_err(|e| {
@@ -309,12 +322,17 @@ impl HwProfile {
         if calibrated_on_cpu && !names_field(bytes, "asynchronous") {
             profile.asynchronous = false;
         }
+        // Top-k and sorts ran at the vector rate before they had a rate of their own.
+        if !names_field(bytes, "selection_ops_per_s") {
+            profile.selection_ops_per_s = profile.vector_flops_per_s;
+        }
         for (field, value) in [
             ("matmul_flops_per_s", profile.matmul_flops_per_s),
             ("matmul_f32_flops_per_s", profile.matmul_f32_flops_per_s),
             ("matmul_f64_flops_per_s", profile.matmul_f64_flops_per_s),
             ("matmul_f8_flops_per_s", profile.matmul_f8_flops_per_s),
             ("vector_flops_per_s", profile.vector_flops_per_s),
+            ("selection_ops_per_s", profile.selection_ops_per_s),
             ("hbm_bytes_per_s", profile.hbm_bytes_per_s),
             ("link_bytes_per_s", profile.link_bytes_per_s),
             ("memory_bytes", profile.memory_bytes),
@@ -365,11 +383,21 @@ impl HwProfile {
                 ));
             }
         }
-        let efficiency = profile.attention_efficiency;
-        if !(efficiency > 0.0 && efficiency <= 1.0) {
-            return Err(format!(
-                "{origin}: `attention_efficiency` must be above 0 and at most 1, got {efficiency}"
-            ));
+        for (field, efficiency) in [
+            ("attention_efficiency", Some(profile.attention_efficiency)),
+            (
+                "attention_16bit_efficiency",
+                profile.attention_16bit_efficiency,
+            ),
+        ] {
+            match efficiency {
+                Some(e) if !(e > 0.0 && e <= 1.0) => {
+                    return Err(format!(
+                        "{origin}: `{field}` must be above 0 and at most 1, got {e}"
+                    ));
+                }
+                _ => {}
+            }
         }
         Ok(profile)
     }
@@ -395,23 +423,35 @@ impl HwProfile {
     }
 
     /// The compute rate of `node`: a compute-intensive op (matmul, attention) runs at the
-    /// matmul rate of its first operand's dtype (attention at the profile's share of it),
-    /// anything else at the vector rate.
+    /// matmul rate of its first operand's dtype (attention at the profile's share of it), a
+    /// top-k or a sort at the selection rate, anything else at the vector rate.
     fn rate_of(&self, graph: &Graph, node: NodeId) -> f64 {
         let node = graph.node(node);
+        if matches!(node.info.cost_model, CostModel::TopK | CostModel::Sort) {
+            return self.selection_ops_per_s;
+        }
         if !node.info.compute_intensive {
             return self.vector_flops_per_s;
         }
-        let matmul = node
+        let dtype = node
             .inputs
             .first()
-            .map_or(self.matmul_flops_per_s, |&operand| {
-                self.matmul_rate(graph.value(operand).dtype)
-            });
+            .map(|&operand| graph.value(operand).dtype);
+        let matmul = dtype.map_or(self.matmul_flops_per_s, |d| self.matmul_rate(d));
         if is_attention(node) {
-            matmul * self.attention_efficiency
+            matmul * self.attention_efficiency_of(dtype)
         } else {
             matmul
+        }
+    }
+
+    /// The share of the matmul rate an attention kernel on operands of `dtype` reaches.
+    fn attention_efficiency_of(&self, dtype: Option<DType>) -> f64 {
+        match dtype {
+            Some(DType::BF16 | DType::F16) => self
+                .attention_16bit_efficiency
+                .unwrap_or(self.attention_efficiency),
+            _ => self.attention_efficiency,
         }
     }
 
@@ -782,6 +822,47 @@ mod tests {
         assert!((seconds(&graph, &hw, 1) - hw.op_overhead_s - roofline).abs() < 1e-12);
     }
 
+    /// A top-k's comparisons run at the selection rate: a CPU's top-k runs them an order of
+    /// magnitude below its vector rate, which times every other non-matmul op.
+    #[test]
+    fn a_top_k_runs_at_the_selection_rate_and_an_elementwise_op_at_the_vector_rate() {
+        let hw = HwProfile {
+            vector_flops_per_s: 1e10,
+            selection_ops_per_s: 1e9,
+            hbm_bytes_per_s: 1e15,
+            ..HwProfile::shipped("h100").unwrap()
+        };
+        let k = 64;
+        let topk = {
+            let mut b = Builder::new(1, &[]);
+            let x = b.input("x");
+            let (_, v) = b.node("aten.view.default", &[&x]);
+            let (_, y) = b.node("aten.topk.default", &[&v]);
+            b.output(&y);
+            let mut wire = b.wire();
+            let selected = wire.nodes[1].outputs[0].clone();
+            for value in &mut wire.values {
+                value.shape = if value.name == selected {
+                    vec![1024, k]
+                } else {
+                    vec![1024, 1024]
+                };
+            }
+            Graph::from_wire(wire).unwrap()
+        };
+        let comparisons = (1024 * 1024 * 6) as f64; // numel x log2(64)
+        let expected = hw.reduction_overhead_s + comparisons / hw.selection_ops_per_s;
+        assert!(
+            (seconds(&topk, &hw, 1) - expected).abs() < 1e-12,
+            "{}",
+            seconds(&topk, &hw, 1)
+        );
+        let exp = one_op("aten.exp.default", Vec::new());
+        let flops = (1024 * 1024 * u64::from(ir::ops::TRANSCENDENTAL_FLOPS)) as f64;
+        let expected = hw.op_overhead_s + flops / hw.vector_flops_per_s;
+        assert!((seconds(&exp, &hw, 1) - expected).abs() < 1e-12);
+    }
+
     #[test]
     fn a_copy_to_the_host_waits_for_the_device_and_crosses_the_host_link() {
         let hw = HwProfile::shipped("h100").unwrap();
@@ -997,6 +1078,7 @@ mod tests {
             r#"{"op_overhead_s": 0}"#,
             r#"{"host_sync_s": 1}"#,
             r#"{"attention_efficiency": 1}"#,
+            r#"{"attention_16bit_efficiency": 0.2}"#,
         ] {
             assert!(parse(ok).is_ok(), "{ok}");
         }
@@ -1005,6 +1087,11 @@ mod tests {
             (r#"{"collective_latency_s": 2}"#, "collective_latency_s"),
             (r#"{"attention_efficiency": 1.5}"#, "attention_efficiency"),
             (r#"{"attention_efficiency": 0}"#, "attention_efficiency"),
+            (
+                r#"{"attention_16bit_efficiency": 2}"#,
+                "attention_16bit_efficiency",
+            ),
+            (r#"{"selection_ops_per_s": 0}"#, "selection_ops_per_s"),
         ] {
             let error = parse(bad).unwrap_err();
             assert!(error.contains(field), "{bad}: {error}");
@@ -1020,6 +1107,14 @@ mod tests {
         assert_eq!(old.host_sync_s, h200.host_sync_s);
         assert_eq!(old.calibration, None);
         assert_eq!(old.matmul_flops_per_s, 1e14);
+    }
+
+    #[test]
+    fn a_profile_without_a_selection_rate_selects_at_its_own_vector_rate() {
+        let old = parse(r#"{"vector_flops_per_s": 6e9}"#).unwrap();
+        assert_eq!(old.selection_ops_per_s, 6e9);
+        let new = parse(r#"{"vector_flops_per_s": 6e9, "selection_ops_per_s": 5e8}"#).unwrap();
+        assert_eq!(new.selection_ops_per_s, 5e8);
     }
 
     #[test]
