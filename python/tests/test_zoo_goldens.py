@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from export_support import planner_run
 from graph_walk import (
     GOLDEN_DIR,
     declared_intervals,
@@ -36,6 +37,7 @@ from recompute_planner._zoo.goldens import (
     golden,
     rank_path,
     reference_path,
+    trace_for_timing,
     trace_graph_bytes,
 )
 from recompute_planner.markers import MARKER_NAME_ATTR
@@ -547,3 +549,23 @@ def test_dropout_runs_inside_the_attention_interval_and_outside_every_interval()
         }
         where = sorted(enclosed.get(n.name, "") for n in nodes if n in dropouts)
         assert where == ["", "attn.begin"], run
+
+
+def test_a_model_traced_for_timing_runs_on_its_ranks_from_its_tokens_and_a_seed(tmp_path):
+    """`trace_for_timing` (the trade-offs script's traced DSA model): each rank's graph where
+    it differs from rank 0's (sequence-parallel positions), each rank's own tokens and a unit
+    loss tangent beside it, and `planner run --seed` fills the weights and runs every rank
+    with outputs bit-identical to no checkpointing."""
+    cfg = golden("glm_dsa_ep2").entry.config.resized(seq=16, index_topk=8)
+    graph = trace_for_timing("dsa_traced", cfg, tmp_path)
+    assert graph == tmp_path / "dsa_traced.pb"
+    assert (tmp_path / "dsa_traced.rank1.pb").exists()
+    for rank in range(cfg.world_size):
+        data = load_file(reference_path(tmp_path, "dsa_traced", rank))
+        tokens = make_inputs(cfg.for_rank(cfg.world_size, rank))
+        for i, expected in enumerate(tokens):
+            assert torch.equal(data[f"input/input.{i}"], expected)
+        assert [k for k in data if k.startswith("tangent/")] == ["tangent/tangents_1"]
+    done = planner_run(str(graph), "--seed", "0", "--keep", "SAVE_DSA_INDEXER", "--check")
+    assert done.returncode == 0, done.stderr
+    assert "bit-identical" in done.stdout

@@ -23,6 +23,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .._exporter import (
     ExportResult,
     export_forward,
@@ -39,7 +41,9 @@ from ..device_export import (
 )
 from ..proto import graph_pb2
 from .catalog import ENTRIES, ZooEntry, entry, make_inputs, model_decls
+from .config import ZooConfig
 from .distributed import fake_process_group, run_on_ranks
+from .model import CausalLM
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,9 @@ def export_rank(gold: Golden, rank: int = 0) -> ExportResult:
     return with_device_graph(result, device_graph(gold, gold.device, rank))
 
 
-def traced_group(world_size: int) -> AbstractContextManager[None]:
-    """The process group to trace rank 0 of a `world_size` model in this process."""
-    return fake_process_group(world_size, 0) if world_size > 1 else contextlib.nullcontext()
+def traced_group(world_size: int, rank: int = 0) -> AbstractContextManager[None]:
+    """The process group to trace `rank` of a `world_size` model in this process."""
+    return fake_process_group(world_size, rank) if world_size > 1 else contextlib.nullcontext()
 
 
 def trace_graph_bytes(gold: Golden) -> bytes:
@@ -117,6 +121,40 @@ def trace_graph_bytes(gold: Golden) -> bytes:
         graph = export_rank(gold).graph if gold.device is None else device_graph(gold, gold.device)
         data: bytes = graph.SerializeToString(deterministic=True)
         return data
+
+
+def trace_for_timing(name: str, cfg: ZooConfig, out_dir: Path) -> Path:
+    """A zoo model with ``cfg`` as ``planner run --seed S`` times it, with no reference data:
+    every rank's training step traced in this process under a fake process group, written as
+    ``NAME.pb`` (and ``NAME.rank<r>.pb`` where rank r's graph differs from rank 0's in more
+    than its rank number), beside each rank's tokens and labels (``make_inputs``) and a unit
+    loss tangent in ``NAME[.rank<r>].safetensors``; the run fills the weights from its seed.
+    Returns rank 0's graph file."""
+    from safetensors.torch import save_file
+
+    from ..model_export import export
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    graphs: list[graph_pb2.Graph] = []
+    for rank in range(cfg.world_size):
+        ranked = cfg.for_rank(cfg.world_size, rank)
+        inputs = make_inputs(ranked)
+        with traced_group(cfg.world_size, rank):
+            graph = export(
+                CausalLM(ranked), inputs, models=model_decls(ranked), name=name, fake=True,
+                world_size=ranked.world_size, rank=rank,
+            ).graph
+        if rank == 0 or not same_but_rank(graph, graphs[0]):
+            write_graph(graph, rank_path(out_dir, name, rank, "pb"))
+        graphs.append(graph)
+        data = {f"input/input.{i}": tensor.clone() for i, tensor in enumerate(inputs)}
+        data |= {
+            f"tangent/{v.name}": torch.ones(list(v.shape))
+            for v in graph.values
+            if v.role == graph_pb2.ROLE_TANGENT
+        }
+        save_file(data, str(reference_path(out_dir, name, rank)))
+    return rank_path(out_dir, name, 0, "pb")
 
 
 def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
