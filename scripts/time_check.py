@@ -365,6 +365,8 @@ def calibrated_profile(device: torch.device, repeat: int, out: Path | None) -> d
         "reduction_overhead_s",
         "matmul_f32_flops_per_s",
         "matmul_flops_per_s",
+        "selection_ops_per_s",
+        "attention_16bit_efficiency",
         "hbm_bytes_per_s",
         "host_bytes_per_s",
         "host_sync_s",

@@ -1,17 +1,18 @@
-"""Three trade-offs production MoE runs weigh, predicted and measured: what keeping a unit (or
-the collectives) costs in peak memory and saves in step time.
+"""Two trade-offs production MoE runs weigh, in three pairs of configurations, predicted and
+measured: what keeping a unit (or the collectives) costs in peak memory and saves in step
+time.
 
 - `moe_ep2` (expert-parallel MoE, torchtitan-like): `--collectives recompute` against `save`
   (replaying the dispatch all-to-all and the device-to-host copy of its split sizes, or
   keeping their outputs);
 - `glm_dsa_ep2` (DSA indexer, MoE, MTP): `--keep none` against `--keep SAVE_DSA_INDEXER`, at
-  the golden's 16 tokens (the indexer's replay is below this machine's noise there) and at
+  the golden's 2 x 16 tokens (the indexer's replay is below this machine's noise there) and at
   1,024 tokens (`DSA_WIDE`: the model traced here, its weights filled from a seed), where the
-  indexer's replay is a tenth of the step.
+  indexer's replay is about a seventh of the step.
 
-For each pair: the planner's Δpeak and Δstep time with a calibrated profile, beside the step
-time `planner run` measures on gloo ranks launched by torchrun (rank 0's median of `--repeat`
-steps; every rank is a process of this machine).
+For each pair: the planner's Δpeak, Δstep and Δreplay time with a calibrated profile, beside
+the step and replay times `planner run` measures on gloo ranks launched by torchrun (rank 0's
+median of `--repeat` steps; every rank is a process of this machine).
 
     python scripts/tradeoffs.py --hw PROFILE.json      # a profile from `planner calibrate`
     python scripts/tradeoffs.py                         # calibrates first, under torchrun
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from recompute_planner._zoo.catalog import entry
+from recompute_planner._zoo.config import ZooConfig
 from recompute_planner._zoo.goldens import trace_for_timing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +43,7 @@ GOLDEN = REPO_ROOT / "tests" / "golden"
 
 # The DSA golden's model at 1,024 tokens (512 a rank): its indexer scores 4 heads over the
 # whole sequence and selects 32 keys a query, so replaying it (two bmms and a top-k of 1,024,
-# in each of three layers) is about a tenth of the step, and the sparse attention over the
+# in each of three layers) is about a seventh of the step, and the sparse attention over the
 # 32 selected keys stays small.
 DSA_WIDE = dict(
     hidden=64, heads=2, head_dim=32, index_heads=4, index_topk=32, seq=512, batch=1, vocab=512,
@@ -60,11 +62,14 @@ class Pair:
     second: list[str]
     resized: dict[str, Any] | None = None
 
+    @property
+    def config(self) -> ZooConfig:
+        return entry(self.golden).config.resized(**(self.resized or {}))
+
     def graph(self, scratch: Path) -> Path:
         if self.resized is None:
             return GOLDEN / f"{self.golden}.pb"
-        cfg = entry(self.golden).config.resized(**self.resized)
-        return trace_for_timing(f"{self.golden}_wide", cfg, scratch / "traced")
+        return trace_for_timing(f"{self.golden}_wide", self.config, scratch / "traced")
 
     @property
     def run_options(self) -> list[str]:
@@ -74,8 +79,7 @@ class Pair:
     def name(self) -> str:
         if self.resized is None:
             return self.golden
-        cfg = entry(self.golden).config.resized(**self.resized)
-        return f"{self.golden} at {cfg.batch * cfg.global_seq:,} tokens"
+        return f"{self.golden} at {self.config.batch * self.config.global_seq:,} tokens"
 
 
 PAIRS = [

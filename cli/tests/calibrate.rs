@@ -43,7 +43,9 @@ fn calibrated_profile() -> PathBuf {
         "overhead",
         "matmul_f32",
         "attention",
+        "attention_bf16",
         "memory",
+        "selection",
         "host_sync",
         "collective",
     ] {

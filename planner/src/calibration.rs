@@ -102,12 +102,17 @@ impl Benchmark {
         graph_of(std::slice::from_ref(self))
     }
 
+    /// The work of one op of this benchmark, by the knowledge base.
+    fn cost(&self) -> Result<ir::ops::Cost, String> {
+        let graph = Graph::from_wire(self.graph())
+            .map_err(|e| format!("calibration graph `{}`: {e}", self.op))?;
+        Ok(graph.node_cost(NodeId::from_index(0)))
+    }
+
     /// The timing of one op of this benchmark, `median_s` seconds over `runs` runs, with the
     /// op's work by the knowledge base.
     pub fn timing(&self, median_s: f64, runs: u32) -> Result<Timing, String> {
-        let graph = Graph::from_wire(self.graph())
-            .map_err(|e| format!("calibration graph `{}`: {e}", self.op))?;
-        let cost = graph.node_cost(NodeId::from_index(0));
+        let cost = self.cost()?;
         Ok(Timing {
             class: self.class.to_owned(),
             op: self.op.to_owned(),
@@ -470,17 +475,17 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
                 .repeated_for(bytes, sizes.host_copy_work),
         );
     }
+    // A top-k's comparisons run an order of magnitude below the vector rate: a hundredth of
+    // the work keeps each benchmark to tens of milliseconds.
     for &(rows, n, k) in sizes.selection {
-        let comparisons = (rows * n) as f64 * (k as f64).log2().ceil().max(1.0);
-        all.push(
-            Benchmark::new("selection", "aten.topk.default", F32, &[&[rows, n]])
-                .output(vec![
-                    (F32, vec![rows, k]),
-                    (pb::Dtype::Int64, vec![rows, k]),
-                ])
-                .attribute("k", AttrValue::Int(k))
-                .repeated_for(comparisons, work / 100.0),
-        );
+        let topk = Benchmark::new("selection", "aten.topk.default", F32, &[&[rows, n]])
+            .output(vec![
+                (F32, vec![rows, k]),
+                (pb::Dtype::Int64, vec![rows, k]),
+            ])
+            .attribute("k", AttrValue::Int(k));
+        let comparisons = topk.cost().map_or(1.0, |c| c.flops as f64);
+        all.push(topk.repeated_for(comparisons, work / 100.0));
     }
     for &n in sizes.transcendental {
         all.push(
@@ -651,20 +656,26 @@ pub fn fit(
         calibration: None,
         ..base.clone()
     };
-    // A fitted figure, or the base's with the field listed as not measured.
-    fn set(field: &mut f64, value: Option<f64>, what: &str, missing: &mut Vec<String>) {
+    // A fitted figure (true), or the base's with the field listed as not measured.
+    fn set(field: &mut f64, value: Option<f64>, what: &str, missing: &mut Vec<String>) -> bool {
         match value {
-            Some(v) if v.is_finite() && v > 0.0 => *field = v,
-            _ => missing.push(what.to_owned()),
+            Some(v) if v.is_finite() && v > 0.0 => {
+                *field = v;
+                true
+            }
+            _ => {
+                missing.push(what.to_owned());
+                false
+            }
         }
     }
-    set(
+    let f32_measured = set(
         &mut profile.matmul_f32_flops_per_s,
         rate("matmul_f32", |t| t.flops, matmul),
         "matmul_f32_flops_per_s",
         &mut not_measured,
     );
-    set(
+    let bf16_measured = set(
         &mut profile.matmul_flops_per_s,
         rate("matmul_bf16", |t| t.flops, matmul),
         "matmul_flops_per_s",
@@ -690,33 +701,37 @@ pub fn fit(
         "vector_flops_per_s",
         &mut not_measured,
     );
-    set(
+    // Top-k and sorts not timed select at the vector rate, as a profile without the field
+    // does.
+    if !set(
         &mut profile.selection_ops_per_s,
         rate("selection", |t| t.flops, reduction),
         "selection_ops_per_s",
         &mut not_measured,
-    );
-    if profile.matmul_f32_flops_per_s != base.matmul_f32_flops_per_s {
-        let attention = rate("attention", |t| t.flops, attention_overhead)
-            .map(|r| (r / profile.matmul_f32_flops_per_s).min(1.0));
-        set(
-            &mut profile.attention_efficiency,
-            attention,
-            "attention_efficiency",
-            &mut not_measured,
-        );
-    } else {
-        not_measured.push("attention_efficiency".to_owned());
+    ) {
+        profile.selection_ops_per_s = profile.vector_flops_per_s;
     }
-    // A 16-bit attention kernel's share of the 16-bit matmul rate: only beside that rate.
-    let attention_16bit = (profile.matmul_flops_per_s != base.matmul_flops_per_s)
-        .then(|| rate("attention_bf16", |t| t.flops, attention_overhead))
-        .flatten()
-        .filter(|r| r.is_finite() && *r > 0.0)
-        .map(|r| (r / profile.matmul_flops_per_s).min(1.0));
-    match attention_16bit {
-        Some(share) => profile.attention_16bit_efficiency = Some(share),
-        None => not_measured.push("attention_16bit_efficiency".to_owned()),
+    // An attention kernel's share of its dtype's matmul rate, where that rate was measured.
+    let share = |class: &str, matmul: Option<f64>| {
+        let (rate, matmul) = (rate(class, |t| t.flops, attention_overhead)?, matmul?);
+        (rate.is_finite() && rate > 0.0).then(|| (rate / matmul).min(1.0))
+    };
+    set(
+        &mut profile.attention_efficiency,
+        share(
+            "attention",
+            f32_measured.then_some(profile.matmul_f32_flops_per_s),
+        ),
+        "attention_efficiency",
+        &mut not_measured,
+    );
+    // Not timed (a GPU), 16-bit kernels take `attention_efficiency`.
+    profile.attention_16bit_efficiency = share(
+        "attention_bf16",
+        bf16_measured.then_some(profile.matmul_flops_per_s),
+    );
+    if profile.attention_16bit_efficiency.is_none() {
+        not_measured.push("attention_16bit_efficiency".to_owned());
     }
     set(
         &mut profile.memory_bytes,
@@ -960,6 +975,45 @@ mod tests {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
+    }
+
+    /// A calibration without top-k timings selects at the vector rate it fitted (as a profile
+    /// without the field does), not at the base's, and says so; without a bf16 attention
+    /// timing the 16-bit share is absent (`attention_efficiency` applies).
+    #[test]
+    fn untimed_top_k_selects_at_the_fitted_vector_rate() {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        for n in [1e6, 1e8] {
+            timings.push(timing("transcendental", n as u64, 0, 0, overhead + n / 7e9));
+        }
+        let base = HwProfile::shipped("h100").unwrap();
+        let profile = fit(&base, "test", None, calibration(timings)).unwrap();
+        assert!((profile.vector_flops_per_s - 7e9).abs() < 1.0);
+        assert_eq!(profile.selection_ops_per_s, profile.vector_flops_per_s);
+        assert_eq!(profile.attention_16bit_efficiency, None);
+        let listed = &profile.calibration.as_ref().unwrap().not_measured;
+        for field in ["selection_ops_per_s", "attention_16bit_efficiency"] {
+            assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
+        }
+    }
+
+    /// Every benchmark of either device is a graph the planner reads, with the work its
+    /// class's rate is fitted from.
+    #[test]
+    fn every_benchmark_of_either_device_is_a_valid_graph_with_work() {
+        for cuda in [false, true] {
+            for bench in benchmarks(cuda, 2) {
+                let timing = bench.timing(1e-3, 3).expect("a valid benchmark graph");
+                let work = match bench.class {
+                    "selection" | "attention" | "attention_bf16" | "matmul_f32" | "matmul_bf16"
+                    | "transcendental" => timing.flops,
+                    "collective" => timing.comm_bytes,
+                    _ => timing.bytes.max(timing.flops).max(1),
+                };
+                assert!(work > 0, "{} {} on cuda={cuda}", bench.class, bench.op);
+            }
+        }
     }
 
     /// A CPU's bf16 attention runs about as fast as its fp32 one, far below its bf16 matmuls:

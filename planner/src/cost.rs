@@ -4,7 +4,8 @@
 //! Each op run costs a fixed overhead (dispatch and launch) plus a roofline,
 //! `max(flops / rate, bytes / hbm)`, where the rate is the matmul rate of the operands' dtype
 //! for compute-intensive ops (matmuls, attention; attention at the profile's attention share of
-//! it) and the vector rate otherwise. A collective adds its latency and `comm_bytes / link`; a
+//! it, its own for 16-bit operands where calibrated), the selection rate for top-k and sorts,
+//! and the vector rate otherwise. A collective adds its latency and `comm_bytes / link`; a
 //! copy to the host moves its bytes over the host link and synchronises (`host_sync_s`), as
 //! does reading a scalar on the host (`.item()`). The overhead is host time, the rest device
 //! time: on an asynchronous device (a GPU) the host runs ahead of the device, launching ops
@@ -43,7 +44,8 @@ pub struct HwProfile {
     pub vector_flops_per_s: f64,
     /// Comparisons per second of a top-k or a sort (the knowledge base counts `numel ×
     /// log2 k` for a top-k, `numel × log2 n` for a sort): a CPU's top-k runs them an order of
-    /// magnitude below its vector rate. The datasheet profiles take their vector rate.
+    /// magnitude below its vector rate. A calibration times top-k only: sorts take its rate
+    /// unchecked. The datasheet profiles take their vector rate.
     pub selection_ops_per_s: f64,
     /// Device memory bandwidth, bytes/s.
     pub hbm_bytes_per_s: f64,

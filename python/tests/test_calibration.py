@@ -41,7 +41,10 @@ def test_every_benchmark_of_the_command_runs_but_collectives_without_a_group(pro
     not_measured = profile["calibration"]["not_measured"]
     assert "collective_latency_s" in not_measured
     assert "collectives" not in profile["calibration"]
-    for field in ("op_overhead_s", "matmul_f32_flops_per_s", "hbm_bytes_per_s", "memory_bytes"):
+    for field in (
+        "op_overhead_s", "matmul_f32_flops_per_s", "hbm_bytes_per_s", "memory_bytes",
+        "selection_ops_per_s", "attention_16bit_efficiency",
+    ):
         assert field not in not_measured
     assert profile["name"] == "calibrated cpu (eager)"
     assert 0 < profile["op_overhead_s"] < 1e-3

@@ -149,12 +149,18 @@ def trace_for_timing(name: str, cfg: ZooConfig, out_dir: Path) -> Path:
         graphs.append(graph)
         data = {f"input/input.{i}": tensor.clone() for i, tensor in enumerate(inputs)}
         data |= {
-            f"tangent/{v.name}": torch.ones(list(v.shape))
+            f"tangent/{v.name}": torch.ones(list(v.shape), dtype=torch_dtype(v.dtype))
             for v in graph.values
             if v.role == graph_pb2.ROLE_TANGENT
         }
         save_file(data, str(reference_path(out_dir, name, rank)))
     return rank_path(out_dir, name, 0, "pb")
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    """The torch dtype of an IR dtype code (the IR's enum names torch's: ``DTYPE_BFLOAT16``)."""
+    dtype: torch.dtype = getattr(torch, graph_pb2.Dtype.Name(code).removeprefix("DTYPE_").lower())
+    return dtype
 
 
 def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
