@@ -977,16 +977,25 @@ mod tests {
         assert!(!listed.iter().any(|f| f == "hbm_bytes_per_s"));
     }
 
+    /// Timings of a device with 10 us per op whose FLOP classes run exactly at their rates,
+    /// each at two sizes.
+    fn exact_flops(rates: &[(&str, f64)]) -> Vec<Timing> {
+        let overhead = 10e-6;
+        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
+        for n in [1e6, 1e8] {
+            for &(class, rate) in rates {
+                timings.push(timing(class, n as u64, 0, 0, overhead + n / rate));
+            }
+        }
+        timings
+    }
+
     /// A calibration without top-k timings selects at the vector rate it fitted (as a profile
     /// without the field does), not at the base's, and says so; without a bf16 attention
     /// timing the 16-bit share is absent (`attention_efficiency` applies).
     #[test]
     fn untimed_top_k_selects_at_the_fitted_vector_rate() {
-        let overhead = 10e-6;
-        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
-        for n in [1e6, 1e8] {
-            timings.push(timing("transcendental", n as u64, 0, 0, overhead + n / 7e9));
-        }
+        let timings = exact_flops(&[("transcendental", 7e9)]);
         let base = HwProfile::shipped("h100").unwrap();
         let profile = fit(&base, "test", None, calibration(timings)).unwrap();
         assert!((profile.vector_flops_per_s - 7e9).abs() < 1.0);
@@ -1021,20 +1030,12 @@ mod tests {
     /// attention node by it (an fp32 one by the fp32 share).
     #[test]
     fn a_16bit_attention_is_timed_by_its_own_share_of_the_16bit_matmul_rate() {
-        let overhead = 10e-6;
-        let mut timings = vec![timing("overhead", 1, 12, 0, overhead)];
-        for n in [1e8, 1e9] {
-            timings.push(timing("matmul_f32", n as u64, 0, 0, overhead + n / 1e11));
-            timings.push(timing("matmul_bf16", n as u64, 0, 0, overhead + n / 1e12));
-            timings.push(timing("attention", n as u64, 0, 0, overhead + n / 5e10));
-            timings.push(timing(
-                "attention_bf16",
-                n as u64,
-                0,
-                0,
-                overhead + n / 5e10,
-            ));
-        }
+        let timings = exact_flops(&[
+            ("matmul_f32", 1e11),
+            ("matmul_bf16", 1e12),
+            ("attention", 5e10),
+            ("attention_bf16", 5e10),
+        ]);
         let base = HwProfile::shipped("h100").unwrap();
         let profile = fit(&base, "test", None, calibration(timings)).unwrap();
         let share = profile.attention_16bit_efficiency.unwrap();
