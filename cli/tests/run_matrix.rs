@@ -154,7 +154,6 @@ fn run_config(seed: Option<u64>) -> RunConfig {
         max_input_bytes: u64::MAX,
         fault: None,
         repeat: 1,
-        cpu_memory: Default::default(),
     }
 }
 
