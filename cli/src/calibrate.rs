@@ -31,7 +31,6 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
     let cuda = matches!(device, runtime::Device::Cuda(_));
     let base = load_hw(Some(&args.base))?;
     let output = Output::new(args.output.as_deref(), &[&args.base])?;
-    CpuMemory::Retain.apply(device);
     let config = RunConfig {
         device,
         seed: Some(0),
@@ -40,6 +39,7 @@ pub(crate) fn run_calibrate(args: CalibrateArgs) -> Result<(), Failure> {
         max_input_bytes: 4 << 30,
         fault: None,
         repeat: args.repeat,
+        cpu_memory: CpuMemory::Retain,
     };
     let launch = Launch::from_env()?;
     if launch.is_some() && cuda {

@@ -49,12 +49,6 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
     // The profile the per-op predictions of the report use: the plan's own, unless `--plan`
     // was made with another.
     let hw = load_hw(args.planning.hw.as_deref())?;
-    // Before planning starts threads.
-    match args.release_cpu_memory {
-        true => CpuMemory::Release,
-        false => CpuMemory::Retain,
-    }
-    .apply(device);
     let config = RunConfig {
         device,
         seed: args.seed,
@@ -66,6 +60,10 @@ fn run_and_report(args: RunArgs) -> Result<(), Failure> {
             .unwrap_or(DEFAULT_MAX_INPUT_BYTES),
         fault,
         repeat: args.repeat,
+        cpu_memory: match args.release_cpu_memory {
+            true => CpuMemory::Release,
+            false => CpuMemory::Retain,
+        },
     };
     let (report, graph, plan) = match Launch::from_env()? {
         Some(launch) => run_launched(&args, &planning, &launch, &config)?,

@@ -776,26 +776,21 @@ fn a_budget_offload_plan_file_runs_and_says_it_chooses_per_layer() {
     );
 }
 
-/// [`testkit::activation_dominated`] with `[side, side]` float32 values, for `world` ranks: a
-/// step that allocates and frees tens of MiB on each.
-fn large_step_graph(world: u32, side: i64) -> PathBuf {
+/// [`testkit::activation_dominated`] with `[1024, 1024]` float32 values (4 MiB each): a step
+/// that allocates and frees tens of MiB.
+fn large_step_graph() -> PathBuf {
     let mut graph = testkit::activation_dominated().wire();
     for value in &mut graph.values {
-        value.shape = vec![side, side];
+        value.shape = vec![1024, 1024];
     }
-    graph
-        .metadata
-        .get_or_insert_with(Default::default)
-        .world_size = world;
-    let path = scratch(&format!("large_step_{world}_{side}.pb"));
+    let path = scratch("large_step.pb");
     ir::io::write_wire(&graph, &path).expect("written");
     path
 }
 
-/// The median page faults a step of rank 0 of `planner run` on [`large_step_graph`] reports,
-/// the ranks run as `world` threads.
-fn page_faults_a_step(world: u32, side: i64, extra: &[&str]) -> u64 {
-    let graph = large_step_graph(world, side);
+/// The median page faults a step of `planner run` on [`large_step_graph`] reports.
+fn page_faults_a_step(extra: &[&str]) -> u64 {
+    let graph = large_step_graph();
     let graph = graph.to_str().unwrap();
     let args = [
         &[
@@ -819,8 +814,8 @@ fn page_faults_a_step(world: u32, side: i64, extra: &[&str]) -> u64 {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn steps_after_the_first_reuse_the_memory_the_first_obtained() {
-    let retained = page_faults_a_step(1, 1024, &[]);
-    let released = page_faults_a_step(1, 1024, &["--release-cpu-memory"]);
+    let retained = page_faults_a_step(&[]);
+    let released = page_faults_a_step(&["--release-cpu-memory"]);
     // One 4 MiB value is 1024 pages; the step makes about 20 of them. Measured: 7,152 a step
     // with glibc's defaults; kept, 0 run by hand and 512 to 1,024 under `cargo test`.
     assert!(
@@ -830,23 +825,5 @@ fn steps_after_the_first_reuse_the_memory_the_first_obtained() {
     assert!(
         retained * 4 < released,
         "{retained} page faults a step with memory kept, {released} with glibc's defaults"
-    );
-}
-
-/// Ranks run as threads keep the memory too: glibc is asked before planning starts threads,
-/// so no thread makes an arena of its own, whose 64 MiB heaps glibc unmaps whenever they
-/// empty. With 16 MiB values (4,096 pages each) rank 0 measured 4,096 to 4,099 page faults a
-/// step kept, 10,243 to 37,036 with glibc's defaults, and 18,304 to 22,996 kept with glibc
-/// asked where the ranks start instead.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-#[test]
-fn ranks_run_as_threads_reuse_the_memory_the_first_step_obtained() {
-    let retained = page_faults_a_step(2, 2048, &[]);
-    let released = page_faults_a_step(2, 2048, &["--release-cpu-memory"]);
-    let two_values = 2 * 2048 * 2048 * 4 / 4096;
-    assert!(
-        retained <= two_values && retained < released,
-        "{retained} page faults a step with memory kept (at most {two_values}), {released} \
-         with glibc's defaults"
     );
 }

@@ -154,6 +154,7 @@ fn run_config(seed: Option<u64>) -> RunConfig {
         max_input_bytes: u64::MAX,
         fault: None,
         repeat: 1,
+        cpu_memory: Default::default(),
     }
 }
 

@@ -220,6 +220,8 @@ pub fn run_inputs(data: &[u8]) {
         max_input_bytes: 64 << 20,
         fault: None,
         repeat: 1,
+        // A fuzzing process runs many inputs: leave its allocator as it is.
+        cpu_memory: run::CpuMemory::Release,
     };
     if let Err(e) = run::run_loopback(vec![job; ranks as usize], &config) {
         for line in e.to_string().lines() {

@@ -117,11 +117,12 @@ pub struct RunConfig {
     /// Steps each variant runs (at least 1): outputs and memory are the first step's, times
     /// the median of all of them.
     pub repeat: u32,
+    /// What the CPU allocator does with the memory a step frees, for CPU ranks.
+    pub cpu_memory: CpuMemory,
 }
 
 /// What the CPU allocator does with the memory a step frees (`planner run` keeps it unless
-/// `--release-cpu-memory`). The process sets it ([`CpuMemory::apply`]) before it starts
-/// threads, since glibc fixes how many arenas it makes when a second thread first allocates.
+/// `--release-cpu-memory`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CpuMemory {
     /// Keep it for the rest of the process, as a GPU's caching allocator keeps its blocks
@@ -132,21 +133,6 @@ pub enum CpuMemory {
     /// Leave the allocator as the process has it (glibc's defaults: large freed blocks go back
     /// to the kernel and fault again when next touched).
     Release,
-}
-
-impl CpuMemory {
-    /// Has the allocator keep freed memory where `self` says so and a rank runs on `device`
-    /// (a GPU rank's tensors are the caching allocator's). Call it before this process starts
-    /// threads that allocate (planning's): a thread that allocated before keeps an arena of
-    /// its own, whose 64 MiB heaps glibc unmaps whenever they empty, and a rank's thread may
-    /// be handed it. Asked where the ranks start instead, two ranks run as threads on a DSA
-    /// model at 1,024 tokens took 211,000 to 266,000 page faults a step; asked before
-    /// planning, 1,100 to 18,500.
-    pub fn apply(self, device: Device) {
-        if self == CpuMemory::Retain && device == Device::Cpu {
-            host_memory::retain_freed_memory();
-        }
-    }
 }
 
 /// One variant's run on one rank.
@@ -519,6 +505,11 @@ fn run_ranks(
         .map_or(0, |s| s.job.graph.metadata().world_size.max(1) as usize)
         .max(world);
     preflight(&specs, total, config.max_input_bytes)?;
+    if config.cpu_memory == CpuMemory::Retain && specs.iter().any(|s| s.device == Device::Cpu) {
+        // Threads that allocated before (planning's) keep their arenas, which a rank's thread
+        // may be handed; the settings still keep its blocks mapped and untrimmed.
+        host_memory::retain_freed_memory();
+    }
     quiet_rank_panics();
     let (sender, receiver) = mpsc::channel();
     let ranks: Vec<usize> = specs.iter().map(|s| s.rank).collect();

@@ -89,6 +89,7 @@ pub fn config(timeout: Duration) -> RunConfig {
         max_input_bytes: u64::MAX,
         fault: None,
         repeat: 1,
+        cpu_memory: Default::default(),
     }
 }
 
