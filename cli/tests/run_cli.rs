@@ -816,14 +816,13 @@ fn page_faults_a_step(extra: &[&str]) -> u64 {
 fn steps_after_the_first_reuse_the_memory_the_first_obtained() {
     let retained = page_faults_a_step(&[]);
     let released = page_faults_a_step(&["--release-cpu-memory"]);
-    // One 4 MiB value is 1024 pages; the step makes about 20 of them. Measured: 7,152 a step
-    // with glibc's defaults; kept, 0 run by hand and 512 to 1,024 under `cargo test`.
+    // One 4 MiB value is 1,024 pages; the step makes about 20 of them. Measured a step: kept,
+    // 0 to 1,024; with glibc's defaults, 7,152 (4,064 with the binary `cargo test
+    // --workspace` builds, whose first steps leave glibc a higher mmap threshold).
+    let two_values = 2 * 1024;
     assert!(
-        released > 1024,
-        "{released} page faults a step with glibc's defaults"
-    );
-    assert!(
-        retained * 4 < released,
-        "{retained} page faults a step with memory kept, {released} with glibc's defaults"
+        retained <= two_values && released > 2 * two_values,
+        "{retained} page faults a step with memory kept (at most {two_values}), {released} \
+         with glibc's defaults"
     );
 }
