@@ -44,6 +44,8 @@ fn calibrated_profile() -> PathBuf {
         "matmul_f32",
         "attention",
         "attention_bf16",
+        "thin_matmul_f32",
+        "thin_matmul_bf16",
         "memory",
         "selection",
         "host_sync",
@@ -55,6 +57,9 @@ fn calibrated_profile() -> PathBuf {
         );
     }
     assert!(profile["op_overhead_s"].as_f64().unwrap() > 0.0);
+    // Every thin dimension timed has its share, of both operand types.
+    let thin = profile["thin_matmuls"].as_array().unwrap();
+    assert_eq!(thin.len(), 2 * 3 * 8, "{thin:?}");
     assert_eq!(profile["name"], "calibrated cpu");
     path
 }

@@ -1360,6 +1360,15 @@ fn malformed_cases() -> Vec<Case> {
             &["`collectives` names `a` twice"],
         ),
         hw_case(
+            "hardware profile with a thin matmul's share above 1",
+            Some(f(
+                "hw.json",
+                br#"{"thin_matmuls": [{"operands": "fp32", "dim": "k", "size": 4, "efficiency": 2}]}"#,
+            )),
+            "hw.json",
+            &["`thin_matmuls` line 0: `efficiency` must be above 0 and at most 1, got 2"],
+        ),
+        hw_case(
             "hardware profile that is a character device",
             None,
             "/dev/urandom",

@@ -504,10 +504,23 @@ impl Graph {
     /// The cost of one execution of `node`, from the op knowledge base.
     pub fn node_cost(&self, node: NodeId) -> crate::ops::Cost {
         let node = &self.nodes[node];
-        let refs = |ids: &[ValueId]| -> smallvec::SmallVec<[TensorRef<'_>; 4]> {
-            ids.iter().map(|&v| self.values[v].tensor_ref()).collect()
-        };
-        node.info.cost(&refs(&node.inputs), &refs(&node.outputs))
+        node.info.cost(
+            &self.tensor_refs(&node.inputs),
+            &self.tensor_refs(&node.outputs),
+        )
+    }
+
+    /// The matrix product's sizes of `node`, a matmul op (`None` for any other op).
+    pub fn node_matmul_dims(&self, node: NodeId) -> Option<crate::ops::MatmulDims> {
+        let node = &self.nodes[node];
+        node.info.matmul_dims(
+            &self.tensor_refs(&node.inputs),
+            &self.tensor_refs(&node.outputs),
+        )
+    }
+
+    fn tensor_refs(&self, ids: &[ValueId]) -> smallvec::SmallVec<[TensorRef<'_>; 4]> {
+        ids.iter().map(|&v| self.values[v].tensor_ref()).collect()
     }
 }
 

@@ -46,6 +46,16 @@ pub struct Cost {
     pub comm_bytes: u64,
 }
 
+/// The sizes of one matrix product of a matmul op (one batch's, for a batched one): `[m, k] ×
+/// [k, n]`. A dimension of a few elements (a router's experts, an indexer's heads) runs a
+/// matmul far below its dtype's rate on some devices, whatever the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulDims {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+}
+
 /// Which formula turns argument shapes into a [`Cost`].
 ///
 /// Unless a variant says otherwise, `bytes` is every input and output read or written once
@@ -198,6 +208,29 @@ impl OpInfo {
             bytes: clamp(bytes),
             comm_bytes: clamp(model.comm_bytes(inputs, outputs)),
         }
+    }
+
+    /// The matrix product's sizes of a matmul op with these tensor arguments (`mm`, `addmm`,
+    /// `bmm`, `baddbmm`, `linear`, `matmul` with a result of two dimensions or more); `None`
+    /// for any other op, and for `_grouped_mm`, whose groups' sizes are offsets, not shapes.
+    pub fn matmul_dims(
+        &self,
+        inputs: &[TensorRef<'_>],
+        outputs: &[TensorRef<'_>],
+    ) -> Option<MatmulDims> {
+        let (m, k, n) = match self.cost_model {
+            CostModel::Mm => matrix_dims(inputs.first(), inputs.get(1))?,
+            CostModel::Addmm => matrix_dims(inputs.get(1), inputs.get(2))?,
+            CostModel::Bmm => batched_dims(inputs.first(), inputs.get(1))?,
+            CostModel::Baddbmm => batched_dims(inputs.get(1), inputs.get(2))?,
+            CostModel::Linear => linear_dims(inputs)?,
+            CostModel::Matmul => {
+                let (_, [m, n]) = split_last_two(outputs.first()?.shape)?;
+                (m, *inputs.first()?.shape.last()?, n)
+            }
+            _ => return None,
+        };
+        Some(MatmulDims { m, n, k })
     }
 }
 
@@ -1093,6 +1126,37 @@ fn batched_matrix(t: Option<&TensorRef<'_>>) -> Option<(Wide, Wide, Wide)> {
     }
 }
 
+/// `(m, k, n)` of `[m, k] × [k, n]`.
+fn matrix_dims(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(u64, u64, u64)> {
+    match (a?.shape, b?.shape) {
+        (&[m, k], &[_, n]) => Some((m, k, n)),
+        _ => None,
+    }
+}
+
+/// `(m, k, n)` of `[B, m, k] × [B, k, n]`.
+fn batched_dims(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(u64, u64, u64)> {
+    match (a?.shape, b?.shape) {
+        (&[_, m, k], &[_, _, n]) => Some((m, k, n)),
+        _ => None,
+    }
+}
+
+/// `(m, k, n)` of `linear(x [..., k], w [n, k])`: every leading dim of `x` is a row (a 1-D
+/// weight makes `n = 1`).
+fn linear_dims(inputs: &[TensorRef<'_>]) -> Option<(u64, u64, u64)> {
+    let x = inputs.first()?.shape;
+    let k = *x.last()?;
+    let n = match inputs.get(1)?.shape {
+        &[n, _] => n,
+        _ => 1,
+    };
+    let rows = x[..x.len() - 1]
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))?;
+    Some((rows, k, n))
+}
+
 /// `[M,K] × [K,N]`: `2·M·K·N`, and `M·N` for the output.
 fn matrix_product(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(Wide, Wide)> {
     let (m, k) = matrix(a)?;
@@ -1579,6 +1643,47 @@ mod tests {
             flops("aten._scaled_mm.default", &[a, b, t(&[]), t(&[])], &[out]),
             2 * 64 * 128 * 32
         );
+    }
+
+    #[test]
+    fn a_matmul_op_names_the_sizes_of_one_matrix_product_and_no_other_op_has_them() {
+        let dims = |op: &str, inputs: &[TensorRef<'_>], outputs: &[TensorRef<'_>]| {
+            lookup(op)
+                .matmul_dims(inputs, outputs)
+                .map(|d| (d.m, d.k, d.n))
+        };
+        let (a, b, out) = (t(&[64, 4]), t(&[4, 32]), t(&[64, 32]));
+        assert_eq!(dims("aten.mm.default", &[a, b], &[out]), Some((64, 4, 32)));
+        let bias = t(&[32]);
+        assert_eq!(
+            dims("aten.addmm.default", &[bias, a, b], &[out]),
+            Some((64, 4, 32))
+        );
+        let (ba, bb, bout) = (t(&[8, 2, 16]), t(&[8, 16, 1024]), t(&[8, 2, 1024]));
+        assert_eq!(
+            dims("aten.bmm.default", &[ba, bb], &[bout]),
+            Some((2, 16, 1024))
+        );
+        assert_eq!(
+            dims("aten.baddbmm.default", &[bout, ba, bb], &[bout]),
+            Some((2, 16, 1024))
+        );
+        let (x, w, y) = (t(&[2, 128, 256]), t(&[8, 256]), t(&[2, 128, 8]));
+        assert_eq!(
+            dims("aten.linear.default", &[x, w], &[y]),
+            Some((256, 256, 8))
+        );
+        assert_eq!(
+            dims("aten.matmul.default", &[x, t(&[256, 8])], &[y]),
+            Some((128, 256, 8))
+        );
+        // The experts' grouped product sizes its groups by offsets, not shapes.
+        let (tokens, experts, routed) = (t(&[64, 32]), t(&[4, 32, 16]), t(&[64, 16]));
+        assert_eq!(
+            dims("aten._grouped_mm.default", &[tokens, experts], &[routed]),
+            None
+        );
+        assert_eq!(dims("aten.add.Tensor", &[a, a], &[a]), None);
     }
 
     #[test]

@@ -15,11 +15,13 @@ use ir::{
     EntityId, Graph, NodeId,
 };
 
-use crate::cost::{Calibration, CollectiveRates, HwProfile, Timing};
+use crate::cost::{
+    Calibration, CollectiveRates, HwProfile, MatmulDim, MatmulOperands, ThinMatmul, Timing,
+};
 
 /// The classes of benchmark a calibration may hold (docs/cost-and-memory.md says which field
 /// each one sets).
-pub const CLASSES: [&str; 17] = [
+pub const CLASSES: [&str; 19] = [
     "overhead",
     "overhead_view",
     "overhead_matmul",
@@ -27,6 +29,8 @@ pub const CLASSES: [&str; 17] = [
     "overhead_reduction",
     "matmul_f32",
     "matmul_bf16",
+    "thin_matmul_f32",
+    "thin_matmul_bf16",
     "attention",
     "attention_bf16",
     "memory",
@@ -281,6 +285,10 @@ struct Sizes {
     elements: &'static [i64],
     transcendental: &'static [i64],
     attention_seq: &'static [i64],
+    /// Thin matmuls: the two wide dimensions (rows of the result, then the other), and the
+    /// sizes of the thin one, timed as each of `m`, `n` and `k` in turn.
+    thin_matmul: (i64, i64),
+    thin_sizes: &'static [i64],
     /// Top-k benchmarks: rows, row length, k.
     selection: &'static [(i64, i64, i64)],
     /// All-to-all rows of two ranks that are threads of one process (loopback).
@@ -304,6 +312,10 @@ const CPU: Sizes = Sizes {
     elements: &[1 << 16, 1 << 20, 1 << 22],
     transcendental: &[1 << 14, 1 << 16, 1 << 18],
     attention_seq: &[128, 256, 512],
+    // A model's tokens by its width; MKL ran fp32 products with 2 to 8 in one dimension at 8
+    // to 52 GFLOP/s on the test VM's two threads, against 213 for square ones.
+    thin_matmul: (1024, 512),
+    thin_sizes: &[1, 2, 4, 8, 16, 32, 64, 128],
     // A router's and a sparse-attention indexer's selections: the test VM's single thread ran
     // these at 0.3 to 0.6 G comparisons/s on one thread, against 6.6 GFLOP/s for `exp`.
     selection: &[(1024, 512, 16), (512, 1024, 64), (256, 2048, 128)],
@@ -319,6 +331,8 @@ const CUDA: Sizes = Sizes {
     elements: &[1 << 22, 1 << 24, 1 << 26],
     transcendental: &[1 << 22, 1 << 24],
     attention_seq: &[],
+    thin_matmul: (8192, 4096),
+    thin_sizes: &[1, 2, 4, 8, 16, 32, 64, 128],
     selection: &[(1 << 16, 1024, 64), (1 << 14, 4096, 128)],
     collective_rows: &[],
     launched_collective_rows: &[1 << 12, 1 << 16, 1 << 20],
@@ -438,6 +452,7 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
             );
         }
     }
+    all.extend(thin_matmuls(sizes, work / 20.0));
     // Fused attention on the CPU, fp32 and bf16 (a GPU's kernels take arguments a one-op graph
     // does not express yet: attention stays at the base profile's share there).
     for &s in sizes.attention_seq {
@@ -495,6 +510,28 @@ pub fn benchmarks(cuda: bool, world: u32) -> Vec<Benchmark> {
     }
 
     all.extend(collectives(sizes.collective_rows, world, work));
+    all
+}
+
+/// Matmuls with one thin dimension, fp32 and bf16: each of `m`, `n` and `k` at each thin
+/// size, the other two wide, each graph holding about `work` FLOPs.
+fn thin_matmuls(sizes: &Sizes, work: f64) -> Vec<Benchmark> {
+    use pb::Dtype::{Bfloat16 as BF16, Float32 as F32};
+    let (rows, width) = sizes.thin_matmul;
+    let mut all = Vec::new();
+    for (class, dtype) in [("thin_matmul_f32", F32), ("thin_matmul_bf16", BF16)] {
+        for &d in sizes.thin_sizes {
+            // `[m, k] x [k, n]` with `d` as `m`, `n`, then `k`.
+            for (m, k, n) in [(d, width, rows), (rows, width, d), (rows, d, width)] {
+                let flops = 2.0 * (m * k * n) as f64;
+                all.push(
+                    Benchmark::new(class, "aten.mm.default", dtype, &[&[m, k], &[k, n]])
+                        .output(vec![(dtype, vec![m, n])])
+                        .repeated_for(flops, work),
+                );
+            }
+        }
+    }
     all
 }
 
@@ -636,14 +673,15 @@ pub fn fit(
     // benchmark's repeated ops launch while earlier ones run, so an op takes the longer of
     // the two: only sizes whose time is well above the overhead (the device's work) count,
     // whole.
+    let per_second = move |t: &Timing, work: u64, fixed: f64| {
+        if asynchronous {
+            (t.median_s > 1.5 * fixed).then(|| work as f64 / t.median_s)
+        } else {
+            Some(work as f64 / (t.median_s - fixed).max(f64::MIN_POSITIVE))
+        }
+    };
     let rate = |name: &str, work: fn(&Timing) -> u64, fixed: f64| {
-        median(class(timings, name).filter_map(|t| {
-            if asynchronous {
-                (t.median_s > 1.5 * fixed).then(|| work(t) as f64 / t.median_s)
-            } else {
-                Some(work(t) as f64 / (t.median_s - fixed).max(f64::MIN_POSITIVE))
-            }
-        }))
+        median(class(timings, name).filter_map(|t| per_second(t, work(t), fixed)))
     };
     let above = |t: &Timing| (t.median_s - overhead).max(f64::MIN_POSITIVE);
     let mut profile = HwProfile {
@@ -733,6 +771,38 @@ pub fn fit(
     if profile.attention_16bit_efficiency.is_none() {
         not_measured.push("attention_16bit_efficiency".to_owned());
     }
+    // Each thin matmul's share of its operands' rate, where that rate was measured.
+    let full_rates = [
+        (
+            "thin_matmul_f32",
+            MatmulOperands::F32,
+            f32_measured.then_some(profile.matmul_f32_flops_per_s),
+        ),
+        (
+            "thin_matmul_bf16",
+            MatmulOperands::Bits16,
+            bf16_measured.then_some(profile.matmul_flops_per_s),
+        ),
+    ];
+    profile.thin_matmuls = full_rates
+        .into_iter()
+        .filter_map(|(name, operands, full)| Some((name, operands, full?)))
+        .flat_map(|(name, operands, full)| {
+            class(timings, name).filter_map(move |t| {
+                let (dim, size) = thin_dimension(t)?;
+                let rate = per_second(t, t.flops, matmul)?;
+                Some(ThinMatmul {
+                    operands,
+                    dim,
+                    size,
+                    efficiency: (rate / full).min(1.0),
+                })
+            })
+        })
+        .collect();
+    if profile.thin_matmuls.is_empty() {
+        not_measured.push("thin_matmuls".to_owned());
+    }
     set(
         &mut profile.memory_bytes,
         memory_bytes,
@@ -800,6 +870,18 @@ pub fn fit(
         ..calibration
     });
     Ok(profile)
+}
+
+/// The thinnest dimension of a timed `mm` of `[m, k] x [k, n]` and its size: `m` and `k`
+/// are its first operand's shape, `n` its FLOPs over `2·m·k`.
+fn thin_dimension(t: &Timing) -> Option<(MatmulDim, u64)> {
+    let &[m, k] = t.shape.as_slice() else {
+        return None;
+    };
+    let n = t.flops.checked_div(m.checked_mul(k)?.checked_mul(2)?)?;
+    [(MatmulDim::M, m), (MatmulDim::N, n), (MatmulDim::K, k)]
+        .into_iter()
+        .min_by_key(|&(_, size)| size)
 }
 
 /// Latency and bandwidth of collectives: the least-squares line through (bytes sent, seconds)
@@ -1002,9 +1084,68 @@ mod tests {
         assert_eq!(profile.selection_ops_per_s, profile.vector_flops_per_s);
         assert_eq!(profile.attention_16bit_efficiency, None);
         let listed = &profile.calibration.as_ref().unwrap().not_measured;
-        for field in ["selection_ops_per_s", "attention_16bit_efficiency"] {
+        for field in [
+            "selection_ops_per_s",
+            "attention_16bit_efficiency",
+            "thin_matmuls",
+        ] {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
+        assert!(profile.thin_matmuls.is_empty());
+    }
+
+    /// Each thin matmul benchmark gives its dimension and size the share of its operands'
+    /// fitted rate it ran at; 16-bit ones give none where the 16-bit rate was not measured.
+    #[test]
+    fn a_thin_matmul_is_fitted_to_its_share_of_its_operands_rate() {
+        let overhead = 10e-6;
+        let mut timings = exact_flops(&[("matmul_f32", 1e11)]);
+        timings.push(timing("overhead_matmul", 1, 0, 0, overhead));
+        // A share falling with the thin size, lowest when `k` is thin.
+        let share = |dim: MatmulDim, size: u64| {
+            let by_dim = if dim == MatmulDim::K { 0.5 } else { 1.0 };
+            by_dim * (size as f64 / 64.0).min(1.0)
+        };
+        let mut expected = Vec::new();
+        for bench in benchmarks(false, 1) {
+            let class = bench.class;
+            if !class.starts_with("thin_matmul") {
+                continue;
+            }
+            let flops = bench.timing(1.0, 3).unwrap().flops as f64;
+            let [m, k] = bench.inputs[0][..] else {
+                panic!("a matrix")
+            };
+            let n = bench.inputs[1][1];
+            let (dim, size) = [(MatmulDim::M, m), (MatmulDim::N, n), (MatmulDim::K, k)]
+                .into_iter()
+                .min_by_key(|&(_, size)| size)
+                .unwrap();
+            let size = size as u64;
+            let seconds = overhead + flops / (1e11 * share(dim, size));
+            timings.push(bench.timing(seconds, 3).unwrap());
+            if class == "thin_matmul_f32" {
+                expected.push((dim, size, share(dim, size)));
+            }
+        }
+        assert_eq!(expected.len(), 3 * CPU.thin_sizes.len());
+        let base = HwProfile::shipped("h100").unwrap();
+        let profile = fit(&base, "test", None, calibration(timings)).unwrap();
+        assert_eq!(profile.thin_matmuls.len(), expected.len());
+        for (dim, size, share) in expected {
+            let fitted = profile
+                .thin_matmuls
+                .iter()
+                .find(|t| (t.operands, t.dim, t.size) == (MatmulOperands::F32, dim, size))
+                .unwrap_or_else(|| panic!("{dim:?} at {size}"));
+            assert!((fitted.efficiency - share).abs() < 1e-9, "{fitted:?}");
+        }
+        // The profile reads back, its shares with it.
+        let json = profile.to_json();
+        assert_eq!(
+            HwProfile::from_json(json.as_bytes(), "fitted").unwrap(),
+            profile
+        );
     }
 
     /// Every benchmark of either device is a graph the planner reads, with the work its
@@ -1016,7 +1157,7 @@ mod tests {
                 let timing = bench.timing(1e-3, 3).expect("a valid benchmark graph");
                 let work = match bench.class {
                     "selection" | "attention" | "attention_bf16" | "matmul_f32" | "matmul_bf16"
-                    | "transcendental" => timing.flops,
+                    | "thin_matmul_f32" | "thin_matmul_bf16" | "transcendental" => timing.flops,
                     "collective" => timing.comm_bytes,
                     _ => timing.bytes.max(timing.flops).max(1),
                 };

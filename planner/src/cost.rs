@@ -20,7 +20,7 @@ use std::path::Path;
 use ir::{
     display,
     io::{read_input_file, InputKind},
-    ops::{Cost, CostModel},
+    ops::{Cost, CostModel, MatmulDims},
     plan::Executor,
     DType, EntityId, Graph, NodeId, Phase,
 };
@@ -76,6 +76,13 @@ pub struct HwProfile {
     /// far below its 16-bit matmuls. Absent: `attention_efficiency`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention_16bit_efficiency: Option<f64>,
+    /// Matmuls with a thin dimension, where a calibration timed them: the share of their
+    /// operands' matmul rate a product reaches with one dimension of a few elements (a
+    /// router's experts, an indexer's heads), which a CPU's BLAS runs 4-10x below its rate.
+    /// A matmul runs at the lowest share of its three dimensions (`thin_matmul_share`).
+    /// Empty (the datasheet profiles): every matmul at its dtype's rate.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub thin_matmuls: Vec<ThinMatmul>,
     /// Host <-> device copy bandwidth per direction (PCIe, C2C), bytes/s.
     pub host_bytes_per_s: f64,
     /// Host memory one device's offloaded activations may take (pinned; the node's memory
@@ -103,6 +110,48 @@ pub struct HwProfile {
     /// What `planner calibrate` measured to make this profile; absent in datasheet profiles.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration: Option<Calibration>,
+}
+
+/// The share of its operands' matmul rate a matmul reaches with one thin dimension.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ThinMatmul {
+    pub operands: MatmulOperands,
+    pub dim: MatmulDim,
+    /// The thin dimension's elements.
+    pub size: u64,
+    /// Above 0, at most 1.
+    pub efficiency: f64,
+}
+
+/// The operands whose matmul rate a [`ThinMatmul`] is a share of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MatmulOperands {
+    /// fp32 (`matmul_f32_flops_per_s`).
+    #[serde(rename = "fp32")]
+    F32,
+    /// bf16 and fp16 (`matmul_flops_per_s`).
+    #[serde(rename = "16bit")]
+    Bits16,
+}
+
+impl MatmulOperands {
+    pub fn of(dtype: DType) -> Option<MatmulOperands> {
+        match dtype {
+            DType::F32 => Some(MatmulOperands::F32),
+            DType::BF16 | DType::F16 => Some(MatmulOperands::Bits16),
+            _ => None,
+        }
+    }
+}
+
+/// A dimension of `[m, k] × [k, n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatmulDim {
+    M,
+    N,
+    K,
 }
 
 /// One collective op's fitted cost: `latency_s + comm_bytes / link_bytes_per_s` a call.
@@ -212,6 +261,7 @@ impl HwProfile {
             reduction_overhead_s: 5e-6,
             attention_efficiency: 0.6,
             attention_16bit_efficiency: None,
+            thin_matmuls: Vec::new(),
             host_bytes_per_s: 64e9,
             host_memory_bytes: GIB * 256.0,
             host_sync_s: 20e-6,
@@ -401,6 +451,26 @@ impl HwProfile {
                 _ => {}
             }
         }
+        for (i, t) in profile.thin_matmuls.iter().enumerate() {
+            let line = || format!("{origin}: `thin_matmuls` line {i}");
+            if !(t.efficiency > 0.0 && t.efficiency <= 1.0) {
+                return Err(format!(
+                    "{}: `efficiency` must be above 0 and at most 1, got {}",
+                    line(),
+                    t.efficiency
+                ));
+            }
+            if t.size == 0 {
+                return Err(format!("{}: `size` must be at least 1", line()));
+            }
+            let same = |u: &ThinMatmul| (u.operands, u.dim, u.size) == (t.operands, t.dim, t.size);
+            if profile.thin_matmuls[..i].iter().any(same) {
+                return Err(format!(
+                    "{}: its operands, dimension and size are on an earlier line too",
+                    line()
+                ));
+            }
+        }
         Ok(profile)
     }
 
@@ -427,8 +497,8 @@ impl HwProfile {
     /// The compute rate of `node`: a compute-intensive op (matmul, attention) runs at the
     /// matmul rate of its first operand's dtype (attention at the profile's share of it), a
     /// top-k or a sort at the selection rate, anything else at the vector rate.
-    fn rate_of(&self, graph: &Graph, node: NodeId) -> f64 {
-        let node = graph.node(node);
+    fn rate_of(&self, graph: &Graph, id: NodeId) -> f64 {
+        let node = graph.node(id);
         if matches!(node.info.cost_model, CostModel::TopK | CostModel::Sort) {
             return self.selection_ops_per_s;
         }
@@ -441,9 +511,58 @@ impl HwProfile {
             .map(|&operand| graph.value(operand).dtype);
         let matmul = dtype.map_or(self.matmul_flops_per_s, |d| self.matmul_rate(d));
         if is_attention(node) {
-            matmul * self.attention_efficiency_of(dtype)
-        } else {
-            matmul
+            return matmul * self.attention_efficiency_of(dtype);
+        }
+        let operands = dtype.and_then(MatmulOperands::of);
+        match (operands, self.thin_matmuls.is_empty()) {
+            (Some(operands), false) => graph.node_matmul_dims(id).map_or(matmul, |dims| {
+                matmul * self.thin_matmul_share(operands, dims)
+            }),
+            _ => matmul,
+        }
+    }
+
+    /// The share of the matmul rate of `operands` a product of `dims` reaches: the lowest of
+    /// its three dimensions' (`thin_matmul_share_of`).
+    pub fn thin_matmul_share(&self, operands: MatmulOperands, dims: MatmulDims) -> f64 {
+        [
+            (MatmulDim::M, dims.m),
+            (MatmulDim::N, dims.n),
+            (MatmulDim::K, dims.k),
+        ]
+        .into_iter()
+        .map(|(dim, size)| self.thin_matmul_share_of(operands, dim, size))
+        .fold(1.0, f64::min)
+    }
+
+    /// The share at one dimension of `size` elements, between the sizes a calibration timed
+    /// (linear in log2 of the size): a size below the smallest timed takes the smallest's
+    /// share; above the largest the share rises to 1 at twice its size (the full rate comes
+    /// from square matmuls a few hundred wide). 1 where none was timed.
+    fn thin_matmul_share_of(&self, operands: MatmulOperands, dim: MatmulDim, size: u64) -> f64 {
+        let timed = || {
+            self.thin_matmuls
+                .iter()
+                .filter(move |t| t.operands == operands && t.dim == dim)
+        };
+        let below = timed().filter(|t| t.size <= size).max_by_key(|t| t.size);
+        let above = timed().filter(|t| t.size > size).min_by_key(|t| t.size);
+        let log2 = |n: u64| (n.max(1) as f64).log2();
+        let between = |(x0, y0): (f64, f64), (x1, y1): (f64, f64)| {
+            let x = log2(size).clamp(x0, x1);
+            y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        };
+        match (below, above) {
+            (None, None) => 1.0,
+            (None, Some(first)) => first.efficiency,
+            (Some(last), None) => between(
+                (log2(last.size), last.efficiency),
+                (log2(last.size) + 1.0, 1.0),
+            ),
+            (Some(lo), Some(hi)) => between(
+                (log2(lo.size), lo.efficiency),
+                (log2(hi.size), hi.efficiency),
+            ),
         }
     }
 
@@ -757,16 +876,70 @@ mod tests {
 
     /// A graph of one `[n, n] @ [n, n]` matmul in `dtype`.
     fn matmul(n: i64, dtype: pb::Dtype) -> Graph {
+        mm(n, n, n, dtype)
+    }
+
+    /// `x [m, k] @ w [k, n]`.
+    fn mm(m: i64, k: i64, n: i64, dtype: pb::Dtype) -> Graph {
         let mut b = Builder::new(1, &[]);
         let (x, w) = (b.input("x"), b.param("w"));
         let (_, y) = b.node("aten.mm.default", &[&x, &w]);
         b.output(&y);
         let mut wire = b.wire();
-        for value in &mut wire.values {
+        for (value, shape) in wire.values.iter_mut().zip([[m, k], [k, n], [m, n]]) {
             value.dtype = dtype as i32;
-            value.shape = vec![n, n];
+            value.shape = shape.to_vec();
         }
         Graph::from_wire(wire).unwrap()
+    }
+
+    #[test]
+    fn a_matmul_with_a_thin_dimension_runs_at_the_share_timed_for_its_size() {
+        let thin = |dim, size, efficiency| ThinMatmul {
+            operands: MatmulOperands::F32,
+            dim,
+            size,
+            efficiency,
+        };
+        let hw = HwProfile {
+            matmul_f32_flops_per_s: 1e11,
+            hbm_bytes_per_s: 1e18,
+            matmul_overhead_s: 0.0,
+            thin_matmuls: vec![
+                thin(MatmulDim::K, 16, 0.5),
+                thin(MatmulDim::K, 4, 0.1),
+                thin(MatmulDim::M, 8, 0.2),
+            ],
+            ..HwProfile::shipped("h100").unwrap()
+        };
+        let share = |m, k, n, dtype| {
+            let graph = mm(m, k, n, dtype);
+            let flops = 2.0 * (m * k * n) as f64;
+            flops / hw.matmul_rate(DType::F32) / seconds(&graph, &hw, 0)
+        };
+        let f32 = pb::Dtype::Float32;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // At a size timed, between two (log2 scale), below the smallest, rising above the
+        // largest to the full rate at twice its size.
+        assert!(close(share(1024, 4, 1024, f32), 0.1));
+        assert!(close(share(1024, 8, 1024, f32), 0.3));
+        assert!(close(share(1024, 2, 1024, f32), 0.1));
+        assert!(close(
+            share(1024, 24, 1024, f32),
+            0.5 + 0.5 * (1.5f64.log2())
+        ));
+        assert!(close(share(1024, 32, 1024, f32), 1.0));
+        assert!(close(share(1024, 1024, 1024, f32), 1.0));
+        // Thin in two dimensions: the lower share.
+        assert!(close(share(8, 16, 1024, f32), 0.2));
+        // A dimension not timed, and operands not timed, run at the full rate.
+        assert!(close(share(1024, 1024, 4, f32), 1.0));
+        let bf16 = mm(1024, 4, 1024, pb::Dtype::Bfloat16);
+        let flops = 2.0 * 1024.0 * 4.0 * 1024.0;
+        assert!(close(
+            seconds(&bf16, &hw, 0),
+            flops / hw.matmul_rate(DType::BF16)
+        ));
     }
 
     #[test]
@@ -1098,6 +1271,38 @@ mod tests {
             let error = parse(bad).unwrap_err();
             assert!(error.contains(field), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn a_thin_matmul_share_is_above_0_and_at_most_1_at_a_size_given_once() {
+        let thin = |lines: &[(&str, u64, f64)]| {
+            let lines: Vec<String> = lines
+                .iter()
+                .map(|(dim, size, e)| {
+                    format!(
+                        r#"{{"operands": "16bit", "dim": "{dim}", "size": {size}, "efficiency": {e}}}"#
+                    )
+                })
+                .collect();
+            parse(&format!(r#"{{"thin_matmuls": [{}]}}"#, lines.join(", ")))
+        };
+        let profile = thin(&[("k", 4, 0.2), ("m", 4, 1.0)]).unwrap();
+        assert_eq!(profile.thin_matmuls[0].operands, MatmulOperands::Bits16);
+        assert_eq!(profile.thin_matmuls[1].dim, MatmulDim::M);
+        for (bad, says) in [
+            (&[("k", 4, 0.0)][..], "`efficiency` must be above 0"),
+            (&[("k", 4, 1.5)], "`efficiency` must be above 0"),
+            (&[("n", 0, 0.5)], "`size` must be at least 1"),
+            (&[("n", 8, 0.5), ("n", 8, 0.6)], "line 1: its operands"),
+        ] {
+            let error = thin(bad).unwrap_err();
+            assert!(error.contains(says), "{bad:?}: {error}");
+        }
+        let error = parse(
+            r#"{"thin_matmuls": [{"operands": "fp8", "dim": "k", "size": 4, "efficiency": 0.5}]}"#,
+        )
+        .unwrap_err();
+        assert!(error.contains("fp8"), "{error}");
     }
 
     #[test]

@@ -43,9 +43,14 @@ def test_every_benchmark_of_the_command_runs_but_collectives_without_a_group(pro
     assert "collectives" not in profile["calibration"]
     for field in (
         "op_overhead_s", "matmul_f32_flops_per_s", "hbm_bytes_per_s", "memory_bytes",
-        "selection_ops_per_s", "attention_16bit_efficiency",
+        "selection_ops_per_s", "attention_16bit_efficiency", "thin_matmuls",
     ):
         assert field not in not_measured
+    # Each operand type's every thin dimension and size timed, as a share of its full rate.
+    thin = profile["thin_matmuls"]
+    shares = {(t["operands"], t["dim"], t["size"]): t["efficiency"] for t in thin}
+    assert len(shares) == 2 * 3 * 8
+    assert all(0 < share <= 1 for share in shares.values())
     assert profile["name"] == "calibrated cpu (eager)"
     assert 0 < profile["op_overhead_s"] < 1e-3
 
