@@ -106,9 +106,11 @@ pub enum CostModel {
     Linear,
     /// `matmul` with any broadcasting: `2·numel(output 0)·K`, `K` = last dim of input 0.
     Matmul,
-    /// `_grouped_mm` / `_scaled_grouped_mm`: `2·numel(output 0)·K`, `K` = last dim of input 0.
-    /// Exact for the 2-D×3-D (MoE experts) and 3-D×3-D forms; for 2-D×2-D with offsets along
-    /// `K` it overcounts by the group count, since the offsets are not shapes.
+    /// `_grouped_mm` / `_scaled_grouped_mm`: `2·numel(output 0)·K`, `K` = last dim of input 0,
+    /// for the 2-D×3-D (MoE experts: each row of input 0 meets one group's matrix) and
+    /// 3-D×3-D forms. The 2-D×2-D form with offsets along `K` (the experts' weight gradients:
+    /// `[M, K] × [K, N]`, a `[G, M, N]` output, the offsets cutting `K` into the groups' rows)
+    /// multiplies each group's slice of `K` alone: `2·M·N·K` over all groups together.
     GroupedMm,
     /// `convolution(x, w [O, C/groups, k...], bias?)`: `2·numel(output 0)·numel(w)/O`, one
     /// multiply-add per output element and weight of its group. Transposed convolutions (an
@@ -1047,7 +1049,8 @@ impl CostModel {
             CostModel::Bmm => bmm_flops(inputs),
             CostModel::Baddbmm => baddbmm_flops(inputs),
             CostModel::Linear => linear_flops(inputs, out0),
-            CostModel::Matmul | CostModel::GroupedMm => matmul_flops(in0, out0),
+            CostModel::Matmul => matmul_flops(in0, out0),
+            CostModel::GroupedMm => grouped_mm_flops(inputs, out0),
             CostModel::Convolution => convolution_flops(out0, inputs.get(1)),
             CostModel::ConvolutionBackward => {
                 convolution_flops(in0, inputs.get(2)).map(|f| product(&[2, f]))
@@ -1210,6 +1213,16 @@ fn linear_flops(inputs: &[TensorRef<'_>], out0: Option<&TensorRef<'_>>) -> Optio
 /// contracted index.
 fn matmul_flops(in0: Option<&TensorRef<'_>>, out0: Option<&TensorRef<'_>>) -> Option<Wide> {
     Some(product(&[2, numel(out0?.shape), last_dim(in0?)?]))
+}
+
+/// [`CostModel::GroupedMm`]: `2·numel(output 0)·K`, but `2·M·N·K` for two matrices whose
+/// `K` the offsets cut into the groups of a `[G, M, N]` output.
+fn grouped_mm_flops(inputs: &[TensorRef<'_>], out0: Option<&TensorRef<'_>>) -> Option<Wide> {
+    let out = out0?;
+    match (inputs.first()?.shape, inputs.get(1)?.shape, out.shape) {
+        (&[m, k], &[_, n], &[_, _, _]) => Some(product(&[2, m.into(), k.into(), n.into()])),
+        _ => matmul_flops(inputs.first(), out0),
+    }
 }
 
 /// `2·numel(out)·numel(w)/O`, `O` = dim 0 of the weight.
@@ -1705,6 +1718,12 @@ mod tests {
         assert_eq!(
             flops("aten._grouped_mm.default", &[x, w, t(&[4])], &[out]),
             2 * 100 * 32 * 64
+        );
+        // The experts' weight gradients: each token's row of `K` meets its own group only.
+        let (xt, dy, dw) = (t(&[64, 100]), t(&[100, 32]), t(&[4, 64, 32]));
+        assert_eq!(
+            flops("aten._grouped_mm.default", &[xt, dy, t(&[4])], &[dw]),
+            2 * 64 * 100 * 32
         );
         let (img, kernel, map) = (t(&[1, 3, 32, 32]), t(&[16, 3, 3, 3]), t(&[1, 16, 30, 30]));
         assert_eq!(
