@@ -57,9 +57,19 @@ fn calibrated_profile() -> PathBuf {
         );
     }
     assert!(profile["op_overhead_s"].as_f64().unwrap() > 0.0);
-    // Every thin dimension timed has its share, of both operand types.
+    // Thin matmuls have their shares (at most one per timing: one within twice the matmul's
+    // fixed cost is left out), and some thin product runs far below the full rate.
     let thin = profile["thin_matmuls"].as_array().unwrap();
-    assert_eq!(thin.len(), 2 * 3 * 8, "{thin:?}");
+    let timed = timings
+        .iter()
+        .filter(|t| t["class"].as_str().unwrap().starts_with("thin_matmul"))
+        .count();
+    assert!(!thin.is_empty() && thin.len() <= timed, "{thin:?}");
+    let lowest = thin
+        .iter()
+        .map(|t| t["efficiency"].as_f64().unwrap())
+        .fold(1.0, f64::min);
+    assert!(lowest < 0.5, "{thin:?}");
     assert_eq!(profile["name"], "calibrated cpu");
     path
 }

@@ -1366,7 +1366,7 @@ fn malformed_cases() -> Vec<Case> {
                 br#"{"thin_matmuls": [{"operands": "fp32", "dim": "k", "size": 4, "efficiency": 2}]}"#,
             )),
             "hw.json",
-            &["`thin_matmuls` line 0: `efficiency` must be above 0 and at most 1, got 2"],
+            &["`thin_matmuls[0]`: `efficiency` must be above 0 and at most 1, got 2"],
         ),
         hw_case(
             "hardware profile that is a character device",

@@ -513,10 +513,7 @@ impl Graph {
     /// The matrix product's sizes of `node`, a matmul op (`None` for any other op).
     pub fn node_matmul_dims(&self, node: NodeId) -> Option<crate::ops::MatmulDims> {
         let node = &self.nodes[node];
-        node.info.matmul_dims(
-            &self.tensor_refs(&node.inputs),
-            &self.tensor_refs(&node.outputs),
-        )
+        node.info.matmul_dims(&self.tensor_refs(&node.inputs))
     }
 
     fn tensor_refs(&self, ids: &[ValueId]) -> smallvec::SmallVec<[TensorRef<'_>; 4]> {

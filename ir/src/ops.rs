@@ -212,24 +212,17 @@ impl OpInfo {
         }
     }
 
-    /// The matrix product's sizes of a matmul op with these tensor arguments (`mm`, `addmm`,
-    /// `bmm`, `baddbmm`, `linear`, `matmul` with a result of two dimensions or more); `None`
-    /// for any other op, and for `_grouped_mm`, whose groups' sizes are offsets, not shapes.
-    pub fn matmul_dims(
-        &self,
-        inputs: &[TensorRef<'_>],
-        outputs: &[TensorRef<'_>],
-    ) -> Option<MatmulDims> {
+    /// The matrix product's sizes of a matmul op with these tensor inputs (`mm`, `addmm`,
+    /// `bmm`, `baddbmm`, `linear`, `matmul`); `None` for any other op, and for `_grouped_mm`,
+    /// whose groups' sizes are offsets, not shapes.
+    pub fn matmul_dims(&self, inputs: &[TensorRef<'_>]) -> Option<MatmulDims> {
         let (m, k, n) = match self.cost_model {
             CostModel::Mm => matrix_dims(inputs.first(), inputs.get(1))?,
             CostModel::Addmm => matrix_dims(inputs.get(1), inputs.get(2))?,
-            CostModel::Bmm => batched_dims(inputs.first(), inputs.get(1))?,
-            CostModel::Baddbmm => batched_dims(inputs.get(1), inputs.get(2))?,
+            CostModel::Bmm => without_batch(batched_dims(inputs.first(), inputs.get(1))?),
+            CostModel::Baddbmm => without_batch(batched_dims(inputs.get(1), inputs.get(2))?),
             CostModel::Linear => linear_dims(inputs)?,
-            CostModel::Matmul => {
-                let (_, [m, n]) = split_last_two(outputs.first()?.shape)?;
-                (m, *inputs.first()?.shape.last()?, n)
-            }
+            CostModel::Matmul => matmul_op_dims(inputs)?,
             _ => return None,
         };
         Some(MatmulDims { m, n, k })
@@ -1113,20 +1106,9 @@ fn comparisons_per_elem(n: Wide) -> Wide {
     log2.max(1)
 }
 
-/// The `[rows, cols]` of a matrix argument.
-fn matrix(t: Option<&TensorRef<'_>>) -> Option<(Wide, Wide)> {
-    match t?.shape {
-        &[rows, cols] => Some((rows.into(), cols.into())),
-        _ => None,
-    }
-}
-
-/// The `[batch, rows, cols]` of a batched matrix argument.
-fn batched_matrix(t: Option<&TensorRef<'_>>) -> Option<(Wide, Wide, Wide)> {
-    match t?.shape {
-        &[batch, rows, cols] => Some((batch.into(), rows.into(), cols.into())),
-        _ => None,
-    }
+/// `(m, k, n)` of one product of a batch.
+fn without_batch((_, m, k, n): (u64, u64, u64, u64)) -> (u64, u64, u64) {
+    (m, k, n)
 }
 
 /// `(m, k, n)` of `[m, k] × [k, n]`.
@@ -1137,40 +1119,67 @@ fn matrix_dims(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(
     }
 }
 
-/// `(m, k, n)` of `[B, m, k] × [B, k, n]`.
-fn batched_dims(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(u64, u64, u64)> {
+/// `(batch, m, k, n)` of `[batch, m, k] × [batch, k, n]`.
+fn batched_dims(
+    a: Option<&TensorRef<'_>>,
+    b: Option<&TensorRef<'_>>,
+) -> Option<(u64, u64, u64, u64)> {
     match (a?.shape, b?.shape) {
-        (&[_, m, k], &[_, _, n]) => Some((m, k, n)),
+        (&[batch, m, k], &[_, _, n]) => Some((batch, m, k, n)),
         _ => None,
     }
 }
 
-/// `(m, k, n)` of `linear(x [..., k], w [n, k])`: every leading dim of `x` is a row (a 1-D
-/// weight makes `n = 1`).
-fn linear_dims(inputs: &[TensorRef<'_>]) -> Option<(u64, u64, u64)> {
-    let x = inputs.first()?.shape;
-    let k = *x.last()?;
-    let n = match inputs.get(1)?.shape {
+/// The output features `n` of `linear`'s weight `[n, k]` (1 for a 1-D weight).
+fn linear_out_features(weight: &TensorRef<'_>) -> u64 {
+    match weight.shape {
         &[n, _] => n,
         _ => 1,
+    }
+}
+
+/// The rows of `[..., k]`: the product of every dim but the last (`None` on overflow).
+fn rows_of(shape: &[u64]) -> Option<u64> {
+    let (_, leading) = shape.split_last()?;
+    leading.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// `(m, k, n)` of `linear(x [..., k], w [n, k])`: every leading dim of `x` is a row.
+fn linear_dims(inputs: &[TensorRef<'_>]) -> Option<(u64, u64, u64)> {
+    let x = inputs.first()?.shape;
+    Some((rows_of(x)?, *x.last()?, linear_out_features(inputs.get(1)?)))
+}
+
+/// `(m, k, n)` of one product of `matmul(a, b)`, as torch runs it: `a [..., k]` against a
+/// matrix `b [k, n]` (or a vector: `n = 1`) folds every leading dim of `a` into its rows;
+/// against a batch `b [..., k, n]` each product is `a`'s last two dims (a vector `a`: one row).
+fn matmul_op_dims(inputs: &[TensorRef<'_>]) -> Option<(u64, u64, u64)> {
+    let (a, b) = (inputs.first()?.shape, inputs.get(1)?.shape);
+    let k = *a.last()?;
+    let n = match b {
+        [] => return None,
+        [_] => 1,
+        [.., n] => *n,
     };
-    let rows = x[..x.len() - 1]
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))?;
-    Some((rows, k, n))
+    let m = match (a.len(), b.len()) {
+        (1, _) => 1,
+        (_, 1 | 2) => rows_of(a)?,
+        _ => a[a.len() - 2],
+    };
+    Some((m, k, n))
 }
 
 /// `[M,K] × [K,N]`: `2·M·K·N`, and `M·N` for the output.
 fn matrix_product(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(Wide, Wide)> {
-    let (m, k) = matrix(a)?;
-    let (_, n) = matrix(b)?;
+    let (m, k, n) = matrix_dims(a, b)?;
+    let (m, k, n) = (m.into(), k.into(), n.into());
     Some((product(&[2, m, k, n]), product(&[m, n])))
 }
 
 /// `[B,M,K] × [B,K,N]`: `2·B·M·K·N`, and `B·M·N` for the output.
 fn batched_product(a: Option<&TensorRef<'_>>, b: Option<&TensorRef<'_>>) -> Option<(Wide, Wide)> {
-    let (batch, m, k) = batched_matrix(a)?;
-    let (_, _, n) = batched_matrix(b)?;
+    let (batch, m, k, n) = batched_dims(a, b)?;
+    let (batch, m, k, n) = (batch.into(), m.into(), k.into(), n.into());
     Some((product(&[2, batch, m, k, n]), product(&[batch, m, n])))
 }
 
@@ -1197,10 +1206,7 @@ fn baddbmm_flops(inputs: &[TensorRef<'_>]) -> Option<Wide> {
 /// `linear(x [...,K], w [N,K], bias?)`: `2·numel(x)·N`, plus `numel(output 0)` with a bias.
 fn linear_flops(inputs: &[TensorRef<'_>], out0: Option<&TensorRef<'_>>) -> Option<Wide> {
     let x = inputs.first()?;
-    let n = match inputs.get(1)?.shape {
-        &[n, _] => n.into(),
-        _ => 1,
-    };
+    let n = linear_out_features(inputs.get(1)?).into();
     let matmul = product(&[2, numel(x.shape), n]);
     let bias = match (inputs.get(2), out0) {
         (Some(_), Some(out)) => numel(out.shape),
@@ -1660,43 +1666,50 @@ mod tests {
 
     #[test]
     fn a_matmul_op_names_the_sizes_of_one_matrix_product_and_no_other_op_has_them() {
-        let dims = |op: &str, inputs: &[TensorRef<'_>], outputs: &[TensorRef<'_>]| {
-            lookup(op)
-                .matmul_dims(inputs, outputs)
-                .map(|d| (d.m, d.k, d.n))
+        let dims = |op: &str, inputs: &[TensorRef<'_>]| {
+            lookup(op).matmul_dims(inputs).map(|d| (d.m, d.k, d.n))
         };
-        let (a, b, out) = (t(&[64, 4]), t(&[4, 32]), t(&[64, 32]));
-        assert_eq!(dims("aten.mm.default", &[a, b], &[out]), Some((64, 4, 32)));
-        let bias = t(&[32]);
+        let (a, b) = (t(&[64, 4]), t(&[4, 32]));
+        assert_eq!(dims("aten.mm.default", &[a, b]), Some((64, 4, 32)));
         assert_eq!(
-            dims("aten.addmm.default", &[bias, a, b], &[out]),
+            dims("aten.addmm.default", &[t(&[32]), a, b]),
             Some((64, 4, 32))
         );
         let (ba, bb, bout) = (t(&[8, 2, 16]), t(&[8, 16, 1024]), t(&[8, 2, 1024]));
+        assert_eq!(dims("aten.bmm.default", &[ba, bb]), Some((2, 16, 1024)));
         assert_eq!(
-            dims("aten.bmm.default", &[ba, bb], &[bout]),
+            dims("aten.baddbmm.default", &[bout, ba, bb]),
             Some((2, 16, 1024))
         );
+        let x = t(&[2, 128, 256]);
         assert_eq!(
-            dims("aten.baddbmm.default", &[bout, ba, bb], &[bout]),
-            Some((2, 16, 1024))
-        );
-        let (x, w, y) = (t(&[2, 128, 256]), t(&[8, 256]), t(&[2, 128, 8]));
-        assert_eq!(
-            dims("aten.linear.default", &[x, w], &[y]),
+            dims("aten.linear.default", &[x, t(&[8, 256])]),
             Some((256, 256, 8))
         );
+        // `matmul` folds the leading dims into rows against a matrix or a vector, as `linear`
+        // does, and is a batch of products against a batch.
         assert_eq!(
-            dims("aten.matmul.default", &[x, t(&[256, 8])], &[y]),
-            Some((128, 256, 8))
+            dims("aten.matmul.default", &[x, t(&[256, 8])]),
+            Some((256, 256, 8))
+        );
+        let vector = t(&[256]);
+        assert_eq!(
+            dims("aten.matmul.default", &[x, vector]),
+            Some((256, 256, 1))
+        );
+        let batch = t(&[2, 256, 64]);
+        assert_eq!(
+            dims("aten.matmul.default", &[x, batch]),
+            Some((128, 256, 64))
+        );
+        assert_eq!(
+            dims("aten.matmul.default", &[vector, batch]),
+            Some((1, 256, 64))
         );
         // The experts' grouped product sizes its groups by offsets, not shapes.
-        let (tokens, experts, routed) = (t(&[64, 32]), t(&[4, 32, 16]), t(&[64, 16]));
-        assert_eq!(
-            dims("aten._grouped_mm.default", &[tokens, experts], &[routed]),
-            None
-        );
-        assert_eq!(dims("aten.add.Tensor", &[a, a], &[a]), None);
+        let (tokens, experts) = (t(&[64, 32]), t(&[4, 32, 16]));
+        assert_eq!(dims("aten._grouped_mm.default", &[tokens, experts]), None);
+        assert_eq!(dims("aten.add.Tensor", &[a, a]), None);
     }
 
     #[test]

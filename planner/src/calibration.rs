@@ -10,6 +10,8 @@
 //! calibration did not measure keeps the base profile's, and the profile lists it in
 //! `calibration.not_measured`.
 
+use std::collections::BTreeMap;
+
 use ir::{
     wire::graph::{self as pb, attribute::Value as AttrValue},
     EntityId, Graph, NodeId,
@@ -312,9 +314,11 @@ const CPU: Sizes = Sizes {
     elements: &[1 << 16, 1 << 20, 1 << 22],
     transcendental: &[1 << 14, 1 << 16, 1 << 18],
     attention_seq: &[128, 256, 512],
-    // A model's tokens by its width; MKL ran fp32 products with 2 to 8 in one dimension at 8
-    // to 52 GFLOP/s on the test VM's two threads, against 213 for square ones.
-    thin_matmul: (1024, 512),
+    // A model's tokens by its width (each thin size below both, so the thinnest dimension is
+    // the one timed), wide enough that a 1-wide product takes far longer than an op's fixed
+    // cost; MKL ran fp32 products with 2 to 8 in one dimension at 8 to 52 GFLOP/s on the test
+    // VM's two threads, against 213 for square ones.
+    thin_matmul: (2048, 1024),
     thin_sizes: &[1, 2, 4, 8, 16, 32, 64, 128],
     // A router's and a sparse-attention indexer's selections: the test VM's single thread ran
     // these at 0.3 to 0.6 G comparisons/s on one thread, against 6.6 GFLOP/s for `exp`.
@@ -331,6 +335,7 @@ const CUDA: Sizes = Sizes {
     elements: &[1 << 22, 1 << 24, 1 << 26],
     transcendental: &[1 << 22, 1 << 24],
     attention_seq: &[],
+    // Sizes below both wide dimensions, as on the CPU.
     thin_matmul: (8192, 4096),
     thin_sizes: &[1, 2, 4, 8, 16, 32, 64, 128],
     selection: &[(1 << 16, 1024, 64), (1 << 14, 4096, 128)],
@@ -751,8 +756,7 @@ pub fn fit(
     }
     // An attention kernel's share of its dtype's matmul rate, where that rate was measured.
     let share = |class: &str, matmul: Option<f64>| {
-        let (rate, matmul) = (rate(class, |t| t.flops, attention_overhead)?, matmul?);
-        (rate.is_finite() && rate > 0.0).then(|| (rate / matmul).min(1.0))
+        share_of(rate(class, |t| t.flops, attention_overhead)?, matmul?)
     };
     set(
         &mut profile.attention_efficiency,
@@ -784,24 +788,36 @@ pub fn fit(
             bf16_measured.then_some(profile.matmul_flops_per_s),
         ),
     ];
-    profile.thin_matmuls = full_rates
+    // One line per operands, dimension and size: the median of its timings' shares.
+    let mut shares: BTreeMap<(MatmulOperands, MatmulDim, u64), Vec<f64>> = BTreeMap::new();
+    for (name, operands, full) in full_rates {
+        let Some(full) = full else { continue };
+        // A timing within twice the matmul's fixed cost says little of its rate.
+        for t in class(timings, name).filter(|t| t.median_s > 2.0 * matmul) {
+            let rate = per_second(t, t.flops, matmul);
+            let (Some((dim, size)), Some(share)) =
+                (thin_dimension(t), rate.and_then(|r| share_of(r, full)))
+            else {
+                continue;
+            };
+            shares.entry((operands, dim, size)).or_default().push(share);
+        }
+    }
+    let thin: Vec<ThinMatmul> = shares
         .into_iter()
-        .filter_map(|(name, operands, full)| Some((name, operands, full?)))
-        .flat_map(|(name, operands, full)| {
-            class(timings, name).filter_map(move |t| {
-                let (dim, size) = thin_dimension(t)?;
-                let rate = per_second(t, t.flops, matmul)?;
-                Some(ThinMatmul {
-                    operands,
-                    dim,
-                    size,
-                    efficiency: (rate / full).min(1.0),
-                })
+        .filter_map(|((operands, dim, size), values)| {
+            Some(ThinMatmul {
+                operands,
+                dim,
+                size,
+                efficiency: median(values)?,
             })
         })
         .collect();
-    if profile.thin_matmuls.is_empty() {
-        not_measured.push("thin_matmuls".to_owned());
+    // None timed: the base's stand.
+    match thin.is_empty() {
+        true => not_measured.push("thin_matmuls".to_owned()),
+        false => profile.thin_matmuls = thin,
     }
     set(
         &mut profile.memory_bytes,
@@ -870,6 +886,11 @@ pub fn fit(
         ..calibration
     });
     Ok(profile)
+}
+
+/// `rate` as a share of `full`, at most 1; `None` unless `rate` is a positive number.
+fn share_of(rate: f64, full: f64) -> Option<f64> {
+    (rate.is_finite() && rate > 0.0).then(|| (rate / full).min(1.0))
 }
 
 /// The thinnest dimension of a timed `mm` of `[m, k] x [k, n]` and its size: `m` and `k`
@@ -1074,11 +1095,21 @@ mod tests {
 
     /// A calibration without top-k timings selects at the vector rate it fitted (as a profile
     /// without the field does), not at the base's, and says so; without a bf16 attention
-    /// timing the 16-bit share is absent (`attention_efficiency` applies).
+    /// timing the 16-bit share is absent (`attention_efficiency` applies); without thin
+    /// matmul timings the base's shares stand.
     #[test]
     fn untimed_top_k_selects_at_the_fitted_vector_rate() {
         let timings = exact_flops(&[("transcendental", 7e9)]);
-        let base = HwProfile::shipped("h100").unwrap();
+        // A base calibrated before, whose thin-matmul lines stand where none is timed.
+        let base = HwProfile {
+            thin_matmuls: vec![ThinMatmul {
+                operands: MatmulOperands::F32,
+                dim: MatmulDim::K,
+                size: 4,
+                efficiency: 0.1,
+            }],
+            ..HwProfile::shipped("h100").unwrap()
+        };
         let profile = fit(&base, "test", None, calibration(timings)).unwrap();
         assert!((profile.vector_flops_per_s - 7e9).abs() < 1.0);
         assert_eq!(profile.selection_ops_per_s, profile.vector_flops_per_s);
@@ -1091,20 +1122,34 @@ mod tests {
         ] {
             assert!(listed.iter().any(|f| f == field), "{field}: {listed:?}");
         }
-        assert!(profile.thin_matmuls.is_empty());
+        assert_eq!(profile.thin_matmuls, base.thin_matmuls);
     }
 
     /// Each thin matmul benchmark gives its dimension and size the share of its operands'
     /// fitted rate it ran at; 16-bit ones give none where the 16-bit rate was not measured.
     #[test]
     fn a_thin_matmul_is_fitted_to_its_share_of_its_operands_rate() {
-        let overhead = 10e-6;
-        let mut timings = exact_flops(&[("matmul_f32", 1e11)]);
-        timings.push(timing("overhead_matmul", 1, 0, 0, overhead));
-        // A share falling with the thin size, lowest when `k` is thin.
-        let share = |dim: MatmulDim, size: u64| {
-            let by_dim = if dim == MatmulDim::K { 0.5 } else { 1.0 };
-            by_dim * (size as f64 / 64.0).min(1.0)
+        // Matmuls pay 20 us of their own above the general 10 us.
+        let matmul_overhead = 20e-6;
+        let mut timings = vec![
+            timing("overhead", 1, 12, 0, 10e-6),
+            timing("overhead_matmul", 1, 0, 0, matmul_overhead),
+        ];
+        for n in [1e6, 1e8] {
+            timings.push(timing(
+                "matmul_f32",
+                n as u64,
+                0,
+                0,
+                matmul_overhead + n / 1e11,
+            ));
+        }
+        // A share falling with the thin size, lowest when `k` is thin; `n` at 128 ran faster
+        // than the square matmuls (capped at the full rate).
+        let share = |dim: MatmulDim, size: u64| match (dim, size) {
+            (MatmulDim::N, 128) => 1.5,
+            (MatmulDim::K, _) => 0.5 * (size as f64 / 64.0).min(1.0),
+            _ => (size as f64 / 64.0).min(1.0),
         };
         let mut expected = Vec::new();
         for bench in benchmarks(false, 1) {
@@ -1122,13 +1167,24 @@ mod tests {
                 .min_by_key(|&(_, size)| size)
                 .unwrap();
             let size = size as u64;
-            let seconds = overhead + flops / (1e11 * share(dim, size));
-            timings.push(bench.timing(seconds, 3).unwrap());
+            let seconds = |share: f64| matmul_overhead + flops / (1e11 * share);
+            if (class, dim, size) == ("thin_matmul_f32", MatmulDim::K, 1) {
+                // Within twice the matmul's fixed cost: no line.
+                timings.push(bench.timing(1.5 * matmul_overhead, 3).unwrap());
+                continue;
+            }
+            timings.push(bench.timing(seconds(share(dim, size)), 3).unwrap());
             if class == "thin_matmul_f32" {
-                expected.push((dim, size, share(dim, size)));
+                let mut fitted = share(dim, size).min(1.0);
+                if (dim, size) == (MatmulDim::M, 4) {
+                    // Timed twice: the line takes the median of the two shares.
+                    timings.push(bench.timing(seconds(0.25), 3).unwrap());
+                    fitted = (fitted + 0.25) / 2.0;
+                }
+                expected.push((dim, size, fitted));
             }
         }
-        assert_eq!(expected.len(), 3 * CPU.thin_sizes.len());
+        assert_eq!(expected.len(), 3 * CPU.thin_sizes.len() - 1);
         let base = HwProfile::shipped("h100").unwrap();
         let profile = fit(&base, "test", None, calibration(timings)).unwrap();
         assert_eq!(profile.thin_matmuls.len(), expected.len());

@@ -78,7 +78,7 @@ pub struct HwProfile {
     pub attention_16bit_efficiency: Option<f64>,
     /// Matmuls with a thin dimension, where a calibration timed them: the share of their
     /// operands' matmul rate a product reaches with one dimension of a few elements (a
-    /// router's experts, an indexer's heads), which a CPU's BLAS runs 4-10x below its rate.
+    /// router's experts, an indexer's heads), which a CPU's BLAS runs up to 27x below its rate.
     /// A matmul runs at the lowest share of its three dimensions (`thin_matmul_share`).
     /// Empty (the datasheet profiles): every matmul at its dtype's rate.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -125,7 +125,7 @@ pub struct ThinMatmul {
 }
 
 /// The operands whose matmul rate a [`ThinMatmul`] is a share of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum MatmulOperands {
     /// fp32 (`matmul_f32_flops_per_s`).
     #[serde(rename = "fp32")]
@@ -136,9 +136,10 @@ pub enum MatmulOperands {
 }
 
 impl MatmulOperands {
+    /// The operands of `dtype`, where a calibration times them (complex64 multiplies fp32s).
     pub fn of(dtype: DType) -> Option<MatmulOperands> {
         match dtype {
-            DType::F32 => Some(MatmulOperands::F32),
+            DType::F32 | DType::C64 => Some(MatmulOperands::F32),
             DType::BF16 | DType::F16 => Some(MatmulOperands::Bits16),
             _ => None,
         }
@@ -146,7 +147,7 @@ impl MatmulOperands {
 }
 
 /// A dimension of `[m, k] × [k, n]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MatmulDim {
     M,
@@ -435,39 +436,28 @@ impl HwProfile {
                 ));
             }
         }
-        for (field, efficiency) in [
+        let attention = [
             ("attention_efficiency", Some(profile.attention_efficiency)),
             (
                 "attention_16bit_efficiency",
                 profile.attention_16bit_efficiency,
             ),
-        ] {
-            match efficiency {
-                Some(e) if !(e > 0.0 && e <= 1.0) => {
-                    return Err(format!(
-                        "{origin}: `{field}` must be above 0 and at most 1, got {e}"
-                    ));
-                }
-                _ => {}
+        ];
+        for (field, efficiency) in attention {
+            if let Some(e) = efficiency {
+                check_share(e).map_err(|why| format!("{origin}: `{field}` {why}"))?;
             }
         }
         for (i, t) in profile.thin_matmuls.iter().enumerate() {
-            let line = || format!("{origin}: `thin_matmuls` line {i}");
-            if !(t.efficiency > 0.0 && t.efficiency <= 1.0) {
-                return Err(format!(
-                    "{}: `efficiency` must be above 0 and at most 1, got {}",
-                    line(),
-                    t.efficiency
-                ));
-            }
+            let entry = format!("{origin}: `thin_matmuls[{i}]`");
+            check_share(t.efficiency).map_err(|why| format!("{entry}: `efficiency` {why}"))?;
             if t.size == 0 {
-                return Err(format!("{}: `size` must be at least 1", line()));
+                return Err(format!("{entry}: `size` must be at least 1"));
             }
             let same = |u: &ThinMatmul| (u.operands, u.dim, u.size) == (t.operands, t.dim, t.size);
             if profile.thin_matmuls[..i].iter().any(same) {
                 return Err(format!(
-                    "{}: its operands, dimension and size are on an earlier line too",
-                    line()
+                    "{entry}: an earlier entry has the same operands, dimension and size"
                 ));
             }
         }
@@ -568,8 +558,8 @@ impl HwProfile {
 
     /// The share of the matmul rate an attention kernel on operands of `dtype` reaches.
     fn attention_efficiency_of(&self, dtype: Option<DType>) -> f64 {
-        match dtype {
-            Some(DType::BF16 | DType::F16) => self
+        match dtype.and_then(MatmulOperands::of) {
+            Some(MatmulOperands::Bits16) => self
                 .attention_16bit_efficiency
                 .unwrap_or(self.attention_efficiency),
             _ => self.attention_efficiency,
@@ -632,6 +622,14 @@ impl HwProfile {
             _ if node.info.compute_intensive => self.matmul_overhead_s,
             _ => self.op_overhead_s,
         }
+    }
+}
+
+/// A share of a rate must be above 0 and at most 1.
+fn check_share(share: f64) -> Result<(), String> {
+    match share > 0.0 && share <= 1.0 {
+        true => Ok(()),
+        false => Err(format!("must be above 0 and at most 1, got {share}")),
     }
 }
 
@@ -932,14 +930,25 @@ mod tests {
         assert!(close(share(1024, 1024, 1024, f32), 1.0));
         // Thin in two dimensions: the lower share.
         assert!(close(share(8, 16, 1024, f32), 0.2));
-        // A dimension not timed, and operands not timed, run at the full rate.
+        // A dimension not timed runs at the full rate.
         assert!(close(share(1024, 1024, 4, f32), 1.0));
-        let bf16 = mm(1024, 4, 1024, pb::Dtype::Bfloat16);
-        let flops = 2.0 * 1024.0 * 4.0 * 1024.0;
-        assert!(close(
-            seconds(&bf16, &hw, 0),
-            flops / hw.matmul_rate(DType::BF16)
-        ));
+        // 16-bit operands (bf16 and fp16) take the 16-bit lines only.
+        let hw16 = HwProfile {
+            matmul_flops_per_s: 1e12,
+            thin_matmuls: vec![ThinMatmul {
+                operands: MatmulOperands::Bits16,
+                ..thin(MatmulDim::N, 4, 0.25)
+            }],
+            ..hw.clone()
+        };
+        let sixteen = |m: i64, k: i64, n: i64, dtype| {
+            let flops = 2.0 * (m * k * n) as f64;
+            flops / hw16.matmul_rate(DType::BF16) / seconds(&mm(m, k, n, dtype), &hw16, 0)
+        };
+        for dtype in [pb::Dtype::Bfloat16, pb::Dtype::Float16] {
+            assert!(close(sixteen(1024, 1024, 4, dtype), 0.25));
+            assert!(close(sixteen(1024, 4, 1024, dtype), 1.0));
+        }
     }
 
     #[test]
@@ -1293,7 +1302,10 @@ mod tests {
             (&[("k", 4, 0.0)][..], "`efficiency` must be above 0"),
             (&[("k", 4, 1.5)], "`efficiency` must be above 0"),
             (&[("n", 0, 0.5)], "`size` must be at least 1"),
-            (&[("n", 8, 0.5), ("n", 8, 0.6)], "line 1: its operands"),
+            (
+                &[("n", 8, 0.5), ("n", 8, 0.6)],
+                "`thin_matmuls[1]`: an earlier entry",
+            ),
         ] {
             let error = thin(bad).unwrap_err();
             assert!(error.contains(says), "{bad:?}: {error}");

@@ -46,11 +46,15 @@ def test_every_benchmark_of_the_command_runs_but_collectives_without_a_group(pro
         "selection_ops_per_s", "attention_16bit_efficiency", "thin_matmuls",
     ):
         assert field not in not_measured
-    # Each operand type's every thin dimension and size timed, as a share of its full rate.
+    # Thin matmuls have their shares of their operands' full rate, one per operands, dimension
+    # and size timed (a timing within twice the matmul's fixed cost is left out), and some thin
+    # product runs far below the full rate (one summing over a single element writes a whole
+    # matrix per multiply-add).
     thin = profile["thin_matmuls"]
     shares = {(t["operands"], t["dim"], t["size"]): t["efficiency"] for t in thin}
-    assert len(shares) == 2 * 3 * 8
-    assert all(0 < share <= 1 for share in shares.values())
+    timed = sum(1 for b in single_rank if b["class"].startswith("thin_matmul"))
+    assert 0 < len(shares) == len(thin) <= timed
+    assert min(shares.values()) < 0.5
     assert profile["name"] == "calibrated cpu (eager)"
     assert 0 < profile["op_overhead_s"] < 1e-3
 
