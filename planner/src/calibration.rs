@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 
 use ir::{
+    ops::MatmulDims,
     wire::graph::{self as pb, attribute::Value as AttrValue},
     EntityId, Graph, NodeId,
 };
@@ -900,7 +901,7 @@ fn thin_dimension(t: &Timing) -> Option<(MatmulDim, u64)> {
         return None;
     };
     let n = t.flops.checked_div(m.checked_mul(k)?.checked_mul(2)?)?;
-    [(MatmulDim::M, m), (MatmulDim::N, n), (MatmulDim::K, k)]
+    MatmulDim::sizes(MatmulDims { m, n, k })
         .into_iter()
         .min_by_key(|&(_, size)| size)
 }
@@ -1162,11 +1163,11 @@ mod tests {
                 panic!("a matrix")
             };
             let n = bench.inputs[1][1];
-            let (dim, size) = [(MatmulDim::M, m), (MatmulDim::N, n), (MatmulDim::K, k)]
+            let [m, n, k] = [m, n, k].map(|d| d as u64);
+            let (dim, size) = MatmulDim::sizes(MatmulDims { m, n, k })
                 .into_iter()
                 .min_by_key(|&(_, size)| size)
                 .unwrap();
-            let size = size as u64;
             let seconds = |share: f64| matmul_overhead + flops / (1e11 * share);
             if (class, dim, size) == ("thin_matmul_f32", MatmulDim::K, 1) {
                 // Within twice the matmul's fixed cost: no line.

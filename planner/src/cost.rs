@@ -155,6 +155,17 @@ pub enum MatmulDim {
     K,
 }
 
+impl MatmulDim {
+    /// Each dimension of a product and its size.
+    pub fn sizes(dims: MatmulDims) -> [(MatmulDim, u64); 3] {
+        [
+            (MatmulDim::M, dims.m),
+            (MatmulDim::N, dims.n),
+            (MatmulDim::K, dims.k),
+        ]
+    }
+}
+
 /// One collective op's fitted cost: `latency_s + comm_bytes / link_bytes_per_s` a call.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -514,15 +525,11 @@ impl HwProfile {
 
     /// The share of the matmul rate of `operands` a product of `dims` reaches: the lowest of
     /// its three dimensions' (`thin_matmul_share_of`).
-    pub fn thin_matmul_share(&self, operands: MatmulOperands, dims: MatmulDims) -> f64 {
-        [
-            (MatmulDim::M, dims.m),
-            (MatmulDim::N, dims.n),
-            (MatmulDim::K, dims.k),
-        ]
-        .into_iter()
-        .map(|(dim, size)| self.thin_matmul_share_of(operands, dim, size))
-        .fold(1.0, f64::min)
+    fn thin_matmul_share(&self, operands: MatmulOperands, dims: MatmulDims) -> f64 {
+        MatmulDim::sizes(dims)
+            .into_iter()
+            .map(|(dim, size)| self.thin_matmul_share_of(operands, dim, size))
+            .fold(1.0, f64::min)
     }
 
     /// The share at one dimension of `size` elements, between the sizes a calibration timed

@@ -139,11 +139,18 @@ def _dtype_table() -> dict[torch.dtype, int]:
     tensors in a training step are the random-generator seed and offset CUDA flash attention
     returns (a few bytes, same size)."""
     table = {
-        getattr(torch, name.removeprefix("DTYPE_").lower()): code
-        for name, code in graph_pb2.Dtype.items()
+        torch_dtype(code): code
+        for code in graph_pb2.Dtype.values()
         if code != graph_pb2.DTYPE_UNSPECIFIED
     }
     return {**table, torch.uint64: graph_pb2.DTYPE_INT64}
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    """The torch dtype of an IR dtype code: the IR's enum names torch's (``DTYPE_BFLOAT16`` is
+    ``torch.bfloat16``)."""
+    dtype: torch.dtype = getattr(torch, graph_pb2.Dtype.Name(code).removeprefix("DTYPE_").lower())
+    return dtype
 
 
 _DTYPES = _dtype_table()

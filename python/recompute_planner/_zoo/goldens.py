@@ -30,6 +30,7 @@ from .._exporter import (
     export_forward,
     export_joint,
     same_but_rank,
+    torch_dtype,
     write_graph,
     write_reference,
 )
@@ -155,12 +156,6 @@ def trace_for_timing(name: str, cfg: ZooConfig, out_dir: Path) -> Path:
         }
         save_file(data, str(reference_path(out_dir, name, rank)))
     return rank_path(out_dir, name, 0, "pb")
-
-
-def torch_dtype(code: int) -> torch.dtype:
-    """The torch dtype of an IR dtype code (the IR's enum names torch's: ``DTYPE_BFLOAT16``)."""
-    dtype: torch.dtype = getattr(torch, graph_pb2.Dtype.Name(code).removeprefix("DTYPE_").lower())
-    return dtype
 
 
 def device_graph(gold: Golden, device: str, rank: int = 0) -> graph_pb2.Graph:
